@@ -10,13 +10,18 @@ rate rule. Your loop keeps the model, the loss and the optimizer::
             step.backward(loss_fn(model(x), y))   # scales the loss, collects statistics
         step.apply()                              # scaled LR, optimizer step, next batch size
         print(step.batch_size, step.metrics["similarity"])
+
+Under ``torchrun`` the same code runs with a ``DistributedDataParallel``
+model: every rank draws the same global batch, keeps its shard, accumulates
+its micro-batches under ``no_sync`` and reduces once per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,7 +33,8 @@ from ._checks import positive_int
 from .batch.controllers import Constant, Controller, Ramp, SimiGrad
 from .batch.lr import Schedule, check_lr_rule, lr_factor, scaled_lr
 from .batch.plan import micro_batch_sizes, split_by_weight
-from .batch.sampler import VariableBatchSampler
+from .batch.sampler import VariableBatchSampler, shard_batch
+from .dist.world import World
 from .stats.collector import GradientStats, MicroBatchStatistics
 
 __all__ = ["AdaptiveBatch", "Step"]
@@ -38,13 +44,21 @@ class Step:
     """One optimizer step of :class:`AdaptiveBatch`: its micro-batches, backward and apply."""
 
     def __init__(
-        self, loop: AdaptiveBatch, index: int, batches: list[list[int]], weights: list[int]
+        self,
+        loop: AdaptiveBatch,
+        index: int,
+        batches: list[list[int]],
+        weights: list[int],
+        rank_weights: list[list[int]],
     ) -> None:
         self._loop = loop
         self.index = index
         self._batches = batches
-        #: size of each micro-batch in samples (or weight, with ``weight_fn``)
+        #: size of each of this rank's micro-batches in samples (or weight, with ``weight_fn``)
         self.sizes = weights
+        #: the micro-batch sizes of every rank (``[sizes]`` on one process)
+        self.rank_sizes = rank_weights
+        self._batch_size = sum(sum(r) for r in rank_weights)
         self._next = 0
         self._applied = False
         #: the step's gradient statistics (after ``apply``); None without statistics
@@ -54,8 +68,14 @@ class Step:
 
     @property
     def batch_size(self) -> int:
-        """The global batch of this step, in samples (or weight)."""
-        return sum(self.sizes)
+        """The global batch of this step (all ranks), in samples (or weight)."""
+        return self._batch_size
+
+    @property
+    def indices(self) -> list[list[int]]:
+        """This rank's micro-batches as dataset indices (positions in the drawn batch for an
+        ``IterableDataset``)."""
+        return [list(b) for b in self._batches]
 
     @property
     def samples(self) -> int:
@@ -63,8 +83,16 @@ class Step:
         return self._loop.samples
 
     def micro_batches(self) -> Iterator[Any]:
-        """The step's micro-batches, collated by the loop's ``DataLoader`` settings."""
-        yield from self._loop._load(self._batches)
+        """The step's micro-batches, collated by the loop's ``DataLoader`` settings.
+
+        Under DDP every micro-batch but the last is yielded inside
+        ``model.no_sync()``, so the forward and backward you run on it
+        accumulate locally and only the last one reduces the gradients.
+        """
+        last = len(self._batches) - 1
+        for i, batch in enumerate(self._loop._load(self._batches)):
+            with self._loop._sync(i == last):
+                yield batch
 
     def backward(self, loss: Tensor) -> None:
         """Backward of the current micro-batch's loss, scaled so ``.grad`` ends as the batch mean.
@@ -77,7 +105,7 @@ class Step:
                 f"step {self.index} has {len(self.sizes)} micro-batches; "
                 "backward was called more often"
             )
-        self._loop._backward(loss, self._next, self.sizes)
+        self._loop._backward(loss, self._next, self)
         self._next += 1
 
     def apply(self) -> None:
@@ -90,7 +118,7 @@ class Step:
                 f"{self._next} times"
             )
         self._applied = True
-        self.stats, self.metrics = self._loop._apply(self.sizes)
+        self.stats, self.metrics = self._loop._apply(self)
 
 
 class AdaptiveBatch:
@@ -126,6 +154,10 @@ class AdaptiveBatch:
         statistics: collect gradient statistics (required by ``SimiGrad``,
             ``NoiseScale`` and the AdaScale rules).
         gsnr: also collect the element-wise gradient SNR (``step.stats.gsnr``).
+        similarity: ``"split"`` (the measured cosine of two halves) or
+            ``"scalar"`` (estimated from the noise scalars); default ``"split"``
+            on one process and ``"scalar"`` under DDP. See
+            :class:`~bigbatch.stats.MicroBatchStatistics`.
         ema_beta: smoothing of the noise-scale estimates.
         finite_correction: correct the noise estimates for batches that are a
             large fraction of a map-style dataset (sampling without replacement).
@@ -136,6 +168,16 @@ class AdaptiveBatch:
         seed, shuffle: the sampler's permutation.
         collate_fn, num_workers, pin_memory, persistent_workers: as for
             ``torch.utils.data.DataLoader``.
+
+    Under DDP (``model`` a ``DistributedDataParallel``) the batch is global:
+    every rank draws the same batch from an identically seeded sampler and
+    trains on its shard (:func:`~bigbatch.batch.shard_batch`), the ranks'
+    micro-batches are the sub-batches of the statistics, and every rank makes
+    the same batch-size decision from all-reduced statistics. The extra
+    traffic is one all-reduce of a few scalars per step
+    (``similarity="scalar"``, the default under DDP), or one extra
+    gradient-sized all-reduce for the exact two-group cosine
+    (``similarity="split"``, through a comm hook this loop registers).
 
     Models with BatchNorm normalise over each micro-batch, not the global batch.
     """
@@ -155,6 +197,7 @@ class AdaptiveBatch:
         scaler: torch.amp.GradScaler | None = None,
         statistics: bool = True,
         gsnr: bool = False,
+        similarity: str | None = None,
         ema_beta: float = 0.99,
         finite_correction: bool = True,
         loss_reduction: str = "mean",
@@ -167,19 +210,22 @@ class AdaptiveBatch:
         persistent_workers: bool = False,
     ) -> None:
         self.model = model
+        self.world = World.of(model)
         self.optimizer = optimizer
         self.dataset = dataset
         self.controller: Controller = controller if controller is not None else SimiGrad()
         self.max_micro_batch = positive_int("max_micro_batch", max_micro_batch)
         self.min_sub_batches = positive_int("min_sub_batches", min_sub_batches)
-        if self.min_sub_batches < 2 and statistics:
+        if self.min_sub_batches < 2 and statistics and not self.world.distributed:
             raise ValueError(
                 f"min_sub_batches must be at least 2 to measure statistics, got {min_sub_batches}"
             )
-        if self.controller.min < self.min_sub_batches:
+        smallest = self.min_sub_batches * self.world.size
+        if self.controller.min < smallest:
             raise ValueError(
                 f"the controller's smallest batch ({self.controller.min}) is below "
-                f"min_sub_batches ({self.min_sub_batches}): every sub-batch needs a sample"
+                f"min_sub_batches × ranks ({self.min_sub_batches} × {self.world.size}): "
+                "every sub-batch needs a sample"
             )
         self.lr_scaling = check_lr_rule(lr_scaling)
         self.base_batch_size = positive_int(
@@ -222,10 +268,22 @@ class AdaptiveBatch:
                 ema_beta=ema_beta,
                 gsnr=gsnr,
                 dataset_size=size if finite_correction and weight_fn is None else None,
+                similarity=similarity,
+                world=self.world,
             )
             if statistics
             else None
         )
+        if self.stats is not None and self.stats.comm_hook is not None:
+            try:
+                model.register_comm_hook(None, self.stats.comm_hook)
+            except RuntimeError as err:
+                raise ValueError(
+                    "similarity='split' under DDP registers a comm hook, but the model has "
+                    "one already; use similarity='scalar' (no hook), or wrap your hook in "
+                    f"bigbatch.dist.TwoGroupCosine(inner=...) yourself ({err})"
+                ) from None
+        self._loss_sum: Tensor | None = None
         self._loader_options = dict(
             collate_fn=collate_fn,
             num_workers=num_workers,
@@ -258,21 +316,21 @@ class AdaptiveBatch:
                 raise RuntimeError(f"step {step.index} was not applied: call step.apply()")
 
     def _next_step(self) -> Step:
+        """Draw the global batch and plan every rank's micro-batches (the same on all ranks)."""
         if self.iterable:
             samples = self._take_from_iterable(self.batch_size)
-            counts = micro_batch_sizes(
-                len(samples),
-                max_micro_batch=self.max_micro_batch,
-                min_sub_batches=self.min_sub_batches,
-            )
-            batches, start = [], 0
-            for c in counts:
-                batches.append(list(range(start, start + c)))
-                start += c
             self._iterable_samples = samples
-            return Step(self, self.step, batches, counts)
-        assert self.sampler is not None
-        indices = self.sampler.take(self.batch_size)
+            indices = list(range(len(samples)))
+        else:
+            assert self.sampler is not None
+            indices = self.sampler.take(self.batch_size)
+        world = self.world.size
+        plans = [self._plan(shard_batch(indices, r, world)) for r in range(world)]
+        batches, weights = plans[self.world.rank]
+        return Step(self, self.step, batches, weights, [w for _, w in plans])
+
+    def _plan(self, indices: list[int]) -> tuple[list[list[int]], list[int]]:
+        """One rank's micro-batches (lists of indices) and their sizes (or weights)."""
         if self.weight_fn is None:
             counts = micro_batch_sizes(
                 len(indices),
@@ -295,7 +353,7 @@ class AdaptiveBatch:
         for c in counts:
             batches.append(indices[start : start + c])
             start += c
-        return Step(self, self.step, batches, weights)
+        return batches, weights
 
     def _take_from_iterable(self, count: int) -> list[Any]:
         if self._iterator is None:
@@ -333,27 +391,46 @@ class AdaptiveBatch:
 
     # ------------------------------------------------------------ backward and apply
 
-    def _backward(self, loss: Tensor, index: int, sizes: Sequence[int]) -> None:
-        total = sum(sizes)
-        weight = sizes[index] / total if self.loss_reduction == "mean" else 1.0 / total
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """DDP's ``no_sync`` for all but a step's last micro-batch; nothing on one process."""
+        if self.world.distributed and not last:
+            return self.model.no_sync()  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def _backward(self, loss: Tensor, index: int, step: Step) -> None:
+        # DDP averages over the ranks; W b_i / B makes .grad the batch's sample-weighted mean
+        sizes, total = step.sizes, step.batch_size
+        if self.loss_reduction == "mean":
+            weight = self.world.size * sizes[index] / total
+        else:
+            weight = self.world.size / total
+        if index == 0:
+            self._loss_sum = None
         if self.stats is not None:
             if index == 0:
-                self.stats.begin(sizes)
+                self.stats.begin(sizes, step.rank_sizes)
             self.stats.before_backward(index)
         loss = loss * weight
+        share = loss.detach()
+        self._loss_sum = share if self._loss_sum is None else self._loss_sum + share
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def _apply(self, sizes: list[int]) -> tuple[GradientStats | None, dict[str, float]]:
-        batch = sum(sizes)
+    def _apply(self, step: Step) -> tuple[GradientStats | None, dict[str, float]]:
+        batch = step.batch_size
         stats = None
         metrics: dict[str, float] = {}
+        assert self._loss_sum is not None
         if self.stats is not None:
             # the scaler's scale tensor, read without a host sync (get_scale() syncs)
             scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
-            stats = self.stats.finish(loss_scale=scale)
+            stats = self.stats.finish(loss_scale=scale, loss=self._loss_sum)
             metrics.update(stats.as_floats())  # the one host sync of the step
+        else:
+            loss = self._loss_sum.double() / self.world.size
+            metrics["loss"] = float(self.world.all_reduce_sum(loss[None])[0])
+        self._loss_sum = None
         factor = lr_factor(
             self.lr_scaling,
             batch,
@@ -384,9 +461,15 @@ class AdaptiveBatch:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: model, optimizer, scaler, sampler, controller,
         statistics, counters and random states, as tensors and plain data
-        (loads with ``torch.load(..., weights_only=True)``)."""
+        (loads with ``torch.load(..., weights_only=True)``).
+
+        Under DDP this is a collective (call it on every rank): it gathers
+        every rank's random state, so any rank may save it. The model's keys
+        are those of the module inside DDP, so a checkpoint loads with any
+        number of processes.
+        """
         return {
-            "model": self.model.state_dict(),
+            "model": _unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "sampler": self.sampler.state_dict() if self.sampler is not None else None,
@@ -396,12 +479,18 @@ class AdaptiveBatch:
             "batch_size": self.batch_size,
             "step": self.step,
             "samples": self.samples,
-            "rng": rng_state(),
+            "rng": self.world.all_gather_object(rng_state()),
             "loader_rng": self._loader_generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        """Restore a :meth:`state_dict`, saved with this or another number of processes.
+
+        With the same number the run continues exactly; with another, rank
+        ``r`` takes the random state of rank ``r mod saved ranks`` and the
+        batches are re-sharded, so it continues correctly but not bitwise.
+        """
+        _unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
@@ -414,8 +503,14 @@ class AdaptiveBatch:
             self.stats.load_state_dict(state["statistics"])
         self.batch_size = int(state["batch_size"])
         self.step, self.samples = int(state["step"]), int(state["samples"])
-        set_rng_state(state["rng"])
+        saved = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        set_rng_state(saved[self.world.rank % len(saved)])
         self._loader_generator.set_state(state["loader_rng"])
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (the model itself otherwise)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 class _PlanSampler:

@@ -7,6 +7,8 @@ from .estimators import (
     half_split_cosine,
     inverse_size,
     noise_components,
+    noise_from_mean,
+    scalar_similarity,
 )
 
 __all__ = [
@@ -17,4 +19,6 @@ __all__ = [
     "half_split_cosine",
     "inverse_size",
     "noise_components",
+    "noise_from_mean",
+    "scalar_similarity",
 ]

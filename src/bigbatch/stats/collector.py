@@ -1,15 +1,22 @@
-"""Gradient statistics from the micro-batches of one optimizer step.
+"""Gradient statistics from the sub-batches of one optimizer step.
 
-The micro-batches of gradient accumulation are the sub-batches (REFERENCE.md
-§1). Per step this costs, on top of the backward passes:
+The sub-batches (REFERENCE.md §1) are the micro-batches of gradient
+accumulation on one process, and under DDP the micro-batches of every rank.
+Per step this costs, on top of the backward passes:
 
 - per micro-batch, one read of its gradient (its squared norm, taken in a
-  gradient hook before it is added to ``.grad``) and one Python call;
-- at the half-way micro-batch, one copy of ``.grad`` into a persistent buffer
-  (the only gradient-sized memory the cosine needs);
-- at the end, three reductions over the buffer and ``.grad``;
-- with ``gsnr=True``, a second buffer and a few element-wise passes per
-  micro-batch for the element-wise variance (weighted Welford).
+  gradient hook before it is added to ``.grad``, so before DDP reduces it)
+  and one Python call;
+- under DDP, one all-reduce of ``2 G + 1`` float64 scalars (``G`` parameter
+  groups): the summed sub-batch norms, ``|g|²`` and the loss;
+- the similarity: with ``similarity="split"`` on one process, one copy of
+  ``.grad`` at the half-way micro-batch into a persistent buffer and three
+  reductions at the end; under DDP the exact split of the ranks into two
+  groups, through the :class:`~bigbatch.dist.TwoGroupCosine` comm hook (one
+  extra gradient-sized all-reduce); with ``similarity="scalar"`` nothing more:
+  it is estimated from the noise scalars;
+- with ``gsnr=True`` (one process), a second buffer and a few element-wise
+  passes per micro-batch for the element-wise variance (weighted Welford).
 
 Nothing syncs with the host until the caller reads a value.
 """
@@ -24,7 +31,10 @@ import torch
 from torch import Tensor
 
 from .._tensors import dots, norms
-from .estimators import ema_update, half_split_cosine, noise_components
+from ..dist.world import World
+from .estimators import ema_update, half_split_cosine, noise_from_mean, scalar_similarity
+
+SIMILARITY_MODES = ("split", "scalar")
 
 
 @dataclass
@@ -49,6 +59,8 @@ class GradientStats:
     trace_ema: Tensor
     sizes: list[int]
     gsnr: list[Tensor] | None = field(default=None, repr=False)
+    #: the batch's mean loss, when the caller passed its local share to ``finish``
+    loss: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -64,6 +76,8 @@ class GradientStats:
             "grad_sq_norm_ema",
             "trace_ema",
         ]
+        if self.loss is not None:
+            names.append("loss")
         values = torch.stack([getattr(self, n).detach().float().cpu() for n in names]).tolist()
         out = dict(zip(names, values))
         for i, s in enumerate(self.group_similarity.detach().float().cpu().tolist()):
@@ -84,10 +98,16 @@ class MicroBatchStatistics:
             (loss_fn(model(x), y) * sizes[i] / sum(sizes)).backward()
         result = stats.finish()                 # before optimizer.step()
 
-    The loss of micro-batch ``i`` must be its mean loss times ``b_i / B``, so
-    that ``.grad`` ends as the batch's mean gradient (what ``AdaptiveBatch``
-    does). A loss scale (``GradScaler``) is passed to ``finish`` and divided
-    out; the similarity and the noise scale do not depend on it.
+    The loss of micro-batch ``i`` must be its mean loss times ``W b_i / B``
+    (``W`` ranks, ``W = 1`` on one process), so that ``.grad`` ends as the
+    batch's mean gradient after DDP averages over the ranks (what
+    ``AdaptiveBatch`` does). A loss scale (``GradScaler``) is passed to
+    ``finish`` and divided out; the similarity and the noise scale do not
+    depend on it.
+
+    Under DDP every rank calls ``begin`` with its own micro-batch sizes and
+    the sizes of all ranks (``rank_sizes``); ``finish`` is then a collective
+    and returns identical values on every rank.
 
     Args:
         param_groups: lists of parameters (or torch.optim param-group dicts);
@@ -96,6 +116,14 @@ class MicroBatchStatistics:
         gsnr: also collect the element-wise gradient signal-to-noise ratio.
         dataset_size: apply the finite-population correction for a dataset of
             this many samples drawn without replacement (None: no correction).
+        similarity: ``"split"`` measures the cosine of two halves exactly (the
+            micro-batch halves on one process, two groups of ranks under DDP,
+            where it needs ``comm_hook`` registered on the DDP model);
+            ``"scalar"`` estimates it from the noise scalars (REFERENCE.md §1),
+            with no gradient-sized buffer or traffic. Default: ``"split"`` on
+            one process, ``"scalar"`` under DDP.
+        world: the data-parallel world (``bigbatch.dist.World.of(ddp_model)``);
+            one process by default.
     """
 
     def __init__(
@@ -105,7 +133,20 @@ class MicroBatchStatistics:
         ema_beta: float = 0.99,
         gsnr: bool = False,
         dataset_size: int | None = None,
+        similarity: str | None = None,
+        world: World | None = None,
     ) -> None:
+        self.world = world if world is not None else World()
+        if similarity is None:
+            similarity = "scalar" if self.world.distributed else "split"
+        if similarity not in SIMILARITY_MODES:
+            raise ValueError(f"similarity must be one of {SIMILARITY_MODES}, got {similarity!r}")
+        self.similarity = similarity
+        if gsnr and self.world.distributed:
+            raise ValueError(
+                "gsnr=True is not available under DDP: the element-wise variance needs a "
+                "second-moment all-reduce across ranks that bigbatch does not do yet"
+            )
         groups = [list(g["params"]) if isinstance(g, dict) else list(g) for g in param_groups]
         self.params = [p for g in groups for p in g if p.requires_grad]
         if not self.params:
@@ -125,8 +166,17 @@ class MicroBatchStatistics:
         self._trace_ema = torch.zeros((), device=device, dtype=torch.float64)
         self._ema_steps = 0
         self._sizes: list[int] = []
+        self._rank_sizes: list[list[int]] = []
         self._current: int | None = None
         self._sub_sq: Tensor | None = None
+        #: bytes this collector sent in its own all-reduces (under DDP)
+        self.bytes_communicated = 0
+        #: the DDP comm hook that measures the split under DDP (register it on the model)
+        self.comm_hook = None
+        if self.world.distributed and similarity == "split":
+            from ..dist.hooks import TwoGroupCosine
+
+            self.comm_hook = TwoGroupCosine(groups, self.world.group)
         self._hooks = [
             torch.autograd.graph.register_multi_grad_hook(
                 self.params, self._on_gradients, mode="all"
@@ -143,11 +193,31 @@ class MicroBatchStatistics:
 
     # ------------------------------------------------------------ step lifecycle
 
-    def begin(self, sizes: Sequence[int]) -> None:
-        """Start a step made of micro-batches of these sizes (at least 2)."""
-        if len(sizes) < 2:
-            raise ValueError(f"statistics need at least 2 micro-batches, got sizes {list(sizes)}")
-        self._sizes = [int(s) for s in sizes]
+    def begin(
+        self, sizes: Sequence[int], rank_sizes: Sequence[Sequence[int]] | None = None
+    ) -> None:
+        """Start a step made of micro-batches of these sizes.
+
+        ``rank_sizes`` (under DDP) lists every rank's micro-batch sizes, this
+        rank's among them; there must be at least 2 sub-batches in all, and
+        with ``similarity="split"`` on one process at least 2 micro-batches.
+        """
+        local = [int(s) for s in sizes]
+        every = [[int(s) for s in r] for r in rank_sizes] if rank_sizes is not None else [local]
+        if len(every) != self.world.size:
+            raise ValueError(f"rank_sizes has {len(every)} entries for {self.world.size} ranks")
+        if every[self.world.rank] != local:
+            raise ValueError(
+                f"rank {self.world.rank}'s entry of rank_sizes {every[self.world.rank]} "
+                f"differs from its sizes {local}"
+            )
+        if sum(len(r) for r in every) < 2 or (
+            self.similarity == "split" and not self.world.distributed and len(local) < 2
+        ):
+            raise ValueError(f"statistics need at least 2 micro-batches, got sizes {local}")
+        self._sizes, self._rank_sizes = local, every
+        if self.comm_hook is not None:
+            self.comm_hook.reset()
         device = self.params[0].device
         self._sub_sq = torch.zeros(len(sizes), self.num_groups, device=device, dtype=torch.float64)
         self._current = None
@@ -165,36 +235,64 @@ class MicroBatchStatistics:
         """Announce that the next backward pass is micro-batch ``index``'s.
 
         At the first micro-batch of half B, ``.grad`` holds half A's gradient
-        and is copied into the buffer.
+        and is copied into the buffer (``similarity="split"`` on one process).
         """
         if not self._sizes:
             raise RuntimeError("call begin(sizes) before before_backward")
-        if index == self.half:
+        if index == self.half and self.similarity == "split" and not self.world.distributed:
             self._snapshot_half()
         self._current = index
 
-    def finish(self, loss_scale: Tensor | float | None = None) -> GradientStats:
-        """The step's statistics; call after the last backward, before the optimizer step."""
+    def finish(
+        self, loss_scale: Tensor | float | None = None, loss: Tensor | None = None
+    ) -> GradientStats:
+        """The step's statistics; call after the last backward, before the optimizer step.
+
+        ``loss`` (optional) is this rank's share of the batch loss, summed as
+        its micro-batch losses were weighted in backward; under DDP it travels
+        in the same all-reduce and comes back as the batch's mean loss.
+        """
         if self._sub_sq is None or self._current is None:
             raise RuntimeError("finish() without a step: call begin() and before_backward()")
-        if self._half is None:
-            raise RuntimeError("the half-way micro-batch was never announced")
-        sizes, total = self._sizes, sum(self._sizes)
+        world = self.world
+        all_sizes = [b for r in self._rank_sizes for b in r]
+        total = sum(all_sizes)
         scale_sq = _as_tensor(loss_scale, self._sub_sq) ** 2
         grads = [_grad_or_zeros(p) for p in self.params]
-
-        sq_a = self._per_group(norms(self._half), square=True)
         sq_full = self._per_group(norms(grads), square=True)
-        dot_a_full = self._per_group(dots(self._half, grads))
-        dot_ab = dot_a_full - sq_a
-        sq_b = sq_full - 2 * dot_a_full + sq_a
-        group_similarity = half_split_cosine(sq_a, sq_b, dot_ab)
-        similarity = half_split_cosine(sq_a.sum(), sq_b.sum(), dot_ab.sum())
 
-        # micro-batch i's mean gradient is its increment / (b_i / B)
-        weights = torch.tensor([s / total for s in sizes], dtype=torch.float64)
-        sub_sq = self._sub_sq.sum(1) / (weights.to(self._sub_sq.device) ** 2) / scale_sq
-        signal, trace = noise_components(sub_sq, sizes, sq_full.sum() / scale_sq, self.dataset_size)
+        # micro-batch i's mean gradient is its increment / (W b_i / B)
+        weights = torch.tensor(
+            [world.size * s / total for s in self._sizes], dtype=torch.float64
+        ).to(self._sub_sq.device)
+        sub_sq_sum = (self._sub_sq / weights[:, None] ** 2).sum(0) / scale_sq
+        loss_sum = (
+            _as_tensor(loss, self._sub_sq) if loss is not None else torch.zeros_like(scale_sq)
+        )
+        if world.distributed:
+            # one all-reduce: the summed sub-batch norms, and |g|² and the loss
+            # averaged, so every rank decides from bitwise identical numbers
+            packed = torch.cat([sub_sq_sum, sq_full / world.size, (loss_sum / world.size)[None]])
+            world.all_reduce_sum(packed)
+            self.bytes_communicated += packed.numel() * packed.element_size()
+            groups = self.num_groups
+            sub_sq_sum, sq_full, loss_sum = packed[:groups], packed[groups:-1], packed[-1]
+
+        signal_g, trace_g = noise_from_mean(
+            sub_sq_sum / len(all_sizes), all_sizes, sq_full / scale_sq, self.dataset_size
+        )
+        signal, trace = signal_g.sum(), trace_g.sum()
+        size_a = sum(self._half_sizes())
+        if self.similarity == "scalar":
+            group_similarity = scalar_similarity(
+                signal_g, trace_g, size_a, total - size_a, self.dataset_size
+            )
+            similarity = scalar_similarity(signal, trace, size_a, total - size_a, self.dataset_size)
+        else:
+            sq_a, sq_b, dot_ab = self._split(grads)
+            group_similarity = half_split_cosine(sq_a, sq_b, dot_ab)
+            similarity = half_split_cosine(sq_a.sum(), sq_b.sum(), dot_ab.sum())
+
         beta = self.ema_beta
         ema_update(self._signal_ema, signal, beta)
         ema_update(self._trace_ema, trace, beta)
@@ -212,9 +310,27 @@ class MicroBatchStatistics:
             noise_scale=(trace_ema / signal_ema).float(),
             grad_sq_norm_ema=signal_ema.float(),
             trace_ema=trace_ema.float(),
-            sizes=list(sizes),
+            sizes=all_sizes,
             gsnr=gsnr,
+            loss=loss_sum.float() if loss is not None else None,
         )
+
+    def _half_sizes(self) -> list[int]:
+        """Sizes of half A's sub-batches: the first micro-batches, or the first ranks under DDP."""
+        if self.world.distributed:
+            return [b for r in self._rank_sizes[: self.world.size // 2] for b in r]
+        return self._sizes[: self.half]
+
+    def _split(self, grads: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """``(|g_A|², |g_B|², <g_A, g_B>)`` per group, up to positive factors per half."""
+        if self.comm_hook is not None:
+            return self.comm_hook.read()
+        if self._half is None:
+            raise RuntimeError("the half-way micro-batch was never announced")
+        sq_a = self._per_group(norms(self._half), square=True)
+        sq_full = self._per_group(norms(grads), square=True)
+        dot_a_full = self._per_group(dots(self._half, grads))
+        return sq_a, sq_full - 2 * dot_a_full + sq_a, dot_a_full - sq_a
 
     def close(self) -> None:
         """Remove the gradient hooks."""

@@ -56,6 +56,21 @@ def noise_components(
         full_sq_norm: ``|g|²``, shape ``()`` or ``(groups,)``.
         dataset_size: ``N`` for the finite-population correction, or None.
     """
+    return noise_from_mean(sub_sq_norms.mean(0), sizes, full_sq_norm, dataset_size)
+
+
+def noise_from_mean(
+    mean_sub_sq_norm: Tensor,
+    sizes: Sequence[float],
+    full_sq_norm: Tensor,
+    dataset_size: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`noise_components` from ``L = mean_i |g_i|²`` alone.
+
+    Under DDP each rank holds a few of the ``|g_i|²``; their sum is all that
+    needs to travel (one scalar all-reduce per parameter group), because the
+    sizes ``b_i`` are known on every rank.
+    """
     if len(sizes) < 2:
         raise ValueError(f"noise estimates need at least 2 sub-batches, got {len(sizes)}")
     total = float(sum(sizes))
@@ -67,15 +82,39 @@ def noise_components(
             f"sub-batches of sizes {list(sizes)} carry no noise information "
             f"(dataset_size={dataset_size})"
         )
-    mean_sub = sub_sq_norms.mean(0)
-    trace = (mean_sub - full_sq_norm) / denominator
-    signal = (h * full_sq_norm - phi * mean_sub) / denominator
+    trace = (mean_sub_sq_norm - full_sq_norm) / denominator
+    signal = (h * full_sq_norm - phi * mean_sub_sq_norm) / denominator
     return signal, trace
 
 
 def half_split_cosine(sq_a: Tensor, sq_b: Tensor, dot_ab: Tensor, eps: float = 1e-30) -> Tensor:
     """``<g_A, g_B> / (|g_A| |g_B|)`` from the squared norms and the dot product."""
     return dot_ab / (sq_a.clamp(min=eps) * sq_b.clamp(min=eps)).sqrt()
+
+
+def scalar_similarity(
+    signal: Tensor,
+    trace: Tensor,
+    size_a: float,
+    size_b: float,
+    dataset_size: float | None = None,
+    eps: float = 1e-30,
+) -> Tensor:
+    """The half-split cosine estimated from ``|G|²`` and ``tr Σ`` alone (REFERENCE.md §1).
+
+    ``E<g_A, g_B> = |G|² - trΣ/(N-1)`` (zero covariance with replacement) and
+    ``E|g_X|² = |G|² + trΣ φ(B_X)`` with ``φ = inverse_size``, so
+    ``s ≈ E<g_A, g_B> / sqrt(E|g_A|² E|g_B|²)`` for halves of ``size_a`` and
+    ``size_b`` samples. Fed with one step's unbiased estimates (from all ``k``
+    sub-batches, not one split) it needs no gradient-sized traffic under DDP;
+    clamped to [-1, 1] like the cosine it estimates.
+    """
+    cross = signal
+    if dataset_size is not None and not math.isinf(dataset_size) and dataset_size > 1:
+        cross = signal - trace / (float(dataset_size) - 1)
+    sq_a = (signal + trace * inverse_size(size_a, dataset_size)).clamp(min=eps)
+    sq_b = (signal + trace * inverse_size(size_b, dataset_size)).clamp(min=eps)
+    return (cross / (sq_a * sq_b).sqrt()).clamp(-1.0, 1.0)
 
 
 def expected_similarity(b_simple: float, size_a: float, size_b: float | None = None) -> float:
