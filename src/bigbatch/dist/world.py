@@ -1,0 +1,72 @@
+"""Which process this is among how many: rank, world size and the collectives bigbatch uses."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["World", "init_from_env"]
+
+
+@dataclass(frozen=True)
+class World:
+    """The data-parallel world of a model: one process, or the ranks of its DDP process group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+    @classmethod
+    def of(cls, model: nn.Module) -> World:
+        """The world of ``model``: its DDP process group, or one process for a plain module."""
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            group = model.process_group
+            return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        return cls()
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks in place (nothing on one process)."""
+        if self.distributed:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (``[obj]`` on one process)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+
+def init_from_env(device: torch.device | None = None) -> World:
+    """Join the process group that ``torchrun`` describes in the environment, if any.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) this initialises the default process
+    group, NCCL for CUDA devices and gloo otherwise, and returns its world; a
+    plain ``python`` run returns one process.
+    """
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    if not dist.is_initialized():
+        cuda = device is not None and device.type == "cuda"
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)

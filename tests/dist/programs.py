@@ -1,0 +1,284 @@
+"""Programs the gloo tests run on every rank (module-level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+from torch.utils.data import TensorDataset
+
+from bigbatch import AdaptiveBatch
+from bigbatch.batch import Constant, SimiGrad
+from bigbatch.stats import noise_components, scalar_similarity
+
+D = 12
+
+
+def regression_data(n: int = 2048, noise: float = 1.0, seed: int = 0) -> TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    w_star = torch.randn(D, generator=gen)
+    x = torch.randn(n, D, generator=gen)
+    y = x @ w_star + noise * torch.randn(n, generator=gen)
+    return TensorDataset(x.double(), y[:, None].double())
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    inner = model.module if isinstance(model, DDP) else model
+    return [{"params": list(inner[0].parameters())}, {"params": list(inner[2].parameters())}]
+
+
+def make_loop(
+    controller,
+    *,
+    ddp: bool = True,
+    similarity: str | None = None,
+    lr: float = 0.05,
+    max_micro_batch: int = 8,
+    min_sub_batches: int = 2,
+    data: TensorDataset | None = None,
+) -> AdaptiveBatch:
+    model = make_model()
+    if ddp:
+        model = DDP(model)
+    optimizer = torch.optim.SGD(param_groups(model), lr=lr)
+    return AdaptiveBatch(
+        model,
+        optimizer,
+        data if data is not None else regression_data(),
+        controller=controller,
+        max_micro_batch=max_micro_batch,
+        min_sub_batches=min_sub_batches,
+        lr_scaling="none",
+        similarity=similarity,
+    )
+
+
+def train(loop: AdaptiveBatch, steps: int) -> dict[str, list]:
+    """Run ``steps`` steps; what every rank saw and decided."""
+    record: dict[str, list] = {"batch": [], "similarity": [], "loss": [], "indices": []}
+    for step in loop.steps(max_steps=loop.step + steps):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(loop.model(x), y))
+        step.apply()
+        record["batch"].append(step.batch_size)
+        record["similarity"].append(step.metrics.get("similarity"))
+        record["loss"].append(step.metrics["loss"])
+        record["indices"].append([i for b in step.indices for i in b])
+    return record
+
+
+def flat_params(loop: AdaptiveBatch) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in loop.model.parameters()])
+
+
+# ---------------------------------------------------------------- programs
+
+
+def adaptive_run(steps: int, similarity: str) -> dict:
+    world = dist.get_world_size()
+    controller = SimiGrad(target=0.5, initial=16 * world, min=2 * world, max=512, window=5)
+    loop = make_loop(controller, similarity=similarity)
+    record = train(loop, steps)
+    record["params"] = flat_params(loop)
+    return record
+
+
+def constant_run(batch: int, steps: int) -> dict:
+    loop = make_loop(Constant(batch))
+    record = train(loop, steps)
+    record["params"] = flat_params(loop)
+    return record
+
+
+def one_step_statistics(similarity: str, batch: int) -> dict:
+    """One step's statistics, and the same values computed sub-batch by sub-batch."""
+    data = regression_data()
+    loop = make_loop(Constant(batch), similarity=similarity, data=data)
+    reference = copy.deepcopy(loop.model.module)
+    step = next(loop.steps(max_steps=1))
+    for x, y in step.micro_batches():
+        step.backward(nn.functional.mse_loss(loop.model(x), y))
+    step.apply()
+    got = {
+        "similarity": step.stats.group_similarity.tolist(),
+        "overall": float(step.stats.similarity),
+        "loss": float(step.stats.loss),
+    }
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, step.indices)
+
+    # every sub-batch's gradient by its own backward, on the parameters before the step
+    groups = [list(reference[0].parameters()), list(reference[2].parameters())]
+    sizes, grads, losses = [], [], []
+    for rank_batches in every_rank:
+        for indices in rank_batches:
+            x, y = data[indices]
+            reference.zero_grad()
+            loss = nn.functional.mse_loss(reference(x), y)
+            loss.backward()
+            grads.append([torch.cat([p.grad.flatten() for p in g]) for g in groups])
+            sizes.append(len(indices))
+            losses.append(float(loss.detach()) * len(indices))
+    total = sum(sizes)
+    half_ranks = every_rank[: len(every_rank) // 2]
+    first = sum(len(b) for rank_batches in half_ranks for b in rank_batches)
+    n_first = sum(len(r) for r in half_ranks)
+    weights = torch.tensor(sizes, dtype=torch.float64)[:, None]
+    expected: dict = {"similarity": [], "signal": [], "trace": [], "loss": sum(losses) / total}
+    halves_overall = [0.0, 0.0, 0.0]
+    for gi in range(len(groups)):
+        sub = torch.stack([g[gi] for g in grads])
+        g_a = (weights[:n_first] * sub[:n_first]).sum(0) / first
+        g_b = (weights[n_first:] * sub[n_first:]).sum(0) / (total - first)
+        full = (weights * sub).sum(0) / total
+        signal, trace = noise_components(
+            sub.square().sum(1), sizes, full.square().sum(), dataset_size=len(data)
+        )
+        expected["signal"].append(float(signal))
+        expected["trace"].append(float(trace))
+        if similarity == "split":
+            cosine = g_a @ g_b / (g_a.norm() * g_b.norm())
+        else:
+            cosine = scalar_similarity(signal, trace, first, total - first, len(data))
+        expected["similarity"].append(float(cosine))
+        halves_overall = [
+            halves_overall[0] + float(g_a @ g_a),
+            halves_overall[1] + float(g_b @ g_b),
+            halves_overall[2] + float(g_a @ g_b),
+        ]
+    if similarity == "split":
+        sq_a, sq_b, dot = halves_overall
+        expected["overall"] = dot / (sq_a * sq_b) ** 0.5
+    else:
+        signal, trace = sum(expected["signal"]), sum(expected["trace"])
+        expected["overall"] = float(
+            scalar_similarity(
+                torch.tensor(signal), torch.tensor(trace), first, total - first, len(data)
+            )
+        )
+    got["signal"], got["trace"] = float(step.stats.grad_sq_norm), float(step.stats.trace)
+    expected["signal"], expected["trace"] = sum(expected["signal"]), sum(expected["trace"])
+    return {"expected": expected, "got": got, "sizes": sizes}
+
+
+def resume_same_world(steps: int, at: int) -> dict:
+    """A straight run, and one rebuilt from its state after ``at`` steps."""
+    world = dist.get_world_size()
+
+    def controller():
+        return SimiGrad(target=0.5, initial=16 * world, min=2 * world, max=512, window=5)
+
+    loop = make_loop(controller())
+    first = train(loop, at)
+    state = copy.deepcopy(loop.state_dict())
+    rest = train(loop, steps - at)
+    straight = flat_params(loop)
+
+    resumed = make_loop(controller())
+    resumed.load_state_dict(state)
+    again = train(resumed, steps - at)
+    return {
+        "first": first,
+        "rest": rest,
+        "again": again,
+        "straight": straight,
+        "resumed": flat_params(resumed),
+    }
+
+
+def save_run(steps: int, path: str) -> dict:
+    """Train ``steps`` steps and save the loop's state from rank 0."""
+    world = dist.get_world_size()
+    loop = make_loop(SimiGrad(target=0.5, initial=16 * world, min=8, max=512, window=5))
+    record = train(loop, steps)
+    state = loop.state_dict()
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+    dist.barrier()
+    record["next_batch"] = loop.batch_size
+    record["samples"] = loop.samples
+    return record
+
+
+def resume_run(steps: int, path: str) -> dict:
+    """Load a state saved by ``save_run`` (any number of ranks) and train on."""
+    loop = make_loop(SimiGrad(target=0.5, initial=64, min=8, max=512, window=5))
+    loop.load_state_dict(torch.load(path, weights_only=True))
+    start = {"batch": loop.batch_size, "samples": loop.samples, "step": loop.step}
+    record = train(loop, steps)
+    record["start"] = start
+    return record
+
+
+def hook_with_inner(steps: int) -> dict:
+    """The two-group hook around torch's own all-reduce hook, against plain DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from bigbatch.dist import TwoGroupCosine
+
+    plain = make_loop(Constant(24 * dist.get_world_size()), similarity="scalar")
+    train(plain, steps)
+
+    model = DDP(make_model())
+    optimizer = torch.optim.SGD(param_groups(model), lr=0.05)
+    hook = TwoGroupCosine(param_groups(model), inner=default_hooks.allreduce_hook)
+    model.register_comm_hook(None, hook)
+    wrapped = AdaptiveBatch(
+        model,
+        optimizer,
+        regression_data(),
+        controller=Constant(24 * dist.get_world_size()),
+        max_micro_batch=8,
+        min_sub_batches=2,
+        lr_scaling="none",
+        similarity="scalar",
+    )
+    sums = []
+    for step in wrapped.steps(max_steps=steps):
+        hook.reset()
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(wrapped.model(x), y))
+        sq_a, sq_b, dot = hook.read()
+        sums.append(float((dot / (sq_a * sq_b).sqrt())[0]))
+        step.apply()
+    return {
+        "plain": flat_params(plain),
+        "wrapped": flat_params(wrapped),
+        "cosines": sums,
+        "extra_bytes": hook.extra_bytes,
+    }
+
+
+def similarity_series(steps: int, batch: int) -> dict:
+    """Split and scalar similarity at a fixed point (lr 0), step by step."""
+    loop = make_loop(Constant(batch), similarity="split", lr=0.0)
+    world = dist.get_world_size()
+    split, scalar, noise = [], [], []
+    for step in loop.steps(max_steps=steps):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(loop.model(x), y))
+        step.apply()
+        first = sum(sum(r) for r in step.rank_sizes[: world // 2])
+        stats = step.stats
+        split.append(float(stats.similarity))
+        scalar.append(
+            float(
+                scalar_similarity(
+                    stats.grad_sq_norm.double(),
+                    stats.trace.double(),
+                    first,
+                    batch - first,
+                    len(loop.dataset),
+                )
+            )
+        )
+        noise.append((float(stats.grad_sq_norm), float(stats.trace)))
+    return {"split": split, "scalar": scalar, "noise": noise, "first": first}

@@ -1,0 +1,126 @@
+"""AdaptiveBatch under DDP with gloo: same decisions on every rank, exact statistics, sharding."""
+
+import pytest
+import torch
+
+from . import programs
+
+
+def test_statistics_equal_the_sub_batch_by_sub_batch_values(cluster):
+    for similarity in ("scalar", "split"):
+        batch = 11 * cluster.world_size + 1  # uneven shards and micro-batches
+        results = cluster.run(programs.one_step_statistics, similarity, batch)
+        first = results[0]
+        for other in results[1:]:
+            assert other["got"] == first["got"]  # bitwise identical on every rank
+        got, expected = first["got"], first["expected"]
+        assert sum(first["sizes"]) == batch
+        assert got["similarity"] == pytest.approx(expected["similarity"], rel=1e-6, abs=1e-9)
+        assert got["overall"] == pytest.approx(expected["overall"], rel=1e-6, abs=1e-9)
+        assert got["signal"] == pytest.approx(expected["signal"], rel=1e-6)
+        assert got["trace"] == pytest.approx(expected["trace"], rel=1e-6)
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)  # float32
+
+
+def test_every_rank_makes_the_same_batch_decisions_for_200_steps(cluster):
+    results = cluster.run(programs.adaptive_run, 200, "scalar")
+    batches = results[0]["batch"]
+    assert len(batches) == 200 and len(set(batches)) > 5  # the batch really adapts
+    for other in results[1:]:
+        assert other["batch"] == batches
+        assert other["similarity"] == results[0]["similarity"]
+        assert other["loss"] == results[0]["loss"]
+        assert torch.equal(other["params"], results[0]["params"])
+    assert results[0]["loss"][-1] < 0.5 * results[0]["loss"][0]
+
+
+def test_split_mode_also_decides_the_same_on_every_rank(cluster2):
+    results = cluster2.run(programs.adaptive_run, 60, "split")
+    assert results[0]["batch"] == results[1]["batch"]
+    assert results[0]["similarity"] == results[1]["similarity"]
+
+
+def test_ddp_trains_like_one_process_on_the_same_global_batches(cluster):
+    batch, steps = 10 * cluster.world_size + 3, 8
+    results = cluster.run(programs.constant_run, batch, steps)
+    single = programs.make_loop(programs.Constant(batch), ddp=False)
+    record = programs.train(single, steps)
+    torch.testing.assert_close(results[0]["params"], programs.flat_params(single))
+    assert results[0]["loss"] == pytest.approx(record["loss"], rel=1e-9)
+    # the ranks' shards are the one-process batches, each sample once
+    for step in range(steps):
+        shards = [r["indices"][step] for r in results]
+        assert sorted(i for s in shards for i in s) == sorted(record["indices"][step])
+
+
+def test_shards_cover_every_sample_once_per_epoch(cluster):
+    size = len(programs.regression_data())
+    batch = 7 * cluster.world_size + 1
+    steps = size // batch + 1
+    results = cluster.run(programs.constant_run, batch, steps)
+    seen = [i for step in range(steps) for r in results for i in r["indices"][step]]
+    epoch = seen[:size]
+    assert sorted(epoch) == list(range(size))
+
+
+def test_a_resumed_run_with_the_same_ranks_is_identical(cluster):
+    result = cluster.run(programs.resume_same_world, 40, 15)[0]
+    assert result["again"] == result["rest"]  # batches, similarities, losses, shards
+    if cluster.world_size == 2:
+        assert torch.equal(result["resumed"], result["straight"])
+    else:
+        # A new DDP model reduces its first step in the initial bucket layout
+        # and rebuilds the buckets afterwards; with 3+ ranks gloo's ring then
+        # sums some elements in another order on that one step (last-bit
+        # differences, 2e-16 here). Documented in docs/distributed.md.
+        torch.testing.assert_close(result["resumed"], result["straight"], rtol=1e-13, atol=1e-15)
+
+
+def test_resume_with_another_number_of_ranks_continues(cluster2, cluster4, tmp_path):
+    path = str(tmp_path / "state.pt")
+    saved_ranks = cluster2.run(programs.save_run, 25, path)
+    saved = saved_ranks[0]
+    resumed = cluster4.run(programs.resume_run, 20, path)
+    start = resumed[0]["start"]
+    assert start == {"batch": saved["next_batch"], "samples": saved["samples"], "step": 25}
+    assert resumed[0]["batch"][0] == saved["next_batch"]
+    assert all(r["batch"] == resumed[0]["batch"] for r in resumed)
+    # the sampler continues where it stopped: no sample twice within the epoch
+    size = len(programs.regression_data())
+    seen = [i for step in range(25) for r in saved_ranks for i in r["indices"][step]]
+    seen += [i for step in range(20) for r in resumed for i in r["indices"][step]]
+    assert len(seen) > size // 2
+    epoch = seen[:size]
+    assert len(set(epoch)) == len(epoch)
+    assert resumed[0]["loss"][-1] < saved["loss"][0]
+
+
+def test_two_group_hook_wraps_another_hook_without_changing_the_gradient(cluster2):
+    results = cluster2.run(programs.hook_with_inner, 5)
+    torch.testing.assert_close(results[0]["wrapped"], results[0]["plain"])
+    assert results[0]["cosines"] == results[1]["cosines"]
+    assert all(-1 <= c <= 1 for c in results[0]["cosines"])
+    assert results[0]["extra_bytes"] > 0
+
+
+def test_scalar_similarity_agrees_with_the_exact_two_group_cosine(cluster):
+    batch = 64 * cluster.world_size
+    result = cluster.run(programs.similarity_series, 300, batch)[0]
+    split = sum(result["split"]) / len(result["split"])
+    scalar = sum(result["scalar"]) / len(result["scalar"])
+    # Both follow the similarity the mean noise estimates imply (REFERENCE.md
+    # §1); the measured cosine lies ~0.02 above it, the scalar estimate ~0.01
+    # below (ratios of noisy numbers), as 1500-step runs show.
+    signal = sum(s for s, _ in result["noise"]) / len(result["noise"])
+    trace = sum(t for _, t in result["noise"]) / len(result["noise"])
+    first = result["first"]
+    expected = 1 / ((1 + trace / signal / first) * (1 + trace / signal / (batch - first))) ** 0.5
+    assert abs(split - expected) < 0.04
+    assert abs(scalar - expected) < 0.04
+    assert abs(split - scalar) < 0.06
+
+    # the scalar estimate is the steadier signal
+    def spread(values, mean):
+        return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+
+    assert spread(result["scalar"], scalar) < spread(result["split"], split)
