@@ -4,6 +4,8 @@
     bigbatch train --set batch.controller=constant --set batch.initial=1024
     bigbatch train --config run.toml --out runs/mine
     bigbatch train --resume runs/mine       # continue a killed run
+    bigbatch train --nproc 2                # 2 local processes (DDP, gloo on CPU)
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m bigbatch.cli train --out runs/big
     bigbatch compare --vary batch.target=0.2,0.5 --set max_samples=400000
     bigbatch report runs/mine
     bigbatch tasks
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume", metavar="DIR", help="continue the run in DIR from its checkpoint"
     )
+    train.add_argument(
+        "--nproc",
+        metavar="N",
+        type=int,
+        default=1,
+        help="train data-parallel in N local processes (torch.distributed.run, DDP); "
+        "a run may resume with another N",
+    )
 
     compare = config_command("compare", "train a grid of runs and write one comparison report")
     compare.add_argument(
@@ -87,9 +99,12 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     return resolve(*layers)
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace) -> int:
+    from .dist.world import init_from_env
     from .experiments.runner import check_new_run_dir, new_run_dir, read_config, train
 
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     if args.resume:
         if args.config or args.set or args.out:
             raise ConfigError("--resume takes its config from the run; drop --config/--set/--out")
@@ -97,13 +112,58 @@ def _train(args: argparse.Namespace) -> None:
         if not (out / "config.toml").is_file():
             raise ConfigError(f"{str(out)!r} is not a run directory (no config.toml)")
         config = read_config(out)
-        summary = train(config, out, resume=True, quiet=args.quiet)
     else:
         config = _config(args)
-        out = Path(args.out) if args.out else new_run_dir(task=config["task"])
-        check_new_run_dir(out)
-        summary = train(config, out, quiet=args.quiet)
-    _print_summary(out, summary)
+        out = Path(args.out) if args.out else None
+    launching = args.nproc > 1 and "LOCAL_RANK" not in os.environ
+    world = None if launching else init_from_env()
+    if launching:
+        if not args.resume:
+            out = out or new_run_dir(task=config["task"])
+            check_new_run_dir(out)
+        return _launch(args, out)
+    assert world is not None
+    # rank 0 chooses and checks the directory; every rank learns the outcome
+    problem = None
+    if world.rank == 0 and not args.resume:
+        try:
+            out = out or new_run_dir(task=config["task"])
+            check_new_run_dir(out)
+        except ConfigError as err:
+            problem = str(err)
+    out, problem = world.broadcast_object((str(out), problem))
+    if problem:
+        raise ConfigError(problem)
+    summary = train(config, Path(out), resume=bool(args.resume), quiet=args.quiet)
+    if world.rank == 0:
+        _print_summary(Path(out), summary)
+    if world.distributed:  # after success only: a failed rank is stopped by the launcher
+        import torch.distributed as dist
+
+        dist.barrier()  # gloo aborts a rank that tears down while a peer still talks
+        dist.destroy_process_group()
+    return 0
+
+
+def _launch(args: argparse.Namespace, out: Path) -> int:
+    """Run this ``train`` in ``args.nproc`` local processes with torch's own launcher."""
+    command = ["train", "--resume", str(out)] if args.resume else ["train", "--out", str(out)]
+    if not args.resume:
+        command += ["--config", args.config] if args.config else []
+        for assignment in args.set:
+            command += ["--set", assignment]
+    command += ["--quiet"] if args.quiet else []
+    env = dict(os.environ)
+    # one share of the cores per process (and no launcher warning about it)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launcher += [f"--nproc-per-node={args.nproc}", "-m", "bigbatch.cli", *command]
+    code = subprocess.call(launcher, env=env)
+    if code != 0:
+        raise ConfigError(
+            f"the {args.nproc} training processes failed (exit code {code}); see their output above"
+        )
+    return 0
 
 
 def _print_summary(out: Path, summary: dict[str, Any]) -> None:
@@ -160,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            _train(args)
+            return _train(args)
         elif args.command == "compare":
             _compare(args)
         elif args.command == "report":
@@ -173,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _tasks()
     except ConfigError as err:
-        print(f"bigbatch: error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank speaks
+            print(f"bigbatch: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)

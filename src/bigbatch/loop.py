@@ -324,26 +324,26 @@ class AdaptiveBatch:
         else:
             assert self.sampler is not None
             indices = self.sampler.take(self.batch_size)
-        world = self.world.size
-        plans = [self._plan(shard_batch(indices, r, world)) for r in range(world)]
+        shards = [shard_batch(indices, r, self.world.size) for r in range(self.world.size)]
+        # Every rank runs the same number of micro-batches: DDP may broadcast
+        # buffers in every forward, a collective all ranks must join.
+        natural = max(len(self._plan(shard, self.min_sub_batches)[0]) for shard in shards)
+        count = min(natural, min(len(shard) for shard in shards))
+        plans = [self._plan(shard, count) for shard in shards]
         batches, weights = plans[self.world.rank]
         return Step(self, self.step, batches, weights, [w for _, w in plans])
 
-    def _plan(self, indices: list[int]) -> tuple[list[list[int]], list[int]]:
+    def _plan(self, indices: list[int], min_count: int) -> tuple[list[list[int]], list[int]]:
         """One rank's micro-batches (lists of indices) and their sizes (or weights)."""
         if self.weight_fn is None:
             counts = micro_batch_sizes(
-                len(indices),
-                max_micro_batch=self.max_micro_batch,
-                min_sub_batches=self.min_sub_batches,
+                len(indices), max_micro_batch=self.max_micro_batch, min_sub_batches=min_count
             )
             weights = counts
         else:
             sample_weights = [int(self.weight_fn(i)) for i in indices]
             counts = split_by_weight(
-                sample_weights,
-                max_micro_batch=self.max_micro_batch,
-                min_sub_batches=self.min_sub_batches,
+                sample_weights, max_micro_batch=self.max_micro_batch, min_sub_batches=min_count
             )
             weights, start = [], 0
             for c in counts:

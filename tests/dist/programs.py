@@ -166,7 +166,8 @@ def one_step_statistics(similarity: str, batch: int) -> dict:
         )
     got["signal"], got["trace"] = float(step.stats.grad_sq_norm), float(step.stats.trace)
     expected["signal"], expected["trace"] = sum(expected["signal"]), sum(expected["trace"])
-    return {"expected": expected, "got": got, "sizes": sizes}
+    counts = [len(r) for r in step.rank_sizes]
+    return {"expected": expected, "got": got, "sizes": sizes, "micro_counts": counts}
 
 
 def resume_same_world(steps: int, at: int) -> dict:

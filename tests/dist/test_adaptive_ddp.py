@@ -15,6 +15,7 @@ def test_statistics_equal_the_sub_batch_by_sub_batch_values(cluster):
             assert other["got"] == first["got"]  # bitwise identical on every rank
         got, expected = first["got"], first["expected"]
         assert sum(first["sizes"]) == batch
+        assert len(set(first["micro_counts"])) == 1  # every rank joins the same forwards
         assert got["similarity"] == pytest.approx(expected["similarity"], rel=1e-6, abs=1e-9)
         assert got["overall"] == pytest.approx(expected["overall"], rel=1e-6, abs=1e-9)
         assert got["signal"] == pytest.approx(expected["signal"], rel=1e-6)

@@ -117,6 +117,14 @@ def _keys() -> list[Key]:
         ),
         Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),
         Key(
+            "batch.similarity",
+            "auto",
+            "split: measured cosine of two halves (micro-batches; rank groups under DDP, one "
+            "extra gradient all-reduce); scalar: estimated from noise scalars; auto: split on "
+            "one process, scalar under DDP",
+            ("auto", "split", "scalar"),
+        ),
+        Key(
             "schedule.kind", "cosine", "LR schedule over samples", ("cosine", "linear", "constant")
         ),
         Key("schedule.warmup", 0.05, "warm-up, as a fraction of max_samples", low=0, high=1),

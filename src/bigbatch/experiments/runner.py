@@ -6,10 +6,16 @@ A run directory holds ``config.toml`` (the resolved config), ``metrics.jsonl``
 ``checkpoint_every`` steps and at the end), ``summary.json``, the PNG plots and
 ``report.md``. A killed run resumed with ``resume`` continues from its last
 checkpoint to the result it would have had.
+
+Under ``torchrun`` (or ``bigbatch train --nproc N``) every rank trains its
+shard of each global batch through ``DistributedDataParallel``; rank 0
+evaluates and writes the run directory, every rank loads the checkpoint on
+resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import schedules
 from ..batch import Constant, NoiseScale, Ramp, SimiGrad
+from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
 from ..optim import create_optimizer, get_optimizer_info
 from .config import ConfigError, load_toml, resolve, to_toml
@@ -69,14 +77,18 @@ def make_schedule(config: dict[str, Any]):
     return schedules.constant
 
 
-def build(config: dict[str, Any]) -> tuple[Problem, AdaptiveBatch]:
+def build(config: dict[str, Any], world: World | None = None) -> tuple[Problem, AdaptiveBatch]:
+    """The task's problem and the loop that trains it (its model wrapped in DDP on 2+ ranks)."""
     problem = TASKS[config["task"]].build(config)
     options: dict[str, Any] = {"lr": config["lr"], "weight_decay": config["weight_decay"]}
     if "impl" in get_optimizer_info(config["optimizer"]).signature().parameters:
         options["impl"] = config["optimizer_impl"]
     optimizer = create_optimizer(problem.model, config["optimizer"], **options)
+    model: nn.Module = problem.model
+    if world is not None and world.distributed:
+        model = nn.parallel.DistributedDataParallel(model, process_group=world.group)
     loop = AdaptiveBatch(
-        problem.model,
+        model,
         optimizer,
         problem.train,
         controller=make_controller(config),
@@ -85,6 +97,7 @@ def build(config: dict[str, Any]) -> tuple[Problem, AdaptiveBatch]:
         lr_scaling=config["batch.lr_scaling"],
         base_batch_size=config["batch.base"],
         schedule=make_schedule(config),
+        similarity=None if config["batch.similarity"] == "auto" else config["batch.similarity"],
         seed=config["seed"],
     )
     return problem, loop
@@ -133,12 +146,16 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 def train(
     config: dict[str, Any], out: Path, *, resume: bool = False, quiet: bool = False
 ) -> dict[str, Any]:
-    """Train one run into ``out`` (new, or resumed from its checkpoint); return the summary."""
+    """Train one run into ``out`` (new, or resumed from its checkpoint); return the summary.
+
+    Under ``torchrun`` call it on every rank with the same arguments; rank 0
+    writes ``out`` and returns the summary, the other ranks return it too.
+    """
     config = with_task_defaults(config)
-    if config["threads"]:
-        torch.set_num_threads(config["threads"])
-    problem, loop = build(config)
-    out.mkdir(parents=True, exist_ok=True)
+    world = init_from_env()
+    _set_threads(config["threads"], world)
+    problem, loop = build(config, world)
+    writer = world.rank == 0
     metrics_path = out / "metrics.jsonl"
     state: dict[str, Any] = {
         "metrics_lines": 0,
@@ -151,28 +168,29 @@ def train(
         checkpoint = load_checkpoint(out / CHECKPOINT)
         loop.load_state_dict(checkpoint["loop"])
         state.update(checkpoint["run"])
-        lines = metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists() else []
-        metrics_path.write_text("".join(lines[: state["metrics_lines"]]))
-    else:
+        if writer:
+            lines = (
+                metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists() else []
+            )
+            metrics_path.write_text("".join(lines[: state["metrics_lines"]]))
+    elif writer:
+        out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(config))
         metrics_path.write_text("")
 
     task = TASKS[config["task"]]
+    first_step = loop.step
     start = time.perf_counter() - state["wall_seconds"]
-    bar = _progress(config["max_samples"], loop.samples, quiet)
+    bar = _progress(config["max_samples"], loop.samples, quiet or not writer)
     evaluation: dict[str, float] = {}
-    with metrics_path.open("a") as log:
+    with metrics_path.open("a") if writer else contextlib.nullcontext() as log:
         for step in loop.steps(max_samples=config["max_samples"]):
-            loss_sum = torch.zeros(())
             for batch in step.micro_batches():
-                loss = problem.loss(problem.model, batch)
-                loss_sum += loss.detach() * (len(batch[0]) / step.batch_size)
-                step.backward(loss)
+                step.backward(problem.loss(loop.model, batch))
             step.apply()
-            row = {k: v for k, v in step.metrics.items()}
-            row["loss"] = float(loss_sum)
+            row = dict(step.metrics)
             last = loop.samples >= config["max_samples"]
-            if loop.step % config["eval_every"] == 0 or last or loop.step == 1:
+            if writer and (loop.step % config["eval_every"] == 0 or last or loop.step == 1):
                 evaluation = problem.evaluate(problem.model)
                 row.update(evaluation)
                 accuracy = evaluation["eval_accuracy"]
@@ -181,11 +199,14 @@ def train(
                     state["reached_step"], state["reached_samples"] = loop.step, loop.samples
             state["wall_seconds"] = time.perf_counter() - start
             row["wall_seconds"] = state["wall_seconds"]
-            log.write(json.dumps(row) + "\n")
             state["metrics_lines"] += 1
+            if log is not None:
+                log.write(json.dumps(row) + "\n")
             if loop.step % config["checkpoint_every"] == 0 or last:
-                log.flush()
-                save_atomically({"loop": loop.state_dict(), "run": dict(state)}, out / CHECKPOINT)
+                loop_state = loop.state_dict()  # a collective under DDP: every rank calls it
+                if log is not None:
+                    log.flush()
+                    save_atomically({"loop": loop_state, "run": dict(state)}, out / CHECKPOINT)
             if bar is not None:
                 bar.update(step.batch_size)
                 bar.set_postfix(
@@ -199,7 +220,22 @@ def train(
                 )
     if bar is not None:
         bar.close()
+    if writer:
+        traffic = _traffic_per_step(loop, loop.step - first_step)
+        summary = _write_summary(out, config, loop, state, problem, traffic)
+    # the other ranks wait for the summary so no rank returns before the run is complete
+    return world.broadcast_object(summary if writer else None)
 
+
+def _write_summary(
+    out: Path,
+    config: dict[str, Any],
+    loop: AdaptiveBatch,
+    state: dict[str, Any],
+    problem: Problem,
+    traffic: dict[str, float],
+) -> dict[str, Any]:
+    task = TASKS[config["task"]]
     rows = read_metrics(out)
     evals = [r for r in rows if "eval_accuracy" in r]
     summary = {
@@ -211,9 +247,11 @@ def train(
         "steps": loop.step,
         "samples": loop.samples,
         "wall_seconds": state["wall_seconds"],
+        "processes": loop.world.size,
         "target_accuracy": task.target_accuracy,
         "steps_to_target": state["reached_step"] if state["reached_step"] >= 0 else None,
         "samples_to_target": state["reached_samples"] if state["reached_samples"] >= 0 else None,
+        **traffic,
         **problem.info,
     }
     if evals and "max_attention_logit" in evals[-1]:
@@ -223,6 +261,29 @@ def train(
 
     render_run(out)
     return summary
+
+
+def _traffic_per_step(loop: AdaptiveBatch, steps: int) -> dict[str, float]:
+    """Bytes each rank put into all-reduces per step: gradients, and what statistics added."""
+    if not loop.world.distributed:
+        return {}
+    params = [p for p in loop.model.parameters() if p.requires_grad]
+    out = {"gradient_bytes_per_step": float(sum(p.numel() * p.element_size() for p in params))}
+    if loop.stats is not None:
+        extra = loop.stats.bytes_communicated
+        if loop.stats.comm_hook is not None:
+            extra += loop.stats.comm_hook.extra_bytes
+        out["statistics_bytes_per_step"] = extra / max(1, steps)
+    return out
+
+
+def _set_threads(threads: int, world: World) -> None:
+    """``threads`` per process; under several local processes, the cores shared among them."""
+    if threads:
+        torch.set_num_threads(threads)
+    elif world.distributed:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def read_metrics(out: Path) -> list[dict[str, Any]]:

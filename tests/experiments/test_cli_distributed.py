@@ -1,0 +1,90 @@
+"""``bigbatch train --nproc N``: DDP runs through torch's launcher, killed and resumed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+SMALL = [
+    "--quiet",
+    "--set",
+    "task=digits",
+    "--set",
+    "eval_every=10",
+    "--set",
+    "checkpoint_every=5",
+    "--set",
+    "batch.initial=32",
+]
+
+
+def bigbatch(*args, wait=True):
+    command = [sys.executable, "-m", "bigbatch.cli", *map(str, args)]
+    if not wait:
+        return subprocess.Popen(command, start_new_session=True)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def rows(run):
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        row.pop("wall_seconds")
+        out.append(row)
+    return out
+
+
+def test_two_processes_train_like_one_on_the_same_batches(tmp_path):
+    constant = [*SMALL, "--set", "batch.controller=constant", "--set", "max_samples=3000"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert bigbatch("train", *constant, "--out", one).returncode == 0
+    result = bigbatch("train", *constant, "--nproc", 2, "--out", two)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("best accuracy") == 1  # rank 0 reports, once
+    a, b = rows(one), rows(two)
+    assert [r["batch_size"] for r in a] == [r["batch_size"] for r in b]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-4)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["processes"] == 2
+    assert summary["statistics_bytes_per_step"] == 5 * 8  # 2 groups: 2·2 + 1 float64
+    assert summary["best_accuracy"] == pytest.approx(
+        json.loads((one / "summary.json").read_text())["best_accuracy"], abs=0.01
+    )
+
+
+def kill_after_first_checkpoint(run, *args):
+    process = bigbatch("train", *args, "--out", run, wait=False)
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoint.pt").exists():
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def test_a_killed_two_process_run_resumes_with_two_or_one(tmp_path):
+    args = [*SMALL, "--set", "max_samples=40000", "--nproc", 2]
+    straight = tmp_path / "straight"
+    assert bigbatch("train", *args, "--out", straight).returncode == 0
+
+    killed = tmp_path / "killed"
+    kill_after_first_checkpoint(killed, *args)
+    assert not (killed / "summary.json").exists()
+    again = tmp_path / "again"
+    subprocess.run(["cp", "-r", str(killed), str(again)], check=True)
+
+    result = bigbatch("train", "--quiet", "--resume", killed, "--nproc", 2)
+    assert result.returncode == 0, result.stderr
+    assert rows(killed) == rows(straight)
+
+    # another number of processes continues the run (not bitwise)
+    result = bigbatch("train", "--quiet", "--resume", again)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((again / "summary.json").read_text())
+    assert summary["samples"] >= 40000 and summary["processes"] == 1
+    assert summary["best_accuracy"] > 0.8
