@@ -219,9 +219,9 @@ def resume_run(steps: int, path: str) -> dict:
     return record
 
 
-def hook_with_inner(steps: int) -> dict:
-    """The two-group hook around torch's own all-reduce hook, against plain DDP."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def hook_with_inner(steps: int, inner: str) -> dict:
+    """The two-group hook around torch's all-reduce or PowerSGD hook, against plain DDP."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from bigbatch.dist import TwoGroupCosine
 
@@ -230,7 +230,15 @@ def hook_with_inner(steps: int) -> dict:
 
     model = DDP(make_model())
     optimizer = torch.optim.SGD(param_groups(model), lr=0.05)
-    hook = TwoGroupCosine(param_groups(model), inner=default_hooks.allreduce_hook)
+    if inner == "allreduce":
+        hook = TwoGroupCosine(param_groups(model), inner=default_hooks.allreduce_hook)
+    else:
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        hook = TwoGroupCosine(
+            param_groups(model), inner=powerSGD_hook.powerSGD_hook, inner_state=state
+        )
     model.register_comm_hook(None, hook)
     wrapped = AdaptiveBatch(
         model,

@@ -97,11 +97,16 @@ def test_resume_with_another_number_of_ranks_continues(cluster2, cluster4, tmp_p
 
 
 def test_two_group_hook_wraps_another_hook_without_changing_the_gradient(cluster2):
-    results = cluster2.run(programs.hook_with_inner, 5)
+    results = cluster2.run(programs.hook_with_inner, 5, "allreduce")
     torch.testing.assert_close(results[0]["wrapped"], results[0]["plain"])
     assert results[0]["cosines"] == results[1]["cosines"]
     assert all(-1 <= c <= 1 for c in results[0]["cosines"])
     assert results[0]["extra_bytes"] > 0
+    # around PowerSGD the model gets the compressed gradient, the cosine the exact one
+    compressed = cluster2.run(programs.hook_with_inner, 5, "powersgd")
+    assert compressed[0]["cosines"][0] == results[0]["cosines"][0]
+    assert not torch.allclose(compressed[0]["wrapped"], results[0]["wrapped"])
+    assert torch.equal(compressed[0]["wrapped"], compressed[1]["wrapped"])
 
 
 def test_scalar_similarity_agrees_with_the_exact_two_group_cosine(cluster):
