@@ -35,6 +35,7 @@ from .batch.lr import Schedule, check_lr_rule, lr_factor, scaled_lr
 from .batch.plan import micro_batch_sizes, split_by_weight
 from .batch.sampler import VariableBatchSampler, shard_batch
 from .dist.world import World
+from .optim.wrapper import StatisticsWrapper
 from .stats.collector import GradientStats, MicroBatchStatistics
 
 __all__ = ["AdaptiveBatch", "Step"]
@@ -240,6 +241,16 @@ class AdaptiveBatch:
                 f"{type(self.controller).__name__} with lr_scaling={lr_scaling!r} needs "
                 "statistics=True"
             )
+        if isinstance(optimizer, StatisticsWrapper):
+            # VRGD and AGVM read each step's statistics
+            if not statistics:
+                raise ValueError(f"{type(optimizer).__name__} needs statistics=True")
+            gsnr = gsnr or "gsnr" in optimizer.requirements()
+            wrapper: Any = optimizer
+            while isinstance(wrapper, StatisticsWrapper):
+                if hasattr(wrapper, "check_sub_batches"):
+                    wrapper.check_sub_batches(self.min_sub_batches * self.world.size)
+                wrapper = wrapper.base
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
@@ -427,6 +438,8 @@ class AdaptiveBatch:
             scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
             stats = self.stats.finish(loss_scale=scale, loss=self._loss_sum)
             metrics.update(stats.as_floats())  # the one host sync of the step
+            if isinstance(self.optimizer, StatisticsWrapper):
+                self.optimizer.observe(stats)
         else:
             loss = self._loss_sum.double() / self.world.size
             metrics["loss"] = float(self.world.all_reduce_sum(loss[None])[0])
@@ -448,6 +461,8 @@ class AdaptiveBatch:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+        if isinstance(self.optimizer, StatisticsWrapper):
+            metrics.update(self.optimizer.metrics())
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.samples += batch

@@ -1,17 +1,38 @@
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
-from bigbatch.optim import LAMB, LARS, MERIT, OPTIMIZERS, create_optimizer, list_optimizers
+from bigbatch.optim import (
+    LAMB,
+    LARS,
+    MERIT,
+    OPTIMIZERS,
+    FewSubBatchesWarning,
+    StatisticsWrapper,
+    create_optimizer,
+    list_optimizers,
+)
+from bigbatch.stats import MicroBatchStatistics
 
 
 def test_every_name_builds_an_optimizer_that_steps():
     for name in list_optimizers():
         model = nn.Linear(4, 2)
         optimizer = create_optimizer(model, name, lr=0.01)
-        model(torch.randn(3, 4)).sum().backward()
+        stats = MicroBatchStatistics(optimizer.param_groups, gsnr=True)
+        sizes = [3, 3, 3, 3]
+        stats.begin(sizes)
+        for i in range(4):
+            stats.before_backward(i)
+            (model(torch.randn(3, 4)).square().sum() / 4).backward()
+        if isinstance(optimizer, StatisticsWrapper):  # VRGD reads the step's GSNR
+            optimizer.observe(stats.finish())
         before = model.weight.detach().clone()
-        optimizer.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FewSubBatchesWarning)
+            optimizer.step()
         assert not torch.equal(model.weight, before), name
 
 

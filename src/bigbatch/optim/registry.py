@@ -20,6 +20,7 @@ from .lamb import LAMB
 from .lars import LARS
 from .merit import MERIT
 from .param_groups import param_groups
+from .vrgd import VRGD
 
 __all__ = [
     "OPTIMIZERS",
@@ -47,6 +48,31 @@ class OptimizerInfo:
 def _info(name: str, factory: Callable, paper: str, summary: str, **defaults: Any) -> OptimizerInfo:
     return OptimizerInfo(name, factory, paper, summary, MappingProxyType(defaults))
 
+
+def with_vrgd(base: Callable[..., torch.optim.Optimizer], gsnr_momentum: float) -> Callable:
+    """A factory taking ``base``'s arguments plus VRGD's, building ``VRGD(base(...))``."""
+    vr_names = ("gamma", "normalizer", "gsnr_momentum")
+
+    def factory(params: Any, **kwargs: Any) -> VRGD:
+        vr = {k: kwargs.pop(k) for k in vr_names if k in kwargs}
+        return VRGD(base(params, **kwargs), **{"gsnr_momentum": gsnr_momentum, **vr})
+
+    signature = inspect.signature(base)
+    extra = [
+        inspect.Parameter("gamma", inspect.Parameter.KEYWORD_ONLY, default=0.1),
+        inspect.Parameter("normalizer", inspect.Parameter.KEYWORD_ONLY, default="mean"),
+        inspect.Parameter("gsnr_momentum", inspect.Parameter.KEYWORD_ONLY, default=gsnr_momentum),
+    ]
+    own = [q for q in signature.parameters.values() if q.kind != inspect.Parameter.VAR_KEYWORD]
+    factory.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
+    factory.__name__ = f"vr_{getattr(base, '__name__', 'optimizer').lower()}"
+    return factory
+
+
+_VRGD = (
+    "Accelerating Large Batch Training via Gradient Signal to Noise Ratio (GSNR), "
+    "arXiv:2309.13681 (2023)"
+)
 
 _LAMB = "You et al. 2019, Large Batch Optimization for Deep Learning, arXiv:1904.00962"
 _LARS = (
@@ -89,6 +115,29 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
                 torch.optim.AdamW,
                 "Loshchilov & Hutter 2019, Decoupled Weight Decay Regularization, arXiv:1711.05101",
                 "torch.optim.AdamW",
+            ),
+            _info(
+                "vr-sgd", with_vrgd(torch.optim.SGD, 0.0), _VRGD, "SGD on the GSNR-scaled gradient"
+            ),
+            _info(
+                "vr-momentum",
+                with_vrgd(torch.optim.SGD, 0.0),
+                _VRGD,
+                "momentum SGD (0.9) on the GSNR-scaled gradient",
+                momentum=0.9,
+            ),
+            _info(
+                "vr-adam",
+                with_vrgd(torch.optim.AdamW, 0.9),
+                _VRGD,
+                "AdamW on the GSNR-scaled gradient, momentum 0.9 on the ratio",
+            ),
+            _info("vr-lars", with_vrgd(LARS, 0.0), _VRGD, "LARS on the GSNR-scaled gradient"),
+            _info(
+                "vr-lamb",
+                with_vrgd(LAMB, 0.9),
+                _VRGD,
+                "LAMB on the GSNR-scaled gradient, momentum 0.9 on the ratio",
             ),
         )
     }

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from .._tensors import dots, norms
 from ..dist.world import World
-from .estimators import ema_update, half_split_cosine, noise_from_mean, scalar_similarity
+from .estimators import ema_update, half_split_cosine, noise_from_mean, scalar_halves
 
 SIMILARITY_MODES = ("split", "scalar")
 
@@ -61,6 +61,10 @@ class GradientStats:
     gsnr: list[Tensor] | None = field(default=None, repr=False)
     #: the batch's mean loss, when the caller passed its local share to ``finish``
     loss: Tensor | None = None
+    #: per group, ``(|g_A|², |g_B|², <g_A, g_B>)`` (measured, or their scalar
+    #: estimates), shape ``(3, groups)``: the cosine of any set of groups
+    #: is ``Σ dot / sqrt(Σ sq_a · Σ sq_b)`` over its columns (AGVM's module groups)
+    group_halves: Tensor | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -284,14 +288,13 @@ class MicroBatchStatistics:
         signal, trace = signal_g.sum(), trace_g.sum()
         size_a = sum(self._half_sizes())
         if self.similarity == "scalar":
-            group_similarity = scalar_similarity(
+            sq_a, sq_b, dot_ab = scalar_halves(
                 signal_g, trace_g, size_a, total - size_a, self.dataset_size
             )
-            similarity = scalar_similarity(signal, trace, size_a, total - size_a, self.dataset_size)
         else:
             sq_a, sq_b, dot_ab = self._split(grads)
-            group_similarity = half_split_cosine(sq_a, sq_b, dot_ab)
-            similarity = half_split_cosine(sq_a.sum(), sq_b.sum(), dot_ab.sum())
+        group_similarity = half_split_cosine(sq_a, sq_b, dot_ab)
+        similarity = half_split_cosine(sq_a.sum(), sq_b.sum(), dot_ab.sum())
 
         beta = self.ema_beta
         ema_update(self._signal_ema, signal, beta)
@@ -313,6 +316,7 @@ class MicroBatchStatistics:
             sizes=all_sizes,
             gsnr=gsnr,
             loss=loss_sum.float() if loss is not None else None,
+            group_halves=torch.stack([sq_a, sq_b, dot_ab]).float(),
         )
 
     def _half_sizes(self) -> list[int]:

@@ -88,8 +88,28 @@ def noise_from_mean(
 
 
 def half_split_cosine(sq_a: Tensor, sq_b: Tensor, dot_ab: Tensor, eps: float = 1e-30) -> Tensor:
-    """``<g_A, g_B> / (|g_A| |g_B|)`` from the squared norms and the dot product."""
-    return dot_ab / (sq_a.clamp(min=eps) * sq_b.clamp(min=eps)).sqrt()
+    """``<g_A, g_B> / (|g_A| |g_B|)`` from the squared norms and the dot product, in [-1, 1]."""
+    return (dot_ab / (sq_a.clamp(min=eps) * sq_b.clamp(min=eps)).sqrt()).clamp(-1.0, 1.0)
+
+
+def scalar_halves(
+    signal: Tensor,
+    trace: Tensor,
+    size_a: float,
+    size_b: float,
+    dataset_size: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Expected ``(|g_A|², |g_B|², <g_A, g_B>)`` of two halves, from ``|G|²`` and ``tr Σ``.
+
+    ``E<g_A, g_B> = |G|² - trΣ/(N-1)`` (zero covariance with replacement) and
+    ``E|g_X|² = |G|² + trΣ φ(B_X)`` with ``φ = inverse_size`` (REFERENCE.md §1).
+    """
+    cross = signal
+    if dataset_size is not None and not math.isinf(dataset_size) and dataset_size > 1:
+        cross = signal - trace / (float(dataset_size) - 1)
+    sq_a = signal + trace * inverse_size(size_a, dataset_size)
+    sq_b = signal + trace * inverse_size(size_b, dataset_size)
+    return sq_a, sq_b, cross
 
 
 def scalar_similarity(
@@ -98,23 +118,16 @@ def scalar_similarity(
     size_a: float,
     size_b: float,
     dataset_size: float | None = None,
-    eps: float = 1e-30,
 ) -> Tensor:
     """The half-split cosine estimated from ``|G|²`` and ``tr Σ`` alone (REFERENCE.md §1).
 
-    ``E<g_A, g_B> = |G|² - trΣ/(N-1)`` (zero covariance with replacement) and
-    ``E|g_X|² = |G|² + trΣ φ(B_X)`` with ``φ = inverse_size``, so
     ``s ≈ E<g_A, g_B> / sqrt(E|g_A|² E|g_B|²)`` for halves of ``size_a`` and
-    ``size_b`` samples. Fed with one step's unbiased estimates (from all ``k``
-    sub-batches, not one split) it needs no gradient-sized traffic under DDP;
-    clamped to [-1, 1] like the cosine it estimates.
+    ``size_b`` samples (:func:`scalar_halves`). Fed with one step's unbiased
+    estimates (from all ``k`` sub-batches, not one split) it needs no
+    gradient-sized traffic under DDP; clamped to [-1, 1] like the cosine it
+    estimates.
     """
-    cross = signal
-    if dataset_size is not None and not math.isinf(dataset_size) and dataset_size > 1:
-        cross = signal - trace / (float(dataset_size) - 1)
-    sq_a = (signal + trace * inverse_size(size_a, dataset_size)).clamp(min=eps)
-    sq_b = (signal + trace * inverse_size(size_b, dataset_size)).clamp(min=eps)
-    return (cross / (sq_a * sq_b).sqrt()).clamp(-1.0, 1.0)
+    return half_split_cosine(*scalar_halves(signal, trace, size_a, size_b, dataset_size))
 
 
 def expected_similarity(b_simple: float, size_a: float, size_b: float | None = None) -> float:

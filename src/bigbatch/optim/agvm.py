@@ -1,0 +1,234 @@
+"""AGVM: module-wise gradient variance modulation (Xue et al. 2022, arXiv 2205.13466).
+
+Large-batch detection training diverges when the modules (backbone, neck,
+head) see gradient variances of very different size. AGVM measures, per
+module group, the disagreement of the two half-batch gradients,
+``D_i = 1 - cos(g_A⁽ⁱ⁾, g_B⁽ⁱ⁾)``, every ``interval`` steps after ``start``;
+rescales each group's learning rate by a smoothed
+``μ_i ← m μ_i + (1 - m) sqrt(clamp((D_0 + 1e-6)/(D_i + 1e-6), 0.5, 10))``
+relative to the reference group 0; and multiplies group ``i``'s LR by ``μ_i``
+around every step (REFERENCE.md §7). The cosines come from
+``bigbatch.stats`` (``GradientStats.group_halves``), so under DDP they cost
+scalars, not the authors' all-gather of half gradients.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._base import check_number
+from .param_groups import param_groups
+from .wrapper import StatisticsWrapper
+
+__all__ = ["AGVM", "MODULE_RULES", "module_groups", "module_param_groups"]
+
+#: built-in module-group rules: group name -> name patterns (``fnmatch`` on
+#: parameter names, first match wins); ``"top"`` and ``"ends"`` are computed
+MODULE_RULES: Mapping[str, Mapping[str, Sequence[str]]] = {
+    "detection": {
+        "backbone": ["backbone.*"],
+        "neck": ["neck.*", "fpn.*"],
+        "head": ["*head*", "roi_*", "rpn*"],
+    },
+    "transformer": {
+        "embedding": ["*embed*", "wte.*", "wpe.*", "pos*"],
+        "blocks": ["blocks.*", "layers.*", "h.*", "encoder.*", "decoder.*", "transformer.*"],
+        "head": ["*head*", "norm.*", "ln_f.*", "classifier.*", "fc.*"],
+    },
+}
+COMPUTED_RULES = ("top", "ends")
+
+
+#: a built-in rule's name, or group names mapped to parameter-name patterns
+Rule = str | Mapping[str, Sequence[str]]
+
+
+def module_groups(model: nn.Module, rule: Rule) -> dict[str, list[str]]:
+    """Parameter names of ``model`` by module group, in the rule's group order.
+
+    ``rule`` is a built-in name: ``"top"`` (one group per top-level child),
+    ``"ends"`` (the first top-level child with parameters, the last one, and
+    the rest as ``"body"``), ``"detection"`` (backbone / neck / head) or
+    ``"transformer"`` (embedding / blocks / head); or a mapping of group names
+    to ``fnmatch`` patterns of parameter names. Every trainable parameter must
+    land in a group; the first group is AGVM's reference.
+    """
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if isinstance(rule, str) and rule in COMPUTED_RULES:
+        owners: dict[str, list[str]] = {}
+        for name in names:
+            owners.setdefault(name.split(".", 1)[0], []).append(name)
+        if rule == "top":
+            return owners
+        children = list(owners)
+        if len(children) < 3:
+            raise ValueError(
+                f"rule 'ends' needs at least 3 top-level modules with parameters, the model "
+                f"has {children}"
+            )
+        body = [n for c in children[1:-1] for n in owners[c]]
+        return {"first": owners[children[0]], "body": body, "last": owners[children[-1]]}
+    if isinstance(rule, str):
+        if rule not in MODULE_RULES:
+            known = ", ".join([*COMPUTED_RULES, *MODULE_RULES])
+            raise ValueError(f"unknown module-group rule {rule!r} (known: {known})")
+        rule = MODULE_RULES[rule]
+    groups: dict[str, list[str]] = {g: [] for g in rule}
+    for name in names:
+        group = next(
+            (
+                g
+                for g, patterns in rule.items()
+                if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+            ),
+            None,
+        )
+        if group is None:
+            raise ValueError(
+                f"parameter {name!r} matches no module group of the rule ({', '.join(rule)})"
+            )
+        groups[group].append(name)
+    return {g: members for g, members in groups.items() if members}
+
+
+def module_param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    rule: Rule = "ends",
+    *,
+    no_decay: Iterable[str] = (),
+) -> list[dict[str, Any]]:
+    """:func:`~bigbatch.optim.param_groups` within each module group, tagged ``agvm_group``.
+
+    Example:
+        >>> groups = module_param_groups(model, 0.05, "detection")
+        >>> optimizer = AGVM(torch.optim.AdamW(groups, lr=1e-3))
+    """
+    by_name = dict(model.named_parameters())
+    decayed = {
+        id(p)
+        for g in param_groups(model, weight_decay, no_decay=no_decay)
+        for p in g["params"]
+        if g["weight_decay"]
+    }
+    out = []
+    for group, names in module_groups(model, rule).items():
+        params = [by_name[n] for n in names]
+        for decays in (True, False):
+            members = [p for p in params if (id(p) in decayed) == decays]
+            if members:
+                out.append(
+                    {
+                        "params": members,
+                        "weight_decay": weight_decay if decays else 0.0,
+                        "agvm_group": group,
+                    }
+                )
+    return out
+
+
+class AGVM(StatisticsWrapper):
+    """Scale each module group's learning rate by its gradient-variance multiplier μ (AGVM).
+
+    Module groups are the param groups' ``agvm_group`` tags (from
+    :func:`module_param_groups`), or each param group on its own when untagged;
+    the first group is the reference (μ₀ stays 1).
+
+    Args:
+        base: the optimizer to wrap (SGD, AdamW, LAMB, ...).
+        interval: steps between updates of μ (default 5).
+        start: steps before the first update (default 500; μ = 1 until then).
+        momentum: m of μ's moving average (default 0.97).
+        bounds: the clamp of the variance ratio before the square root ((0.5, 10)).
+    """
+
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        interval: int = 5,
+        start: int = 500,
+        momentum: float = 0.97,
+        bounds: tuple[float, float] = (0.5, 10.0),
+    ) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval must be a positive whole number, got {interval!r}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be a whole number ≥ 0, got {start!r}")
+        momentum = check_number("momentum", momentum)
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        low, high = (check_number("bounds", b) for b in bounds)
+        if not 0 < low <= high:
+            raise ValueError(f"bounds must satisfy 0 < low <= high, got {bounds!r}")
+        self.interval, self.start, self.momentum, self.bounds = (
+            interval,
+            start,
+            momentum,
+            (low, high),
+        )
+        super().__init__(base)
+        names: list[str] = []
+        self._group_of_param_group = []
+        for i, group in enumerate(self.param_groups):
+            name = str(group.get("agvm_group", f"group{i}"))
+            if name not in names:
+                names.append(name)
+            self._group_of_param_group.append(names.index(name))
+        if len(names) < 2:
+            raise ValueError(
+                "AGVM needs at least 2 module groups: build the param groups with "
+                "module_param_groups(model, weight_decay, rule)"
+            )
+        self.group_names = names
+        #: μ per module group, the reference first
+        self.multipliers = [1.0] * len(names)
+        self._steps = 0
+
+    def update(self, group_halves: torch.Tensor) -> None:
+        """One μ update from the ``(3, param groups)`` half statistics of a step."""
+        index = torch.tensor(self._group_of_param_group, device=group_halves.device)
+        parts = torch.zeros(3, len(self.group_names), dtype=torch.float64, device=index.device)
+        parts.index_add_(1, index, group_halves.double())
+        sq_a, sq_b, dot = parts
+        cosine = (dot / (sq_a.clamp(min=1e-30) * sq_b.clamp(min=1e-30)).sqrt()).clamp(-1, 1)
+        disagreement = 1 - cosine
+        low, high = self.bounds
+        ratio = ((disagreement[0] + 1e-6) / (disagreement + 1e-6)).clamp(low, high).sqrt()
+        m = self.momentum
+        self.multipliers = [m * mu + (1 - m) * s for mu, s in zip(self.multipliers, ratio.tolist())]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        stats = self._take_stats()
+        self._steps += 1
+        if self._steps > self.start and (self._steps - self.start) % self.interval == 0:
+            if stats.group_halves is None:
+                raise RuntimeError(
+                    "AGVM needs per-group half statistics (GradientStats.group_halves)"
+                )
+            self.update(stats.group_halves)
+        saved = [group["lr"] for group in self.param_groups]
+        try:
+            for group, owner in zip(self.param_groups, self._group_of_param_group):
+                group["lr"] = group["lr"] * self.multipliers[owner]
+            return self.base.step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, saved):
+                group["lr"] = lr
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"agvm/{n}": mu for n, mu in zip(self.group_names, self.multipliers)}
+        return {**super().metrics(), **out}
+
+    def _wrapper_state(self) -> dict[str, Any]:
+        return {"multipliers": list(self.multipliers), "steps": self._steps}
+
+    def _load_wrapper_state(self, state: dict[str, Any]) -> None:
+        self.multipliers = [float(m) for m in state["multipliers"]]
+        self._steps = int(state["steps"])

@@ -1,0 +1,143 @@
+"""VRGD: gradient signal-to-noise ratio scaling on top of any optimizer (arXiv 2309.13681).
+
+Each step the element-wise GSNR of the sub-batch gradients, ``r = ḡ²/σ²``
+(``σ²`` their weighted population variance, from a Welford pass in
+``bigbatch.stats``), is normalised per parameter tensor so its mean (or
+median) is 1, clipped to ``[γ, 1]``, optionally smoothed by a momentum, and
+multiplies the gradient the base optimizer sees: coordinates whose sub-batch
+gradients disagree are damped, the consistent ones pass unchanged
+(REFERENCE.md §6). The paper publishes no code; this follows its equations.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._checks import choice
+from ._base import check_number
+from .wrapper import StatisticsWrapper
+
+__all__ = ["MIN_SUB_BATCHES", "VRGD", "FewSubBatchesWarning", "gsnr_ratio"]
+
+#: below this many sub-batches the per-layer normaliser is set by outliers
+#: (``(k-1) r`` ~ F(1, k-1) has an infinite mean for k ≤ 3)
+MIN_SUB_BATCHES = 4
+#: the paper's smallest setting; below it VRGD warns
+ADVISED_SUB_BATCHES = 8
+NORMALIZERS = ("mean", "median")
+
+
+class FewSubBatchesWarning(UserWarning):
+    """VRGD runs with fewer than 8 sub-batches: its GSNR estimate is heavy-tailed."""
+
+
+def gsnr_ratio(gsnr: Tensor, gamma: float, normalizer: str = "mean") -> Tensor:
+    """``clamp(r / center(r), γ, 1)`` for one parameter tensor's element-wise GSNR ``r``."""
+    center = gsnr.mean() if normalizer == "mean" else gsnr.flatten().median()
+    return (gsnr / center.clamp(min=torch.finfo(gsnr.dtype).tiny)).clamp_(gamma, 1.0)
+
+
+class VRGD(StatisticsWrapper):
+    """Feed ``r ⊙ g`` to ``base``, with ``r`` the normalised, clipped GSNR (VRGD, arXiv 2309.13681).
+
+    Args:
+        base: the optimizer to wrap (SGD, momentum SGD, Adam/AdamW, LARS, LAMB, ...).
+        gamma: lower clip of the ratio (the paper: 0.1; good range 0.04-0.2).
+        normalizer: ``"mean"`` (the paper) or ``"median"`` (robust to the
+            heavy tail of a GSNR estimated from few sub-batches).
+        gsnr_momentum: β3 of an exponential moving average of the ratio,
+            bias-corrected (the paper's VR-Adam: 0.9); 0 uses each step's ratio.
+
+    Needs at least 4 sub-batches per step and warns below 8; ``AdaptiveBatch``
+    collects the GSNR when its optimizer is a VRGD. Example::
+
+        optimizer = VRGD(LAMB(param_groups(model, 0.01), lr=2e-3), gamma=0.1, gsnr_momentum=0.9)
+        loop = bb.AdaptiveBatch(model, optimizer, data, min_sub_batches=8)
+    """
+
+    needs = frozenset({"gsnr"})
+
+    def __init__(
+        self,
+        base: torch.optim.Optimizer,
+        *,
+        gamma: float = 0.1,
+        normalizer: str = "mean",
+        gsnr_momentum: float = 0.0,
+    ) -> None:
+        gamma = check_number("gamma", gamma)
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
+        gsnr_momentum = check_number("gsnr_momentum", gsnr_momentum)
+        if not 0 <= gsnr_momentum < 1:
+            raise ValueError(f"gsnr_momentum must be in [0, 1), got {gsnr_momentum!r}")
+        self.gamma = gamma
+        self.normalizer = choice("normalizer", normalizer, NORMALIZERS)
+        self.gsnr_momentum = gsnr_momentum
+        super().__init__(base)
+        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._ratio_avg: list[Tensor] | None = None
+        self._steps = 0
+
+    def check_sub_batches(self, count: int) -> None:
+        """Refuse fewer than 4 sub-batches per step; warn below 8 (REFERENCE.md §6)."""
+        if count < MIN_SUB_BATCHES:
+            raise ValueError(
+                f"VRGD needs at least {MIN_SUB_BATCHES} sub-batches per step to estimate the "
+                f"gradient variance, got {count}: raise min_sub_batches (more micro-batches) "
+                "or train on more ranks"
+            )
+        if count < ADVISED_SUB_BATCHES:
+            warnings.warn(
+                f"VRGD with {count} sub-batches per step: the GSNR of few sub-batches is "
+                f"heavy-tailed (the paper uses {ADVISED_SUB_BATCHES} or more); consider "
+                "min_sub_batches=8 or normalizer='median'",
+                FewSubBatchesWarning,
+                stacklevel=3,
+            )
+
+    def ratios(self, gsnr: list[Tensor]) -> list[Tensor]:
+        """This step's multipliers for the gradients (updates the momentum)."""
+        if len(gsnr) != len(self._params):
+            raise ValueError(
+                f"GSNR for {len(gsnr)} tensors, but the optimizer has {len(self._params)} "
+                "trainable parameters: build the statistics from this optimizer's param_groups"
+            )
+        ratios = [gsnr_ratio(r, self.gamma, self.normalizer) for r in gsnr]
+        if self.gsnr_momentum == 0:
+            return ratios
+        beta = self.gsnr_momentum
+        if self._ratio_avg is None:
+            self._ratio_avg = [torch.zeros_like(r) for r in ratios]
+        torch._foreach_lerp_(self._ratio_avg, ratios, 1 - beta)
+        self._steps += 1
+        correction = 1 - beta**self._steps
+        return [avg / correction for avg in self._ratio_avg]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        stats = self._take_stats()
+        if stats.gsnr is None:
+            raise RuntimeError("VRGD needs the element-wise GSNR: collect it with gsnr=True")
+        self.check_sub_batches(len(stats.sizes))
+        present = [
+            (p, r) for p, r in zip(self._params, self.ratios(stats.gsnr)) if p.grad is not None
+        ]
+        if present:
+            torch._foreach_mul_([p.grad for p, _ in present], [r for _, r in present])
+        return self.base.step(closure)
+
+    def _wrapper_state(self) -> dict[str, Any]:
+        return {
+            "ratio_avg": [r.clone() for r in self._ratio_avg] if self._ratio_avg else None,
+            "steps": self._steps,
+        }
+
+    def _load_wrapper_state(self, state: dict[str, Any]) -> None:
+        saved = state["ratio_avg"]
+        self._ratio_avg = [r.to(p.device) for r, p in zip(saved, self._params)] if saved else None
+        self._steps = int(state["steps"])

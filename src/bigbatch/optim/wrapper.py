@@ -1,0 +1,86 @@
+"""The common shape of optimizers that modulate another one from gradient statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..stats.collector import GradientStats
+
+__all__ = ["StatisticsWrapper"]
+
+
+class StatisticsWrapper(torch.optim.Optimizer):
+    """Wraps ``base`` and shares its param groups and state (timm's Lookahead pattern).
+
+    The wrapper is a ``torch.optim.Optimizer``, so LR schedulers, ``GradScaler``
+    and bigbatch's LR rules work on it: they change ``param_groups``, which
+    are the base optimizer's own dicts. Subclasses read each step's
+    :class:`~bigbatch.stats.GradientStats` in :meth:`observe` (``AdaptiveBatch``
+    calls it before every ``step``) and name what they need in ``needs``
+    (``"gsnr"`` makes ``AdaptiveBatch`` collect the element-wise GSNR).
+    """
+
+    needs: frozenset[str] = frozenset()
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        if not isinstance(base, torch.optim.Optimizer):
+            raise TypeError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
+        self.base = base
+        # Optimizer.__init__ keeps the group dicts it is given: they stay shared
+        super().__init__(base.param_groups, base.defaults)
+        self.state = base.state
+        self._stats: GradientStats | None = None
+
+    def observe(self, stats: GradientStats) -> None:
+        """The statistics of the step about to be taken (passed on to a wrapped wrapper)."""
+        self._stats = stats
+        if isinstance(self.base, StatisticsWrapper):
+            self.base.observe(stats)
+
+    def requirements(self) -> frozenset[str]:
+        """What this wrapper and any wrapper inside it need collected."""
+        inner = (
+            self.base.requirements() if isinstance(self.base, StatisticsWrapper) else frozenset()
+        )
+        return self.needs | inner
+
+    def metrics(self) -> dict[str, float]:
+        """Values worth logging after a step (none by default)."""
+        return self.base.metrics() if isinstance(self.base, StatisticsWrapper) else {}
+
+    def _take_stats(self) -> GradientStats:
+        stats, self._stats = self._stats, None
+        if stats is None:
+            raise RuntimeError(
+                f"{type(self).__name__} needs the step's gradient statistics: train with "
+                "bigbatch.AdaptiveBatch, or call observe(stats) before step()"
+            )
+        return stats
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if any(param_group is g for g in self.base.param_groups):
+            super().add_param_group(param_group)  # during __init__: the base's own groups
+            return
+        self.base.add_param_group(param_group)
+        super().add_param_group(self.base.param_groups[-1])
+
+    # --- state: the base's, plus the wrapper's own under its name
+
+    def _wrapper_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_wrapper_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"base": self.base.state_dict(), "wrapper": self._wrapper_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.base.load_state_dict(state_dict["base"])
+        self.state = self.base.state
+        self._load_wrapper_state(state_dict["wrapper"])
