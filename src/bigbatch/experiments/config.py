@@ -129,6 +129,30 @@ def _keys() -> list[Key]:
         ),
         Key("schedule.warmup", 0.05, "warm-up, as a fraction of max_samples", low=0, high=1),
         Key("dist.compression", "none", "gradient compression (distributed runs)", ("none",)),
+        Key(
+            "vrgd.gamma",
+            0.1,
+            "vr-* optimizers: lower clip of the GSNR ratio",
+            low=0,
+            high=1,
+            low_open=True,
+        ),
+        Key(
+            "vrgd.normalizer",
+            "mean",
+            "vr-* optimizers: per-tensor GSNR normaliser",
+            ("mean", "median"),
+        ),
+        Key("agvm", False, "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)"),
+        Key(
+            "agvm_rule",
+            "ends",
+            "AGVM module groups: top-level children, first/body/last, or by name",
+            ("top", "ends", "detection", "transformer"),
+        ),
+        Key("agvm_interval", 5, "AGVM: steps between multiplier updates", low=1),
+        Key("agvm_start", 50, "AGVM: steps before the first update (paper: 500)", low=0),
+        Key("agvm_momentum", 0.97, "AGVM: momentum of the multipliers", low=0, high=0.999),
     ]
 
 
@@ -232,6 +256,11 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"batch.initial ({config['batch.initial']}) is outside "
             f"[batch.min, batch.max] = [{config['batch.min']}, {config['batch.max']}]"
+        )
+    if config["optimizer"].startswith("vr-") and config["min_sub_batches"] < 4:
+        raise ConfigError(
+            f"optimizer {config['optimizer']!r} needs min_sub_batches >= 4 (VRGD estimates a "
+            f"variance over the sub-batches), got {config['min_sub_batches']}"
         )
     if config["batch.min"] < config["min_sub_batches"]:
         raise ConfigError(

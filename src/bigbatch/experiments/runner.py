@@ -30,7 +30,7 @@ from .. import schedules
 from ..batch import Constant, NoiseScale, Ramp, SimiGrad
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
-from ..optim import create_optimizer, get_optimizer_info
+from ..optim import AGVM, create_optimizer, get_optimizer_info, module_param_groups
 from .config import ConfigError, load_toml, resolve, to_toml
 from .tasks import TASKS, Problem
 
@@ -80,14 +80,34 @@ def make_schedule(config: dict[str, Any]):
 def build(config: dict[str, Any], world: World | None = None) -> tuple[Problem, AdaptiveBatch]:
     """The task's problem and the loop that trains it (its model wrapped in DDP on 2+ ranks)."""
     problem = TASKS[config["task"]].build(config)
+    try:
+        return problem, _loop(config, problem, world)
+    except ValueError as err:  # settings the loop or an optimizer refuses
+        raise ConfigError(str(err)) from None
+
+
+def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> AdaptiveBatch:
     options: dict[str, Any] = {"lr": config["lr"], "weight_decay": config["weight_decay"]}
-    if "impl" in get_optimizer_info(config["optimizer"]).signature().parameters:
+    accepted = get_optimizer_info(config["optimizer"]).signature().parameters
+    if "impl" in accepted:
         options["impl"] = config["optimizer_impl"]
-    optimizer = create_optimizer(problem.model, config["optimizer"], **options)
+    if "gamma" in accepted:  # the vr-* optimizers
+        options.update(gamma=config["vrgd.gamma"], normalizer=config["vrgd.normalizer"])
+    params: Any = problem.model
+    if config["agvm"]:
+        params = module_param_groups(problem.model, config["weight_decay"], config["agvm_rule"])
+    optimizer = create_optimizer(params, config["optimizer"], **options)
+    if config["agvm"]:
+        optimizer = AGVM(
+            optimizer,
+            interval=config["agvm_interval"],
+            start=config["agvm_start"],
+            momentum=config["agvm_momentum"],
+        )
     model: nn.Module = problem.model
     if world is not None and world.distributed:
         model = nn.parallel.DistributedDataParallel(model, process_group=world.group)
-    loop = AdaptiveBatch(
+    return AdaptiveBatch(
         model,
         optimizer,
         problem.train,
@@ -100,7 +120,6 @@ def build(config: dict[str, Any], world: World | None = None) -> tuple[Problem, 
         similarity=None if config["batch.similarity"] == "auto" else config["batch.similarity"],
         seed=config["seed"],
     )
-    return problem, loop
 
 
 def new_run_dir(root: str | Path = "runs", task: str = "run") -> Path:
@@ -254,6 +273,10 @@ def _write_summary(
         **traffic,
         **problem.info,
     }
+    if problem.evaluate_train is not None and evals:
+        train_accuracy = problem.evaluate_train(problem.model)["eval_accuracy"]
+        summary["final_train_accuracy"] = train_accuracy
+        summary["generalization_gap"] = train_accuracy - summary["final_accuracy"]
     if evals and "max_attention_logit" in evals[-1]:
         summary["max_attention_logit"] = max(r["max_attention_logit"] for r in evals)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -37,6 +37,8 @@ class Problem:
     loss: Callable[[nn.Module, Any], Tensor]
     evaluate: Callable[[nn.Module], dict[str, float]]
     info: dict[str, float] = field(default_factory=dict)
+    #: the same scores on the training set (for the generalization gap), if meaningful
+    evaluate_train: Callable[[nn.Module], dict[str, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,12 @@ def build_mnist1d(config: dict[str, Any]) -> Problem:
     torch.manual_seed(config["seed"])
     model = Conv1dNet(config["model.width"], config["model.depth"])
     return Problem(
-        TensorDataset(x, y), (xt, yt), model, _classification_loss, _classification_eval(xt, yt)
+        TensorDataset(x, y),
+        (xt, yt),
+        model,
+        _classification_loss,
+        _classification_eval(xt, yt),
+        evaluate_train=_classification_eval(x, y),
     )
 
 
@@ -163,6 +170,7 @@ def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 1
         model,
         _classification_loss,
         _classification_eval(xt, yt),
+        evaluate_train=_classification_eval(x[:n_train], y[:n_train]),
     )
 
 
@@ -191,6 +199,7 @@ def build_digits(config: dict[str, Any]) -> Problem:
         model,
         _classification_loss,
         _classification_eval(xt, yt),
+        evaluate_train=_classification_eval(x[:split], y[:split]),
     )
 
 
