@@ -12,6 +12,7 @@ from torch.utils.data import TensorDataset
 
 from bigbatch import AdaptiveBatch
 from bigbatch.batch import Constant, SimiGrad
+from bigbatch.optim import AGVM, VRGD
 from bigbatch.stats import noise_components, scalar_similarity
 
 D = 12
@@ -44,20 +45,31 @@ def make_loop(
     max_micro_batch: int = 8,
     min_sub_batches: int = 2,
     data: TensorDataset | None = None,
+    gsnr: bool = False,
+    optimizer: str = "sgd",
 ) -> AdaptiveBatch:
     model = make_model()
     if ddp:
         model = DDP(model)
-    optimizer = torch.optim.SGD(param_groups(model), lr=lr)
+    groups = param_groups(model)
+    if optimizer == "sgd":
+        optimizer_ = torch.optim.SGD(groups, lr=lr)
+    elif optimizer == "vr-sgd":
+        optimizer_ = VRGD(torch.optim.SGD(groups, lr=lr))
+    else:  # agvm
+        for group, name in zip(groups, ("first", "last")):
+            group["agvm_group"] = name
+        optimizer_ = AGVM(torch.optim.SGD(groups, lr=lr), start=0, interval=1)
     return AdaptiveBatch(
         model,
-        optimizer,
+        optimizer_,
         data if data is not None else regression_data(),
         controller=controller,
         max_micro_batch=max_micro_batch,
         min_sub_batches=min_sub_batches,
         lr_scaling="none",
         similarity=similarity,
+        gsnr=gsnr,
     )
 
 
@@ -291,3 +303,43 @@ def similarity_series(steps: int, batch: int) -> dict:
         )
         noise.append((float(stats.grad_sq_norm), float(stats.trace)))
     return {"split": split, "scalar": scalar, "noise": noise, "first": first}
+
+
+def two_step_gsnr(batch: int) -> dict:
+    """The element-wise GSNR of a second step (a non-zero shift) against the slow computation."""
+    data = regression_data()
+    loop = make_loop(Constant(batch), data=data, gsnr=True, lr=0.0)  # parameters stay put
+    reference = copy.deepcopy(loop.model.module)
+    for _ in range(2):
+        step = next(loop.steps(max_steps=loop.step + 1))
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(loop.model(x), y))
+        step.apply()
+    got = torch.cat([r.flatten() for r in step.stats.gsnr]).double()
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, step.indices)
+    grads, sizes = [], []
+    for rank_batches in every_rank:
+        for indices in rank_batches:
+            x, y = data[indices]
+            reference.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in reference.parameters()]))
+            sizes.append(len(indices))
+    w = torch.tensor(sizes, dtype=torch.float64)[:, None] / sum(sizes)
+    g = torch.stack(grads)
+    mean = (w * g).sum(0)
+    variance = (w * (g - mean) ** 2).sum(0)
+    return {"got": got, "expected": mean**2 / (variance + 1e-30), "variance": variance}
+
+
+def wrapped_run(optimizer: str, steps: int) -> dict:
+    """VRGD or AGVM under DDP: what every rank ends with."""
+    world = dist.get_world_size()
+    loop = make_loop(
+        Constant(32 * world), optimizer=optimizer, lr=0.05, min_sub_batches=4, max_micro_batch=8
+    )
+    record = train(loop, steps)
+    record["params"] = flat_params(loop)
+    record["agvm"] = [m for m in loop.optimizer.multipliers] if optimizer == "agvm" else None
+    return record

@@ -130,3 +130,20 @@ def test_scalar_similarity_agrees_with_the_exact_two_group_cosine(cluster):
         return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
 
     assert spread(result["scalar"], scalar) < spread(result["split"], split)
+
+
+def test_gsnr_under_ddp_equals_the_sub_batch_by_sub_batch_value(cluster):
+    results = cluster.run(programs.two_step_gsnr, 10 * cluster.world_size + 2)
+    for r in results[1:]:
+        assert torch.equal(r["got"], results[0]["got"])
+    got, expected = results[0]["got"], results[0]["expected"]
+    informative = results[0]["variance"] > 1e-12
+    torch.testing.assert_close(got[informative], expected[informative], rtol=1e-3, atol=1e-6)
+
+
+def test_vrgd_and_agvm_train_identically_on_every_rank(cluster2):
+    for optimizer in ("vr-sgd", "agvm"):
+        results = cluster2.run(programs.wrapped_run, optimizer, 30)
+        assert torch.equal(results[0]["params"], results[1]["params"])
+        assert results[0]["loss"][-1] < results[0]["loss"][0]
+    assert results[0]["agvm"] == results[1]["agvm"] and results[0]["agvm"][1] != 1.0

@@ -15,8 +15,10 @@ Per step this costs, on top of the backward passes:
   groups, through the :class:`~bigbatch.dist.TwoGroupCosine` comm hook (one
   extra gradient-sized all-reduce); with ``similarity="scalar"`` nothing more:
   it is estimated from the noise scalars;
-- with ``gsnr=True`` (one process), a second buffer and a few element-wise
-  passes per micro-batch for the element-wise variance (weighted Welford).
+- with ``gsnr=True``, a second buffer and a few element-wise passes per
+  micro-batch for the element-wise variance (weighted Welford on one
+  process; under DDP shifted sums of squares, a third buffer holding the
+  shift, and one gradient-sized float32 all-reduce).
 
 Nothing syncs with the host until the caller reads a value.
 """
@@ -146,11 +148,6 @@ class MicroBatchStatistics:
         if similarity not in SIMILARITY_MODES:
             raise ValueError(f"similarity must be one of {SIMILARITY_MODES}, got {similarity!r}")
         self.similarity = similarity
-        if gsnr and self.world.distributed:
-            raise ValueError(
-                "gsnr=True is not available under DDP: the element-wise variance needs a "
-                "second-moment all-reduce across ranks that bigbatch does not do yet"
-            )
         groups = [list(g["params"]) if isinstance(g, dict) else list(g) for g in param_groups]
         self.params = [p for g in groups for p in g if p.requires_grad]
         if not self.params:
@@ -166,6 +163,8 @@ class MicroBatchStatistics:
         self.dataset_size = dataset_size
         self._half: list[Tensor] | None = None  # .grad after the first half (allocated once)
         self._m2: list[Tensor] | None = None  # Welford sum of squared deviations
+        # under DDP: the shift of the sums of squares (the previous step's mean gradient)
+        self._shift: list[Tensor] | None = None
         self._signal_ema = torch.zeros((), device=device, dtype=torch.float64)
         self._trace_ema = torch.zeros((), device=device, dtype=torch.float64)
         self._ema_steps = 0
@@ -228,6 +227,8 @@ class MicroBatchStatistics:
         if self.gsnr:
             if self._m2 is None:
                 self._m2 = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+                if self.world.distributed:
+                    self._shift = [torch.zeros_like(m) for m in self._m2]
             torch._foreach_zero_(self._m2)
 
     @property
@@ -389,27 +390,52 @@ class MicroBatchStatistics:
         mean gradient, times the loss scale) and ``W`` the weight so far:
         ``M2 += w (x - mean_old)(x - mean_new)`` (West 1979), where ``mean_old``
         is ``.grad / W`` before this increment is added, which is what a tensor
-        hook sees.
+        hook sees. Under DDP, where the other ranks' micro-batches are not
+        here, it accumulates ``Σ w (x - c)²`` about a shift ``c`` common to all
+        ranks instead (see :meth:`_finish_gsnr`).
         """
         index = self._current
-        if index is None or not self._sizes:
+        if index is None or not self._sizes or self._m2 is None:
             return
-        if index == 0 or self._m2 is None:
-            return  # one sub-batch has no deviation yet
         p, m2 = self.params[param_index], self._m2[param_index]
-        total = sum(self._sizes)
+        all_sizes = [b for r in self._rank_sizes for b in r]
+        total = sum(all_sizes)
         w = self._sizes[index] / total
+        x = increment.float() / (w * self.world.size)  # the loss carried W b_i / B
+        if self._shift is not None:
+            m2.add_((x - self._shift[param_index]).square_(), alpha=w)
+            return
+        if index == 0:
+            return  # one sub-batch has no deviation yet
         before = sum(self._sizes[:index]) / total
         acc = _grad_or_zeros(p).float()
-        x = increment.float() / w
         mean_old = acc / before
         mean_new = (acc + x * w) / (before + w)
         m2.add_((x - mean_old) * (x - mean_new), alpha=w)
 
     def _finish_gsnr(self, grads: list[Tensor], eps: float = 1e-30) -> list[Tensor]:
-        """Element-wise ``mean² / variance`` (population variance over the micro-batches)."""
+        """Element-wise ``mean² / variance`` (population variance over all sub-batches).
+
+        Under DDP the ranks' ``Σ w (x - c)²`` are summed in one float32
+        all-reduce and ``var = Σ w (x - c)² - (g - c)²``; the shift ``c`` is
+        the previous step's mean gradient (zero at first), close to ``g``, so
+        the subtraction does not cancel the way ``E x² - g²`` would.
+        """
         assert self._m2 is not None
-        return [g.float().square() / (m2 + eps) for g, m2 in zip(grads, self._m2)]
+        if self._shift is None:
+            return [g.float().square() / (m2 + eps) for g, m2 in zip(grads, self._m2)]
+        flat = torch.cat([m.flatten() for m in self._m2])
+        self.world.all_reduce_sum(flat)
+        self.bytes_communicated += flat.numel() * flat.element_size()
+        out, start = [], 0
+        for g, m2, c in zip(grads, self._m2, self._shift):
+            total = flat[start : start + m2.numel()].view_as(m2)
+            start += m2.numel()
+            mean = g.float()
+            variance = (total - (mean - c).square()).clamp_(min=0)
+            out.append(mean.square() / (variance + eps))
+            c.copy_(mean)
+        return out
 
 
 def _grad_or_zeros(p: Tensor) -> Tensor:
