@@ -106,6 +106,10 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch):
         (["report", "nowhere"], "neither a run nor a comparison"),
         (["compare", "--set", "task=digits"], "at least one --vary"),
         (["compare", "--vary", "batch.target"], "--vary takes KEY=V1,V2"),
+        (["train", "--set", "optimizer=vr-sgd", "--set", "min_sub_batches=2"], "needs min_sub"),
+        (["train", "--set", "agvm_rule=yolo"], "agvm_rule = 'yolo' is not one of"),
+        (["train", "--set", "vrgd.gamma=0"], "vrgd.gamma must be > 0"),
+        (["train", "--nproc", "0"], "--nproc must be at least 1"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(args, message, capsys, tmp_path, monkeypatch):
@@ -203,3 +207,16 @@ def test_teacher_task_trains(tmp_path):
         == 0
     )
     assert json.loads((out / "summary.json").read_text())["best_accuracy"] > 0.3
+
+
+def test_vrgd_and_agvm_runs_report_the_generalization_gap(tmp_path):
+    out = tmp_path / "vr"
+    args = ["--set", "optimizer=vr-lamb", "--set", "min_sub_batches=8", "--set", "agvm=true"]
+    assert run_cli("train", *SMALL, *args, "--set", "agvm_start=5", "--out", out) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best_accuracy"] > 0.5
+    gap = summary["final_train_accuracy"] - summary["final_accuracy"]
+    assert summary["generalization_gap"] == pytest.approx(gap)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    multipliers = {r["agvm/last"] for r in rows}
+    assert len(multipliers) > 1  # μ moves once AGVM starts

@@ -1,4 +1,4 @@
-"""AGVM: module-wise gradient variance modulation (Xue et al. 2022, arXiv 2205.13466).
+"""AGVM: module-wise gradient variance modulation (Xue et al., NeurIPS 2022).
 
 Large-batch detection training diverges when the modules (backbone, neck,
 head) see gradient variances of very different size. AGVM measures, per
@@ -53,7 +53,7 @@ def module_groups(model: nn.Module, rule: Rule) -> dict[str, list[str]]:
 
     ``rule`` is a built-in name: ``"top"`` (one group per top-level child),
     ``"ends"`` (the first top-level child with parameters, the last one, and
-    the rest as ``"body"``), ``"detection"`` (backbone / neck / head) or
+    the rest, if any, as ``"body"``), ``"detection"`` (backbone / neck / head) or
     ``"transformer"`` (embedding / blocks / head); or a mapping of group names
     to ``fnmatch`` patterns of parameter names. Every trainable parameter must
     land in a group; the first group is AGVM's reference.
@@ -66,13 +66,14 @@ def module_groups(model: nn.Module, rule: Rule) -> dict[str, list[str]]:
         if rule == "top":
             return owners
         children = list(owners)
-        if len(children) < 3:
+        if len(children) < 2:
             raise ValueError(
-                f"rule 'ends' needs at least 3 top-level modules with parameters, the model "
+                f"rule 'ends' needs at least 2 top-level modules with parameters, the model "
                 f"has {children}"
             )
         body = [n for c in children[1:-1] for n in owners[c]]
-        return {"first": owners[children[0]], "body": body, "last": owners[children[-1]]}
+        groups = {"first": owners[children[0]], "body": body, "last": owners[children[-1]]}
+        return {g: members for g, members in groups.items() if members}
     if isinstance(rule, str):
         if rule not in MODULE_RULES:
             known = ", ".join([*COMPUTED_RULES, *MODULE_RULES])
