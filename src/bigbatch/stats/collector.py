@@ -170,6 +170,7 @@ class MicroBatchStatistics:
         self._ema_steps = 0
         self._sizes: list[int] = []
         self._rank_sizes: list[list[int]] = []
+        self._total = 0  # samples (or weight) in the step, all ranks
         self._current: int | None = None
         self._sub_sq: Tensor | None = None
         #: bytes this collector sent in its own all-reduces (under DDP)
@@ -219,6 +220,7 @@ class MicroBatchStatistics:
         ):
             raise ValueError(f"statistics need at least 2 micro-batches, got sizes {local}")
         self._sizes, self._rank_sizes = local, every
+        self._total = sum(sum(r) for r in every)
         if self.comm_hook is not None:
             self.comm_hook.reset()
         device = self.params[0].device
@@ -398,8 +400,7 @@ class MicroBatchStatistics:
         if index is None or not self._sizes or self._m2 is None:
             return
         p, m2 = self.params[param_index], self._m2[param_index]
-        all_sizes = [b for r in self._rank_sizes for b in r]
-        total = sum(all_sizes)
+        total = self._total
         w = self._sizes[index] / total
         x = increment.float() / (w * self.world.size)  # the loss carried W b_i / B
         if self._shift is not None:
