@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..stats.collector import GradientStats
 from ._base import check_number
 from .param_groups import param_groups
 from .wrapper import StatisticsWrapper
@@ -204,16 +205,18 @@ class AGVM(StatisticsWrapper):
         m = self.momentum
         self.multipliers = [m * mu + (1 - m) * s for mu, s in zip(self.multipliers, ratio.tolist())]
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        stats = self._take_stats()
+    def observe(self, stats: GradientStats) -> None:
+        """Count the step and, when one is due, update μ (its one host sync, outside ``step``)."""
+        super().observe(stats)
         self._steps += 1
         if self._steps > self.start and (self._steps - self.start) % self.interval == 0:
             if stats.group_halves is None:
-                raise RuntimeError(
-                    "AGVM needs per-group half statistics (GradientStats.group_halves)"
-                )
+                raise RuntimeError("AGVM needs GradientStats.group_halves (per-group halves)")
             self.update(stats.group_halves)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self._take_stats()
         saved = [group["lr"] for group in self.param_groups]
         try:
             for group, owner in zip(self.param_groups, self._group_of_param_group):
