@@ -159,6 +159,10 @@ class AdaptiveBatch:
             ``"scalar"`` (estimated from the noise scalars); default ``"split"``
             on one process and ``"scalar"`` under DDP. See
             :class:`~bigbatch.stats.MicroBatchStatistics`.
+        comm_hook: a DDP communication hook to reduce the gradients with (e.g.
+            :class:`~bigbatch.dist.CompressionHook` or torch's PowerSGD); the
+            loop registers it (inside the two-group hook with
+            ``similarity="split"``) and saves its ``state_dict()`` if it has one.
         ema_beta: smoothing of the noise-scale estimates.
         finite_correction: correct the noise estimates for batches that are a
             large fraction of a map-style dataset (sampling without replacement).
@@ -199,6 +203,7 @@ class AdaptiveBatch:
         statistics: bool = True,
         gsnr: bool = False,
         similarity: str | None = None,
+        comm_hook: Callable | None = None,
         ema_beta: float = 0.99,
         finite_correction: bool = True,
         loss_reduction: str = "mean",
@@ -285,14 +290,20 @@ class AdaptiveBatch:
             if statistics
             else None
         )
+        if comm_hook is not None and not self.world.distributed:
+            raise ValueError("comm_hook needs a DistributedDataParallel model on 2+ ranks")
+        self.comm_hook = comm_hook
+        hook = comm_hook
         if self.stats is not None and self.stats.comm_hook is not None:
+            self.stats.comm_hook.inner = comm_hook
+            hook = self.stats.comm_hook
+        if hook is not None:
             try:
-                model.register_comm_hook(None, self.stats.comm_hook)
+                model.register_comm_hook(None, hook)
             except RuntimeError as err:
                 raise ValueError(
-                    "similarity='split' under DDP registers a comm hook, but the model has "
-                    "one already; use similarity='scalar' (no hook), or wrap your hook in "
-                    f"bigbatch.dist.TwoGroupCosine(inner=...) yourself ({err})"
+                    "the model has a comm hook already; pass yours as comm_hook= so the loop "
+                    f"can compose it with its own ({err})"
                 ) from None
         self._loss_sum: Tensor | None = None
         self._loader_options = dict(
@@ -495,6 +506,9 @@ class AdaptiveBatch:
             "step": self.step,
             "samples": self.samples,
             "rng": self.world.all_gather_object(rng_state()),
+            "comm_hook": self.world.all_gather_object(self.comm_hook.state_dict())
+            if hasattr(self.comm_hook, "state_dict")
+            else None,
             "loader_rng": self._loader_generator.get_state(),
         }
 
@@ -520,6 +534,10 @@ class AdaptiveBatch:
         self.step, self.samples = int(state["step"]), int(state["samples"])
         saved = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         set_rng_state(saved[self.world.rank % len(saved)])
+        hooks = state.get("comm_hook")
+        # each rank's error state is its own: with another world size it starts afresh
+        if hooks and hasattr(self.comm_hook, "load_state_dict") and len(hooks) == self.world.size:
+            self.comm_hook.load_state_dict(hooks[self.world.rank])
         self._loader_generator.set_state(state["loader_rng"])
 
 

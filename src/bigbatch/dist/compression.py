@@ -1,0 +1,260 @@
+"""Gradient compression with error control as DDP communication hooks (REFERENCE.md §8).
+
+Compressors (Top-K, Rand-K) send a fraction of each bucket; the error-control
+methods keep the compression error from accumulating into a biased step:
+
+- ``"ef"``, classic error feedback (Seide et al. 2014; Stich et al. 2018):
+  ``p = x + e``, send ``Δ = C(p)``, keep ``e ← p − Δ``; the step is ``Σ Δ``.
+- ``"ef21"`` (Richtárik, Sokolov, Fatkhullin 2021): each rank keeps an
+  estimate ``g_i`` of its gradient and sends ``c = C(x − g_i)``; ``g_i += c``,
+  and the shared ``G = Σ g_i`` moves by ``Σ c``; the step is ``G``.
+- ``"econtrol"`` (Gao, Islamov, Stich 2023): ``Δ = C(η e + x − h_i)``,
+  ``e += x − h_i − Δ`` (with ``h_i`` before its update), ``h_i += Δ``,
+  ``H += Σ Δ``; the step is ``H``. ``η = 0`` is EF21.
+- ``"none"`` compresses without error control (the biased baseline).
+
+All in gradient units: a comm hook never sees the step size, and bigbatch
+rescales the learning rate every step. ``x`` is this rank's bucket divided by
+the world size, so the sum over ranks is DDP's usual mean (and exact with
+``AdaptiveBatch``'s weighting). The state is kept per parameter, not per
+bucket, so DDP's bucket rebuild after the first iteration of a process (also
+of a resumed one) does not scramble it; the first ``warmup`` steps reduce
+uncompressed and start the estimators at the full gradient.
+
+Statistics compose: ``bigbatch.stats`` reads the uncompressed local
+gradients in autograd hooks, before DDP hands buckets to this hook.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .._checks import choice
+
+__all__ = ["COMPRESSORS", "METHODS", "CompressionHook"]
+
+METHODS = ("none", "ef", "ef21", "econtrol")
+COMPRESSORS = ("topk", "randk")
+# torch 2.10 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CompressionHook:
+    """A DDP comm hook compressing each bucket with Top-K or Rand-K and an error-control method.
+
+    Args:
+        model: the ``DistributedDataParallel`` model (its parameters key the state).
+        method: ``"ef"``, ``"ef21"``, ``"econtrol"`` or ``"none"`` (no error control).
+        compressor: ``"topk"`` (all-gather of values and indices) or ``"randk"``
+            (indices from a seed shared by all ranks; all-reduce of the values).
+        ratio: the fraction ``K/d`` of each bucket sent (0 < ratio ≤ 1).
+        eta: EControl's feedback strength η (ignored by the other methods).
+        warmup: steps of plain all-reduce first (at least 1: DDP rebuilds its
+            buckets after the first iteration).
+        seed: Rand-K's shared seed.
+
+    Register with ``ddp.register_comm_hook(None, hook)`` (or hand it to
+    ``AdaptiveBatch(comm_hook=hook)``); save ``state_dict()`` with the
+    checkpoint.
+    """
+
+    def __init__(
+        self,
+        model: nn.parallel.DistributedDataParallel,
+        method: str = "ef",
+        compressor: str = "topk",
+        ratio: float = 0.01,
+        *,
+        eta: float = 0.1,
+        warmup: int = 10,
+        seed: int = 0,
+    ) -> None:
+        self.method = choice("method", method, METHODS)
+        self.compressor = choice("compressor", compressor, COMPRESSORS)
+        if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        if not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta < 0:
+            raise ValueError(f"eta must be a finite number >= 0, got {eta!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be a whole number >= 1, got {warmup!r}")
+        self.ratio, self.eta, self.warmup, self.seed = float(ratio), float(eta), warmup, seed
+        self.group = model.process_group
+        self.world_size = dist.get_world_size(self.group)
+        self._index = {id(p): i for i, p in enumerate(model.parameters())}
+        #: per parameter index, the method's state tensors (flattened)
+        self._state: dict[int, dict[str, Tensor]] = {}
+        #: the shared aggregate (EF21's G, EControl's H) per parameter index
+        self._shared: dict[int, Tensor] = {}
+        self.iteration = 0
+        #: bytes this rank put into collectives, and what plain all-reduce would have
+        self.bytes_sent = 0
+        self.bytes_uncompressed = 0
+        self.__name__ = self.__qualname__ = f"{self.method}_{self.compressor}_hook"
+
+    # ------------------------------------------------------------ the hook
+
+    def __call__(self, state, bucket):  # noqa: ANN001 (DDP checks annotations by identity)
+        buffer = bucket.buffer()
+        params = bucket.parameters()
+        keys = [self._index[id(p)] for p in params]
+        sizes = [p.numel() for p in params]
+        itemsize = buffer.element_size()
+        offsets = [(g.data_ptr() - buffer.data_ptr()) // itemsize for g in bucket.gradients()]
+        order = sorted(range(len(params)), key=offsets.__getitem__)
+        keys, sizes = [keys[i] for i in order], [sizes[i] for i in order]
+        # fp16/bf16 buckets are compressed in float32; others keep their precision
+        low = buffer.dtype in (torch.float16, torch.bfloat16)
+        x = (buffer.float() if low else buffer) / self.world_size
+        self.bytes_uncompressed += buffer.numel() * buffer.element_size()
+        iteration = self.iteration
+        if bucket.is_last():
+            self.iteration += 1
+        if iteration < self.warmup:
+            return self._plain(buffer, x, keys, sizes, start=iteration >= 1)
+
+        if self.method == "none":
+            message = x
+        elif self.method == "ef":
+            error = self._gather(keys, sizes, "error", x)
+            message = x + error
+        elif self.method == "ef21":
+            estimate = self._gather(keys, sizes, "estimate", x)
+            message = x - estimate
+        else:
+            error = self._gather(keys, sizes, "error", x)
+            estimate = self._gather(keys, sizes, "estimate", x)
+            message = self.eta * error + x - estimate
+        values, indices = self._select(message, bucket.index(), iteration)
+        sent = torch.zeros_like(message).index_put_((indices,), values)
+
+        # local state updates need only this rank's message
+        if self.method == "ef":
+            self._scatter(keys, sizes, "error", message - sent)
+        elif self.method == "ef21":
+            self._scatter(keys, sizes, "estimate", estimate + sent)
+        elif self.method == "econtrol":
+            self._scatter(keys, sizes, "error", error + x - estimate - sent)
+            self._scatter(keys, sizes, "estimate", estimate + sent)
+
+        def finish(total: Tensor) -> Tensor:
+            if self.method in ("ef21", "econtrol"):
+                shared = self._gather_shared(keys, sizes, total) + total
+                self._scatter_shared(keys, sizes, shared)
+                total = shared
+            buffer.copy_(total)
+            return buffer
+
+        return self._reduce(values, indices, message.numel()).then(lambda f: finish(f.value()))
+
+    # ------------------------------------------------------------ pieces
+
+    def _plain(self, buffer: Tensor, x: Tensor, keys: list[int], sizes: list[int], start: bool):
+        """Uncompressed all-reduce; from the second step on it also (re)starts the estimators."""
+        total = x.clone()
+        self.bytes_sent += total.numel() * total.element_size()
+        work = dist.all_reduce(total, group=self.group, async_op=True)
+
+        def finish(_: Any) -> Tensor:
+            if start and self.method in ("ef21", "econtrol"):
+                self._scatter(keys, sizes, "estimate", x)
+                self._scatter_shared(keys, sizes, total)
+            if start and self.method in ("ef", "econtrol"):
+                self._scatter(keys, sizes, "error", torch.zeros_like(x))
+            buffer.copy_(total)
+            return buffer
+
+        return work.get_future().then(finish)
+
+    def _select(self, message: Tensor, bucket_index: int, iteration: int) -> tuple[Tensor, Tensor]:
+        d = message.numel()
+        k = max(1, min(d, math.ceil(self.ratio * d)))
+        if self.compressor == "topk":
+            indices = message.abs().topk(k, sorted=False).indices
+        else:  # the same indices on every rank: a generator seeded from step and bucket
+            generator = torch.Generator().manual_seed(
+                (self.seed * 1_000_003 + iteration) * 4099 + bucket_index
+            )
+            indices = torch.randperm(d, generator=generator)[:k].to(message.device)
+        return message[indices], indices
+
+    def _reduce(self, values: Tensor, indices: Tensor, d: int) -> torch.futures.Future:
+        """The sum over ranks of the sparse messages, as a dense tensor (a future)."""
+        if self.compressor == "randk":
+            summed = values.clone()
+            self.bytes_sent += summed.numel() * summed.element_size()
+            work = dist.all_reduce(summed, group=self.group, async_op=True)
+
+            def dense_randk(_: Any) -> Tensor:
+                return torch.zeros(d, dtype=values.dtype, device=values.device).index_put_(
+                    (indices,), summed
+                )
+
+            return work.get_future().then(dense_randk)
+        world = self.world_size
+        all_values = values.new_empty(world * values.numel())
+        all_indices = indices.new_empty(world * indices.numel())
+        self.bytes_sent += values.numel() * values.element_size()
+        self.bytes_sent += indices.numel() * indices.element_size()
+        works = [
+            _all_gather(all_values, values, group=self.group, async_op=True),
+            _all_gather(all_indices, indices, group=self.group, async_op=True),
+        ]
+        futures = [w.get_future() for w in works]
+
+        def dense_topk(_: Any) -> Tensor:
+            out = torch.zeros(d, dtype=values.dtype, device=values.device)
+            return out.index_add_(0, all_indices, all_values)
+
+        return torch.futures.collect_all(futures).then(dense_topk)
+
+    def _gather(self, keys: list[int], sizes: list[int], name: str, like: Tensor) -> Tensor:
+        parts = []
+        for key, size in zip(keys, sizes):
+            slot = self._state.setdefault(key, {})
+            if name not in slot:
+                slot[name] = torch.zeros(size, dtype=like.dtype, device=like.device)
+            parts.append(slot[name])
+        return torch.cat(parts)
+
+    def _scatter(self, keys: list[int], sizes: list[int], name: str, flat: Tensor) -> None:
+        for key, piece in zip(keys, flat.split(sizes)):
+            self._state.setdefault(key, {})[name] = piece.clone()
+
+    def _gather_shared(self, keys: list[int], sizes: list[int], like: Tensor) -> Tensor:
+        parts = [
+            self._shared.get(key, torch.zeros(size, dtype=like.dtype, device=like.device))
+            for key, size in zip(keys, sizes)
+        ]
+        return torch.cat(parts)
+
+    def _scatter_shared(self, keys: list[int], sizes: list[int], flat: Tensor) -> None:
+        for key, piece in zip(keys, flat.split(sizes)):
+            self._shared[key] = piece.clone()
+
+    # ------------------------------------------------------------ state
+
+    def bytes_per_step(self) -> dict[str, float]:
+        """Average bytes per step this rank sent, compressed and as plain all-reduce would."""
+        steps = max(1, self.iteration)
+        return {
+            "compressed_bytes_per_step": self.bytes_sent / steps,
+            "uncompressed_bytes_per_step": self.bytes_uncompressed / steps,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's error and estimator state (every rank saves its own: they differ)."""
+        return {
+            "iteration": self.iteration,
+            "state": {k: {n: t.clone() for n, t in v.items()} for k, v in self._state.items()},
+            "shared": {k: t.clone() for k, t in self._shared.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        self._state = {int(k): dict(v) for k, v in state["state"].items()}
+        self._shared = {int(k): t for k, t in state["shared"].items()}
