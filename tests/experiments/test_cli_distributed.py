@@ -88,3 +88,16 @@ def test_a_killed_two_process_run_resumes_with_two_or_one(tmp_path):
     summary = json.loads((again / "summary.json").read_text())
     assert summary["samples"] >= 40000 and summary["processes"] == 1
     assert summary["best_accuracy"] > 0.8
+
+
+def test_compressed_two_process_run_reports_its_traffic(tmp_path):
+    out = tmp_path / "ef"
+    compression = ["--set", "dist.compression=ef", "--set", "dist.ratio=0.1", "--nproc", 2]
+    result = bigbatch("train", *SMALL, "--set", "max_samples=6000", *compression, "--out", out)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    # 10 plain warm-up steps, then about a fifth of the bytes (values and int64 indices)
+    assert summary["compressed_bytes_per_step"] < 0.5 * summary["uncompressed_bytes_per_step"]
+    assert summary["best_accuracy"] > 0.5
+    single = bigbatch("train", *SMALL, "--set", "dist.compression=ef", "--out", tmp_path / "one")
+    assert single.returncode == 2 and "--nproc 2 or more" in single.stderr

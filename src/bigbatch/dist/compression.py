@@ -94,11 +94,12 @@ class CompressionHook:
         #: bytes this rank put into collectives, and what plain all-reduce would have
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
+        self._steps_counted = 0  # steps behind the byte counters (this process only)
         self.__name__ = self.__qualname__ = f"{self.method}_{self.compressor}_hook"
 
     # ------------------------------------------------------------ the hook
 
-    def __call__(self, state, bucket):  # noqa: ANN001 (DDP checks annotations by identity)
+    def __call__(self, state, bucket):  # unannotated: DDP checks annotations by identity
         buffer = bucket.buffer()
         params = bucket.parameters()
         keys = [self._index[id(p)] for p in params]
@@ -114,6 +115,7 @@ class CompressionHook:
         iteration = self.iteration
         if bucket.is_last():
             self.iteration += 1
+            self._steps_counted += 1
         if iteration < self.warmup:
             return self._plain(buffer, x, keys, sizes, start=iteration >= 1)
 
@@ -240,7 +242,7 @@ class CompressionHook:
 
     def bytes_per_step(self) -> dict[str, float]:
         """Average bytes per step this rank sent, compressed and as plain all-reduce would."""
-        steps = max(1, self.iteration)
+        steps = max(1, self._steps_counted)
         return {
             "compressed_bytes_per_step": self.bytes_sent / steps,
             "uncompressed_bytes_per_step": self.bytes_uncompressed / steps,

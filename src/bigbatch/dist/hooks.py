@@ -73,7 +73,7 @@ class TwoGroupCosine:
         self.extra_bytes = 0
 
     # no annotations: DDP checks them by identity, which string annotations fail
-    def __call__(self, state, bucket):  # noqa: ANN001
+    def __call__(self, state, bucket):
         buffer = bucket.buffer()
         rows = torch.zeros(2, buffer.numel(), dtype=buffer.dtype, device=buffer.device)
         torch.div(buffer, self.world_size, out=rows[0])

@@ -128,7 +128,26 @@ def _keys() -> list[Key]:
             "schedule.kind", "cosine", "LR schedule over samples", ("cosine", "linear", "constant")
         ),
         Key("schedule.warmup", 0.05, "warm-up, as a fraction of max_samples", low=0, high=1),
-        Key("dist.compression", "none", "gradient compression (distributed runs)", ("none",)),
+        Key(
+            "dist.compression",
+            "none",
+            "gradient compression with error control between processes (--nproc 2+): "
+            "ef, ef21, econtrol; topk-only: compression without error control; "
+            "powersgd: torch's PowerSGD hook (rank dist.powersgd_rank)",
+            ("none", "ef", "ef21", "econtrol", "topk-only", "powersgd"),
+        ),
+        Key("dist.powersgd_rank", 1, "PowerSGD's matrix approximation rank", low=1),
+        Key("dist.compressor", "topk", "what dist.compression sends", ("topk", "randk")),
+        Key(
+            "dist.ratio",
+            0.01,
+            "fraction of each gradient bucket sent",
+            low=0,
+            high=1,
+            low_open=True,
+        ),
+        Key("dist.eta", 0.1, "EControl's feedback strength (0: EF21)", low=0),
+        Key("dist.warmup", 10, "steps of uncompressed all-reduce before compressing", low=1),
         Key(
             "vrgd.gamma",
             0.1,

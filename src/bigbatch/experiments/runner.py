@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import schedules
 from ..batch import Constant, NoiseScale, Ramp, SimiGrad
+from ..dist.compression import CompressionHook
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, create_optimizer, get_optimizer_info, module_param_groups
@@ -35,6 +36,8 @@ from .config import ConfigError, load_toml, resolve, to_toml
 from .tasks import TASKS, Problem
 
 CHECKPOINT = "checkpoint.pt"
+#: config names of the compression methods that differ from the hook's
+_METHOD = {"topk-only": "none"}
 
 
 def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
@@ -105,8 +108,26 @@ def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> Adap
             momentum=config["agvm_momentum"],
         )
     model: nn.Module = problem.model
+    hook = None
     if world is not None and world.distributed:
         model = nn.parallel.DistributedDataParallel(model, process_group=world.group)
+        if config["dist.compression"] == "powersgd":
+            hook = _powersgd(config, world)
+        elif config["dist.compression"] != "none":
+            hook = CompressionHook(
+                model,  # type: ignore[arg-type]
+                _METHOD.get(config["dist.compression"], config["dist.compression"]),
+                config["dist.compressor"],
+                config["dist.ratio"],
+                eta=config["dist.eta"],
+                warmup=config["dist.warmup"],
+                seed=config["seed"],
+            )
+    elif config["dist.compression"] != "none":
+        raise ConfigError(
+            f"dist.compression = {config['dist.compression']!r} compresses the gradient "
+            "traffic between processes: run with --nproc 2 or more"
+        )
     return AdaptiveBatch(
         model,
         optimizer,
@@ -118,8 +139,26 @@ def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> Adap
         base_batch_size=config["batch.base"],
         schedule=make_schedule(config),
         similarity=None if config["batch.similarity"] == "auto" else config["batch.similarity"],
+        comm_hook=hook,
         seed=config["seed"],
     )
+
+
+def _powersgd(config: dict[str, Any], world: World) -> Any:
+    """torch's PowerSGD hook (Vogels et al. 2019) with its state bound, for comparisons."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    state = powerSGD_hook.PowerSGDState(
+        process_group=world.group,
+        matrix_approximation_rank=config["dist.powersgd_rank"],
+        start_powerSGD_iter=max(2, config["dist.warmup"]),
+        random_seed=config["seed"],
+    )
+
+    def powersgd(_ddp_state, bucket):  # unannotated: DDP checks annotations by identity
+        return powerSGD_hook.powerSGD_hook(state, bucket)
+
+    return powersgd
 
 
 def new_run_dir(root: str | Path = "runs", task: str = "run") -> Path:
@@ -292,6 +331,8 @@ def _traffic_per_step(loop: AdaptiveBatch, steps: int) -> dict[str, float]:
         return {}
     params = [p for p in loop.model.parameters() if p.requires_grad]
     out = {"gradient_bytes_per_step": float(sum(p.numel() * p.element_size() for p in params))}
+    if isinstance(loop.comm_hook, CompressionHook):
+        out.update(loop.comm_hook.bytes_per_step())
     if loop.stats is not None:
         extra = loop.stats.bytes_communicated
         if loop.stats.comm_hook is not None:
