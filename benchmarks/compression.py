@@ -65,11 +65,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/compression")
     parser.add_argument("--nproc", type=int, nargs="+", default=[2])
+    parser.add_argument(
+        "--ratio", type=float, default=0.01, help="K/d of the Top-K arms (labels say 1%%)"
+    )
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), help="a subset of the arms")
     args = parser.parse_args()
     root = Path(args.out)
     rows = []
     for nproc in args.nproc:
-        for label, extra in ARMS.items():
+        for label in args.arms:
+            extra = [*ARMS[label], "--set", f"dist.ratio={args.ratio}"]
+            if args.ratio != 0.01:
+                label = label.replace("1%", f"{args.ratio:.0%}")
             out = root / f"n{nproc}-{label.replace(' ', '_').replace('%', '').replace(',', '')}"
             if not (out / "summary.json").is_file():
                 command = [sys.executable, "-m", "bigbatch.cli", "train", *BASE, *extra]
