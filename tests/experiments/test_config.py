@@ -34,7 +34,7 @@ def test_set_values_are_read_as_toml():
         ({"batch.initial": 8}, "batch.initial .8. is outside"),
         ({"optimizer": "adam"}, "did you mean 'adamw'"),
         ({"batch.controller": "simi"}, "batch.controller = 'simi'"),
-        ({"dist.compression": "ef"}, "dist.compression = 'ef' is not one of none"),
+        ({"dist.compression": "zip"}, "dist.compression = 'zip' is not one of none, ef"),
         ({"batch.min": 2, "batch.initial": 2}, "below min_sub_batches"),
         ({"lr": float("inf")}, "lr must be finite"),
     ],
