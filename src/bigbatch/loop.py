@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ._checks import positive_int
 from .batch.controllers import Constant, Controller, Ramp, SimiGrad
 from .batch.lr import Schedule, check_lr_rule, lr_factor, scaled_lr
-from .batch.plan import micro_batch_sizes, split_by_weight
+from .batch.plan import even_split, micro_batch_sizes, split_by_weight
 from .batch.sampler import VariableBatchSampler, shard_batch
 from .dist.world import World
 from .optim.wrapper import StatisticsWrapper
@@ -348,24 +349,43 @@ class AdaptiveBatch:
             indices = self.sampler.take(self.batch_size)
         shards = [shard_batch(indices, r, self.world.size) for r in range(self.world.size)]
         # Every rank runs the same number of micro-batches: DDP may broadcast
-        # buffers in every forward, a collective all ranks must join.
-        natural = max(len(self._plan(shard, self.min_sub_batches)[0]) for shard in shards)
+        # buffers in every forward, a collective all ranks must join. A rank
+        # whose shard is one sample short (or lighter) still splits into as
+        # many parts; a part may then exceed max_micro_batch by a sample.
+        natural = max(self._natural_count(shard) for shard in shards)
         count = min(natural, min(len(shard) for shard in shards))
         plans = [self._plan(shard, count) for shard in shards]
         batches, weights = plans[self.world.rank]
         return Step(self, self.step, batches, weights, [w for _, w in plans])
 
-    def _plan(self, indices: list[int], min_count: int) -> tuple[list[list[int]], list[int]]:
-        """One rank's micro-batches (lists of indices) and their sizes (or weights)."""
+    def _natural_count(self, indices: list[int]) -> int:
+        """How many micro-batches ``indices`` need on their own (size cap and minimum count)."""
         if self.weight_fn is None:
-            counts = micro_batch_sizes(
-                len(indices), max_micro_batch=self.max_micro_batch, min_sub_batches=min_count
+            return len(
+                micro_batch_sizes(
+                    len(indices),
+                    max_micro_batch=self.max_micro_batch,
+                    min_sub_batches=self.min_sub_batches,
+                )
             )
+        return len(
+            split_by_weight(
+                [int(self.weight_fn(i)) for i in indices],
+                max_micro_batch=self.max_micro_batch,
+                min_sub_batches=self.min_sub_batches,
+            )
+        )
+
+    def _plan(self, indices: list[int], count: int) -> tuple[list[list[int]], list[int]]:
+        """``indices`` as exactly ``count`` micro-batches (lists of indices) and their sizes."""
+        if self.weight_fn is None:
+            counts = even_split(len(indices), count)
             weights = counts
         else:
             sample_weights = [int(self.weight_fn(i)) for i in indices]
+            # no cap: the count is fixed, the weights only place the boundaries
             counts = split_by_weight(
-                sample_weights, max_micro_batch=self.max_micro_batch, min_sub_batches=min_count
+                sample_weights, max_micro_batch=sys.maxsize, min_sub_batches=count
             )
             weights, start = [], 0
             for c in counts:

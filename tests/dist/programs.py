@@ -438,3 +438,24 @@ def compressed_resume(method: str, steps: int, at: int) -> dict:
         "straight": flat_params(loop),
         "resumed": flat_params(resumed),
     }
+
+
+def micro_batch_counts(batch: int, max_micro_batch: int, weighted: bool) -> list[list[int]]:
+    """Every rank's micro-batch sizes for one step of an awkward plan."""
+    data = regression_data(64)
+    model = DDP(make_model())
+    loop = AdaptiveBatch(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        data,
+        controller=Constant(batch),
+        max_micro_batch=max_micro_batch,
+        min_sub_batches=1,
+        statistics=False,
+        weight_fn=(lambda i: 1000) if weighted else None,
+    )
+    step = next(loop.steps(max_steps=1))
+    for x, y in step.micro_batches():
+        step.backward(nn.functional.mse_loss(model(x), y))
+    step.apply()
+    return step.rank_sizes
