@@ -233,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _tasks()
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank speaks
-            print(f"bigbatch: error: {err}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        where = "" if rank == "0" else f" (rank {rank})"  # a failure of one rank only is seen
+        print(f"bigbatch: error{where}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)

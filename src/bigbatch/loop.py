@@ -287,6 +287,7 @@ class AdaptiveBatch:
                 dataset_size=size if finite_correction and weight_fn is None else None,
                 similarity=similarity,
                 world=self.world,
+                lossy_reduction=comm_hook is not None,
             )
             if statistics
             else None

@@ -459,3 +459,48 @@ def micro_batch_counts(batch: int, max_micro_batch: int, weighted: bool) -> list
         step.backward(nn.functional.mse_loss(model(x), y))
     step.apply()
     return step.rank_sizes
+
+
+def within_rank_statistics(batch: int) -> dict:
+    """With a comm hook the noise comes from each rank's own micro-batches, averaged."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    data = regression_data()
+    model = DDP(make_model())
+    reference = copy.deepcopy(model.module)
+    loop = AdaptiveBatch(
+        model,
+        torch.optim.SGD(param_groups(model), lr=0.05),
+        data,
+        controller=Constant(batch),
+        max_micro_batch=8,
+        min_sub_batches=2,
+        lr_scaling="none",
+        comm_hook=lambda _, bucket: default_hooks.allreduce_hook(None, bucket),
+    )
+    step = next(loop.steps(max_steps=1))
+    for x, y in step.micro_batches():
+        step.backward(nn.functional.mse_loss(model(x), y))
+    step.apply()
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, step.indices)
+    signals, traces = [], []
+    for rank_batches in every_rank:
+        grads, sizes = [], []
+        for indices in rank_batches:
+            x, y = data[indices]
+            reference.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in reference.parameters()]))
+            sizes.append(len(indices))
+        w = torch.tensor(sizes, dtype=torch.float64)[:, None] / sum(sizes)
+        local = (w * torch.stack(grads)).sum(0)
+        signal, trace = noise_components(
+            torch.stack([g.square().sum() for g in grads]), sizes, local.square().sum(), len(data)
+        )
+        signals.append(float(signal))
+        traces.append(float(trace))
+    return {
+        "got": (float(step.stats.grad_sq_norm), float(step.stats.trace)),
+        "expected": (sum(signals) / len(signals), sum(traces) / len(traces)),
+    }

@@ -155,3 +155,8 @@ def test_vrgd_and_agvm_train_identically_on_every_rank(cluster2):
 def test_every_rank_runs_the_same_number_of_micro_batches(cluster2, batch, max_micro_batch, weighted):
     sizes = cluster2.run(programs.micro_batch_counts, batch, max_micro_batch, weighted)[0]
     assert len(sizes[0]) == len(sizes[1])
+
+
+def test_with_a_comm_hook_the_noise_is_estimated_within_each_rank(cluster):
+    result = cluster.run(programs.within_rank_statistics, 10 * cluster.world_size + 3)[0]
+    assert result["got"] == pytest.approx(result["expected"], rel=1e-5)

@@ -83,9 +83,13 @@ class CompressionHook:
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be a whole number >= 1, got {warmup!r}")
         self.ratio, self.eta, self.warmup, self.seed = float(ratio), float(eta), warmup, seed
+        # The state is in the units of the bucket: with a GradScaler, loss-scaled.
+        # Overflowed steps leave it untouched (see _keep_finite); a change of
+        # scale rescales what it means (a bounded, transient error).
         self.group = model.process_group
         self.world_size = dist.get_world_size(self.group)
         self._index = {id(p): i for i, p in enumerate(model.parameters())}
+        self._device = next(model.parameters()).device
         #: per parameter index, the method's state tensors (flattened)
         self._state: dict[int, dict[str, Tensor]] = {}
         #: the shared aggregate (EF21's G, EControl's H) per parameter index
@@ -178,10 +182,10 @@ class CompressionHook:
         if self.compressor == "topk":
             indices = message.abs().topk(k, sorted=False).indices
         else:  # the same indices on every rank: a generator seeded from step and bucket
-            generator = torch.Generator().manual_seed(
+            generator = torch.Generator(device=message.device).manual_seed(
                 (self.seed * 1_000_003 + iteration) * 4099 + bucket_index
             )
-            indices = torch.randperm(d, generator=generator)[:k].to(message.device)
+            indices = torch.randperm(d, generator=generator, device=message.device)[:k]
         return message[indices], indices
 
     def _reduce(self, values: Tensor, indices: Tensor, d: int) -> torch.futures.Future:
@@ -225,7 +229,8 @@ class CompressionHook:
 
     def _scatter(self, keys: list[int], sizes: list[int], name: str, flat: Tensor) -> None:
         for key, piece in zip(keys, flat.split(sizes)):
-            self._state.setdefault(key, {})[name] = piece.clone()
+            slot = self._state.setdefault(key, {})
+            slot[name] = _keep_finite(piece, slot.get(name))
 
     def _gather_shared(self, keys: list[int], sizes: list[int], like: Tensor) -> Tensor:
         parts = [
@@ -236,7 +241,7 @@ class CompressionHook:
 
     def _scatter_shared(self, keys: list[int], sizes: list[int], flat: Tensor) -> None:
         for key, piece in zip(keys, flat.split(sizes)):
-            self._shared[key] = piece.clone()
+            self._shared[key] = _keep_finite(piece, self._shared.get(key))
 
     # ------------------------------------------------------------ state
 
@@ -252,11 +257,22 @@ class CompressionHook:
         """This rank's error and estimator state (every rank saves its own: they differ)."""
         return {
             "iteration": self.iteration,
-            "state": {k: {n: t.clone() for n, t in v.items()} for k, v in self._state.items()},
-            "shared": {k: t.clone() for k, t in self._shared.items()},
+            "state": {k: {n: t.cpu() for n, t in v.items()} for k, v in self._state.items()},
+            "shared": {k: t.cpu() for k, t in self._shared.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` onto the model's device."""
         self.iteration = int(state["iteration"])
-        self._state = {int(k): dict(v) for k, v in state["state"].items()}
-        self._shared = {int(k): t for k, t in state["shared"].items()}
+        device = self._device
+        self._state = {
+            int(k): {n: t.to(device) for n, t in v.items()} for k, v in state["state"].items()
+        }
+        self._shared = {int(k): t.to(device) for k, t in state["shared"].items()}
+
+
+def _keep_finite(new: Tensor, old: Tensor | None) -> Tensor:
+    """``new``, except where it is not finite (an overflowed GradScaler step): ``old`` there."""
+    if old is None:
+        return torch.nan_to_num(new, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.where(torch.isfinite(new), new, old)

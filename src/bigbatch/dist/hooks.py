@@ -69,6 +69,7 @@ class TwoGroupCosine:
         # bucket index -> (3, groups) sums; a dict because buckets may finish on
         # different communication threads
         self._parts: dict[int, Tensor] = {}
+        self._owners: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
         #: bytes this hook added to the all-reduce traffic (one row per bucket)
         self.extra_bytes = 0
 
@@ -110,9 +111,17 @@ class TwoGroupCosine:
                 torch.stack(dots(pieces_a, pieces_b)).double(),
             ]
         )
-        owner = torch.tensor([self._group_of[id(p)] for p in params], device=a.device)
+        # parameters outside the optimizer's groups (frozen by the user) count nowhere
+        key = tuple(id(p) for p in params)
+        if key not in self._owners:
+            owners = [self._group_of.get(id(p), -1) for p in params]
+            self._owners[key] = (
+                torch.tensor([i for i, o in enumerate(owners) if o >= 0], device=a.device),
+                torch.tensor([o for o in owners if o >= 0], device=a.device),
+            )
+        keep, owner = self._owners[key]
         out = torch.zeros(3, self.num_groups, dtype=torch.float64, device=a.device)
-        return out.index_add_(1, owner, per_param)
+        return out.index_add_(1, owner, per_param[:, keep])
 
     def reset(self) -> None:
         """Forget the sums of the previous step."""

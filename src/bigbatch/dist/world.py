@@ -68,5 +68,7 @@ def init_from_env(device: torch.device | None = None) -> World:
         return World()
     if not dist.is_initialized():
         cuda = device is not None and device.type == "cuda"
+        if cuda:  # NCCL's object collectives use the current device: one GPU per rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend="nccl" if cuda else "gloo")
     return World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)

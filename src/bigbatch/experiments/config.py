@@ -276,11 +276,6 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
             f"batch.initial ({config['batch.initial']}) is outside "
             f"[batch.min, batch.max] = [{config['batch.min']}, {config['batch.max']}]"
         )
-    if config["optimizer"].startswith("vr-") and config["min_sub_batches"] < 4:
-        raise ConfigError(
-            f"optimizer {config['optimizer']!r} needs min_sub_batches >= 4 (VRGD estimates a "
-            f"variance over the sub-batches), got {config['min_sub_batches']}"
-        )
     if config["batch.min"] < config["min_sub_batches"]:
         raise ConfigError(
             f"batch.min ({config['batch.min']}) is below min_sub_batches "

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..stats.collector import GradientStats
+from ..stats.estimators import half_split_cosine
 from ._base import check_number
 from .param_groups import param_groups
 from .wrapper import StatisticsWrapper
@@ -197,9 +198,7 @@ class AGVM(StatisticsWrapper):
         index = torch.tensor(self._group_of_param_group, device=group_halves.device)
         parts = torch.zeros(3, len(self.group_names), dtype=torch.float64, device=index.device)
         parts.index_add_(1, index, group_halves.double())
-        sq_a, sq_b, dot = parts
-        cosine = (dot / (sq_a.clamp(min=1e-30) * sq_b.clamp(min=1e-30)).sqrt()).clamp(-1, 1)
-        disagreement = 1 - cosine
+        disagreement = 1 - half_split_cosine(*parts)
         low, high = self.bounds
         ratio = ((disagreement[0] + 1e-6) / (disagreement + 1e-6)).clamp(low, high).sqrt()
         m = self.momentum

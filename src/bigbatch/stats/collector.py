@@ -130,6 +130,11 @@ class MicroBatchStatistics:
             one process, ``"scalar"`` under DDP.
         world: the data-parallel world (``bigbatch.dist.World.of(ddp_model)``);
             one process by default.
+        lossy_reduction: DDP reduces the gradients with a lossy comm hook
+            (compression): the noise estimates then use only each rank's own,
+            uncompressed micro-batches (``|g|²`` of the rank's local mean, not
+            of the reduced gradient) and are averaged over the ranks; needs 2+
+            micro-batches per rank.
     """
 
     def __init__(
@@ -141,8 +146,12 @@ class MicroBatchStatistics:
         dataset_size: int | None = None,
         similarity: str | None = None,
         world: World | None = None,
+        lossy_reduction: bool = False,
     ) -> None:
         self.world = world if world is not None else World()
+        # the reduced .grad is not the exact mean (a compression hook): estimate
+        # the noise from each rank's own micro-batches and average the estimates
+        self.lossy_reduction = lossy_reduction and self.world.distributed
         if similarity is None:
             similarity = "scalar" if self.world.distributed else "split"
         if similarity not in SIMILARITY_MODES:
@@ -163,6 +172,8 @@ class MicroBatchStatistics:
         self.dataset_size = dataset_size
         self._half: list[Tensor] | None = None  # .grad after the first half (allocated once)
         self._m2: list[Tensor] | None = None  # Welford sum of squared deviations
+        self._m1: list[Tensor] | None = None  # under DDP: Σ w (x - shift)
+        self._local_sq: Tensor | None = None  # lossy: |local sum|² per group
         # under DDP: the shift of the sums of squares (the previous step's mean gradient)
         self._shift: list[Tensor] | None = None
         self._signal_ema = torch.zeros((), device=device, dtype=torch.float64)
@@ -186,6 +197,11 @@ class MicroBatchStatistics:
                 self.params, self._on_gradients, mode="all"
             )
         ]
+        if self.lossy_reduction:
+            self._hooks += [
+                p.register_hook(functools.partial(self._local_total, i))
+                for i, p in enumerate(self.params)
+            ]
         if gsnr:
             # Welford needs .grad before this micro-batch is added. A multi-grad
             # hook fires after the last gradient arrives, when the others may
@@ -230,8 +246,18 @@ class MicroBatchStatistics:
             if self._m2 is None:
                 self._m2 = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
                 if self.world.distributed:
+                    self._m1 = [torch.zeros_like(m) for m in self._m2]
                     self._shift = [torch.zeros_like(m) for m in self._m2]
             torch._foreach_zero_(self._m2)
+            if self._m1 is not None:
+                torch._foreach_zero_(self._m1)
+        if self.lossy_reduction:
+            if len(local) < 2:
+                raise ValueError(
+                    "with a lossy comm hook the noise is estimated within each rank: every rank "
+                    f"needs 2+ micro-batches, got sizes {local} (raise min_sub_batches)"
+                )
+            self._local_sq = torch.zeros(self.num_groups, device=device, dtype=torch.float64)
 
     @property
     def half(self) -> int:
@@ -276,18 +302,32 @@ class MicroBatchStatistics:
         loss_sum = (
             _as_tensor(loss, self._sub_sq) if loss is not None else torch.zeros_like(scale_sq)
         )
-        if world.distributed:
-            # one all-reduce: the summed sub-batch norms, and |g|² and the loss
-            # averaged, so every rank decides from bitwise identical numbers
-            packed = torch.cat([sub_sq_sum, sq_full / world.size, (loss_sum / world.size)[None]])
+        groups = self.num_groups
+        if self.lossy_reduction:
+            # this rank's estimates from its own micro-batches, averaged over the ranks
+            assert self._local_sq is not None
+            local_total = sum(self._sizes)
+            local_sq = self._local_sq * (total / (world.size * local_total)) ** 2 / scale_sq
+            signal_g, trace_g = noise_from_mean(
+                sub_sq_sum / len(self._sizes), self._sizes, local_sq, self.dataset_size
+            )
+            packed = torch.cat([signal_g, trace_g, loss_sum[None]]) / world.size
             world.all_reduce_sum(packed)
             self.bytes_communicated += packed.numel() * packed.element_size()
-            groups = self.num_groups
-            sub_sq_sum, sq_full, loss_sum = packed[:groups], packed[groups:-1], packed[-1]
-
-        signal_g, trace_g = noise_from_mean(
-            sub_sq_sum / len(all_sizes), all_sizes, sq_full / scale_sq, self.dataset_size
-        )
+            signal_g, trace_g, loss_sum = packed[:groups], packed[groups:-1], packed[-1]
+        else:
+            if world.distributed:
+                # one all-reduce: the summed sub-batch norms, and |g|² and the loss
+                # averaged, so every rank decides from bitwise identical numbers
+                packed = torch.cat(
+                    [sub_sq_sum, sq_full / world.size, (loss_sum / world.size)[None]]
+                )
+                world.all_reduce_sum(packed)
+                self.bytes_communicated += packed.numel() * packed.element_size()
+                sub_sq_sum, sq_full, loss_sum = packed[:groups], packed[groups:-1], packed[-1]
+            signal_g, trace_g = noise_from_mean(
+                sub_sq_sum / len(all_sizes), all_sizes, sq_full / scale_sq, self.dataset_size
+            )
         signal, trace = signal_g.sum(), trace_g.sum()
         size_a = sum(self._half_sizes())
         if self.similarity == "scalar":
@@ -295,7 +335,7 @@ class MicroBatchStatistics:
                 signal_g, trace_g, size_a, total - size_a, self.dataset_size
             )
         else:
-            sq_a, sq_b, dot_ab = self._split(grads)
+            sq_a, sq_b, dot_ab = self._split(grads, sq_full)
         group_similarity = half_split_cosine(sq_a, sq_b, dot_ab)
         similarity = half_split_cosine(sq_a.sum(), sq_b.sum(), dot_ab.sum())
 
@@ -328,14 +368,13 @@ class MicroBatchStatistics:
             return [b for r in self._rank_sizes[: self.world.size // 2] for b in r]
         return self._sizes[: self.half]
 
-    def _split(self, grads: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def _split(self, grads: list[Tensor], sq_full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(|g_A|², |g_B|², <g_A, g_B>)`` per group, up to positive factors per half."""
         if self.comm_hook is not None:
             return self.comm_hook.read()
         if self._half is None:
             raise RuntimeError("the half-way micro-batch was never announced")
         sq_a = self._per_group(norms(self._half), square=True)
-        sq_full = self._per_group(norms(grads), square=True)
         dot_a_full = self._per_group(dots(self._half, grads))
         return sq_a, sq_full - 2 * dot_a_full + sq_a, dot_a_full - sq_a
 
@@ -385,6 +424,20 @@ class MicroBatchStatistics:
         out = torch.zeros(self.num_groups, dtype=torch.float64, device=v.device)
         return out.index_add_(0, self._owner, v)
 
+    def _local_total(self, param_index: int, increment: Tensor) -> None:
+        """At the last micro-batch, |this rank's accumulated gradient|² (before DDP reduces it).
+
+        A tensor hook fires before its own increment is added, so ``.grad``
+        holds the earlier micro-batches (accumulated under ``no_sync``).
+        """
+        if self._current is None or self._current != len(self._sizes) - 1:
+            return
+        assert self._local_sq is not None
+        p = self.params[param_index]
+        total = increment if p.grad is None else p.grad + increment
+        owner = self._owner[param_index]
+        self._local_sq[owner] += norms([total])[0].double().square()
+
     def _welford(self, param_index: int, increment: Tensor) -> None:
         """Weighted Welford update of parameter ``param_index``'s element-wise M2.
 
@@ -403,8 +456,10 @@ class MicroBatchStatistics:
         total = self._total
         w = self._sizes[index] / total
         x = increment.float() / (w * self.world.size)  # the loss carried W b_i / B
-        if self._shift is not None:
-            m2.add_((x - self._shift[param_index]).square_(), alpha=w)
+        if self._shift is not None and self._m1 is not None:
+            deviation = x - self._shift[param_index]
+            self._m1[param_index].add_(deviation, alpha=w)
+            m2.add_(deviation.square_(), alpha=w)
             return
         if index == 0:
             return  # one sub-batch has no deviation yet
@@ -417,25 +472,31 @@ class MicroBatchStatistics:
     def _finish_gsnr(self, grads: list[Tensor], eps: float = 1e-30) -> list[Tensor]:
         """Element-wise ``mean² / variance`` (population variance over all sub-batches).
 
-        Under DDP the ranks' ``Σ w (x - c)²`` are summed in one float32
-        all-reduce and ``var = Σ w (x - c)² - (g - c)²``; the shift ``c`` is
-        the previous step's mean gradient (zero at first), close to ``g``, so
-        the subtraction does not cancel the way ``E x² - g²`` would.
+        Under DDP the ranks' ``Σ w (x - c)`` and ``Σ w (x - c)²`` are summed in
+        one float32 all-reduce (two gradient-sized rows); the mean is
+        ``c + Σ w (x - c)`` and ``var = Σ w (x - c)² - (Σ w (x - c))²``. The
+        shift ``c`` is the previous step's mean gradient (zero at first), close
+        to the mean, so the subtraction does not cancel the way ``E x² - g²``
+        would; and the mean is that of the uncompressed sub-batch gradients
+        whatever comm hook reduced ``.grad``.
         """
         assert self._m2 is not None
-        if self._shift is None:
+        if self._shift is None or self._m1 is None:
             return [g.float().square() / (m2 + eps) for g, m2 in zip(grads, self._m2)]
-        flat = torch.cat([m.flatten() for m in self._m2])
+        flat = torch.cat([m.flatten() for m in (*self._m1, *self._m2)])
         self.world.all_reduce_sum(flat)
         self.bytes_communicated += flat.numel() * flat.element_size()
+        half = flat.numel() // 2
         out, start = [], 0
-        for g, m2, c in zip(grads, self._m2, self._shift):
-            total = flat[start : start + m2.numel()].view_as(m2)
+        for m2, c in zip(self._m2, self._shift):
+            first = flat[start : start + m2.numel()].view_as(m2)
+            second = flat[half + start : half + start + m2.numel()].view_as(m2)
             start += m2.numel()
-            mean = g.float()
-            variance = (total - (mean - c).square()).clamp_(min=0)
+            mean = c + first
+            variance = (second - first.square()).clamp_(min=0)
             out.append(mean.square() / (variance + eps))
-            c.copy_(mean)
+            # an overflowed step (GradScaler) must not poison the next shift
+            c.copy_(torch.where(torch.isfinite(mean), mean, c))
         return out
 
 
