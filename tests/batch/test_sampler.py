@@ -77,3 +77,64 @@ def test_shard_errors_name_the_value():
         shard_batch([1, 2, 3], 3, 3)
     with pytest.raises(ValueError, match="cannot give each of 4 ranks"):
         shard_batch([1, 2, 3], 0, 4)
+
+
+def draw(sampler, sizes):
+    """Set each step's batch size before its first micro-batch, as a callback would."""
+    it = iter(sampler)
+    steps = []
+    for size in sizes:
+        sampler.batch_size = size
+        steps.append([next(it) for _ in range(sampler.micro_batches)])
+    return steps
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(20, 150),
+    world=st.integers(1, 4),
+    k=st.integers(1, 4),
+    sizes=st.lists(st.integers(16, 60), min_size=1, max_size=25),
+    cut=st.integers(0, 25),
+)
+def test_global_batches_are_sharded_exactly_and_resume(n, world, k, sizes, cut):
+    from bigbatch.batch import GlobalBatchSampler
+
+    ranks = [
+        GlobalBatchSampler(n, 16, micro_batches=k, rank=r, world_size=world, seed=3)
+        for r in range(world)
+    ]
+    per_rank = [draw(s, sizes) for s in ranks]
+    reference = VariableBatchSampler(n, seed=3)
+    for step, size in enumerate(sizes):
+        batch = reference.take(size)
+        parts = [mb for r in range(world) for mb in per_rank[r][step]]
+        assert [i for mb in parts for i in mb] == batch  # the global batch, each sample once
+        counts = [len(mb) for mb in parts]
+        assert max(counts) - min(counts) <= 1 and all(c >= 1 for c in counts)
+        assert ranks[0].plans.get(
+            step, [[len(mb) for mb in per_rank[r][step]] for r in range(world)]
+        ) == [[len(mb) for mb in per_rank[r][step]] for r in range(world)]
+    # resume after `cut` steps: the same micro-batches follow
+    cut = min(cut, len(sizes))
+    first = GlobalBatchSampler(n, 16, micro_batches=k, world_size=world, seed=3)
+    draw(first, sizes[:cut])
+    resumed = GlobalBatchSampler(n, 16, micro_batches=k, world_size=world, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    assert draw(resumed, sizes[cut:]) == per_rank[0][cut:]
+
+
+def test_global_batch_sampler_ends_at_the_sample_budget_and_checks_sizes():
+    from bigbatch.batch import GlobalBatchSampler
+
+    sampler = GlobalBatchSampler(100, 10, micro_batches=2, max_samples=35)
+    assert len(sampler) == 8
+    assert len(list(sampler)) == 8 and sampler.samples == 40  # the last step may overshoot
+    with pytest.raises(ValueError, match="cannot give 4 micro-batches to each of 2 ranks"):
+        GlobalBatchSampler(100, 7, micro_batches=4, world_size=2)
+    sampler = GlobalBatchSampler(100, 8, micro_batches=4)
+    it = iter(sampler)
+    next(it)
+    sampler.batch_size = 3
+    with pytest.raises(ValueError, match="batch_size 3 is below 4"):
+        [next(it) for _ in range(4)]

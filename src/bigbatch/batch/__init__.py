@@ -3,13 +3,14 @@
 from .controllers import CONTROLLERS, Constant, Controller, NoiseScale, Ramp, SimiGrad
 from .lr import LR_RULES, adascale_gain, lr_factor, scaled_lr
 from .plan import micro_batch_sizes, split_by_weight
-from .sampler import VariableBatchSampler, shard_batch
+from .sampler import GlobalBatchSampler, VariableBatchSampler, shard_batch
 
 __all__ = [
     "CONTROLLERS",
     "LR_RULES",
     "Constant",
     "Controller",
+    "GlobalBatchSampler",
     "NoiseScale",
     "Ramp",
     "SimiGrad",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -122,3 +122,97 @@ def shard_batch(indices: list[int], rank: int, world_size: int) -> list[int]:
     sizes = even_split(len(indices), world_size)
     start = sum(sizes[:rank])
     return indices[start : start + sizes[rank]]
+
+
+class GlobalBatchSampler:
+    """Micro-batches of a changing global batch, for loops that accumulate a fixed count.
+
+    Framework loops (Lightning's ``accumulate_grad_batches``, the Hugging Face
+    Trainer's ``gradient_accumulation_steps``) step the optimizer after a fixed
+    number of batches. Used as a ``DataLoader``'s ``batch_sampler``, this
+    sampler makes every group of ``micro_batches`` batches one global batch of
+    the current ``batch_size``: step after step it draws ``batch_size``
+    samples from a :class:`VariableBatchSampler` (every sample once per epoch,
+    exact resume), keeps this rank's :func:`shard_batch` part and yields it as
+    exactly ``micro_batches`` lists of indices (sizes differing by at most one;
+    every rank yields the same count, so accumulation boundaries never drift).
+    Set ``batch_size`` between optimizer steps (a callback does); it is read
+    when a step's first micro-batch is drawn, so a ``DataLoader`` with workers,
+    which draws batches ahead, applies a new size a few steps late.
+
+    Iteration ends once ``max_samples`` (global) have been drawn, so a budget
+    in samples ends training on time whatever the batch sizes were; without
+    it the sampler never ends. ``len()`` is the number of micro-batches left
+    at the current batch size (an estimate for progress bars).
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        batch_size: int,
+        *,
+        micro_batches: int,
+        max_samples: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self._sampler = VariableBatchSampler(dataset_size, shuffle=shuffle, seed=seed)
+        for name, value in (("batch_size", batch_size), ("micro_batches", micro_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        if batch_size < micro_batches * world_size:
+            raise ValueError(
+                f"batch_size {batch_size} cannot give {micro_batches} micro-batches to each of "
+                f"{world_size} ranks"
+            )
+        self.batch_size = batch_size
+        self.micro_batches = micro_batches
+        self.max_samples = max_samples
+        self.rank, self.world_size = rank, world_size
+        #: global samples drawn so far, and optimizer steps drawn
+        self.samples = 0
+        self.steps = 0
+        #: every rank's micro-batch sizes of each recently drawn step, by step index
+        self.plans: dict[int, list[list[int]]] = {}
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.max_samples is None or self.samples < self.max_samples:
+            minimum = self.micro_batches * self.world_size
+            if self.batch_size < minimum:
+                raise ValueError(
+                    f"batch_size {self.batch_size} is below {minimum} "
+                    "(micro_batches × world_size): every micro-batch needs a sample"
+                )
+            indices = self._sampler.take(self.batch_size)
+            shards = [shard_batch(indices, r, self.world_size) for r in range(self.world_size)]
+            sizes = [even_split(len(s), self.micro_batches) for s in shards]
+            self.plans[self.steps] = sizes
+            self.plans.pop(self.steps - 8, None)  # keep the few steps a loader may run ahead
+            self.samples += len(indices)
+            self.steps += 1
+            start = 0
+            for size in sizes[self.rank]:
+                yield shards[self.rank][start : start + size]
+                start += size
+
+    def __len__(self) -> int:
+        if self.max_samples is None:
+            raise TypeError("an endless GlobalBatchSampler (no max_samples) has no length")
+        left = max(0, self.max_samples - self.samples)
+        return -(-left // self.batch_size) * self.micro_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sampler": self._sampler.state_dict(),
+            "batch_size": self.batch_size,
+            "samples": self.samples,
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sampler.load_state_dict(state["sampler"])
+        self.batch_size = int(state["batch_size"])
+        self.samples, self.steps = int(state["samples"]), int(state["steps"])
+        self.plans = {}
