@@ -129,3 +129,32 @@ def test_state_round_trip_keeps_the_moving_averages():
     model.zero_grad()
     b = collect(model, x, y, sizes, other)
     assert a.noise_scale.item() == b.noise_scale.item()
+
+
+def test_equal_loss_weights_as_framework_loops_use():
+    """Lightning and the HF Trainer weight each micro-batch's mean loss 1/k, not b_i/B."""
+    sizes = [7, 6, 6, 4]
+    k = len(sizes)
+    model, x, y = make_problem()
+    per_batch = torch.stack(slow_gradients(model, x, y, sizes))
+    stats = MicroBatchStatistics([list(model.parameters())], ema_beta=0.0, gsnr=True)
+    stats.begin(sizes, loss_weights=[1 / k] * k)
+    for i, (xb, yb) in enumerate(micro_batches(x, y, sizes)):
+        stats.before_backward(i)
+        (nn.functional.cross_entropy(model(xb), yb) / k).backward()
+    got = stats.finish()
+    full = per_batch.mean(0)  # what .grad holds: the mean of the micro-batch means
+    signal, trace = noise_components(per_batch.square().sum(1), sizes, full.square().sum())
+    assert got.grad_sq_norm.item() == pytest.approx(signal.item(), rel=1e-4)
+    assert got.trace.item() == pytest.approx(trace.item(), rel=1e-4)
+    g_a, g_b = per_batch[:2].mean(0), per_batch[2:].mean(0)
+    cosine = (g_a @ g_b / (g_a.norm() * g_b.norm())).item()
+    assert got.similarity.item() == pytest.approx(cosine, abs=1e-5)
+    variance = ((per_batch - full) ** 2).mean(0)
+    flat = torch.cat([r.flatten() for r in got.gsnr]).double()
+    informative = variance > 1e-12
+    expected = full.square() / (variance + 1e-30)
+    torch.testing.assert_close(flat[informative], expected[informative], rtol=2e-3, atol=1e-6)
+    with pytest.raises(ValueError, match="loss_weights must be 4 positive numbers"):
+        stats.begin(sizes, loss_weights=[1, 1])
+    stats.close()

@@ -214,13 +214,23 @@ class MicroBatchStatistics:
     # ------------------------------------------------------------ step lifecycle
 
     def begin(
-        self, sizes: Sequence[int], rank_sizes: Sequence[Sequence[int]] | None = None
+        self,
+        sizes: Sequence[int],
+        rank_sizes: Sequence[Sequence[int]] | None = None,
+        loss_weights: Sequence[float] | None = None,
     ) -> None:
         """Start a step made of micro-batches of these sizes.
 
         ``rank_sizes`` (under DDP) lists every rank's micro-batch sizes, this
         rank's among them; there must be at least 2 sub-batches in all, and
         with ``similarity="split"`` on one process at least 2 micro-batches.
+        ``loss_weights`` are the factors this rank's micro-batch mean losses
+        are multiplied by before backward (default ``W b_i / B``, which makes
+        ``.grad`` the sample-weighted mean after DDP averages). Loops that
+        weight every micro-batch equally (``1/k``: Lightning, the Hugging
+        Face Trainer) pass theirs; the sub-batch gradients are then still
+        exact, and ``.grad`` is the mean of the micro-batch means, which
+        differs from the sample mean only by the ±1 sample between sizes.
         """
         local = [int(s) for s in sizes]
         every = [[int(s) for s in r] for r in rank_sizes] if rank_sizes is not None else [local]
@@ -237,6 +247,13 @@ class MicroBatchStatistics:
             raise ValueError(f"statistics need at least 2 micro-batches, got sizes {local}")
         self._sizes, self._rank_sizes = local, every
         self._total = sum(sum(r) for r in every)
+        if loss_weights is None:
+            loss_weights = [self.world.size * b / self._total for b in local]
+        if len(loss_weights) != len(local) or not all(w > 0 for w in loss_weights):
+            raise ValueError(
+                f"loss_weights must be {len(local)} positive numbers, got {list(loss_weights)}"
+            )
+        self._loss_weights = [float(w) for w in loss_weights]
         if self.comm_hook is not None:
             self.comm_hook.reset()
         device = self.params[0].device
@@ -294,10 +311,8 @@ class MicroBatchStatistics:
         grads = [_grad_or_zeros(p) for p in self.params]
         sq_full = self._per_group(norms(grads), square=True)
 
-        # micro-batch i's mean gradient is its increment / (W b_i / B)
-        weights = torch.tensor(
-            [world.size * s / total for s in self._sizes], dtype=torch.float64
-        ).to(self._sub_sq.device)
+        # micro-batch i's mean gradient is its increment / its loss weight
+        weights = torch.tensor(self._loss_weights, dtype=torch.float64).to(self._sub_sq.device)
         sub_sq_sum = (self._sub_sq / weights[:, None] ** 2).sum(0) / scale_sq
         loss_sum = (
             _as_tensor(loss, self._sub_sq) if loss is not None else torch.zeros_like(scale_sq)
@@ -306,8 +321,8 @@ class MicroBatchStatistics:
         if self.lossy_reduction:
             # this rank's estimates from its own micro-batches, averaged over the ranks
             assert self._local_sq is not None
-            local_total = sum(self._sizes)
-            local_sq = self._local_sq * (total / (world.size * local_total)) ** 2 / scale_sq
+            # the rank's local mean: its accumulated gradient over the summed loss weights
+            local_sq = self._local_sq / sum(self._loss_weights) ** 2 / scale_sq
             signal_g, trace_g = noise_from_mean(
                 sub_sq_sum / len(self._sizes), self._sizes, local_sq, self.dataset_size
             )
@@ -441,21 +456,22 @@ class MicroBatchStatistics:
     def _welford(self, param_index: int, increment: Tensor) -> None:
         """Weighted Welford update of parameter ``param_index``'s element-wise M2.
 
-        With weights ``w_i = b_i / B``, ``x_i = incr_i / w_i`` (micro-batch i's
-        mean gradient, times the loss scale) and ``W`` the weight so far:
+        With ``x_i = incr_i / l_i`` (micro-batch i's mean gradient, times the
+        loss scale, ``l_i`` its loss weight), weights ``w_i = l_i / Σ l`` (the
+        sample weights ``b_i / B`` by default) and ``W`` the weight so far:
         ``M2 += w (x - mean_old)(x - mean_new)`` (West 1979), where ``mean_old``
-        is ``.grad / W`` before this increment is added, which is what a tensor
-        hook sees. Under DDP, where the other ranks' micro-batches are not
-        here, it accumulates ``Σ w (x - c)²`` about a shift ``c`` common to all
-        ranks instead (see :meth:`_finish_gsnr`).
+        is ``.grad / (W Σ l)`` before this increment is added, which is what a
+        tensor hook sees. Under DDP, where the other ranks' micro-batches are
+        not here, it accumulates ``Σ w (x - c)²`` with the sample weights about
+        a shift ``c`` common to all ranks instead (see :meth:`_finish_gsnr`).
         """
         index = self._current
         if index is None or not self._sizes or self._m2 is None:
             return
         p, m2 = self.params[param_index], self._m2[param_index]
         total = self._total
-        w = self._sizes[index] / total
-        x = increment.float() / (w * self.world.size)  # the loss carried W b_i / B
+        w = self._sizes[index] / total  # the sample weight of this sub-batch
+        x = increment.float() / self._loss_weights[index]  # its mean gradient
         if self._shift is not None and self._m1 is not None:
             deviation = x - self._shift[param_index]
             self._m1[param_index].add_(deviation, alpha=w)
@@ -463,8 +479,10 @@ class MicroBatchStatistics:
             return
         if index == 0:
             return  # one sub-batch has no deviation yet
-        before = sum(self._sizes[:index]) / total
-        acc = _grad_or_zeros(p).float()
+        scale = sum(self._loss_weights)  # .grad is Σ l x: the weights that define it
+        w = self._loss_weights[index] / scale
+        before = sum(self._loss_weights[:index]) / scale
+        acc = _grad_or_zeros(p).float() / scale
         mean_old = acc / before
         mean_new = (acc + x * w) / (before + w)
         m2.add_((x - mean_old) * (x - mean_new), alpha=w)
@@ -482,7 +500,8 @@ class MicroBatchStatistics:
         """
         assert self._m2 is not None
         if self._shift is None or self._m1 is None:
-            return [g.float().square() / (m2 + eps) for g, m2 in zip(grads, self._m2)]
+            scale = sum(self._loss_weights)  # 1 unless the caller weighted differently
+            return [(g.float() / scale).square() / (m2 + eps) for g, m2 in zip(grads, self._m2)]
         flat = torch.cat([m.flatten() for m in (*self._m1, *self._m2)])
         self.world.all_reduce_sum(flat)
         self.bytes_communicated += flat.numel() * flat.element_size()
