@@ -176,6 +176,13 @@ class GlobalBatchSampler:
         self.steps = 0
         #: every rank's micro-batch sizes of each recently drawn step, by step index
         self.plans: dict[int, list[list[int]]] = {}
+        # per recent step: the state before drawing it, and the size it was drawn with
+        self._before: dict[int, tuple[dict[str, Any], int, int]] = {}
+        self._replay: list[int] = []  # sizes of steps drawn before a checkpoint, to redraw
+
+    @property
+    def dataset_size(self) -> int:
+        return self._sampler.dataset_size
 
     def __iter__(self) -> Iterator[list[int]]:
         while self.max_samples is None or self.samples < self.max_samples:
@@ -185,7 +192,10 @@ class GlobalBatchSampler:
                     f"batch_size {self.batch_size} is below {minimum} "
                     "(micro_batches × world_size): every micro-batch needs a sample"
                 )
-            indices = self._sampler.take(self.batch_size)
+            size = self._replay.pop(0) if self._replay else self.batch_size
+            self._before[self.steps] = (self._sampler.state_dict(), self.samples, size)
+            self._before.pop(self.steps - 8, None)
+            indices = self._sampler.take(size)
             shards = [shard_batch(indices, r, self.world_size) for r in range(self.world_size)]
             sizes = [even_split(len(s), self.micro_batches) for s in shards]
             self.plans[self.steps] = sizes
@@ -203,16 +213,32 @@ class GlobalBatchSampler:
         left = max(0, self.max_samples - self.samples)
         return -(-left // self.batch_size) * self.micro_batches
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """The state to resume from; with ``step``, as of just before that step was drawn.
+
+        A loader draws ahead of training, so a checkpoint taken after optimizer
+        step ``t`` passes ``step=t``: the steps drawn but not trained are drawn
+        again on resume, with the sizes they had.
+        """
+        if step is None or step >= self.steps:
+            position, samples, replay = self._sampler.state_dict(), self.samples, []
+            step = self.steps
+        else:
+            if step not in self._before:
+                raise ValueError(f"step {step} is too far back to resume from (drawn {self.steps})")
+            position, samples, _ = self._before[step]
+            replay = [self._before[s][2] for s in range(step, self.steps)]
         return {
-            "sampler": self._sampler.state_dict(),
+            "sampler": position,
             "batch_size": self.batch_size,
-            "samples": self.samples,
-            "steps": self.steps,
+            "samples": samples,
+            "steps": step,
+            "replay": replay,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sampler.load_state_dict(state["sampler"])
         self.batch_size = int(state["batch_size"])
         self.samples, self.steps = int(state["samples"]), int(state["steps"])
-        self.plans = {}
+        self._replay = [int(s) for s in state.get("replay", [])]
+        self.plans, self._before = {}, {}

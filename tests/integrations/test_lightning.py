@@ -1,0 +1,128 @@
+"""The Lightning callback with the real Lightning (skipped only where the extra is absent)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import bigbatch as bb  # noqa: E402
+from bigbatch.integrations.lightning import AdaptiveBatchCallback  # noqa: E402
+
+
+def teacher_data(n=4096, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=gen)
+    return TensorDataset(x, (x @ torch.randn(16, 4, generator=gen)).argmax(1))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+class Module(pl.LightningModule):
+    def __init__(self, lr=0.2):
+        super().__init__()
+        self.net = make_model()
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=self.lr)
+
+
+def fit(callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None):
+    trainer = pl.Trainer(
+        accumulate_grad_batches=sampler.micro_batches,
+        use_distributed_sampler=False,
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, *callbacks],
+        default_root_dir=root,
+    )
+    module = Module()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended.*")
+        trainer.fit(module, DataLoader(data, batch_sampler=sampler), ckpt_path=ckpt_path)
+    return module
+
+
+def test_constant_batches_train_exactly_like_adaptive_batch():
+    data, batch, k, steps = teacher_data(), 64, 4, 12
+    sampler = bb.batch.GlobalBatchSampler(
+        len(data), batch, micro_batches=k, max_samples=batch * steps, seed=0
+    )
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(batch), log=False)
+    module = fit(callback, sampler, data)
+
+    model = make_model()
+    loop = bb.AdaptiveBatch(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.2),
+        data,
+        controller=bb.batch.Constant(batch),
+        max_micro_batch=batch,
+        min_sub_batches=k,
+        seed=0,
+    )
+    losses = []
+    for step in loop.steps(max_steps=steps):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        step.apply()
+        losses.append(step.metrics["loss"])
+    for a, b in zip(module.net.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert [h["loss"] for h in callback.history] == pytest.approx(losses, rel=1e-5)
+    assert callback.samples == batch * steps and len(callback.history) == steps
+
+
+def test_batch_sizes_adapt_and_training_ends_at_the_sample_budget():
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 32, micro_batches=4, max_samples=30_000)
+    controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=1024, window=5)
+    callback = AdaptiveBatchCallback(sampler, controller, log=False)
+    fit(callback, sampler, data)
+    sizes = [h["batch_size"] for h in callback.history]
+    assert len(set(sizes)) > 3
+    assert 30_000 <= callback.samples < 30_000 + 1024
+    losses = [h["loss"] for h in callback.history]
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
+    data = teacher_data()
+
+    def run(ckpt_path=None, save=False):
+        sampler = bb.batch.GlobalBatchSampler(len(data), 32, micro_batches=4, max_samples=8000)
+        controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=512, window=3)
+        callback = AdaptiveBatchCallback(sampler, controller, log=False)
+        saver = []
+        if save:
+            saver = [
+                pl.callbacks.ModelCheckpoint(
+                    dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1, filename="{step}"
+                )
+            ]
+        module = fit(callback, sampler, data, ckpt_path=ckpt_path, callbacks=saver, root=tmp_path)
+        return module, callback
+
+    straight, straight_cb = run(save=True)
+    resumed, resumed_cb = run(ckpt_path=tmp_path / "step=20.ckpt")
+    tail = [h["batch_size"] for h in straight_cb.history[20:]]
+    assert [h["batch_size"] for h in resumed_cb.history] == tail
+    for a, b in zip(straight.net.parameters(), resumed.net.parameters()):
+        assert torch.equal(a, b)
