@@ -126,3 +126,47 @@ def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
     assert [h["batch_size"] for h in resumed_cb.history] == tail
     for a, b in zip(straight.net.parameters(), resumed.net.parameters()):
         assert torch.equal(a, b)
+
+
+class Record(pl.Callback):
+    """Writes each rank's batch sizes, similarities and final parameters to a file."""
+
+    def __init__(self, adaptive, directory):
+        self.adaptive, self.directory = adaptive, directory
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(
+            {
+                "batch": [h["batch_size"] for h in self.adaptive.history],
+                "similarity": [h["similarity"] for h in self.adaptive.history],
+                "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
+            },
+            self.directory / f"rank{trainer.global_rank}.pt",
+        )
+
+
+def test_ddp_ranks_decide_the_same_batch_sizes(tmp_path):
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=12_000)
+    controller = bb.batch.SimiGrad(target=0.5, initial=64, min=16, max=1024, window=3)
+    callback = AdaptiveBatchCallback(sampler, controller, log=False)
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        max_epochs=1,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, Record(callback, tmp_path)],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(Module(), DataLoader(data, batch_sampler=sampler))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["batch"] == ranks[1]["batch"] and len(set(ranks[0]["batch"])) > 2
+    assert ranks[0]["similarity"] == ranks[1]["similarity"]
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
