@@ -1,4 +1,5 @@
 """Plugins for training frameworks (optional imports: each needs its framework installed).
 
-- :mod:`bigbatch.integrations.lightning`: a Lightning ``Callback`` (extra ``lightning``).
+- :mod:`bigbatch.integrations.lightning`: a Lightning ``Callback`` (extra ``lightning``);
+- :mod:`bigbatch.integrations.hf`: a Hugging Face ``Trainer`` and its callback (extra ``hf``).
 """

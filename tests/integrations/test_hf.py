@@ -1,0 +1,132 @@
+"""The Hugging Face Trainer integration with the real transformers (skipped only without it)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+transformers = pytest.importorskip("transformers")
+
+import bigbatch as bb  # noqa: E402
+from bigbatch.integrations.hf import AdaptiveBatchTrainer  # noqa: E402
+
+
+class Teacher(Dataset):
+    def __init__(self, n=4096, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 16, generator=gen)
+        self.y = (self.x @ torch.randn(16, 4, generator=gen)).argmax(1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def make_trainer(tmp_path, sampler, controller, **args):
+    settings = dict(
+        output_dir=str(tmp_path),
+        gradient_accumulation_steps=sampler.micro_batches,
+        learning_rate=0.2,
+        optim="sgd",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+    )
+    arguments = transformers.TrainingArguments(**{**settings, **args})
+    return AdaptiveBatchTrainer(
+        model=Net(), args=arguments, train_dataset=Teacher(), sampler=sampler, controller=controller
+    )
+
+
+def train(trainer, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train(**kwargs)
+    return trainer
+
+
+def test_constant_batches_train_exactly_like_adaptive_batch(tmp_path):
+    batch, k, steps = 64, 4, 12
+    sampler = bb.batch.GlobalBatchSampler(4096, batch, micro_batches=k, max_samples=batch * steps)
+    trainer = train(make_trainer(tmp_path, sampler, bb.batch.Constant(batch)))
+    history = trainer.bigbatch.history
+    assert len(history) == steps and trainer.bigbatch.samples == batch * steps
+
+    model = Net()
+    data = Teacher()
+    loop = bb.AdaptiveBatch(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.2),
+        torch.utils.data.TensorDataset(data.x, data.y),
+        controller=bb.batch.Constant(batch),
+        max_micro_batch=batch,
+        min_sub_batches=k,
+    )
+    losses = []
+    for step in loop.steps(max_steps=steps):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model.net(x), y))
+        step.apply()
+        losses.append(step.metrics["loss"])
+    for a, b in zip(trainer.model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert [h["loss"] for h in history] == pytest.approx(losses, rel=1e-5)
+
+
+def test_batch_sizes_adapt_and_training_ends_at_the_sample_budget(tmp_path):
+    sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=4, max_samples=30_000)
+    controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=1024, window=5)
+    trainer = train(make_trainer(tmp_path, sampler, controller))
+    history = trainer.bigbatch.history
+    assert len({h["batch_size"] for h in history}) > 3
+    assert 30_000 <= trainer.bigbatch.samples < 30_000 + 1024
+    losses = [h["loss"] for h in history]
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
+    def run(resume=None):
+        sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=4, max_samples=8000)
+        controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=512, window=3)
+        trainer = make_trainer(tmp_path, sampler, controller, save_strategy="steps", save_steps=10)
+        return train(trainer, resume_from_checkpoint=resume)
+
+    straight = run()
+    resumed = run(resume=str(tmp_path / "checkpoint-20"))
+    tail = [h["batch_size"] for h in straight.bigbatch.history[20:]]
+    assert [h["batch_size"] for h in resumed.bigbatch.history] == tail
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_statistics_are_taken_before_gradient_clipping(tmp_path):
+    batch, k = 64, 4
+    sampler = bb.batch.GlobalBatchSampler(4096, batch, micro_batches=k, max_samples=batch)
+    trainer = train(make_trainer(tmp_path, sampler, bb.batch.Constant(batch), max_grad_norm=1e-4))
+    clipped = trainer.bigbatch.history[0]
+    sampler = bb.batch.GlobalBatchSampler(4096, batch, micro_batches=k, max_samples=batch)
+    trainer = train(make_trainer(tmp_path, sampler, bb.batch.Constant(batch)))
+    unclipped = trainer.bigbatch.history[0]
+    for name in ("grad_sq_norm", "trace", "similarity"):
+        assert clipped[name] == pytest.approx(unclipped[name], rel=1e-6), name
