@@ -37,11 +37,10 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..batch.controllers import Controller, SimiGrad
-from ..batch.lr import Schedule, check_lr_rule, lr_factor
+from ..batch.controllers import Controller
+from ..batch.lr import Schedule
 from ..batch.sampler import GlobalBatchSampler
-from ..dist.world import World
-from ..stats.collector import MicroBatchStatistics
+from ._driver import StepDriver
 
 __all__ = ["AdaptiveBatchCallback", "AdaptiveBatchTrainer"]
 
@@ -49,7 +48,11 @@ STATE_FILE = "bigbatch.pt"
 
 
 class AdaptiveBatchCallback(TrainerCallback):
-    """The per-step logic: statistics over the micro-batches, LR around the step, next size."""
+    """The per-step logic: statistics over the micro-batches, LR around the step, next size.
+
+    Used by :class:`AdaptiveBatchTrainer`, which gives it what a callback
+    cannot take from the Trainer (the loader, the moment before clipping).
+    """
 
     def __init__(
         self,
@@ -62,95 +65,45 @@ class AdaptiveBatchCallback(TrainerCallback):
         similarity: str | None = None,
         ema_beta: float = 0.99,
     ) -> None:
+        self.driver = StepDriver(
+            sampler,
+            controller,
+            lr_scaling=lr_scaling,
+            base_batch_size=base_batch_size,
+            schedule=schedule,
+            similarity=similarity,
+            ema_beta=ema_beta,
+        )
         self.sampler = sampler
-        self.controller = (
-            controller if controller is not None else SimiGrad(initial=sampler.batch_size)
-        )
-        self.lr_scaling = check_lr_rule(lr_scaling)
-        self.base_batch_size = base_batch_size or sampler.batch_size
-        self.schedule = schedule
-        self.similarity = similarity
-        self.ema_beta = ema_beta
-        self.stats: MicroBatchStatistics | None = None
-        self.step = 0
-        self.samples = 0
-        #: one dict per optimizer step: batch_size, similarity, noise_scale, lr_factor, loss, ...
-        self.history: list[dict[str, float]] = []
-        self.loss: torch.Tensor | None = None  # this rank's share of the step's loss
         self.sample_weighted = False  # the Trainer normalised losses by num_items_in_batch
-        self._finished: dict[str, float] | None = None
-        self._saved_lrs: list[float] | None = None
-        self._plan: list[list[int]] = []
-        self._pending: dict[str, Any] | None = None
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        world = World.of(model) if torch.distributed.is_initialized() else World()
-        self.stats = MicroBatchStatistics(
-            optimizer.param_groups,
-            ema_beta=self.ema_beta,
-            similarity=self.similarity,
-            world=world,
-            dataset_size=self.sampler.dataset_size,
-        )
-        if self._pending is not None:
-            self.stats.load_state_dict(self._pending)
-            self._pending = None
+    @property
+    def history(self) -> list[dict[str, float]]:
+        return self.driver.history
+
+    @property
+    def samples(self) -> int:
+        return self.driver.samples
 
     def on_step_begin(self, args, state, control, **kwargs):
-        assert self.stats is not None
         k = self.sampler.micro_batches
-        self._plan = self.sampler.plans[self.step]
-        mine = self._plan[self.sampler.rank]
-        weights = None if self.sample_weighted else [1 / k] * k
-        self.stats.begin(mine, self._plan, loss_weights=weights)
-        self.stats.before_backward(0)
-        self._index, self.loss, self._finished = 0, None, None
+        self.driver.begin(loss_weights=None if self.sample_weighted else [1 / k] * k)
+        self._index = 0
+        self.driver.before_backward(0)
 
     def on_substep_end(self, args, state, control, **kwargs):
-        assert self.stats is not None
         self._index += 1
-        self.stats.before_backward(self._index)
-
-    def finish(self) -> None:
-        """The step's statistics, from the accumulated (and reduced), not yet clipped gradients."""
-        if self._finished is None:
-            assert self.stats is not None
-            self._finished = self.stats.finish(loss=self.loss).as_floats()
+        self.driver.before_backward(self._index)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.finish()
-        metrics = dict(self._finished or {})
-        batch = sum(sum(r) for r in self._plan)
-        factor = lr_factor(
-            self.lr_scaling,
-            batch,
-            self.base_batch_size,
-            grad_sq_norm=metrics["grad_sq_norm_ema"],
-            trace=metrics["trace_ema"],
-        )
-        if self.schedule is not None:
-            factor *= float(self.schedule(self.samples))
-        self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-        self.step += 1
-        self.samples += batch
-        metrics.update(step=self.step, samples=self.samples, batch_size=batch, lr_factor=factor)
-        metrics["lr"] = optimizer.param_groups[0]["lr"]
-        self.sampler.batch_size = int(self.controller.next(metrics, batch, self.samples))
-        metrics["next_batch_size"] = self.sampler.batch_size
-        self.history.append(metrics)
+        self.driver.before_optimizer_step(optimizer)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        # right after optimizer.step, before the Trainer's scheduler steps
-        if self._saved_lrs is not None:
-            for group, lr in zip(optimizer.param_groups, self._saved_lrs):
-                group["lr"] = lr
-            self._saved_lrs = None
+        self.driver.restore_lr(optimizer)  # before the Trainer's scheduler steps
 
     def on_step_end(self, args, state, control, **kwargs):
         budget = self.sampler.max_samples
-        if budget is not None and self.samples >= budget:
+        if budget is not None and self.driver.samples >= budget:
             control.should_training_stop = True  # the budget is in samples
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -159,21 +112,6 @@ class AdaptiveBatchCallback(TrainerCallback):
             for name in ("batch_size", "similarity", "noise_scale", "lr_factor", "samples"):
                 if name in last:
                     logs[f"bigbatch/{name}"] = last[name]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "sampler": self.sampler.state_dict(step=self.step),
-            "controller": self.controller.state_dict(),
-            "statistics": self.stats.state_dict() if self.stats is not None else None,
-            "step": self.step,
-            "samples": self.samples,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self.controller.load_state_dict(state["controller"])
-        self._pending = state["statistics"]
-        self.step, self.samples = int(state["step"]), int(state["samples"])
 
 
 class _Endless:
@@ -211,7 +149,7 @@ class AdaptiveBatchTrainer(Trainer):
                 f"equal the sampler's micro_batches ({sampler.micro_batches})"
             )
         if self.args.max_steps <= 0:  # an upper bound: the sampler ends the run
-            smallest = max(1, getattr(self.bigbatch.controller, "min", sampler.batch_size))
+            smallest = max(1, getattr(self.bigbatch.driver.controller, "min", sampler.batch_size))
             self.args.max_steps = math.ceil(sampler.max_samples / smallest) + 1
         self.args.ignore_data_skip = True  # the sampler resumes itself
         sampler.rank, sampler.world_size = self.args.process_index, self.args.world_size
@@ -236,27 +174,27 @@ class AdaptiveBatchTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self.bigbatch.sample_weighted = num_items is not None
-        if batches and self.bigbatch.stats is None:
-            self.bigbatch.attach(self.model_wrapped, self.optimizer)
+        if batches and self.bigbatch.driver.stats is None:
+            ddp = self.model_wrapped if torch.distributed.is_initialized() else None
+            self.bigbatch.driver.attach(self.optimizer, ddp)
         return batches, num_items
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
-        share = loss.detach()
-        self.bigbatch.loss = share if self.bigbatch.loss is None else self.bigbatch.loss + share
+        self.bigbatch.driver.add_loss(loss)
         return loss
 
     def _clip_grad_norm(self, model):
-        self.bigbatch.finish()  # the statistics see the gradients before clipping
+        self.bigbatch.driver.finish()  # the statistics see the gradients before clipping
         return super()._clip_grad_norm(model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            torch.save(self.bigbatch.state_dict(), os.path.join(output_dir, STATE_FILE))
+            torch.save(self.bigbatch.driver.state_dict(), os.path.join(output_dir, STATE_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
-            self.bigbatch.load_state_dict(state)
+            self.bigbatch.driver.load_state_dict(state)

@@ -28,11 +28,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ..batch.controllers import Controller, SimiGrad
-from ..batch.lr import Schedule, check_lr_rule, lr_factor
+from ..batch.controllers import Controller
+from ..batch.lr import Schedule
 from ..batch.sampler import GlobalBatchSampler
-from ..dist.world import World
-from ..stats.collector import MicroBatchStatistics
+from ._driver import StepDriver
 
 __all__ = ["AdaptiveBatchCallback"]
 
@@ -70,30 +69,25 @@ class AdaptiveBatchCallback(pl.Callback):
         ema_beta: float = 0.99,
         log: bool = True,
     ) -> None:
-        if not isinstance(sampler, GlobalBatchSampler):
-            raise TypeError(
-                f"sampler must be a bigbatch GlobalBatchSampler, got {type(sampler).__name__}"
-            )
-        self.sampler = sampler
-        self.controller = (
-            controller if controller is not None else SimiGrad(initial=sampler.batch_size)
+        self.driver = StepDriver(
+            sampler,
+            controller,
+            lr_scaling=lr_scaling,
+            base_batch_size=base_batch_size,
+            schedule=schedule,
+            similarity=similarity,
+            ema_beta=ema_beta,
         )
-        self.lr_scaling = check_lr_rule(lr_scaling)
-        self.base_batch_size = base_batch_size or sampler.batch_size
-        self.schedule = schedule
-        self.similarity = similarity
-        self.ema_beta = ema_beta
+        self.sampler = sampler
         self.log = log
-        self.stats: MicroBatchStatistics | None = None
-        self.step = 0
-        self.samples = 0
-        self.history: list[dict[str, float]] = []
-        self._pending_state: dict[str, Any] | None = None
-        self._saved_lrs: list[float] | None = None
-        self._loss: torch.Tensor | None = None
-        self._plan: list[list[int]] = []
 
-    # ------------------------------------------------------------ set-up
+    @property
+    def history(self) -> list[dict[str, float]]:
+        return self.driver.history
+
+    @property
+    def samples(self) -> int:
+        return self.driver.samples
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -109,95 +103,37 @@ class AdaptiveBatchCallback(pl.Callback):
         if len(trainer.optimizers) != 1:
             raise ValueError("AdaptiveBatchCallback supports exactly one optimizer")
         optimizer = trainer.optimizers[0]
-        world = World.of(trainer.strategy.model) if trainer.world_size > 1 else World()
-        if world.distributed and self.similarity == "split":
-            raise ValueError("similarity='split' under DDP is not supported here; use 'scalar'")
-        self.stats = MicroBatchStatistics(
-            optimizer.param_groups,
-            ema_beta=self.ema_beta,
-            similarity=self.similarity,
-            world=world,
-            dataset_size=self.sampler.dataset_size,
-        )
-        if self._pending_state is not None:
-            self.stats.load_state_dict(self._pending_state)
-            self._pending_state = None
-        optimizer.register_step_post_hook(self._restore_lr)
-
-    # ------------------------------------------------------------ one step
+        self.driver.attach(optimizer, trainer.strategy.model if trainer.world_size > 1 else None)
+        # restored right after the step: Lightning steps its schedulers before
+        # on_train_batch_end
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.driver.restore_lr(opt))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        assert self.stats is not None
         k = self.sampler.micro_batches
-        index = batch_idx % k
-        if index == 0:
-            self._plan = self.sampler.plans[self.step]
-            mine = self._plan[self.sampler.rank]
-            self.stats.begin(mine, self._plan, loss_weights=[1 / k] * k)
-            self._loss = None
-        self.stats.before_backward(index)
+        if batch_idx % k == 0:
+            self.driver.begin(loss_weights=[1 / k] * k)  # Lightning divides losses by k
+        self.driver.before_backward(batch_idx % k)
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
-        share = loss.detach()  # Lightning has divided it by accumulate_grad_batches
-        self._loss = share if self._loss is None else self._loss + share
+        self.driver.add_loss(loss)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # the gradients are accumulated (and reduced under DDP), not yet clipped
-        assert self.stats is not None
-        stats = self.stats.finish(loss=self._loss)
-        metrics = stats.as_floats()
-        batch = sum(sum(r) for r in self._plan)
-        factor = lr_factor(
-            self.lr_scaling,
-            batch,
-            self.base_batch_size,
-            grad_sq_norm=metrics["grad_sq_norm_ema"],
-            trace=metrics["trace_ema"],
-        )
-        if self.schedule is not None:
-            factor *= float(self.schedule(self.samples))
-        self._saved_lrs = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-        self.step += 1
-        self.samples += batch
-        metrics.update(step=self.step, samples=self.samples, batch_size=batch, lr_factor=factor)
-        metrics["lr"] = optimizer.param_groups[0]["lr"]
-        self.sampler.batch_size = int(self.controller.next(metrics, batch, self.samples))
-        metrics["next_batch_size"] = self.sampler.batch_size
-        self.history.append(metrics)
+        metrics = self.driver.before_optimizer_step(optimizer)
         if self.log:
             names = ("batch_size", "similarity", "noise_scale", "lr_factor", "loss")
             pl_module.log_dict(
                 {f"bigbatch/{n}": float(metrics[n]) for n in names if n in metrics}, on_step=True
             )
 
-    def _restore_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Right after optimizer.step (before Lightning's schedulers step): the unscaled LR."""
-        if self._saved_lrs is not None:
-            for group, lr in zip(optimizer.param_groups, self._saved_lrs):
-                group["lr"] = lr
-            self._saved_lrs = None
-
-    # ------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "sampler": self.sampler.state_dict(step=self.step),  # the loader draws ahead
-            "controller": self.controller.state_dict(),
-            "statistics": self.stats.state_dict() if self.stats is not None else None,
-            "step": self.step,
-            "samples": self.samples,
-        }
+        return self.driver.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state_dict["sampler"])
-        self.controller.load_state_dict(state_dict["controller"])
-        self._pending_state = state_dict["statistics"]
-        self.step, self.samples = int(state_dict["step"]), int(state_dict["samples"])
+        self.driver.load_state_dict(state_dict)
