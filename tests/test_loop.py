@@ -141,3 +141,46 @@ def test_misuse_is_reported():
         make_run(statistics=False)
     with pytest.raises(ValueError, match="lr_scaling"):
         make_run(lr_scaling="cubic")
+
+
+def train_with_nan_at(loop, model, bad_step, steps):
+    """Train, with a NaN loss (hence NaN gradients) at step ``bad_step`` (1-based)."""
+    history = []
+    for step in loop.steps(max_steps=steps):
+        for x, y in step.micro_batches():
+            loss = nn.functional.cross_entropy(model(x), y)
+            if loop.step + 1 == bad_step:
+                loss = loss * float("nan")
+            step.backward(loss)
+        step.apply()
+        history.append(step.metrics)
+    return history
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_a_nan_step_is_skipped_and_nothing_absorbs_it(statistics):
+    options = {} if statistics else {"statistics": False}
+    controller = bb.batch.SimiGrad(target=0.5, initial=16, min=8, max=512)
+    if not statistics:
+        controller = bb.batch.Constant(32)
+    model, loop = make_run(controller=controller, **options)
+    history = train_with_nan_at(loop, model, bad_step=6, steps=12)
+    assert loop.skipped_steps == 1 and history[5]["skipped"] == 1.0
+    assert history[5]["next_batch_size"] == history[5]["batch_size"]  # the controller kept it
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    state = loop.optimizer.state_dict()["state"]
+    assert all(torch.isfinite(t).all() for s in state.values() for t in s.values() if t.numel())
+    if statistics:
+        assert all(
+            torch.isfinite(v).all() for v in loop.stats.state_dict().values() if torch.is_tensor(v)
+        )
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_a_nan_step_can_stop_the_run_before_any_update():
+    model, loop = make_run(nonfinite="raise")
+    with pytest.raises(bb.NonFiniteError, match="step 4: the gradient or loss is not finite"):
+        train_with_nan_at(loop, model, bad_step=4, steps=10)
+    assert loop.step == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        make_run(nonfinite="ignore")

@@ -1,8 +1,18 @@
 """bigbatch: make very large batches train as well as small ones in PyTorch."""
 
 from . import batch, dist, optim, schedules, stats
-from .loop import AdaptiveBatch, Step
+from .loop import AdaptiveBatch, NonFiniteError, Step
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaptiveBatch", "Step", "__version__", "batch", "dist", "optim", "schedules", "stats"]
+__all__ = [
+    "AdaptiveBatch",
+    "NonFiniteError",
+    "Step",
+    "__version__",
+    "batch",
+    "dist",
+    "optim",
+    "schedules",
+    "stats",
+]

@@ -10,7 +10,8 @@
     bigbatch report runs/mine
     bigbatch tasks
 
-User errors print one line on stderr and exit with code 2.
+User errors print one line on stderr and exit with code 2; a run stopped by a
+non-finite gradient (``nonfinite = "raise"``) exits with code 3.
 """
 
 from __future__ import annotations
@@ -237,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         where = "" if rank == "0" else f" (rank {rank})"  # a failure of one rank only is seen
         print(f"bigbatch: error{where}: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # bigbatch.NonFiniteError with nonfinite = "raise"
+        print(f"bigbatch: training stopped: {err}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130

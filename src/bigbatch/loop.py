@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ._checks import positive_int
+from ._tensors import norms
 from .batch.controllers import Constant, Controller, Ramp, SimiGrad
 from .batch.lr import Schedule, check_lr_rule, lr_factor, scaled_lr
 from .batch.plan import even_split, micro_batch_sizes, split_by_weight
@@ -39,7 +40,13 @@ from .dist.world import World
 from .optim.wrapper import StatisticsWrapper
 from .stats.collector import GradientStats, MicroBatchStatistics
 
-__all__ = ["AdaptiveBatch", "Step"]
+__all__ = ["AdaptiveBatch", "NonFiniteError", "Step"]
+
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's gradient or loss was NaN or infinite and the policy is ``"raise"``."""
 
 
 class Step:
@@ -169,6 +176,13 @@ class AdaptiveBatch:
             large fraction of a map-style dataset (sampling without replacement).
         loss_reduction: ``"mean"`` if ``step.backward`` gets micro-batch mean
             losses, ``"sum"`` if it gets sums.
+        nonfinite: what a step with a NaN or infinite gradient or loss does:
+            ``"skip"`` (default) drops the update, counts it in
+            ``skipped_steps`` and ``metrics["skipped"]``, keeps the batch size;
+            ``"raise"`` raises :class:`NonFiniteError` before anything is
+            updated. Either way the model, optimizer, controller and
+            statistics never absorb the value. With a ``GradScaler`` an
+            overflow is the scaler's to skip (it lowers the scale).
         weight_fn: count the batch in weight (e.g. tokens) instead of samples:
             ``weight_fn(index)`` is sample ``index``'s weight.
         seed, shuffle: the sampler's permutation.
@@ -208,6 +222,7 @@ class AdaptiveBatch:
         ema_beta: float = 0.99,
         finite_correction: bool = True,
         loss_reduction: str = "mean",
+        nonfinite: str = "skip",
         weight_fn: Callable[[int], int] | None = None,
         seed: int = 0,
         shuffle: bool = True,
@@ -260,6 +275,11 @@ class AdaptiveBatch:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        #: steps whose update was dropped for a non-finite gradient or loss
+        self.skipped_steps = 0
         self.schedule = schedule
         self.scaler = scaler
         self.weight_fn = weight_fn
@@ -470,12 +490,25 @@ class AdaptiveBatch:
             scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
             stats = self.stats.finish(loss_scale=scale, loss=self._loss_sum)
             metrics.update(stats.as_floats())  # the one host sync of the step
-            if isinstance(self.optimizer, StatisticsWrapper):
-                self.optimizer.observe(stats)
+            finite = math.isfinite(metrics["grad_sq_norm"]) and math.isfinite(metrics["loss"])
         else:
-            loss = self._loss_sum.double() / self.world.size
-            metrics["loss"] = float(self.world.all_reduce_sum(loss[None])[0])
+            loss = self.world.all_reduce_sum((self._loss_sum.double() / self.world.size)[None])
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]]
+            present = [g for g in grads if g is not None]
+            total = torch.stack(norms(present)).sum().double() if present else torch.zeros(())
+            # one host sync for the loss and the gradient's finiteness
+            metrics["loss"], total_norm = torch.stack([loss[0], total.to(loss)]).tolist()
+            finite = math.isfinite(metrics["loss"]) and math.isfinite(total_norm)
         self._loss_sum = None
+        if not finite and self.scaler is None:
+            if self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"step {self.step + 1}: the gradient or loss is not finite "
+                    f"(loss {metrics['loss']}); nothing was updated"
+                )
+            return stats, self._skip(metrics, batch)
+        if finite and stats is not None and isinstance(self.optimizer, StatisticsWrapper):
+            self.optimizer.observe(stats)
         factor = lr_factor(
             self.lr_scaling,
             batch,
@@ -499,9 +532,20 @@ class AdaptiveBatch:
         self.step += 1
         self.samples += batch
         metrics.update(step=self.step, samples=self.samples, batch_size=batch)
-        self.batch_size = int(self.controller.next(metrics, batch, self.samples))
+        if finite:  # an overflowed GradScaler step teaches the controller nothing
+            self.batch_size = int(self.controller.next(metrics, batch, self.samples))
         metrics["next_batch_size"] = self.batch_size
         return stats, metrics
+
+    def _skip(self, metrics: dict[str, float], batch: int) -> dict[str, float]:
+        """Drop a non-finite step: no update, same next batch size, counted."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        self.step += 1
+        self.samples += batch
+        metrics.update(step=self.step, samples=self.samples, batch_size=batch, skipped=1.0)
+        metrics.update(lr_factor=0.0, lr=0.0, next_batch_size=self.batch_size)
+        return metrics
 
     # ------------------------------------------------------------ state
 
@@ -524,6 +568,7 @@ class AdaptiveBatch:
             "controller": self.controller.state_dict(),
             "statistics": self.stats.state_dict() if self.stats is not None else None,
             "batch_size": self.batch_size,
+            "skipped_steps": self.skipped_steps,
             "step": self.step,
             "samples": self.samples,
             "rng": self.world.all_gather_object(rng_state()),
@@ -552,6 +597,7 @@ class AdaptiveBatch:
         if self.stats is not None and state["statistics"] is not None:
             self.stats.load_state_dict(state["statistics"])
         self.batch_size = int(state["batch_size"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self.step, self.samples = int(state["step"]), int(state["samples"])
         saved = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         set_rng_state(saved[self.world.rank % len(saved)])

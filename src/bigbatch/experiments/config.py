@@ -77,6 +77,12 @@ def _keys() -> list[Key]:
         Key("checkpoint_every", 100, "write a checkpoint every this many steps", low=1),
         Key("threads", 0, "torch CPU threads; 0: torch's default", low=0),
         Key(
+            "nonfinite",
+            "skip",
+            "a step with a NaN/Inf gradient or loss: skip its update (counted) or stop the run",
+            ("skip", "raise"),
+        ),
+        Key(
             "batch.controller",
             "simigrad",
             "how the batch size is chosen",

@@ -140,6 +140,7 @@ def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> Adap
         schedule=make_schedule(config),
         similarity=None if config["batch.similarity"] == "auto" else config["batch.similarity"],
         comm_hook=hook,
+        nonfinite=config["nonfinite"],
         seed=config["seed"],
     )
 
@@ -306,6 +307,7 @@ def _write_summary(
         "samples": loop.samples,
         "wall_seconds": state["wall_seconds"],
         "processes": loop.world.size,
+        "skipped_steps": loop.skipped_steps,
         "target_accuracy": task.target_accuracy,
         "steps_to_target": state["reached_step"] if state["reached_step"] >= 0 else None,
         "samples_to_target": state["reached_samples"] if state["reached_samples"] >= 0 else None,
