@@ -138,9 +138,15 @@ def test_bad_toml_and_corrupted_checkpoint(tmp_path, capsys):
     assert "not valid TOML" in capsys.readouterr().err
     out = tmp_path / "run"
     assert run_cli("train", *SMALL, "--out", out) == 0
+    good = (out / "checkpoint.prev.pt").read_bytes()  # the one before the last
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
     assert run_cli("train", "--quiet", "--resume", out) == 2
-    assert "truncated or corrupted" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "truncated or corrupted" in err and "checkpoint.prev.pt" in err
+    assert (out / "checkpoint.prev.pt").read_bytes() == good  # kept, untouched
+    # resuming from the previous checkpoint finishes the run
+    (out / "checkpoint.prev.pt").rename(out / "checkpoint.pt")
+    assert run_cli("train", "--quiet", "--resume", out) == 0
 
 
 def test_compare_writes_one_report(tmp_path):

@@ -180,25 +180,44 @@ def check_new_run_dir(path: Path) -> None:
         )
 
 
-def save_atomically(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file, flushed to disk, then renamed over ``path``."""
+def previous(path: Path) -> Path:
+    """Where the checkpoint before ``path``'s current one is kept."""
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
+    """torch.save to a temporary file, flushed to disk, then renamed over ``path``.
+
+    With ``keep_previous`` the file it replaces is kept as ``<name>.prev<suffix>``,
+    so a checkpoint damaged later (a full disk, a bad copy) still has a good
+    predecessor.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    if keep_previous and path.exists():
+        os.replace(path, previous(path))
     os.replace(tmp, path)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
+    kept = previous(path)
+    hint = (
+        f"; the previous checkpoint is kept at {str(kept)!r}: rename it to "
+        f"{path.name!r} to resume from there"
+        if kept.is_file()
+        else ""
+    )
     if not path.is_file():
-        raise ConfigError(f"no checkpoint at {str(path)!r}: nothing to resume")
+        raise ConfigError(f"no checkpoint at {str(path)!r}: nothing to resume{hint}")
     try:
         return torch.load(path, weights_only=True)
     except Exception as err:  # a truncated or corrupted file
         raise ConfigError(
             f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
-            f"{err}); it is truncated or corrupted"
+            f"{err}); it is truncated or corrupted{hint}"
         ) from None
 
 
@@ -265,7 +284,11 @@ def train(
                 loop_state = loop.state_dict()  # a collective under DDP: every rank calls it
                 if log is not None:
                     log.flush()
-                    save_atomically({"loop": loop_state, "run": dict(state)}, out / CHECKPOINT)
+                    save_atomically(
+                        {"loop": loop_state, "run": dict(state)},
+                        out / CHECKPOINT,
+                        keep_previous=True,
+                    )
             if bar is not None:
                 bar.update(step.batch_size)
                 bar.set_postfix(
