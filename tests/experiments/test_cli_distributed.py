@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 SMALL = [
     "--quiet",
@@ -101,3 +102,18 @@ def test_compressed_two_process_run_reports_its_traffic(tmp_path):
     assert summary["best_accuracy"] > 0.5
     single = bigbatch("train", *SMALL, "--set", "dist.compression=ef", "--out", tmp_path / "one")
     assert single.returncode == 2 and "--nproc 2 or more" in single.stderr
+
+
+def test_a_sigkilled_single_process_run_resumes_to_the_same_result(tmp_path):
+    args = [*SMALL, "--set", "max_samples=40000"]
+    straight = tmp_path / "straight"
+    assert bigbatch("train", *args, "--out", straight).returncode == 0
+    killed = tmp_path / "killed"
+    kill_after_first_checkpoint(killed, *args)
+    assert not (killed / "summary.json").exists()
+    result = bigbatch("train", "--quiet", "--resume", killed)
+    assert result.returncode == 0, result.stderr
+    assert rows(killed) == rows(straight)
+    a = torch.load(killed / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    b = torch.load(straight / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,149 @@
+"""Bad inputs: one clear error naming the bad value, no traceback, no file changed."""
+
+import hashlib
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import bigbatch as bb
+from bigbatch import cli
+from bigbatch.batch import GlobalBatchSampler, SimiGrad, micro_batch_sizes, shard_batch
+from bigbatch.optim import AGVM, LAMB, LARS, MERIT, VRGD, create_optimizer
+from bigbatch.stats import MicroBatchStatistics
+
+SMALL = ["--quiet", "--set", "task=digits", "--set", "max_samples=2000", "--set", "eval_every=5"]
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "run"
+    assert cli.main(["train", *SMALL, "--out", str(out)]) == 0
+    return out
+
+
+def snapshot(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+
+
+CLI_CASES = [
+    (["train", "--set", "lr=-1"], "lr must be >= 0, got -1"),
+    (["train", "--set", "lr=fast"], "fast"),
+    (["train", "--set", "batch.target=2"], "batch.target must be <= 1, got 2"),
+    (["train", "--set", "batch.initial=0"], "batch.initial must be >= 1, got 0"),
+    (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
+    (
+        ["train", "--set", "batch.initial=8", "--set", "batch.min=16"],
+        "batch.initial (8) is outside",
+    ),
+    (["train", "--set", "task=imagenet"], "'imagenet'"),
+    (["train", "--set", "optimizer=adamax"], "'adamax'"),
+    (["train", "--set", "batch.controller=pid"], "'pid'"),
+    (["train", "--set", "batch.lr_scaling=cube"], "'cube'"),
+    (["train", "--set", "batch.tagret=0.4"], "'batch.tagret'"),
+    (["train", "--set", "threads=-2"], "threads must be >= 0, got -2"),
+    (["train", "--set", "seed=1.5"], "seed must be a whole number, got 1.5"),
+    (["train", "--set", "agvm=maybe"], "maybe"),
+    (["train", "--set", "dist.ratio=0"], "dist.ratio must be > 0"),
+    (["train", "--set", "dist.compression=zip"], "'zip'"),
+    (["train", "--set", "nonfinite=ignore"], "'ignore'"),
+    (["train", "--set", "task=digits", "--set", "dist.compression=ef"], "--nproc 2 or more"),
+    (["train", "--config", "missing.toml"], "missing.toml"),
+    (["train", "--resume", "nowhere"], "'nowhere'"),
+    (["train", "--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["report", "nowhere"], "nowhere"),
+    (["compare", "--vary", "batch.target"], "batch.target"),
+]
+
+
+@pytest.mark.parametrize("args, message", CLI_CASES)
+def test_cli(args, message, capsys, tmp_path, monkeypatch, existing_run):
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(existing_run)
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bigbatch: error:") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert snapshot(existing_run) == before
+
+
+def test_cli_existing_run_and_resume_options(existing_run, capsys):
+    before = snapshot(existing_run)
+    assert cli.main(["train", *SMALL, "--out", str(existing_run)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["train", "--resume", str(existing_run), "--set", "lr=1"]) == 2
+    assert "drop --config/--set/--out" in capsys.readouterr().err
+    assert snapshot(existing_run) == before
+
+
+def test_cli_corrupted_checkpoint_changes_nothing(existing_run, capsys, tmp_path):
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in existing_run.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    (copy / "checkpoint.pt").write_bytes(b"\x80\x02garbage")
+    before = snapshot(copy)
+    assert cli.main(["train", "--quiet", "--resume", str(copy)]) == 2
+    assert "truncated or corrupted" in capsys.readouterr().err
+    assert snapshot(copy) == before
+
+
+def model():
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def data():
+    return torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+
+
+API_CASES = [
+    (lambda: LAMB(model().parameters(), lr=-1.0), ValueError, "-1.0"),
+    (lambda: LAMB(model().parameters(), betas=(0.9, 1.0)), ValueError, "1.0"),
+    (lambda: LARS(model().parameters(), lr=0.1, momentum=-0.5), ValueError, "-0.5"),
+    (lambda: MERIT(model().parameters(), impl="fused"), ValueError, "'fused'"),
+    (lambda: create_optimizer(model(), "lamb", lr=1e-3, beta=0.9), ValueError, "'beta'"),
+    (lambda: create_optimizer(model(), "lamd", lr=1e-3), ValueError, "'lamd'"),
+    (lambda: VRGD(torch.optim.SGD(model().parameters(), lr=0.1), gamma=0), ValueError, "0"),
+    (lambda: AGVM(torch.optim.SGD(model().parameters(), lr=0.1), interval=0), ValueError, "0"),
+    (lambda: SimiGrad(target=1.5), ValueError, "1.5"),
+    (lambda: micro_batch_sizes(3, max_micro_batch=8, min_sub_batches=4), ValueError, "3"),
+    (lambda: shard_batch([1, 2, 3], 5, 2), ValueError, "5"),
+    (lambda: GlobalBatchSampler(100, 0, micro_batches=2), ValueError, "0"),
+    (lambda: MicroBatchStatistics([list(model().parameters())], ema_beta=1.0), ValueError, "1.0"),
+    (
+        lambda: bb.AdaptiveBatch(
+            model(), torch.optim.SGD(model().parameters(), lr=0.1), data(), min_sub_batches=1
+        ),
+        ValueError,
+        "min_sub_batches must be at least 2",
+    ),
+    (
+        lambda: bb.AdaptiveBatch(
+            model(), torch.optim.SGD(model().parameters(), lr=0.1), data(), lr_scaling="cube"
+        ),
+        ValueError,
+        "'cube'",
+    ),
+    (
+        lambda: bb.AdaptiveBatch(
+            model(),
+            create_optimizer(model(), "vr-sgd", lr=0.1),
+            data(),
+            controller=bb.batch.Constant(16),
+            min_sub_batches=2,
+        ),
+        ValueError,
+        "at least 4 sub-batches",
+    ),
+]
+
+
+@pytest.mark.parametrize("build, error, message", API_CASES)
+def test_api(build, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        build()
+
+
+def test_the_catalogue_is_long_enough():
+    assert len(CLI_CASES) + 3 + len(API_CASES) >= 30
