@@ -3,9 +3,9 @@
     python benchmarks/long_run_memory.py            # about a minute on 2 cores
     python benchmarks/long_run_memory.py --steps 2000
 
-``AdaptiveBatch`` with SimiGrad (batch 16–512, so plans, loaders and
-statistics change shape all the time), statistics and GSNR on, a VR-LAMB
-optimizer, on a small MLP; the resident set size (from /proc on Linux) is
+``AdaptiveBatch`` with SimiGrad (from batch 32; on this tiny, noisy model it
+climbs to its cap of 512 within the first thousand steps), statistics and
+GSNR on, a VR-LAMB optimizer, on a small MLP; the resident set size (from /proc on Linux) is
 read every 1000 steps. A leak in the per-step machinery (hooks, plans,
 history kept by mistake, loader objects) shows as growth after the first
 thousand steps.
