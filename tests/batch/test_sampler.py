@@ -128,6 +128,8 @@ def test_global_batch_sampler_ends_at_the_sample_budget_and_checks_sizes():
     from bigbatch.batch import GlobalBatchSampler
 
     sampler = GlobalBatchSampler(100, 10, micro_batches=2, max_samples=35)
+    assert len(sampler) == 36  # an upper bound: every step at the smallest batch (2)
+    sampler.min_batch_size = 10
     assert len(sampler) == 8
     assert len(list(sampler)) == 8 and sampler.samples == 40  # the last step may overshoot
     with pytest.raises(ValueError, match="cannot give 4 micro-batches to each of 2 ranks"):

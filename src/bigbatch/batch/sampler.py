@@ -142,9 +142,14 @@ class GlobalBatchSampler:
 
     Iteration ends once ``max_samples`` (global) have been drawn, so a budget
     in samples ends training on time whatever the batch sizes were; without
-    it the sampler never ends. ``len()`` is the number of micro-batches left
-    at the current batch size (an estimate for progress bars).
+    it the sampler never ends. ``len()`` is an upper bound on the micro-batches
+    left (every step at ``min_batch_size``, by default ``micro_batches ×
+    world_size``): frameworks that stop an epoch after ``len()`` batches must
+    never stop before the budget is spent.
     """
+
+    #: how many recent steps' plans and positions are kept (loaders draw ahead)
+    PLAN_WINDOW = 64
 
     def __init__(
         self,
@@ -169,6 +174,9 @@ class GlobalBatchSampler:
             )
         self.batch_size = batch_size
         self.micro_batches = micro_batches
+        #: the smallest batch a step may have (for ``len()``); a plugin sets it
+        #: from its controller
+        self.min_batch_size = micro_batches * world_size
         self.max_samples = max_samples
         self.rank, self.world_size = rank, world_size
         #: global samples drawn so far, and optimizer steps drawn
@@ -194,12 +202,12 @@ class GlobalBatchSampler:
                 )
             size = self._replay.pop(0) if self._replay else self.batch_size
             self._before[self.steps] = (self._sampler.state_dict(), self.samples, size)
-            self._before.pop(self.steps - 8, None)
+            self._before.pop(self.steps - self.PLAN_WINDOW, None)
             indices = self._sampler.take(size)
             shards = [shard_batch(indices, r, self.world_size) for r in range(self.world_size)]
             sizes = [even_split(len(s), self.micro_batches) for s in shards]
             self.plans[self.steps] = sizes
-            self.plans.pop(self.steps - 8, None)  # keep the few steps a loader may run ahead
+            self.plans.pop(self.steps - self.PLAN_WINDOW, None)  # loaders draw ahead
             self.samples += len(indices)
             self.steps += 1
             start = 0
@@ -211,7 +219,8 @@ class GlobalBatchSampler:
         if self.max_samples is None:
             raise TypeError("an endless GlobalBatchSampler (no max_samples) has no length")
         left = max(0, self.max_samples - self.samples)
-        return -(-left // self.batch_size) * self.micro_batches
+        smallest = max(1, self.min_batch_size, self.micro_batches * self.world_size)
+        return -(-left // smallest) * self.micro_batches
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """The state to resume from; with ``step``, as of just before that step was drawn.

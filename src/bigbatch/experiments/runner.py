@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,14 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
         f.flush()
         os.fsync(f.fileno())
     if keep_previous and path.exists():
-        os.replace(path, previous(path))
+        # a link, then a rename: checkpoint.pt exists at every moment
+        staged = path.with_name(f".{previous(path).name}.tmp")
+        staged.unlink(missing_ok=True)
+        try:
+            os.link(path, staged)
+        except OSError:  # a file system without hard links
+            shutil.copy2(path, staged)
+        os.replace(staged, previous(path))
     os.replace(tmp, path)
 
 

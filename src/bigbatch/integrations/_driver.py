@@ -77,6 +77,12 @@ class StepDriver:
     def begin(self, loss_weights: list[float] | None) -> None:
         """The step's first micro-batch is next."""
         assert self.stats is not None, "attach() first"
+        if self.step not in self.sampler.plans:
+            raise RuntimeError(
+                f"step {self.step}'s plan is gone: the loader drew more than "
+                f"{self.sampler.PLAN_WINDOW} steps ahead (use fewer workers or a smaller "
+                "prefetch_factor)"
+            )
         self._plan = self.sampler.plans[self.step]
         self.stats.begin(self._plan[self.sampler.rank], self._plan, loss_weights=loss_weights)
         self.loss, self._finished = None, None
@@ -98,6 +104,9 @@ class StepDriver:
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Scale the LR for this step and choose the next batch size; the step's metrics."""
+        # a GradScaler that skipped the last optimizer.step also skipped its post-hook:
+        # undo that step's scaling first, so it never compounds
+        self.restore_lr(optimizer)
         self.finish()
         metrics = dict(self._finished or {})
         batch = sum(sum(r) for r in self._plan)

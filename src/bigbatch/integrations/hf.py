@@ -75,7 +75,8 @@ class AdaptiveBatchCallback(TrainerCallback):
             ema_beta=ema_beta,
         )
         self.sampler = sampler
-        self.sample_weighted = False  # the Trainer normalised losses by num_items_in_batch
+        #: each micro-batch's loss multiplier this step, as the Trainer applies it
+        self.loss_weights: list[float] | None = None
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -87,7 +88,7 @@ class AdaptiveBatchCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         k = self.sampler.micro_batches
-        self.driver.begin(loss_weights=None if self.sample_weighted else [1 / k] * k)
+        self.driver.begin(loss_weights=self.loss_weights or [1 / k] * k)
         self._index = 0
         self.driver.before_backward(0)
 
@@ -173,7 +174,12 @@ class AdaptiveBatchTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self.bigbatch.sample_weighted = num_items is not None
+        if batches and num_items is not None and self.model_accepts_loss_kwargs:
+            # the model divides each micro-batch's summed loss by the window's label count
+            counts = [float((b["labels"] != -100).sum()) for b in batches]
+            self.bigbatch.loss_weights = [c / float(num_items) for c in counts]
+        elif batches:  # training_step divides each micro-batch's mean loss by their number
+            self.bigbatch.loss_weights = [1 / len(batches)] * len(batches)
         if batches and self.bigbatch.driver.stats is None:
             ddp = self.model_wrapped if torch.distributed.is_initialized() else None
             self.bigbatch.driver.attach(self.optimizer, ddp)
