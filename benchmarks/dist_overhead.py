@@ -24,20 +24,18 @@ moves about ``2 (W-1)/W`` times that over the wire per rank).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 import bigbatch as bb
+from _gloo import run_gloo
 
 ARMS = ("none", "scalar", "split")
 
@@ -72,15 +70,8 @@ def one_step(loop: bb.AdaptiveBatch) -> float:
     return time.perf_counter() - start
 
 
-def worker(rank: int, world: int, port: int, steps: int, per_rank: int, results: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+def worker(steps: int, per_rank: int) -> dict | None:
+    """One world's measurements (rank 0 returns them)."""
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(8192, 784, generator=gen), torch.randint(0, 10, (8192,)))
     loops = {arm: make_loop(arm, data, per_rank) for arm in ARMS}
@@ -99,28 +90,21 @@ def worker(rank: int, world: int, port: int, steps: int, per_rank: int, results:
         for arm in order:
             dist.barrier()
             times[arm].append(one_step(loops[arm]))
-    if rank == 0:
-        params = sum(p.numel() * p.element_size() for p in loops["none"].model.parameters())
-        rows = {}
-        for arm, loop in loops.items():
-            stats = loop.stats
-            sent = (stats.bytes_communicated if stats else 0) + (
-                stats.comm_hook.extra_bytes if stats and stats.comm_hook else 0
-            )
-            rows[arm] = {
-                "ms": 1000 * statistics.median(times[arm]),
-                "gradient_bytes": params,
-                "extra_bytes": (sent - bytes_before[arm]) / (loop.step - counted[arm]),
-            }
-        results.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if dist.get_rank() != 0:
+        return None
+    params = sum(p.numel() * p.element_size() for p in loops["none"].model.parameters())
+    rows = {}
+    for arm, loop in loops.items():
+        stats = loop.stats
+        sent = (stats.bytes_communicated if stats else 0) + (
+            stats.comm_hook.extra_bytes if stats and stats.comm_hook else 0
+        )
+        rows[arm] = {
+            "ms": 1000 * statistics.median(times[arm]),
+            "gradient_bytes": params,
+            "extra_bytes": (sent - bytes_before[arm]) / (loop.step - counted[arm]),
+        }
+    return rows
 
 
 def main() -> None:
@@ -128,24 +112,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args()
     steps = 10 if args.quick else 40
-    ctx = mp.get_context("spawn")
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, 1 thread per rank")
     print(
         f"{'ranks':>5} {'batch/rank':>10} {'arm':>7} {'step ms':>8} {'vs none':>8} "
         f"{'gradient B/step':>16} {'extra B/step':>13} {'extra/gradient':>15}"
     )
     for world, per_rank in [(w, b) for w in (2, 4) for b in (64, 512)]:
-        results = ctx.Queue()
-        port = free_port()
-        procs = [
-            ctx.Process(target=worker, args=(rank, world, port, steps, per_rank, results))
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
-        rows = results.get()
-        for p in procs:
-            p.join()
+        rows = run_gloo(worker, world, steps, per_rank)
         base = rows["none"]["ms"]
         for arm in ARMS:
             r = rows[arm]

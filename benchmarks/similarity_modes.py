@@ -14,32 +14,24 @@ imply (REFERENCE.md §1).
 
 from __future__ import annotations
 
-import datetime
-import socket
 import statistics
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 import bigbatch as bb
+from _gloo import run_gloo
 from bigbatch.stats import expected_similarity, scalar_similarity
 
 STEPS = 1500
 
 
-def worker(rank: int, world: int, port: int, batch: int, results: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+def worker(batch: int) -> dict | None:
+    """One world's series (rank 0 returns the summary)."""
+    world = dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
     w_star = torch.randn(12, generator=gen)
     x = torch.randn(2048, 12, generator=gen)
@@ -71,45 +63,25 @@ def worker(rank: int, world: int, port: int, batch: int, results: mp.Queue) -> N
         scalar.append(float(estimate))
         signal.append(float(s.grad_sq_norm))
         trace.append(float(s.trace))
-    if rank == 0:
-        b_simple = statistics.mean(trace) / statistics.mean(signal)
-        results.put(
-            {
-                "split": (statistics.mean(split), statistics.stdev(split)),
-                "scalar": (statistics.mean(scalar), statistics.stdev(scalar)),
-                "implied": expected_similarity(b_simple, first, batch - first),
-                "b_simple": b_simple,
-            }
-        )
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if dist.get_rank() != 0:
+        return None
+    b_simple = statistics.mean(trace) / statistics.mean(signal)
+    return {
+        "split": (statistics.mean(split), statistics.stdev(split)),
+        "scalar": (statistics.mean(scalar), statistics.stdev(scalar)),
+        "implied": expected_similarity(b_simple, first, batch - first),
+        "b_simple": b_simple,
+    }
 
 
 def main() -> None:
-    ctx = mp.get_context("spawn")
     print(f"{STEPS} steps at a fixed point; mean ± step-to-step standard deviation")
     print(
         f"{'ranks':>5} {'B':>5} {'B_simple':>8} {'implied':>8} {'split (exact)':>16} {'scalar':>16}"
     )
     for world, per_rank in [(w, b) for w in (2, 4) for b in (16, 64)]:
         batch = world * per_rank
-        results = ctx.Queue()
-        port = free_port()
-        procs = [
-            ctx.Process(target=worker, args=(rank, world, port, batch, results))
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
-        r = results.get()
-        for p in procs:
-            p.join()
+        r = run_gloo(worker, world, batch)
         print(
             f"{world:>5} {batch:>5} {r['b_simple']:>8.1f} {r['implied']:>8.3f} "
             f"{r['split'][0]:>8.3f} ± {r['split'][1]:.3f} {r['scalar'][0]:>8.3f} ± "

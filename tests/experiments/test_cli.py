@@ -27,6 +27,16 @@ def run_cli(*args):
     return cli.main([str(a) for a in args])
 
 
+def rows(run):
+    """A run's metrics rows without their timing field (which differs between runs)."""
+    out = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        row.pop("wall_seconds")
+        out.append(row)
+    return out
+
+
 def test_train_writes_the_run_directory(tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", *SMALL, "--out", out) == 0
@@ -79,14 +89,6 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch):
     assert len((killed / "metrics.jsonl").read_text().splitlines()) == 12
     monkeypatch.setattr(AdaptiveBatch, "_apply", real_apply)
     assert run_cli("train", "--quiet", "--resume", killed) == 0
-
-    def rows(path):
-        out = []
-        for line in (path / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            row.pop("wall_seconds")
-            out.append(row)
-        return out
 
     assert rows(killed) == rows(straight)
     a = torch.load(killed / "checkpoint.pt", weights_only=True)["loop"]["model"]

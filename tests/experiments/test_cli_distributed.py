@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from .test_cli import rows
+
 SMALL = [
     "--quiet",
     "--set",
@@ -28,15 +30,6 @@ def bigbatch(*args, wait=True):
     if not wait:
         return subprocess.Popen(command, start_new_session=True)
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
-
-
-def rows(run):
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        row.pop("wall_seconds")
-        out.append(row)
-    return out
 
 
 def test_two_processes_train_like_one_on_the_same_batches(tmp_path):

@@ -152,3 +152,19 @@ class StepDriver:
         self.controller.load_state_dict(state["controller"])
         self._pending = state["statistics"]
         self.step, self.samples = int(state["step"]), int(state["samples"])
+
+
+class DriverView:
+    """What a plugin exposes of its :class:`StepDriver` (``self.driver``)."""
+
+    driver: StepDriver
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """One dict per optimizer step: batch_size, similarity, noise_scale, lr_factor, ..."""
+        return self.driver.history
+
+    @property
+    def samples(self) -> int:
+        """Samples trained on so far (all ranks)."""
+        return self.driver.samples

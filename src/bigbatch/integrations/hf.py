@@ -40,14 +40,14 @@ from transformers import Trainer, TrainerCallback
 from ..batch.controllers import Controller
 from ..batch.lr import Schedule
 from ..batch.sampler import GlobalBatchSampler
-from ._driver import StepDriver
+from ._driver import DriverView, StepDriver
 
 __all__ = ["AdaptiveBatchCallback", "AdaptiveBatchTrainer"]
 
 STATE_FILE = "bigbatch.pt"
 
 
-class AdaptiveBatchCallback(TrainerCallback):
+class AdaptiveBatchCallback(DriverView, TrainerCallback):
     """The per-step logic: statistics over the micro-batches, LR around the step, next size.
 
     Used by :class:`AdaptiveBatchTrainer`, which gives it what a callback
@@ -77,14 +77,6 @@ class AdaptiveBatchCallback(TrainerCallback):
         self.sampler = sampler
         #: each micro-batch's loss multiplier this step, as the Trainer applies it
         self.loss_weights: list[float] | None = None
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        return self.driver.history
-
-    @property
-    def samples(self) -> int:
-        return self.driver.samples
 
     def on_step_begin(self, args, state, control, **kwargs):
         k = self.sampler.micro_batches

@@ -31,12 +31,12 @@ import torch
 from ..batch.controllers import Controller
 from ..batch.lr import Schedule
 from ..batch.sampler import GlobalBatchSampler
-from ._driver import StepDriver
+from ._driver import DriverView, StepDriver
 
 __all__ = ["AdaptiveBatchCallback"]
 
 
-class AdaptiveBatchCallback(pl.Callback):
+class AdaptiveBatchCallback(DriverView, pl.Callback):
     """SimiGrad-style adaptive batching inside ``Trainer.fit`` (one optimizer).
 
     Args:
@@ -80,14 +80,6 @@ class AdaptiveBatchCallback(pl.Callback):
         )
         self.sampler = sampler
         self.log = log
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        return self.driver.history
-
-    @property
-    def samples(self) -> int:
-        return self.driver.samples
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
