@@ -172,8 +172,8 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
         f"{out}: best accuracy {summary['best_accuracy']:.4f}, "
         f"final {summary['final_accuracy']:.4f}, "
         f"{summary['steps']} steps, {summary['samples']} samples, average batch "
-        f"{summary['avg_batch_size']:.0f}, {summary['wall_seconds']:.0f} s; report: "
-        f"{out / 'report.md'}"
+        f"{summary['avg_batch_size']:.0f}, {summary['wall_seconds']:.0f} s; "
+        f"{summary['target_note']}; report: {out / 'report.md'}"
     )
 
 
@@ -211,9 +211,14 @@ def _compare(args: argparse.Namespace) -> None:
 def _tasks() -> None:
     from .experiments.tasks import TASKS
 
-    print(f"{'task':9s} {'size':48s} {'expected':36s} description")
     for task in TASKS.values():
-        print(f"{task.name:9s} {task.size:48s} {task.expected:36s} {task.summary}")
+        name = task.target_metric.removeprefix("eval_")
+        rates = ", ".join(f"{k} {v:g}" for k, v in task.lrs.items())
+        print(f"{task.name}: {task.summary}")
+        print(f"    data      {task.size}")
+        print(f"    expected  {task.expected}; target {name} {task.target:g}")
+        print(f"    budget    {task.max_samples:,} samples")
+        print(f"    rates     {rates} (scaled rates at batch {task.base_batch})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,11 +32,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ._checks import positive_int
 from ._tensors import norms
-from .batch.controllers import Constant, Controller, Ramp, SimiGrad
-from .batch.lr import Schedule, check_lr_rule, lr_factor, scaled_lr
+from .batch.controllers import Controller, SimiGrad
+from .batch.lr import Schedule, lr_factor, resolve_lr_rule, scaled_lr
 from .batch.plan import even_split, micro_batch_sizes, split_by_weight
 from .batch.sampler import VariableBatchSampler, shard_batch
 from .dist.world import World
+from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
 from .stats.collector import GradientStats, MicroBatchStatistics
 
@@ -151,8 +152,13 @@ class AdaptiveBatch:
         max_micro_batch: the largest micro-batch that fits in memory.
         min_sub_batches: the fewest micro-batches per step (≥ 2; 4 by default
             so the statistics have two per half).
-        lr_scaling: ``none``, ``linear``, ``sqrt`` (default), ``adascale`` or
-            ``adascale-sqrt``, relative to ``base_batch_size``.
+        lr_scaling: how the learning rate follows the batch, relative to
+            ``base_batch_size``: ``none``, ``linear``, ``sqrt``, ``adascale``,
+            ``adascale-sqrt``, or ``auto`` (default: held for a controller that
+            follows the noise scale, else ``sqrt`` for Adam-type optimizers and
+            ``linear`` for SGD- and LARS-type; see ``bigbatch.batch.lr``). The
+            rate of a step is ``lr × rule(B / base_batch_size) × schedule(samples)``,
+            set just before the optimizer step and restored after it.
         base_batch_size: the batch the optimizer's learning rate was tuned for
             (default: the controller's initial batch).
         schedule: a function of samples seen returning a learning-rate
@@ -211,7 +217,7 @@ class AdaptiveBatch:
         controller: Controller | None = None,
         max_micro_batch: int = 256,
         min_sub_batches: int = 4,
-        lr_scaling: str = "sqrt",
+        lr_scaling: str = "auto",
         base_batch_size: int | None = None,
         schedule: Schedule | None = None,
         scaler: torch.amp.GradScaler | None = None,
@@ -249,17 +255,17 @@ class AdaptiveBatch:
                 f"min_sub_batches × ranks ({self.min_sub_batches} × {self.world.size}): "
                 "every sub-batch needs a sample"
             )
-        self.lr_scaling = check_lr_rule(lr_scaling)
+        self.lr_scaling = resolve_lr_rule(lr_scaling, self.controller, optimizer_family(optimizer))
         self.base_batch_size = positive_int(
             "base_batch_size",
             base_batch_size if base_batch_size is not None else self.controller.initial,
         )
-        needs_stats = not isinstance(self.controller, (Constant, Ramp)) or lr_scaling.startswith(
-            "adascale"
+        needs_stats = getattr(self.controller, "needs_statistics", True) or (
+            self.lr_scaling.startswith("adascale")
         )
         if needs_stats and not statistics:
             raise ValueError(
-                f"{type(self.controller).__name__} with lr_scaling={lr_scaling!r} needs "
+                f"{type(self.controller).__name__} with lr_scaling={self.lr_scaling!r} needs "
                 "statistics=True"
             )
         if isinstance(optimizer, StatisticsWrapper):

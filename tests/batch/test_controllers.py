@@ -1,12 +1,20 @@
 """Controllers are pure: statistics and state in, batch size out."""
 
+import itertools
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bigbatch.batch import Constant, NoiseScale, Ramp, SimiGrad
+from bigbatch.batch import (
+    Constant,
+    CriticalBatchRamp,
+    DampedSimiGrad,
+    NoiseScale,
+    Ramp,
+    SimiGrad,
+)
 
 
 def test_simigrad_grows_below_target_and_shrinks_above():
@@ -103,8 +111,173 @@ def test_constant_and_ramp():
         (lambda: Constant(-4), "batch_size"),
         (lambda: Ramp(steps=[(10, 64)]), "start at sample 0"),
         (lambda: Ramp(64), "needs start, end and samples"),
+        (lambda: CriticalBatchRamp(multiple=-1), "noise_multiple"),
+        (lambda: CriticalBatchRamp(factor=1.0), "factor"),
+        (lambda: CriticalBatchRamp(warmup=-5), "warmup"),
+        (lambda: CriticalBatchRamp(shrink="yes"), "shrink"),
+        (lambda: DampedSimiGrad(target=1.0), "target"),
+        (lambda: DampedSimiGrad(integral=0), "integral"),
+        (lambda: DampedSimiGrad(max_rate=-0.1), "max_rate"),
     ],
 )
 def test_bad_settings_are_named(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# ---------------------------------------------------------------- CriticalBatchRamp
+
+
+def noisy_steps(b_simple, count, spread=0.0, seed=0):
+    """Per-step (|G|², tr Σ) estimates around a noise scale, with relative spread."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        signal = 1.0 + spread * rng.gauss(0, 1)
+        trace = b_simple * (1.0 + spread / 3 * rng.gauss(0, 1))
+        yield {"grad_sq_norm": signal, "trace": trace}
+
+
+def test_ramp_doubles_once_the_noise_scale_is_clearly_above_the_next_size():
+    c = CriticalBatchRamp(multiple=1.0, initial=64, min=16, max=1024, window=10)
+    batch, path = 64, [64]
+    for m in noisy_steps(300.0, 60):
+        batch = c.next(m, batch, 0)
+        path.append(batch)
+    # 128 and 256 are below 300: both taken one after the other; 512 is not
+    assert sorted(set(path)) == [64, 128, 256]
+    assert path == sorted(path)
+    assert path.index(128) >= 5  # half a window of evidence first
+
+
+def test_ramp_holds_while_the_evidence_is_weak():
+    # the mean noise scale is 300 (above 128) but |G|² is too noisy to be sure of it
+    c = CriticalBatchRamp(multiple=1.0, initial=64, max=1024, window=10, confidence=2.0)
+    batch = 64
+    for m in noisy_steps(300.0, 100, spread=6.0):
+        batch = c.next(m, batch, 0)
+    assert batch == 64
+
+
+def test_ramp_waits_for_its_warmup_and_respects_max():
+    c = CriticalBatchRamp(multiple=4.0, initial=64, max=200, window=4, warmup=10_000)
+    batch = 64
+    for i, m in enumerate(noisy_steps(1000.0, 30)):
+        batch = c.next(m, batch, samples=i * 1000)
+        if i * 1000 < 10_000:
+            assert batch == 64
+    assert batch == 200  # 64 -> 128 -> 200 (clamped), never beyond
+
+
+def test_ramp_shrinks_only_when_asked():
+    steps = list(noisy_steps(10.0, 40))
+    fixed = CriticalBatchRamp(multiple=1.0, initial=512, window=4)
+    shrinking = CriticalBatchRamp(multiple=1.0, initial=512, window=4, shrink=True)
+    a = b = 512
+    for m in steps:
+        a, b = fixed.next(m, a, 0), shrinking.next(m, b, 0)
+    assert a == 512
+    assert b == 16  # halved down to min: even the upper bound of 10 is below every size
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(
+        st.tuples(
+            st.one_of(st.floats(-100, 100), st.just(math.nan)),
+            st.one_of(st.floats(-1e4, 1e6), st.just(math.inf)),
+        ),
+        max_size=80,
+    ),
+    multiple=st.floats(0.1, 20),
+    factor=st.floats(1.1, 4),
+)
+def test_ramp_is_monotone_and_bounded(values, multiple, factor):
+    c = CriticalBatchRamp(multiple, initial=64, min=16, max=5000, factor=factor, window=5)
+    batch = 64
+    for signal, trace in values:
+        new = c.next({"grad_sq_norm": signal, "trace": trace}, batch, 0)
+        assert batch <= new <= 5000
+        batch = new
+
+
+# ---------------------------------------------------------------- DampedSimiGrad
+
+
+def similarities(mean, count, spread=0.2, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return [{"similarity": mean + spread * rng.gauss(0, 1)} for _ in range(count)]
+
+
+def test_damped_holds_inside_the_evidence_interval():
+    # noisy similarities around the target: the interval covers it, nothing moves
+    c = DampedSimiGrad(target=0.5, initial=256)
+    batch = 256
+    for m in similarities(0.5, 300, spread=0.2):
+        batch = c.next(m, batch, 0)
+    assert batch == 256
+
+
+def test_damped_grows_when_the_similarity_is_clearly_low_and_settles():
+    # a model world: similarity 1 / (1 + 2 B_simple / B) with B_simple = 400, so the
+    # target 1/3 is reached at B = 400; start far below it
+    c = DampedSimiGrad(target=1 / 3, initial=32, min=16, max=16384)
+    batch, path = 32, []
+    for i in range(600):
+        s = 1 / (1 + 2 * 400 / batch)
+        batch = c.next({"similarity": s + 0.02 * math.sin(i)}, batch, 0)
+        path.append(batch)
+    assert 250 <= path[-1] <= 640
+    moves = [abs(math.log(b / a)) for a, b in itertools.pairwise(path) if a != b]
+    assert moves and min(moves) >= 0.25 - 1e-9  # discrete moves, never a sample at a time
+    assert max(moves) <= 0.25 + 0.1 + 0.01  # bounded: it moves once past min_change
+    assert path[-200:] == [path[-1]] * 200  # settled: no cycle
+
+
+@pytest.mark.parametrize(
+    "make, stream",
+    [
+        (lambda: DampedSimiGrad(initial=64), similarities(0.1, 120, seed=3)),
+        (lambda: CriticalBatchRamp(initial=64), list(noisy_steps(2000.0, 80, spread=0.5, seed=1))),
+    ],
+    ids=["damped", "ramp"],
+)
+def test_state_round_trip_resumes_mid_run(make, stream):
+    batch, expected = 64, []
+    whole = make()
+    for m in stream:
+        batch = whole.next(m, batch, 0)
+        expected.append(batch)
+    assert expected[-1] != 64, "the stream must move the batch for the test to mean anything"
+    first, half = make(), len(stream) // 3
+    batch = 64
+    for m in stream[:half]:
+        batch = first.next(m, batch, 0)
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    rest = [batch := resumed.next(m, batch, 0) for m in stream[half:]]
+    assert rest == expected[half:]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    values=st.lists(st.one_of(st.floats(-1, 1), st.just(math.nan)), max_size=80),
+    target=st.floats(0.05, 0.95),
+)
+def test_damped_bounds_and_discrete_moves(values, target):
+    c = DampedSimiGrad(target=target, initial=64, min=16, max=4096)
+    batch = 64
+    for s in values:
+        new = c.next({"similarity": s}, batch, 0)
+        assert 16 <= new <= 4096
+        assert new == batch or abs(math.log(new / batch)) >= 0.25 - 1e-9 or new in (16, 4096)
+        batch = new
+
+
+def test_every_controller_declares_whether_it_reads_statistics():
+    assert SimiGrad().needs_statistics and NoiseScale().needs_statistics
+    assert CriticalBatchRamp().needs_statistics and DampedSimiGrad().needs_statistics
+    assert not Constant(64).needs_statistics and not Ramp(64, 128, 10).needs_statistics

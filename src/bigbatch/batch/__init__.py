@@ -1,19 +1,33 @@
 """Batch-size control: controllers, learning-rate rules, micro-batch plans, the sampler."""
 
-from .controllers import CONTROLLERS, Constant, Controller, NoiseScale, Ramp, SimiGrad
+from .controllers import (
+    CONTROLLERS,
+    Constant,
+    Controller,
+    CriticalBatchRamp,
+    DampedSimiGrad,
+    NoiseScale,
+    Ramp,
+    SimiGrad,
+)
 from .lr import LR_RULES, adascale_gain, lr_factor, scaled_lr
 from .plan import micro_batch_sizes, split_by_weight
 from .sampler import GlobalBatchSampler, VariableBatchSampler, shard_batch
+from .smoothing import SmoothedNoise, SmoothedValue
 
 __all__ = [
     "CONTROLLERS",
     "LR_RULES",
     "Constant",
     "Controller",
+    "CriticalBatchRamp",
+    "DampedSimiGrad",
     "GlobalBatchSampler",
     "NoiseScale",
     "Ramp",
     "SimiGrad",
+    "SmoothedNoise",
+    "SmoothedValue",
     "VariableBatchSampler",
     "adascale_gain",
     "lr_factor",

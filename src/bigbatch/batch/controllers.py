@@ -8,9 +8,18 @@ model, so all are tested without one.
 - :class:`SimiGrad` (Qin et al., NeurIPS 2021): hold the half-split gradient
   cosine at a target, growing the batch ×1.1 when it is below and shrinking
   ×0.9 when above (REFERENCE.md §2).
+- :class:`CriticalBatchRamp`: a monotone ramp that doubles the batch once
+  ``κ · B_simple`` is confidently above the next size (the critical batch
+  grows during training: McCandlish et al. 2018; Merrill et al. 2025).
+- :class:`DampedSimiGrad`: SimiGrad's similarity target held by a damped
+  log-space proportional–integral loop with a dead band, so it settles
+  instead of cycling.
 - :class:`NoiseScale`: ``B = κ · B_simple`` (McCandlish et al. 2018), re-chosen
   only when it moves by more than 5%, as AdaptDL re-chooses.
 - :class:`Constant` and :class:`Ramp`: the static and scheduled baselines.
+
+Why the published SimiGrad rule cycles, and what the two new controllers do
+instead, is in ``docs/algorithms.md`` ("Batch-size controllers").
 """
 
 from __future__ import annotations
@@ -20,16 +29,27 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .._checks import positive_int
-from ..optim._base import check_number
+from .._checks import check_number, positive_int
+from .smoothing import SmoothedNoise, SmoothedValue
 
 
 class Controller(Protocol):
-    """``next(measured, batch_size, samples) -> batch_size``; plain-data state."""
+    """``next(measured, batch_size, samples) -> batch_size``; plain-data state.
+
+    ``measured`` holds the step's statistics as floats (``similarity``,
+    ``grad_sq_norm``, ``trace``, ``noise_scale``, ...), ``samples`` the samples
+    trained on including this step. ``needs_statistics`` declares whether the
+    controller reads them at all (a loop may then skip collecting them);
+    ``holds_lr`` whether its batch follows the noise scale, so that the
+    learning rate should not follow the batch (``bigbatch.batch.lr``).
+    """
 
     initial: int
     min: int
     max: int
+    needs_statistics: bool
+    #: the batch follows the noise scale, so ``lr_scaling="auto"`` holds the rate
+    holds_lr: bool
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int: ...
 
@@ -65,7 +85,15 @@ class SimiGrad:
     doubling the batch still nearly halves the steps; a higher target buys
     fewer steps with more samples (0.8 → ``8 B_simple``, SimiGrad's BERT
     setting), a lower one the reverse (its CIFAR-10 runs used 0–0.2).
+
+    This is the published rule, kept exactly: with a noisy similarity it is a
+    bang-bang loop behind a ``window``-step delay and saws the batch up and
+    down (a limit cycle; see :class:`DampedSimiGrad` for a controller that
+    settles).
     """
+
+    needs_statistics = True
+    holds_lr = False
 
     def __init__(
         self,
@@ -112,6 +140,205 @@ class SimiGrad:
         self._steps = int(state["steps"])
 
 
+class CriticalBatchRamp:
+    """Grow the batch by ``factor`` once ``multiple · B_simple`` is confidently above the next size.
+
+    The critical batch, beyond which a larger batch stops saving optimizer
+    steps, is about the noise scale ``B_simple = tr Σ / |G|²`` (McCandlish et
+    al. 2018) and grows as training proceeds (McCandlish et al.; Zhang et al.
+    2024; Merrill et al. 2025, whose batch-size warm-up from the measured
+    critical batch took 43% of OLMo's steps away). This controller follows it
+    upward in discrete steps and never comes back down, so it has no cycle to
+    fall into:
+
+    - every step, the step's unbiased ``|G|²`` and ``tr Σ`` estimates feed a
+      :class:`~bigbatch.batch.smoothing.SmoothedNoise` (numerator and
+      denominator averaged apart over ``window`` steps, with standard errors);
+    - after ``warmup`` samples, when the lower end of ``B_simple``'s interval
+      at ``confidence`` standard errors, times ``multiple``, reaches the next
+      size ``⌈factor · B⌉``, the batch grows to it (clamped to ``max``); a
+      noise scale that is merely jumping around never passes that test;
+    - with ``shrink=True`` it also halves (by ``factor``) once even the upper
+      end of the interval, times ``multiple``, is below the smaller size;
+      off by default.
+
+    Choosing ``multiple`` (κ): 1 trains at the critical batch, where doubling
+    the batch still nearly halves the steps; larger values buy fewer steps
+    with more samples. Growing the batch while the learning rate is *not*
+    scaled up with it (``lr_scaling="none"``) also lowers the gradient noise
+    the way a learning-rate decay does (Smith et al. 2018, "Don't decay the
+    learning rate, increase the batch size"). During a learning-rate warm-up
+    the noise scale is high but the small learning rate, not the noise,
+    limits progress; ``warmup`` (in samples) holds the batch until then.
+    """
+
+    needs_statistics = True
+    holds_lr = True
+
+    def __init__(
+        self,
+        multiple: float = 4.0,
+        initial: int = 64,
+        min: int = 16,
+        max: int = 16384,
+        *,
+        factor: float = 2.0,
+        confidence: float = 1.0,
+        window: int = 20,
+        warmup: int = 0,
+        shrink: bool = False,
+    ) -> None:
+        self.multiple = check_number("noise_multiple", multiple, low_open=True)
+        self.initial, self.min, self.max = _check_bounds(initial, min, max)
+        self.factor = check_number("factor", factor, low=1.0, low_open=True)
+        self.confidence = check_number("confidence", confidence)
+        self.window = positive_int("window", window)
+        self.warmup = _whole("warmup", warmup)
+        if not isinstance(shrink, bool):
+            raise ValueError(f"shrink must be True or False, got {shrink!r}")
+        self.shrink = shrink
+        self._noise = SmoothedNoise(self.window)
+
+    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
+        self._noise.update(measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan))
+        # half a window of evidence before the first decision: two steps' spread is no error bar
+        if samples < self.warmup or self._noise.count < self.window / 2:
+            return batch_size
+        lower, upper = self._noise.bounds(self.confidence)
+        bigger = min(self.max, math.ceil(batch_size * self.factor))
+        if bigger > batch_size and self.multiple * lower >= bigger:
+            return bigger
+        smaller = max(self.min, math.floor(batch_size / self.factor))
+        if self.shrink and smaller < batch_size and self.multiple * upper < smaller:
+            return smaller
+        return int(min(self.max, max(self.min, batch_size)))
+
+    def noise_scale_bounds(self) -> tuple[float, float]:
+        """The current plausible range of ``B_simple`` (for logging)."""
+        return self._noise.bounds(self.confidence)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise": self._noise.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._noise.load_state_dict(state["noise"])
+
+
+class DampedSimiGrad:
+    """SimiGrad's target similarity, held by a damped log-space PI loop that settles.
+
+    Under the noise model of the statistics, equal halves of a batch ``B``
+    have similarity ``s = 1 / (1 + 2 B_simple / B)``, so ``logit(s*) -
+    logit(s) = log(B* / B)``: the error in logit space is the log-ratio
+    between the batch that would give the target and the current one. The
+    controller acts on it like a process controller, not a thermostat:
+
+    - the similarity is averaged over ``window`` steps with a standard error
+      (:class:`~bigbatch.batch.smoothing.SmoothedValue`); the error is the
+      logit distance from the target to the interval ``mean ± confidence``
+      standard errors, less a ``dead_band`` (log-batch units), and zero when
+      the target lies within: hysteresis sized by the evidence, so noise
+      around the set point moves nothing;
+    - ``log B`` moves by ``proportional · Δerror + integral · error`` (the
+      velocity form of a PI controller), at most ``max_rate`` per step, and
+      stays within ``[log min, log max]`` (no integral wind-up at a bound);
+    - the batch itself changes only once ``log B`` has moved ``min_change``
+      away from it (×1.28 by default): it moves in discrete steps, never by a
+      sample at a time.
+
+    With the defaults a batch far from its target moves by about 10% per step
+    (SimiGrad's pace) and stops inside the interval instead of overshooting
+    behind a 20-step average. ``warmup`` (samples) holds the batch during a
+    learning-rate warm-up. The published controller is :class:`SimiGrad`.
+    """
+
+    needs_statistics = True
+    holds_lr = True
+
+    def __init__(
+        self,
+        target: float = 1 / 3,
+        initial: int = 64,
+        min: int = 16,
+        max: int = 16384,
+        *,
+        window: int = 20,
+        confidence: float = 2.0,
+        dead_band: float = 0.2,
+        integral: float = 0.2,
+        proportional: float = 0.5,
+        max_rate: float = 0.1,
+        min_change: float = 0.25,
+        warmup: int = 0,
+    ) -> None:
+        self.target = check_number(
+            "target", target, low=0.0, high=1.0, low_open=True, high_open=True
+        )
+        self.initial, self.min, self.max = _check_bounds(initial, min, max)
+        self.window = positive_int("window", window)
+        self.confidence = check_number("confidence", confidence)
+        self.dead_band = check_number("dead_band", dead_band)
+        self.integral = check_number("integral", integral, low_open=True)
+        self.proportional = check_number("proportional", proportional)
+        self.max_rate = check_number("max_rate", max_rate, low_open=True)
+        self.min_change = check_number("min_change", min_change)
+        self.warmup = _whole("warmup", warmup)
+        self._similarity = SmoothedValue(self.window)
+        self._error = 0.0
+        self._log_batch = math.log(self.initial)
+
+    def error(self) -> float:
+        """``log(B*/B)`` beyond the evidence's interval and the dead band; 0 inside."""
+        low, high = self._similarity.interval(self.confidence)
+        goal = _logit(self.target)
+        # a higher similarity means a batch larger than needed: the error has the other sign
+        below = goal - _logit(min(0.99, max(0.01, high))) - self.dead_band
+        above = goal - _logit(min(0.99, max(0.01, low))) + self.dead_band
+        if math.isinf(high) or below <= 0 <= above:
+            return 0.0
+        return below if below > 0 else above
+
+    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
+        self._similarity.update(measured.get("similarity", math.nan))
+        if samples < self.warmup:
+            self._log_batch = math.log(batch_size)
+            return batch_size
+        error = self.error()
+        move = self.proportional * (error - self._error) + self.integral * error
+        self._error = error
+        move = min(self.max_rate, max(-self.max_rate, move))
+        low, high = math.log(self.min), math.log(self.max)
+        self._log_batch = min(high, max(low, self._log_batch + move))
+        if abs(self._log_batch - math.log(batch_size)) < self.min_change:
+            return batch_size
+        # round away from the current size, so the move is never below min_change
+        target = math.exp(self._log_batch)
+        new = math.ceil(target) if target > batch_size else math.floor(target)
+        return int(min(self.max, max(self.min, new)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "similarity": self._similarity.state_dict(),
+            "error": self._error,
+            "log_batch": self._log_batch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._similarity.load_state_dict(state["similarity"])
+        self._error = float(state["error"])
+        self._log_batch = float(state["log_batch"])
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def _whole(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    return value
+
+
 class NoiseScale:
     """``B = multiple · B_simple``, clamped, re-chosen when it moves by more than ``threshold``.
 
@@ -119,6 +346,9 @@ class NoiseScale:
     (κ) 1 trains at the critical batch. Non-finite or non-positive estimates
     (a noise-dominated start can give a negative |G|² estimate) keep the batch.
     """
+
+    needs_statistics = True
+    holds_lr = True
 
     def __init__(
         self,
@@ -152,6 +382,9 @@ class NoiseScale:
 class Constant:
     """A static batch: the baseline every adaptive method is compared with."""
 
+    needs_statistics = False
+    holds_lr = False
+
     def __init__(self, batch_size: int) -> None:
         self.initial = self.min = self.max = positive_int("batch_size", batch_size)
 
@@ -172,6 +405,9 @@ class Ramp:
     the first ``N`` samples; ``Ramp(steps=[(0, 256), (100_000, 1024)])`` uses the
     batch of the last entry whose sample count has been reached.
     """
+
+    needs_statistics = False
+    holds_lr = False
 
     def __init__(
         self,
@@ -216,4 +452,11 @@ class Ramp:
         pass
 
 
-CONTROLLERS = {"simigrad": SimiGrad, "noise_scale": NoiseScale, "constant": Constant, "ramp": Ramp}
+CONTROLLERS = {
+    "simigrad": SimiGrad,
+    "critical_ramp": CriticalBatchRamp,
+    "damped_simigrad": DampedSimiGrad,
+    "noise_scale": NoiseScale,
+    "constant": Constant,
+    "ramp": Ramp,
+}

@@ -8,7 +8,19 @@ base batch ``B0`` is multiplied at batch ``B`` (REFERENCE.md §2):
 - ``adascale``: AdaScale's gain ``r = (σ² + |G|²) / (σ²/S + |G|²)`` with
   ``S = B/B0`` and ``σ² = trΣ / B0`` (Johnson et al. 2020), ``1 ≤ r ≤ S``;
 - ``adascale-sqrt``: ``sqrt(r)``, which AdaptDL found right for Adam-type
-  optimizers (Adam, AdamW, LAMB, MERIT).
+  optimizers (Adam, AdamW, LAMB, MERIT);
+- ``auto``: ``none`` under a controller that follows the noise scale (it
+  declares ``holds_lr``), else the optimizer family's rule
+  (:data:`FAMILY_RULES`: ``sqrt`` for Adam-type, ``linear`` for SGD- and
+  LARS-type), see :func:`resolve_lr_rule`.
+
+Why hold the rate when the batch follows the noise: at batch ``B`` the
+step size that reduces the loss most is ``ε_max / (1 + B_noise / B)``
+(McCandlish et al. 2018, eq. 2.6). A controller that keeps ``B ≈ κ B_noise``
+keeps that at ``ε_max κ / (1 + κ)``, the same fraction of the noise-free rate
+at every batch; scaling the rate with the batch on top would undo the
+noise reduction the larger batch bought (growing the batch at a held rate
+acts like a learning-rate decay: Smith et al. 2018).
 
 Since the batch varies, schedules are functions of samples seen, not steps:
 ``warmup_cosine(total, warmup)`` and ``warmup_linear(total, warmup)`` return
@@ -30,11 +42,32 @@ from .._checks import choice
 
 LR_RULES = ("none", "linear", "sqrt", "adascale", "adascale-sqrt")
 
+#: the rule ``auto`` picks per optimizer family (``bigbatch.optim.FAMILIES``) when the
+#: controller does not hold the rate: Adam-type steps are normalised per coordinate, so
+#: their noise falls as sqrt(B) (Malladi et al. 2022); SGD's falls as B (Goyal et al.
+#: 2017); LARS was introduced with the linear rule (You et al. 2017)
+FAMILY_RULES = {"adam": "sqrt", "sgd": "linear", "lars": "linear"}
+
 Schedule = Callable[[int], float]
 
 
-def check_lr_rule(rule: str) -> str:
-    return choice("lr_scaling", rule, LR_RULES)
+def check_lr_rule(rule: str, *, allow_auto: bool = False) -> str:
+    return choice("lr_scaling", rule, (*LR_RULES, "auto") if allow_auto else LR_RULES)
+
+
+def resolve_lr_rule(rule: str, controller: object, family: str | None) -> str:
+    """The rule ``auto`` stands for (any other rule is returned as it is).
+
+    ``none`` for a controller that declares ``holds_lr`` (it follows the noise
+    scale); otherwise the family's rule from :data:`FAMILY_RULES`, ``sqrt``
+    for an optimizer of unknown family.
+    """
+    check_lr_rule(rule, allow_auto=True)
+    if rule != "auto":
+        return rule
+    if getattr(controller, "holds_lr", False):
+        return "none"
+    return FAMILY_RULES.get(family or "", "sqrt")
 
 
 def lr_factor(

@@ -42,6 +42,7 @@ class Key:
 
 
 def _keys() -> list[Key]:
+    from ..batch.controllers import CONTROLLERS
     from ..batch.lr import LR_RULES
     from ..optim import list_optimizers
     from .tasks import TASKS
@@ -67,7 +68,13 @@ def _keys() -> list[Key]:
             "impl of bigbatch optimizers",
             ("foreach", "reference", "compiled"),
         ),
-        Key("lr", 0.0, "learning rate at batch.base; 0: the task's default", low=0),
+        Key(
+            "lr",
+            0.0,
+            "learning rate at batch.base; 0: the task's measured rate for the optimizer's "
+            "family and LR rule (see `bigbatch tasks`)",
+            low=0,
+        ),
         Key("weight_decay", 0.01, "weight decay (not on biases and norms)", low=0),
         Key("seed", 0, "seed for model initialisation and data order", low=0),
         Key("max_samples", 0, "training budget in samples; 0: the task's default", low=0),
@@ -85,8 +92,11 @@ def _keys() -> list[Key]:
         Key(
             "batch.controller",
             "simigrad",
-            "how the batch size is chosen",
-            ("simigrad", "noise_scale", "constant", "ramp"),
+            "how the batch size is chosen: critical_ramp (grow x factor when "
+            "noise_multiple * B_simple is confidently above the next size), damped_simigrad "
+            "(hold the similarity batch.target, damped), simigrad (the published rule), "
+            "noise_scale, constant, ramp",
+            tuple(CONTROLLERS),
         ),
         Key("batch.initial", 64, "first batch size (samples)", low=1),
         Key("batch.min", 16, "smallest batch size", low=1),
@@ -94,7 +104,7 @@ def _keys() -> list[Key]:
         Key(
             "batch.target",
             1 / 3,
-            "similarity s* held by simigrad (B settles near "
+            "similarity s* held by simigrad and damped_simigrad (B settles near "
             "2 B_simple s*/(1-s*); 1/3: the critical batch)",
             low=-1,
             high=1,
@@ -104,11 +114,22 @@ def _keys() -> list[Key]:
         ),
         Key(
             "batch.noise_multiple",
-            1.0,
-            "kappa of noise_scale: B = kappa * B_simple",
+            4.0,
+            "kappa of critical_ramp (grow while kappa * B_simple is above the next size) "
+            "and noise_scale (B = kappa * B_simple)",
             low=0,
             low_open=True,
         ),
+        Key(
+            "batch.factor", 2.0, "critical_ramp: growth factor of each change", low=1, low_open=True
+        ),
+        Key(
+            "batch.confidence",
+            1.0,
+            "critical_ramp: standard errors of evidence a change needs",
+            low=0,
+        ),
+        Key("batch.shrink", False, "critical_ramp: also shrink when the noise scale falls"),
         Key(
             "batch.ramp_samples",
             0,
@@ -117,9 +138,11 @@ def _keys() -> list[Key]:
         ),
         Key(
             "batch.lr_scaling",
-            "sqrt",
-            "LR rule for the batch size relative to batch.base",
-            LR_RULES,
+            "auto",
+            "how the LR follows the batch relative to batch.base; auto: held (none) under "
+            "critical_ramp, damped_simigrad and noise_scale, else sqrt for Adam-type and "
+            "linear for SGD- and LARS-type optimizers",
+            ("auto", *LR_RULES),
         ),
         Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),
         Key(

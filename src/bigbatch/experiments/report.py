@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..batch.smoothing import SmoothedNoise
+
 PLOTS = {
-    "batch_similarity.png": "batch size and similarity vs step",
+    "batch_similarity.png": "batch size, noise scale and similarity vs step",
     "loss_accuracy.png": "loss and accuracy vs samples and vs steps",
     "lr.png": "learning rate vs step",
 }
@@ -28,12 +30,33 @@ def _series(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], li
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def smoothed_noise_scale(rows: list[dict[str, Any]], window: int = 20) -> list[float]:
+    """Per step, ``B_simple`` from the steps' ``|G|²`` and ``tr Σ`` averaged apart over
+    ``window`` steps (what the noise-following controllers act on); NaN where unknown."""
+    noise, out = SmoothedNoise(window), []
+    for r in rows:
+        noise.update(r.get("grad_sq_norm", math.nan), r.get("trace", math.nan))
+        out.append(noise.noise_scale())
+    return out
+
+
 def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot(*_series(rows, "step", "batch_size"), color="tab:blue")
+    top.plot(*_series(rows, "step", "batch_size"), color="tab:blue", label="batch size")
+    if any("trace" in r for r in rows):
+        scale = smoothed_noise_scale(rows)
+        steps = [r["step"] for r, v in zip(rows, scale) if math.isfinite(v) and v > 0]
+        top.plot(
+            steps,
+            [v for v in scale if math.isfinite(v) and v > 0],
+            color="tab:gray",
+            lw=0.7,
+            label="noise scale B_simple (20-step average)",
+        )
+        top.legend(fontsize=8)
     top.set_yscale("log")
-    top.set_ylabel("batch size")
+    top.set_ylabel("samples")
     top.set_title(title)
     bottom.plot(*_series(rows, "step", "similarity"), color="tab:orange", lw=0.7)
     bottom.set_ylabel("half-batch similarity")
@@ -82,7 +105,10 @@ def render_run(out: Path) -> Path:
     summary = json.loads((out / "summary.json").read_text())
     config_text = (out / "config.toml").read_text()
     plot_run(rows, out, f"{summary['task']}: {out.name}")
-    lines = [f"# Run {out.name}", "", "| | |", "|---|---|"]
+    lines = [f"# Run {out.name}", ""]
+    if "target_note" in summary:
+        lines += [f"**{summary['target_note'][0].upper()}{summary['target_note'][1:]}.**", ""]
+    lines += ["| | |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in summary.items()]
     lines += [""] + [f"![{text}]({name})\n" for name, text in PLOTS.items()]
     lines += ["## Config", "", "```toml", config_text.rstrip(), "```", ""]

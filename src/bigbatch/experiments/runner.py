@@ -16,6 +16,7 @@ resume.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -28,13 +29,15 @@ import torch
 from torch import nn
 
 from .. import schedules
-from ..batch import Constant, NoiseScale, Ramp, SimiGrad
+from ..batch import Constant, CriticalBatchRamp, DampedSimiGrad, NoiseScale, Ramp, SimiGrad
+from ..batch.controllers import CONTROLLERS
+from ..batch.lr import lr_factor, resolve_lr_rule
 from ..dist.compression import CompressionHook
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, create_optimizer, get_optimizer_info, module_param_groups
 from .config import ConfigError, load_toml, resolve, to_toml
-from .tasks import TASKS, Problem
+from .tasks import TASKS, Problem, Task
 
 CHECKPOINT = "checkpoint.pt"
 #: config names of the compression methods that differ from the hook's
@@ -42,27 +45,52 @@ _METHOD = {"topk-only": "none"}
 
 
 def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    """Fill the keys left at 0 ("the task's default") from the task."""
+    """Fill the keys left at 0 ("the task's default") from the task, and resolve the LR rule."""
     task = TASKS[config["task"]]
     config = dict(config)
     for key, value in (
         ("model.width", task.width),
         ("model.depth", task.depth),
-        ("lr", task.lr),
         ("max_samples", task.max_samples),
     ):
         if not config[key]:
             config[key] = value
     if not config["batch.base"]:
         config["batch.base"] = config["batch.initial"]
+    family = get_optimizer_info(config["optimizer"]).family
+    controller = CONTROLLERS[config["batch.controller"]]
+    config["batch.lr_scaling"] = resolve_lr_rule(config["batch.lr_scaling"], controller, family)
+    if not config["lr"]:
+        held = config["batch.lr_scaling"] == "none"
+        # a scaled rate is measured at the task's small batch: carry it to batch.base
+        base_rate = task.lr(family, held)
+        if not held:
+            base_rate *= lr_factor(
+                config["batch.lr_scaling"], config["batch.base"], task.base_batch
+            )
+        config["lr"] = base_rate
     return config
 
 
 def make_controller(config: dict[str, Any]):
     kind = config["batch.controller"]
     bounds = dict(initial=config["batch.initial"], min=config["batch.min"], max=config["batch.max"])
+    # the noise-following controllers hold the batch while the LR warms up: then the
+    # small rate, not the gradient noise, limits progress
+    warmup = int(config["schedule.warmup"] * config["max_samples"])
     if kind == "simigrad":
         return SimiGrad(target=config["batch.target"], window=config["batch.window"], **bounds)
+    if kind == "critical_ramp":
+        return CriticalBatchRamp(
+            config["batch.noise_multiple"],
+            factor=config["batch.factor"],
+            confidence=config["batch.confidence"],
+            shrink=config["batch.shrink"],
+            warmup=warmup,
+            **bounds,
+        )
+    if kind == "damped_simigrad":
+        return DampedSimiGrad(config["batch.target"], warmup=warmup, **bounds)
     if kind == "noise_scale":
         return NoiseScale(multiple=config["batch.noise_multiple"], **bounds)
     if kind == "constant":
@@ -243,13 +271,7 @@ def train(
     problem, loop = build(config, world)
     writer = world.rank == 0
     metrics_path = out / "metrics.jsonl"
-    state: dict[str, Any] = {
-        "metrics_lines": 0,
-        "best_accuracy": -math.inf,
-        "wall_seconds": 0.0,
-        "reached_step": -1,
-        "reached_samples": -1,
-    }
+    state: dict[str, Any] = {"metrics_lines": 0, "wall_seconds": 0.0}
     if resume:
         checkpoint = load_checkpoint(out / CHECKPOINT)
         loop.load_state_dict(checkpoint["loop"])
@@ -264,7 +286,6 @@ def train(
         (out / "config.toml").write_text(to_toml(config))
         metrics_path.write_text("")
 
-    task = TASKS[config["task"]]
     first_step = loop.step
     start = time.perf_counter() - state["wall_seconds"]
     bar = _progress(config["max_samples"], loop.samples, quiet or not writer)
@@ -279,10 +300,6 @@ def train(
             if writer and (loop.step % config["eval_every"] == 0 or last or loop.step == 1):
                 evaluation = problem.evaluate(problem.model)
                 row.update(evaluation)
-                accuracy = evaluation["eval_accuracy"]
-                state["best_accuracy"] = max(state["best_accuracy"], accuracy)
-                if state["reached_step"] < 0 and accuracy >= task.target_accuracy > 0:
-                    state["reached_step"], state["reached_samples"] = loop.step, loop.samples
             state["wall_seconds"] = time.perf_counter() - start
             row["wall_seconds"] = state["wall_seconds"]
             state["metrics_lines"] += 1
@@ -333,15 +350,15 @@ def _write_summary(
         "final_accuracy": evals[-1]["eval_accuracy"] if evals else math.nan,
         "best_accuracy": max((r["eval_accuracy"] for r in evals), default=math.nan),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else math.nan,
+        "best_eval_loss": min((r["eval_loss"] for r in evals), default=math.nan),
         "avg_batch_size": loop.samples / max(1, loop.step),
         "steps": loop.step,
         "samples": loop.samples,
         "wall_seconds": state["wall_seconds"],
         "processes": loop.world.size,
         "skipped_steps": loop.skipped_steps,
-        "target_accuracy": task.target_accuracy,
-        "steps_to_target": state["reached_step"] if state["reached_step"] >= 0 else None,
-        "samples_to_target": state["reached_samples"] if state["reached_samples"] >= 0 else None,
+        "batch_path_ratio": batch_path_ratio([r["batch_size"] for r in rows]),
+        **target_summary(task, evals),
         **traffic,
         **problem.info,
     }
@@ -356,6 +373,42 @@ def _write_summary(
 
     render_run(out)
     return summary
+
+
+def batch_path_ratio(batches: list[int]) -> float | None:
+    """``Σ |Δ log B| / |log(B_last / B_first)|``: 1.0 for a monotone path (or a constant batch).
+
+    The sawtooth of a cycling controller makes it large; None when the batch
+    moved but ended where it began (no monotone path to compare with).
+    """
+    travelled = sum(abs(math.log(b / a)) for a, b in itertools.pairwise(batches))
+    if travelled == 0:
+        return 1.0
+    net = abs(math.log(batches[-1] / batches[0]))
+    return travelled / net if net > 0 else None
+
+
+def target_summary(task: Task, evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """When the task's target was first reached, and the same in words either way."""
+    reached = next((r for r in evals if task.reached(r)), None)
+    values = [r[task.target_metric] for r in evals if task.target_metric in r]
+    best = (min if task.lower_is_better else max)(values, default=math.nan)
+    name = task.target_metric.removeprefix("eval_")
+    if reached is not None:
+        note = (
+            f"target {name} {task.target:g} reached at step {reached['step']} "
+            f"({reached['samples']:,} samples)"
+        )
+    else:
+        note = f"target {name} {task.target:g} not reached; best {best:.4g}"
+    return {
+        "target_metric": task.target_metric,
+        "target": task.target,
+        "target_reached": reached is not None,
+        "steps_to_target": reached["step"] if reached else None,
+        "samples_to_target": reached["samples"] if reached else None,
+        "target_note": note,
+    }
 
 
 def _traffic_per_step(loop: AdaptiveBatch, steps: int) -> dict[str, float]:

@@ -19,17 +19,20 @@ from .lars import LARS
 from .merit import MERIT
 from .param_groups import param_groups
 from .registry import (
+    FAMILIES,
     OPTIMIZERS,
     OptimizerInfo,
     create_optimizer,
     get_optimizer_info,
     list_optimizers,
+    optimizer_family,
 )
 from .vrgd import VRGD, FewSubBatchesWarning, gsnr_ratio
 from .wrapper import StatisticsWrapper
 
 __all__ = [
     "AGVM",
+    "FAMILIES",
     "IMPLS",
     "LAMB",
     "LARS",
@@ -47,5 +50,6 @@ __all__ = [
     "list_optimizers",
     "module_groups",
     "module_param_groups",
+    "optimizer_family",
     "param_groups",
 ]

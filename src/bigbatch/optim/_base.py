@@ -9,8 +9,6 @@ function per optimizer). ``impl="compiled"`` runs the reference function through
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .._checks import choice
+from .._checks import check_number, choice
 from .._tensors import norms
 
 IMPLS = ("reference", "foreach", "compiled")
@@ -34,34 +32,6 @@ class ImplFallbackWarning(UserWarning):
 
 def check_impl(impl: str) -> str:
     return choice("impl", impl, IMPLS)
-
-
-def check_number(
-    name: str,
-    value: Any,
-    *,
-    low: float = 0.0,
-    high: float = math.inf,
-    low_open: bool = False,
-    high_open: bool = False,
-    allow_inf: bool = False,
-) -> float:
-    """Return ``value`` as a float, or raise ``ValueError`` naming ``name`` and ``value``.
-
-    Any real number is accepted (Python, numpy or 0-dim tensor scalars are
-    not: a tensor hyper-parameter is a different feature); NaN and, unless
-    ``allow_inf``, infinities are not.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if math.isnan(value) or too_low or too_high or (math.isinf(value) and not allow_inf):
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        raise ValueError(f"{name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
-    return value
 
 
 def check_betas(betas: Any, *, count: int = 2) -> tuple[float, ...]:
@@ -79,12 +49,6 @@ def check_adam_group(group: dict[str, Any]) -> None:
     group["betas"] = check_betas(group["betas"])
     group["eps"] = check_number("eps", group["eps"], low_open=True)  # v can be 0
     group["weight_decay"] = check_number("weight_decay", group["weight_decay"])
-
-
-def check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------- helpers

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checks import check_number
 from ..stats.collector import GradientStats
 from ..stats.estimators import half_split_cosine
-from ._base import check_number
 from .param_groups import param_groups
 from .wrapper import StatisticsWrapper
 

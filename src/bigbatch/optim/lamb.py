@@ -15,16 +15,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .._checks import check_flag, check_number
 from .._tensors import norm_dtype, norms
 from . import _blocks
-from ._base import (
-    BigBatchOptimizer,
-    check_adam_group,
-    check_flag,
-    check_number,
-    global_grad_norm,
-    trust_ratio,
-)
+from ._base import BigBatchOptimizer, check_adam_group, global_grad_norm, trust_ratio
 
 __all__ = ["LAMB", "lamb_foreach", "lamb_reference"]
 

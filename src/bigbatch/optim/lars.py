@@ -13,14 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._checks import check_flag, check_number
 from .._tensors import norm_dtype, norms
 from . import _blocks
-from ._base import (
-    BigBatchOptimizer,
-    check_flag,
-    check_number,
-    trust_ratio,
-)
+from ._base import BigBatchOptimizer, trust_ratio
 
 __all__ = ["LARS", "lars_foreach", "lars_reference"]
 

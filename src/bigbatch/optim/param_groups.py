@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ._base import check_number
+from .._checks import check_number
 
 __all__ = ["param_groups"]
 

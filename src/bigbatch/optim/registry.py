@@ -21,14 +21,24 @@ from .lars import LARS
 from .merit import MERIT
 from .param_groups import param_groups
 from .vrgd import VRGD
+from .wrapper import StatisticsWrapper
 
 __all__ = [
+    "FAMILIES",
     "OPTIMIZERS",
     "OptimizerInfo",
     "create_optimizer",
     "get_optimizer_info",
     "list_optimizers",
 ]
+
+
+#: how an optimizer's step responds to the gradient, which decides how its learning rate
+#: should follow the batch size (``bigbatch.batch.lr.FAMILY_RULES``):
+#: ``adam`` (per-coordinate normalised: Adam, AdamW, LAMB, MERIT and their VRGD forms),
+#: ``sgd`` (the raw gradient: SGD, momentum SGD), ``lars`` (momentum SGD with a
+#: layer-wise trust ratio: LARS, LARC)
+FAMILIES = ("adam", "sgd", "lars")
 
 
 @dataclass(frozen=True)
@@ -39,14 +49,18 @@ class OptimizerInfo:
     factory: Callable[..., torch.optim.Optimizer]
     paper: str
     summary: str
+    family: str
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def signature(self) -> inspect.Signature:
         return inspect.signature(self.factory)
 
 
-def _info(name: str, factory: Callable, paper: str, summary: str, **defaults: Any) -> OptimizerInfo:
-    return OptimizerInfo(name, factory, paper, summary, MappingProxyType(defaults))
+def _info(
+    name: str, family: str, factory: Callable, paper: str, summary: str, **defaults: Any
+) -> OptimizerInfo:
+    assert family in FAMILIES, family
+    return OptimizerInfo(name, factory, paper, summary, family, MappingProxyType(defaults))
 
 
 def with_vrgd(base: Callable[..., torch.optim.Optimizer], gsnr_momentum: float) -> Callable:
@@ -84,26 +98,53 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
         info.name: info
         for info in (
             _info(
-                "lamb", LAMB, _LAMB, "Adam with layer-wise trust ratio (apex FusedLAMB / timm Lamb)"
+                "lamb",
+                "adam",
+                LAMB,
+                _LAMB,
+                "Adam with layer-wise trust ratio (apex FusedLAMB / timm Lamb)",
             ),
-            _info("lambc", LAMB, _LAMB, "LAMB with the trust ratio clipped at 1", trust_clip=True),
+            _info(
+                "lambc",
+                "adam",
+                LAMB,
+                _LAMB,
+                "LAMB with the trust ratio clipped at 1",
+                trust_clip=True,
+            ),
             _info(
                 "nvlamb",
+                "adam",
                 LAMB,
                 _LAMB,
                 "LAMB adapting every group, decayed or not",
                 always_adapt=True,
             ),
-            _info("lars", LARS, _LARS, "SGD with momentum and layer-wise trust ratio (timm Lars)"),
-            _info("larc", LARS, _LARS, "LARS with LARC clipping min(ratio/lr, 1)", trust_clip=True),
+            _info(
+                "lars",
+                "lars",
+                LARS,
+                _LARS,
+                "SGD with momentum and layer-wise trust ratio (timm Lars)",
+            ),
+            _info(
+                "larc",
+                "lars",
+                LARS,
+                _LARS,
+                "LARS with LARC clipping min(ratio/lr, 1)",
+                trust_clip=True,
+            ),
             _info(
                 "merit",
+                "adam",
                 MERIT,
                 "Luo et al. 2025, MERIT: Maximum-normalized Element-wise Ratio for Language "
                 "Model Large-batch Training, ICML 2025",
                 "Adam with max-norm element-wise trust ratios, update clipped to [-1, 1]",
             ),
             _info(
+                "sgd",
                 "sgd",
                 torch.optim.SGD,
                 "Robbins & Monro 1951; momentum: Polyak 1964",
@@ -112,15 +153,21 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
             ),
             _info(
                 "adamw",
+                "adam",
                 torch.optim.AdamW,
                 "Loshchilov & Hutter 2019, Decoupled Weight Decay Regularization, arXiv:1711.05101",
                 "torch.optim.AdamW",
             ),
             _info(
-                "vr-sgd", with_vrgd(torch.optim.SGD, 0.0), _VRGD, "SGD on the GSNR-scaled gradient"
+                "vr-sgd",
+                "sgd",
+                with_vrgd(torch.optim.SGD, 0.0),
+                _VRGD,
+                "SGD on the GSNR-scaled gradient",
             ),
             _info(
                 "vr-momentum",
+                "sgd",
                 with_vrgd(torch.optim.SGD, 0.0),
                 _VRGD,
                 "momentum SGD (0.9) on the GSNR-scaled gradient",
@@ -128,13 +175,17 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
             ),
             _info(
                 "vr-adam",
+                "adam",
                 with_vrgd(torch.optim.AdamW, 0.9),
                 _VRGD,
                 "AdamW on the GSNR-scaled gradient, momentum 0.9 on the ratio",
             ),
-            _info("vr-lars", with_vrgd(LARS, 0.0), _VRGD, "LARS on the GSNR-scaled gradient"),
+            _info(
+                "vr-lars", "lars", with_vrgd(LARS, 0.0), _VRGD, "LARS on the GSNR-scaled gradient"
+            ),
             _info(
                 "vr-lamb",
+                "adam",
                 with_vrgd(LAMB, 0.9),
                 _VRGD,
                 "LAMB on the GSNR-scaled gradient, momentum 0.9 on the ratio",
@@ -142,6 +193,20 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
         )
     }
 )
+
+
+def optimizer_family(optimizer: torch.optim.Optimizer) -> str | None:
+    """The family of a built optimizer (looking inside statistics wrappers), None if unknown."""
+    while isinstance(optimizer, StatisticsWrapper):
+        optimizer = optimizer.base
+    for kind, family in (
+        ((LAMB, MERIT, torch.optim.Adam, torch.optim.AdamW), "adam"),
+        ((LARS,), "lars"),
+        ((torch.optim.SGD,), "sgd"),
+    ):
+        if isinstance(optimizer, kind):
+            return family
+    return None
 
 
 def list_optimizers() -> list[str]:

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._checks import choice
-from ._base import check_number
+from .._checks import check_number, choice
 from .wrapper import StatisticsWrapper
 
 __all__ = ["MIN_SUB_BATCHES", "VRGD", "FewSubBatchesWarning", "gsnr_ratio"]

@@ -1,0 +1,130 @@
+"""Smoothed statistics with an uncertainty, for controllers that must not chase noise.
+
+One step's estimates of ``|G|²``, ``tr Σ`` and the half-batch similarity are
+unbiased but noisy: on the default task their step-to-step spread is
+0.7–2× the mean for ``|G|²`` (often negative late in training), 0.25–0.8× for
+``tr Σ`` and ±0.2 for the similarity, with four sub-batches. A controller
+that acts on them directly saws the batch up and down. The pieces here
+average them with exponential weights *and* say how sure the average is, so
+a controller can act only when the evidence clears its error bars.
+
+Plain Python floats: the state is a few numbers and round-trips through
+``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._checks import check_number
+
+_SUMS = ("w", "w2", "x", "xx")
+
+
+class SmoothedValue:
+    """An exponentially weighted mean of a per-step value, with its standard error.
+
+    Each :meth:`update` multiplies the old weights by ``1 - 1/window`` and
+    adds the new value with weight 1, so ``window`` is the averaging horizon
+    in steps; the mean is bias-corrected (divided by the sum of weights, so
+    the first values are not pulled towards 0). The standard error is
+    ``σ / sqrt(n)`` with ``σ²`` the weighted variance and ``n = (Σw)² / Σw²``
+    the effective number of values averaged (Kish 1965); with fewer than two
+    it is infinite. Non-finite values are skipped.
+    """
+
+    def __init__(self, window: float = 20.0) -> None:
+        self.window = check_number("window", window, low=1.0)
+        self._sums = dict.fromkeys(_SUMS, 0.0)
+
+    def update(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        keep = 1.0 - 1.0 / self.window
+        sums = self._sums
+        sums["w"] = keep * sums["w"] + 1.0
+        sums["w2"] = keep * keep * sums["w2"] + 1.0
+        sums["x"] = keep * sums["x"] + value
+        sums["xx"] = keep * sums["xx"] + value * value
+
+    @property
+    def count(self) -> float:
+        """The effective number of values averaged (0 before any)."""
+        w, w2 = self._sums["w"], self._sums["w2"]
+        return w * w / w2 if w2 > 0 else 0.0
+
+    @property
+    def mean(self) -> float:
+        """The bias-corrected weighted mean; NaN before the first value."""
+        w = self._sums["w"]
+        return self._sums["x"] / w if w > 0 else math.nan
+
+    @property
+    def standard_error(self) -> float:
+        n = self.count
+        if n <= 1.0:
+            return math.inf
+        mean = self.mean
+        variance = max(self._sums["xx"] / self._sums["w"] - mean * mean, 0.0) * n / (n - 1)
+        return math.sqrt(variance / n)
+
+    def interval(self, z: float) -> tuple[float, float]:
+        """``mean ∓ z`` standard errors (``(-inf, inf)`` while unknown)."""
+        mean, error = self.mean, self.standard_error
+        if math.isnan(mean) or math.isinf(error):
+            return -math.inf, math.inf
+        return mean - z * error, mean + z * error
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._sums)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sums = {name: float(state[name]) for name in _SUMS}
+
+
+class SmoothedNoise:
+    """``B_simple = tr Σ / |G|²`` from numerator and denominator smoothed apart.
+
+    The ratio of two noisy means is taken after averaging, never averaged
+    itself (McCandlish et al. 2018, App. A; gpt-neox does the same).
+    :meth:`bounds` gives the plausible range at ``z`` standard errors of each
+    mean: ``(T - z σ_T) / (S + z σ_S)`` to ``(T + z σ_T) / (S - z σ_S)``, the
+    extremes of the ratio over the box of plausible means. It is conservative
+    and stays defined when the mean ``|G|²`` is near zero or negative (the
+    upper end is then infinite: the gradient is lost in the noise).
+    """
+
+    def __init__(self, window: float = 20.0) -> None:
+        self.signal = SmoothedValue(window)
+        self.trace = SmoothedValue(window)
+
+    def update(self, signal: float, trace: float) -> None:
+        """Add one step's ``|G|²`` and ``tr Σ`` estimates (skipped unless both are finite)."""
+        if math.isfinite(signal) and math.isfinite(trace):
+            self.signal.update(signal)
+            self.trace.update(trace)
+
+    @property
+    def count(self) -> float:
+        return self.signal.count
+
+    def noise_scale(self) -> float:
+        """``B_simple`` of the smoothed means (NaN while ``|G|²`` is not positive)."""
+        s, t = self.signal.mean, self.trace.mean
+        return t / s if s > 0 and t >= 0 else math.nan
+
+    def bounds(self, z: float) -> tuple[float, float]:
+        """``(lower, upper)`` plausible ``B_simple`` at ``z`` standard errors."""
+        s_low, s_high = self.signal.interval(z)
+        t_low, t_high = self.trace.interval(z)
+        lower = t_low / s_high if t_low > 0 and 0 < s_high < math.inf else 0.0
+        upper = t_high / s_low if s_low > 0 and t_high < math.inf else math.inf
+        return lower, upper
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"signal": self.signal.state_dict(), "trace": self.trace.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.signal.load_state_dict(state["signal"])
+        self.trace.load_state_dict(state["trace"])

@@ -1,0 +1,69 @@
+"""The smoothed statistics controllers act on: means, error bars, bounds."""
+
+import math
+import random
+
+import pytest
+
+from bigbatch.batch import SmoothedNoise, SmoothedValue
+
+
+def test_value_is_a_bias_corrected_exponential_mean():
+    v = SmoothedValue(window=4)
+    assert math.isnan(v.mean) and v.count == 0
+    v.update(10.0)
+    assert v.mean == 10.0  # no pull towards zero at the start
+    assert v.standard_error == math.inf  # one value: no spread yet
+    v.update(2.0)
+    # weights 0.75 and 1
+    assert v.mean == pytest.approx((0.75 * 10 + 2) / 1.75)
+    assert v.count == pytest.approx(1.75**2 / (0.75**2 + 1))
+    v.update(math.nan)  # skipped
+    assert v.mean == pytest.approx((0.75 * 10 + 2) / 1.75)
+
+
+def test_standard_error_shrinks_like_one_over_root_n_for_iid_values():
+    rng = random.Random(0)
+    v = SmoothedValue(window=50)
+    for _ in range(5000):
+        v.update(rng.gauss(3.0, 2.0))
+    # an exponential window of 50 averages about 2*50-1 = 99 values
+    assert v.count == pytest.approx(99, rel=0.01)
+    assert v.standard_error == pytest.approx(2.0 / math.sqrt(99), rel=0.15)
+    low, high = v.interval(2.0)
+    assert low < 3.0 < high
+
+
+def test_noise_bounds_bracket_the_true_ratio_and_widen_with_noise():
+    rng = random.Random(1)
+    quiet, loud = SmoothedNoise(20), SmoothedNoise(20)
+    for _ in range(400):
+        quiet.update(1.0 + 0.1 * rng.gauss(0, 1), 100 * (1 + 0.1 * rng.gauss(0, 1)))
+        loud.update(1.0 + 2.0 * rng.gauss(0, 1), 100 * (1 + 0.5 * rng.gauss(0, 1)))
+    q_low, q_high = quiet.bounds(1.0)
+    l_low, l_high = loud.bounds(1.0)
+    assert q_low < 100 < q_high
+    assert l_low < 100 < l_high
+    assert l_high - l_low > 5 * (q_high - q_low)
+    assert quiet.noise_scale() == pytest.approx(100, rel=0.05)
+
+
+def test_noise_lost_in_the_noise_has_no_upper_bound():
+    n = SmoothedNoise(10)
+    for i in range(30):
+        n.update((-1) ** i * 0.5, 50.0)  # |G|² averages ~0: B_simple is unbounded above
+    low, high = n.bounds(1.0)
+    assert high == math.inf and low >= 0
+    assert math.isnan(SmoothedNoise().noise_scale())
+    assert SmoothedNoise().bounds(1.0) == (0.0, math.inf)
+
+
+def test_state_round_trip():
+    a, b = SmoothedNoise(8), SmoothedNoise(8)
+    for i in range(12):
+        a.update(1.0 + i, 10.0 * i)
+    b.load_state_dict(a.state_dict())
+    assert b.bounds(1.5) == a.bounds(1.5)
+    a.update(3.0, 7.0)
+    b.update(3.0, 7.0)
+    assert b.noise_scale() == a.noise_scale()
