@@ -45,8 +45,8 @@ def powersgd_bytes(world: int) -> float:
     """Per-step payload of PowerSGD rank 1 on the default model (P and Q, float32)."""
     import torch
 
+    from bigbatch.experiments.build import with_task_defaults
     from bigbatch.experiments.config import resolve
-    from bigbatch.experiments.runner import with_task_defaults
     from bigbatch.experiments.tasks import TASKS
 
     model = TASKS["mnist1d"].build(with_task_defaults(resolve({}))).model

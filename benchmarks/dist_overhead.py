@@ -63,7 +63,7 @@ def make_loop(arm: str, data: TensorDataset, per_rank: int) -> bb.AdaptiveBatch:
 
 def one_step(loop: bb.AdaptiveBatch) -> float:
     start = time.perf_counter()
-    step = next(loop.steps(max_steps=loop.step + 1))
+    step = next(loop.steps(max_steps=loop.steps_taken + 1))
     for x, y in step.micro_batches():
         step.backward(nn.functional.cross_entropy(loop.model(x), y))
     step.apply()
@@ -78,11 +78,9 @@ def worker(steps: int, per_rank: int) -> dict | None:
     for loop in loops.values():
         for _ in range(3):  # warm-up (DDP rebuilds its buckets after the first step)
             one_step(loop)
-    counted = {arm: loop.step for arm, loop in loops.items()}
+    counted = {arm: loop.steps_taken for arm, loop in loops.items()}
     bytes_before = {
-        arm: (loop.stats.bytes_communicated if loop.stats else 0)
-        + (loop.stats.comm_hook.extra_bytes if loop.stats and loop.stats.comm_hook else 0)
-        for arm, loop in loops.items()
+        arm: loop.collector.traffic() if loop.collector else 0 for arm, loop in loops.items()
     }
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for round_ in range(steps):
@@ -95,14 +93,11 @@ def worker(steps: int, per_rank: int) -> dict | None:
     params = sum(p.numel() * p.element_size() for p in loops["none"].model.parameters())
     rows = {}
     for arm, loop in loops.items():
-        stats = loop.stats
-        sent = (stats.bytes_communicated if stats else 0) + (
-            stats.comm_hook.extra_bytes if stats and stats.comm_hook else 0
-        )
+        sent = loop.collector.traffic() if loop.collector else 0
         rows[arm] = {
             "ms": 1000 * statistics.median(times[arm]),
             "gradient_bytes": params,
-            "extra_bytes": (sent - bytes_before[arm]) / (loop.step - counted[arm]),
+            "extra_bytes": (sent - bytes_before[arm]) / (loop.steps_taken - counted[arm]),
         }
     return rows
 

@@ -10,8 +10,10 @@ Arms, each trained for the task's sample budget with a cosine schedule:
   the task's scaled rate × {0.5, 1, 2} carried from batch 64 by the family's
   rule (``sqrt`` for LAMB);
 - ``simigrad`` (the published controller, target 1/3, the same scaled rates);
-- ``critical_ramp`` and ``damped_simigrad`` with their defaults (the rate held,
-  ``lr_scaling = auto``), at the task's held rate × {0.5, 1, 2}.
+- ``critical_ramp`` with its defaults and ``damped_simigrad`` at the
+  similarity that corresponds to the ramp's multiple (``s* = κ / (κ + 2)``,
+  0.8), both from batch 256 with the rate held (``lr_scaling = auto``), at
+  the task's held rate × {0.5, 1, 2}.
 
 Every arm gets a 3-point grid on seed 0; its best rate (fewest steps to the
 task's target, then the best metric) is rerun on seeds 1 and 2. For each arm:
@@ -68,15 +70,14 @@ def arms(task_name: str, quick: bool) -> dict[str, list[dict[str, Any]]]:
             for m in multipliers
         ]
     for kind in CONTROLLERS:
-        rate = scaled if kind == "simigrad" else held
-        out[kind] = [
-            {
-                "batch.controller": kind,
-                "batch.initial": 64 if kind == "simigrad" else 256,
-                "lr": rate * m,
-            }
-            for m in multipliers
-        ]
+        settings: dict[str, Any] = {"batch.controller": kind}
+        if kind == "simigrad":  # as published: from the small batch, target 1/3, sqrt rule
+            settings.update({"batch.initial": 64, "batch.target": 1 / 3, "lr": scaled})
+        else:  # the defaults; the damped target at the ramp's multiple: s* = κ / (κ + 2)
+            settings.update({"batch.initial": 256, "lr": held})
+            if kind == "damped_simigrad":
+                settings["batch.target"] = 0.8
+        out[kind] = [{**settings, "lr": settings["lr"] * m} for m in multipliers]
     return out
 
 

@@ -98,7 +98,7 @@ def make_loop(setup, micro: int, **options):
 
 def one_step(loop, loss_fn) -> float:
     start = time.perf_counter()
-    step = next(loop.steps(max_steps=loop.step + 1))
+    step = next(loop.steps(max_steps=loop.steps_taken + 1))
     for batch in step.micro_batches():
         step.backward(loss_fn(batch))
     step.apply()
@@ -106,11 +106,7 @@ def one_step(loop, loss_fn) -> float:
 
 
 def extra_bytes(loop) -> int:
-    stats = loop.stats
-    if stats is None:
-        return 0
-    buffers = (stats._half or []) + (stats._m2 or [])
-    return sum(t.numel() * t.element_size() for t in buffers)
+    return loop.collector.memory() if loop.collector is not None else 0
 
 
 def compare(name: str, setup, micro: int, steps: int) -> None:

@@ -53,7 +53,7 @@ def main() -> None:
             x, y = data.tensors[0][test.indices], data.tensors[1][test.indices]
             accuracy = (model(x).argmax(1) == y).float().mean().item()
         print(
-            f"{loop.step} steps, average batch {loop.samples / loop.step:.0f}, "
+            f"{loop.steps_taken} steps, average batch {loop.samples / loop.steps_taken:.0f}, "
             f"test accuracy {accuracy:.3f}"
         )
     dist.barrier()

@@ -50,8 +50,8 @@ def main() -> None:
         x, y = data.tensors[0][test.indices], data.tensors[1][test.indices]
         accuracy = (model(x).argmax(1) == y).float().mean().item()
     print(
-        f"{loop.step} steps, {loop.samples} samples, average batch "
-        f"{loop.samples / loop.step:.0f}, test accuracy {accuracy:.3f}"
+        f"{loop.steps_taken} steps, {loop.samples} samples, average batch "
+        f"{loop.samples / loop.steps_taken:.0f}, test accuracy {accuracy:.3f}"
     )
 
 

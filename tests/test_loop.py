@@ -1,5 +1,6 @@
 """AdaptiveBatch end to end on a small teacher-student problem."""
 
+import copy
 import io
 
 import pytest
@@ -91,11 +92,16 @@ def test_works_with_torch_optimizers_grad_scaler_and_workers():
     model, loop = make_run(
         optimizer="sgd",
         scaler=torch.amp.GradScaler("cpu", init_scale=256.0),
-        num_workers=2,
-        persistent_workers=True,
+        loader_options={"num_workers": 2, "persistent_workers": True},
     )
     history = train(loop, model, max_steps=6)
     assert len(history) == 6 and all(torch.isfinite(torch.tensor(m["similarity"])) for m in history)
+    # the loss scale is divided out: the statistics are those of the unscaled run
+    plain_model, plain = make_run(optimizer="sgd")
+    expected = train(plain, plain_model, max_steps=6)
+    for got, want in zip(history, expected):
+        for name in ("grad_sq_norm", "trace", "similarity", "loss"):
+            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-7)
 
 
 def test_noise_scale_controller_and_adascale():
@@ -115,17 +121,33 @@ class Stream(IterableDataset):
         yield from zip(*data.tensors)
 
 
-def test_iterable_dataset_and_resume():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loop = bb.AdaptiveBatch(model, opt, Stream(), controller=bb.batch.Constant(32))
-    train(loop, model, max_steps=3)
-    state = loop.state_dict()
-    assert state["consumed_from_iterable"] == 96
-    loop.load_state_dict(state)
-    train(loop, model, max_steps=4)
-    assert loop.samples == 128
+def test_iterable_dataset_resumes_where_it_stopped():
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        controller = bb.batch.Ramp(steps=[(0, 32), (64, 48)])
+        return model, bb.AdaptiveBatch(model, opt, Stream(), controller=controller)
+
+    def drawn(loop, model, steps):
+        seen = []
+        for step in loop.steps(max_steps=steps):
+            for x, y in step.micro_batches():
+                seen.append(x.clone())
+                step.backward(nn.functional.cross_entropy(model(x), y))
+            step.apply()
+        return torch.cat(seen)
+
+    model, straight = make()
+    drawn(straight, model, 3)
+    state = copy.deepcopy(straight.state_dict())  # its tensors share the live parameters
+    expected = drawn(straight, model, 70)  # runs past the end of the stream, which restarts
+
+    fresh_model, resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.samples == 32 + 32 + 48
+    assert torch.equal(drawn(resumed, fresh_model, 70), expected)
+    assert all(torch.equal(p, q) for p, q in zip(fresh_model.parameters(), model.parameters()))
 
 
 def test_misuse_is_reported():
@@ -149,7 +171,7 @@ def train_with_nan_at(loop, model, bad_step, steps):
     for step in loop.steps(max_steps=steps):
         for x, y in step.micro_batches():
             loss = nn.functional.cross_entropy(model(x), y)
-            if loop.step + 1 == bad_step:
+            if loop.steps_taken + 1 == bad_step:
                 loss = loss * float("nan")
             step.backward(loss)
         step.apply()
@@ -171,9 +193,8 @@ def test_a_nan_step_is_skipped_and_nothing_absorbs_it(statistics):
     state = loop.optimizer.state_dict()["state"]
     assert all(torch.isfinite(t).all() for s in state.values() for t in s.values() if t.numel())
     if statistics:
-        assert all(
-            torch.isfinite(v).all() for v in loop.stats.state_dict().values() if torch.is_tensor(v)
-        )
+        state = loop.collector.state_dict().values()
+        assert all(torch.isfinite(v).all() for v in state if torch.is_tensor(v))
     assert history[-1]["loss"] < history[0]["loss"]
 
 
@@ -181,6 +202,6 @@ def test_a_nan_step_can_stop_the_run_before_any_update():
     model, loop = make_run(nonfinite="raise")
     with pytest.raises(bb.NonFiniteError, match="step 4: the gradient or loss is not finite"):
         train_with_nan_at(loop, model, bad_step=4, steps=10)
-    assert loop.step == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert loop.steps_taken == 3 and all(torch.isfinite(p).all() for p in model.parameters())
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         make_run(nonfinite="ignore")

@@ -102,7 +102,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _train(args: argparse.Namespace) -> int:
     from .dist.world import init_from_env
-    from .experiments.runner import check_new_run_dir, new_run_dir, read_config, train
+    from .experiments.rundir import check_new_run_dir, new_run_dir, read_config
+    from .experiments.runner import train
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
@@ -179,7 +180,8 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
 
 def _compare(args: argparse.Namespace) -> None:
     from .experiments.report import render_comparison
-    from .experiments.runner import check_new_run_dir, new_run_dir, train
+    from .experiments.rundir import check_new_run_dir, new_run_dir
+    from .experiments.runner import train
 
     base = _config(args)
     axes = []

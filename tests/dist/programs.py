@@ -76,7 +76,7 @@ def make_loop(
 def train(loop: AdaptiveBatch, steps: int) -> dict[str, list]:
     """Run ``steps`` steps; what every rank saw and decided."""
     record: dict[str, list] = {"batch": [], "similarity": [], "loss": [], "indices": []}
-    for step in loop.steps(max_steps=loop.step + steps):
+    for step in loop.steps(max_steps=loop.steps_taken + steps):
         for x, y in step.micro_batches():
             step.backward(nn.functional.mse_loss(loop.model(x), y))
         step.apply()
@@ -225,7 +225,7 @@ def resume_run(steps: int, path: str) -> dict:
     """Load a state saved by ``save_run`` (any number of ranks) and train on."""
     loop = make_loop(SimiGrad(target=0.5, initial=64, min=8, max=512, window=5))
     loop.load_state_dict(torch.load(path, weights_only=True))
-    start = {"batch": loop.batch_size, "samples": loop.samples, "step": loop.step}
+    start = {"batch": loop.batch_size, "samples": loop.samples, "step": loop.steps_taken}
     record = train(loop, steps)
     record["start"] = start
     return record
@@ -235,7 +235,7 @@ def hook_with_inner(steps: int, inner: str) -> dict:
     """The two-group hook around torch's all-reduce or PowerSGD hook, against plain DDP."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from bigbatch.dist import TwoGroupCosine
+    from bigbatch.dist import TwoGroupCosine, two_group_cosine_hook
 
     plain = make_loop(Constant(24 * dist.get_world_size()), similarity="scalar")
     train(plain, steps)
@@ -243,15 +243,13 @@ def hook_with_inner(steps: int, inner: str) -> dict:
     model = DDP(make_model())
     optimizer = torch.optim.SGD(param_groups(model), lr=0.05)
     if inner == "allreduce":
-        hook = TwoGroupCosine(param_groups(model), inner=default_hooks.allreduce_hook)
+        hook = TwoGroupCosine(param_groups(model), inner=(None, default_hooks.allreduce_hook))
     else:
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
         )
-        hook = TwoGroupCosine(
-            param_groups(model), inner=powerSGD_hook.powerSGD_hook, inner_state=state
-        )
-    model.register_comm_hook(None, hook)
+        hook = TwoGroupCosine(param_groups(model), inner=(state, powerSGD_hook.powerSGD_hook))
+    model.register_comm_hook(hook, two_group_cosine_hook)
     wrapped = AdaptiveBatch(
         model,
         optimizer,
@@ -297,7 +295,7 @@ def similarity_series(steps: int, batch: int) -> dict:
                     stats.trace.double(),
                     first,
                     batch - first,
-                    len(loop.dataset),
+                    len(loop.source.dataset),
                 )
             )
         )
@@ -311,7 +309,7 @@ def two_step_gsnr(batch: int) -> dict:
     loop = make_loop(Constant(batch), data=data, gsnr=True, lr=0.0)  # parameters stay put
     reference = copy.deepcopy(loop.model.module)
     for _ in range(2):
-        step = next(loop.steps(max_steps=loop.step + 1))
+        step = next(loop.steps(max_steps=loop.steps_taken + 1))
         for x, y in step.micro_batches():
             step.backward(nn.functional.mse_loss(loop.model(x), y))
         step.apply()
@@ -347,11 +345,11 @@ def wrapped_run(optimizer: str, steps: int) -> dict:
 
 def compressed_run(method: str, compressor: str, ratio: float, steps: int, **options) -> dict:
     """The regression problem through AdaptiveBatch with a compression hook."""
-    from bigbatch.dist import CompressionHook
+    from bigbatch.dist import CompressionState, compression_hook
 
     world = dist.get_world_size()
     model = DDP(make_model())
-    hook = CompressionHook(model, method, compressor, ratio, **options)
+    hook = CompressionState(model, method, compressor, ratio, **options)
     loop = AdaptiveBatch(
         model,
         torch.optim.SGD(param_groups(model), lr=0.05),
@@ -360,7 +358,7 @@ def compressed_run(method: str, compressor: str, ratio: float, steps: int, **opt
         max_micro_batch=8,
         min_sub_batches=2,
         lr_scaling="none",
-        comm_hook=hook,
+        comm_hook=(hook, compression_hook),
     )
     record = train(loop, steps)
     record["params"] = flat_params(loop)
@@ -375,7 +373,7 @@ def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> floa
     targets), so local gradients disagree at the optimum: Top-K without
     error control cannot settle there.
     """
-    from bigbatch.dist import CompressionHook
+    from bigbatch.dist import CompressionState, compression_hook
 
     world, rank, d, n = dist.get_world_size(), dist.get_rank(), 40, 200
     problems = []
@@ -391,7 +389,8 @@ def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> floa
     model = DDP(nn.Linear(d, 1, bias=False).double())
     if method != "allreduce":
         compressor = "topk"
-        model.register_comm_hook(None, CompressionHook(model, method, compressor, ratio, warmup=2))
+        state = CompressionState(model, method, compressor, ratio, warmup=2)
+        model.register_comm_hook(state, compression_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.3 / (1 + world) ** 2)
     # a step size decaying to zero: classic EF settles in an O(lr) neighbourhood
     # of the optimum, which then shrinks; without error control the fixed point
@@ -409,7 +408,7 @@ def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> floa
 
 
 def compressed_resume(method: str, steps: int, at: int) -> dict:
-    from bigbatch.dist import CompressionHook
+    from bigbatch.dist import CompressionState, compression_hook
 
     def build():
         model = DDP(make_model())
@@ -421,7 +420,7 @@ def compressed_resume(method: str, steps: int, at: int) -> dict:
             max_micro_batch=8,
             min_sub_batches=2,
             lr_scaling="none",
-            comm_hook=CompressionHook(model, method, "topk", 0.2, warmup=3),
+            comm_hook=(CompressionState(model, method, "topk", 0.2, warmup=3), compression_hook),
         )
         return loop
 
@@ -458,7 +457,7 @@ def micro_batch_counts(batch: int, max_micro_batch: int, weighted: bool) -> list
     for x, y in step.micro_batches():
         step.backward(nn.functional.mse_loss(model(x), y))
     step.apply()
-    return step.rank_sizes
+    return [list(r) for r in step.rank_sizes]
 
 
 def within_rank_statistics(batch: int) -> dict:
@@ -476,7 +475,8 @@ def within_rank_statistics(batch: int) -> dict:
         max_micro_batch=8,
         min_sub_batches=2,
         lr_scaling="none",
-        comm_hook=lambda _, bucket: default_hooks.allreduce_hook(None, bucket),
+        # a user's own hook: taken to be lossy, so the noise is estimated within each rank
+        comm_hook=(None, lambda _, bucket: default_hooks.allreduce_hook(None, bucket)),
     )
     step = next(loop.steps(max_steps=1))
     for x, y in step.micro_batches():

@@ -77,17 +77,17 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch):
     assert run_cli("train", *SMALL, "--out", straight) == 0
 
     killed = tmp_path / "killed"
-    real_apply = AdaptiveBatch._apply
+    real_step = AdaptiveBatch._optimizer_step
 
-    def crash_after_12(self, sizes):
-        if self.step == 12:
+    def crash_after_12(self):
+        if self.steps_taken == 12:
             raise KeyboardInterrupt  # a kill between checkpoints (the last was at step 10)
-        return real_apply(self, sizes)
+        return real_step(self)
 
-    monkeypatch.setattr(AdaptiveBatch, "_apply", crash_after_12)
+    monkeypatch.setattr(AdaptiveBatch, "_optimizer_step", crash_after_12)
     assert run_cli("train", *SMALL, "--out", killed) == 130
     assert len((killed / "metrics.jsonl").read_text().splitlines()) == 12
-    monkeypatch.setattr(AdaptiveBatch, "_apply", real_apply)
+    monkeypatch.setattr(AdaptiveBatch, "_optimizer_step", real_step)
     assert run_cli("train", "--quiet", "--resume", killed) == 0
 
     assert rows(killed) == rows(straight)

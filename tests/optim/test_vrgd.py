@@ -105,7 +105,7 @@ def test_few_sub_batches_are_refused_or_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loop = bb.AdaptiveBatch(model, optimizer, data, controller=controller, min_sub_batches=8)
-    assert loop.stats.gsnr  # the loop collects what VRGD needs
+    assert loop.collector.gsnr  # the loop collects what VRGD needs
 
 
 def test_step_without_statistics_is_a_clear_error():

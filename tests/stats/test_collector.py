@@ -106,14 +106,40 @@ def test_gsnr_is_mean_squared_over_variance_of_micro_batch_gradients():
     torch.testing.assert_close(flat[finite], expected[finite], rtol=2e-3, atol=1e-6)
 
 
-def test_backward_outside_a_step_is_ignored_and_misuse_is_reported():
+@pytest.mark.parametrize("gsnr", [False, True])
+def test_a_backward_outside_a_step_changes_nothing(gsnr):
+    sizes = [6, 6, 6, 5]
     model, x, y = make_problem()
+    clean = collect(model, x, y, sizes, MicroBatchStatistics([list(model.parameters())], gsnr=gsnr))
+    model.zero_grad()
+    stats = MicroBatchStatistics([list(model.parameters())], gsnr=gsnr)
+    # a user's own backward before the step (its gradient then cleared) ...
+    nn.functional.cross_entropy(model(x), y).backward()
+    model.zero_grad()
+    # ... and one between finish() and the next step are not measured
+    got = collect(model, x, y, sizes, stats)
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x[:5]), y[:5]).backward()
+    model.zero_grad()
+    again = collect(model, x, y, sizes, stats)
+    for name in ("similarity", "grad_sq_norm", "trace"):
+        assert getattr(got, name).item() == getattr(clean, name).item()
+        assert getattr(again, name).item() == getattr(clean, name).item()
+    if gsnr:
+        assert all(torch.equal(a, b) for a, b in zip(got.gsnr, clean.gsnr))
+
+
+def test_misuse_is_reported():
+    model, _, _ = make_problem()
     stats = MicroBatchStatistics([list(model.parameters())])
-    nn.functional.cross_entropy(model(x), y).backward()  # not inside a step: no effect
     with pytest.raises(ValueError, match="at least 2 micro-batches"):
         stats.begin([23])
+    with pytest.raises(ValueError, match="at least 2 sub-batches"):
+        MicroBatchStatistics([list(model.parameters())], similarity="scalar").begin([23])
     with pytest.raises(RuntimeError, match="begin"):
         stats.before_backward(0)
+    with pytest.raises(RuntimeError, match="begin"):
+        stats.finish()
     stats.close()
 
 

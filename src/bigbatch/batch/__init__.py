@@ -11,8 +11,15 @@ from .controllers import (
     SimiGrad,
 )
 from .lr import LR_RULES, adascale_gain, lr_factor, scaled_lr
-from .plan import micro_batch_sizes, split_by_weight
-from .sampler import GlobalBatchSampler, VariableBatchSampler, shard_batch
+from .plan import (
+    StepPlan,
+    loss_weights,
+    micro_batch_sizes,
+    plan_step,
+    shard_batch,
+    split_by_weight,
+)
+from .sampler import GlobalBatchSampler, VariableBatchSampler
 from .smoothing import SmoothedNoise, SmoothedValue
 
 __all__ = [
@@ -28,10 +35,13 @@ __all__ = [
     "SimiGrad",
     "SmoothedNoise",
     "SmoothedValue",
+    "StepPlan",
     "VariableBatchSampler",
     "adascale_gain",
+    "loss_weights",
     "lr_factor",
     "micro_batch_sizes",
+    "plan_step",
     "scaled_lr",
     "shard_batch",
     "split_by_weight",

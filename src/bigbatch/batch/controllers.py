@@ -154,7 +154,9 @@ class CriticalBatchRamp:
     - every step, the step's unbiased ``|G|²`` and ``tr Σ`` estimates feed a
       :class:`~bigbatch.batch.smoothing.SmoothedNoise` (numerator and
       denominator averaged apart over ``window`` steps, with standard errors);
-    - after ``warmup`` samples, when the lower end of ``B_simple``'s interval
+    - once the learning rate has warmed up (``warmup`` samples have passed
+      and the schedule multiplier, ``measured["schedule"]``, has stopped
+      rising), when the lower end of ``B_simple``'s interval
       at ``confidence`` standard errors, times ``multiple``, reaches the next
       size ``⌈factor · B⌉``, the batch grows to it (clamped to ``max``); a
       noise scale that is merely jumping around never passes that test;
@@ -169,15 +171,16 @@ class CriticalBatchRamp:
     the way a learning-rate decay does (Smith et al. 2018, "Don't decay the
     learning rate, increase the batch size"). During a learning-rate warm-up
     the noise scale is high but the small learning rate, not the noise,
-    limits progress; ``warmup`` (in samples) holds the batch until then.
+    limits progress, so the batch is held while the schedule rises (and for
+    ``warmup`` samples, for a warm-up the controller cannot see).
     """
 
     needs_statistics = True
     holds_lr = True
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
         self,
-        multiple: float = 4.0,
+        multiple: float = 8.0,
         initial: int = 64,
         min: int = 16,
         max: int = 16384,
@@ -198,11 +201,12 @@ class CriticalBatchRamp:
             raise ValueError(f"shrink must be True or False, got {shrink!r}")
         self.shrink = shrink
         self._noise = SmoothedNoise(self.window)
+        self._warming = _WarmUp(self.warmup)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
         self._noise.update(measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan))
         # half a window of evidence before the first decision: two steps' spread is no error bar
-        if samples < self.warmup or self._noise.count < self.window / 2:
+        if self._warming(measured, samples) or self._noise.count < self.window / 2:
             return batch_size
         lower, upper = self._noise.bounds(self.confidence)
         bigger = min(self.max, math.ceil(batch_size * self.factor))
@@ -218,10 +222,11 @@ class CriticalBatchRamp:
         return self._noise.bounds(self.confidence)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"noise": self._noise.state_dict()}
+        return {"noise": self._noise.state_dict(), "schedule": self._warming.last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._noise.load_state_dict(state["noise"])
+        self._warming.last = float(state["schedule"])
 
 
 class DampedSimiGrad:
@@ -248,14 +253,15 @@ class DampedSimiGrad:
 
     With the defaults a batch far from its target moves by about 10% per step
     (SimiGrad's pace) and stops inside the interval instead of overshooting
-    behind a 20-step average. ``warmup`` (samples) holds the batch during a
-    learning-rate warm-up. The published controller is :class:`SimiGrad`.
+    behind a 20-step average. The batch is held while the learning-rate
+    schedule rises (``measured["schedule"]``) and for ``warmup`` samples. The
+    published controller is :class:`SimiGrad`.
     """
 
     needs_statistics = True
     holds_lr = True
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
         self,
         target: float = 1 / 3,
         initial: int = 64,
@@ -286,6 +292,7 @@ class DampedSimiGrad:
         self._similarity = SmoothedValue(self.window)
         self._error = 0.0
         self._log_batch = math.log(self.initial)
+        self._warming = _WarmUp(self.warmup)
 
     def error(self) -> float:
         """``log(B*/B)`` beyond the evidence's interval and the dead band; 0 inside."""
@@ -300,7 +307,7 @@ class DampedSimiGrad:
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
         self._similarity.update(measured.get("similarity", math.nan))
-        if samples < self.warmup:
+        if self._warming(measured, samples):
             self._log_batch = math.log(batch_size)
             return batch_size
         error = self.error()
@@ -321,12 +328,30 @@ class DampedSimiGrad:
             "similarity": self._similarity.state_dict(),
             "error": self._error,
             "log_batch": self._log_batch,
+            "schedule": self._warming.last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._similarity.load_state_dict(state["similarity"])
         self._error = float(state["error"])
         self._log_batch = float(state["log_batch"])
+        self._warming.last = float(state["schedule"])
+
+
+class _WarmUp:
+    """Whether the learning rate is still warming up: before ``samples`` or while the
+    schedule multiplier rises from step to step."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+        self.last = -math.inf  # the previous step's schedule multiplier
+
+    def __call__(self, measured: dict[str, float], samples: int) -> bool:
+        schedule = measured.get("schedule", math.nan)
+        rising = math.isfinite(schedule) and schedule > self.last
+        if math.isfinite(schedule):
+            self.last = schedule
+        return samples < self.samples or rising
 
 
 def _logit(p: float) -> float:

@@ -25,7 +25,7 @@ acts like a learning-rate decay: Smith et al. 2018).
 Since the batch varies, schedules are functions of samples seen, not steps:
 ``warmup_cosine(total, warmup)`` and ``warmup_linear(total, warmup)`` return
 ``f(samples) -> multiplier``; any such callable works as a user schedule.
-:func:`scaled_lr` multiplies each group's learning rate around the optimizer
+:class:`LRScaling` multiplies each group's learning rate around the optimizer
 step and restores it after, so a user's own ``torch.optim.lr_scheduler`` still
 owns ``group["lr"]``.
 """
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -116,17 +116,52 @@ def adascale_gain(
     return min(max(gain, min(1.0, scale)), max(1.0, scale))
 
 
-@contextlib.contextmanager
-def scaled_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
-    """Multiply every group's ``lr`` by ``factor`` inside the block, then restore it exactly."""
-    saved = [group["lr"] for group in optimizer.param_groups]
-    try:
-        for group in optimizer.param_groups:
+class LRScaling:
+    """Multiply param groups' learning rates for one optimizer step, then restore them exactly.
+
+    The one mechanism for every temporary learning-rate change (the batch
+    rule and schedule around a step, AGVM's per-group multipliers): the rates
+    a user's scheduler set are saved, multiplied, and put back untouched.
+    Applying again before a restore first restores (a framework whose
+    ``GradScaler`` skipped a step never calls the restore hook), so factors
+    never compound.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._saved is not None
+
+    def apply(self, optimizer: torch.optim.Optimizer, factors: float | Sequence[float]) -> None:
+        """Multiply group ``i``'s rate by ``factors[i]`` (or every group's by one factor)."""
+        self.restore(optimizer)
+        groups = optimizer.param_groups
+        each = [factors] * len(groups) if isinstance(factors, (int, float)) else list(factors)
+        if len(each) != len(groups):
+            raise ValueError(f"{len(each)} learning-rate factors for {len(groups)} param groups")
+        self._saved = [group["lr"] for group in groups]
+        for group, factor in zip(groups, each):
             group["lr"] = group["lr"] * factor
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the saved rates back (nothing if none are applied)."""
+        if self._saved is not None:
+            for group, lr in zip(optimizer.param_groups, self._saved):
+                group["lr"] = lr
+            self._saved = None
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factors: float | Sequence[float]) -> Iterator[None]:
+    """Multiply every group's ``lr`` by ``factors`` inside the block, then restore it exactly."""
+    scaling = LRScaling()
+    scaling.apply(optimizer, factors)
+    try:
         yield
     finally:
-        for group, lr in zip(optimizer.param_groups, saved):
-            group["lr"] = lr
+        scaling.restore(optimizer)
 
 
 def _check_samples(name: str, value: int) -> int:

@@ -1,19 +1,159 @@
-"""How a global batch becomes micro-batches.
+"""How a global batch becomes micro-batches, and how their losses are weighted.
 
 A batch of ``B`` samples is realised exactly as ``k`` micro-batches of nearly
 equal size (they differ by at most one sample), with ``k ≥ min_sub_batches``
 so that the statistics always have sub-batches to compare, and every
 micro-batch at most ``max_micro_batch`` (per process). When the batch is
 counted in tokens (or any per-sample weight), the samples are split into
-``k`` contiguous runs of nearly equal weight instead.
+``k`` contiguous runs of nearly equal weight instead. Under data parallelism
+the global batch is first cut into one contiguous shard per rank, and every
+rank splits its shard into the same number of micro-batches (DDP and FSDP
+run a collective in every forward or backward that all ranks must join).
+
+:class:`StepPlan` is the result for one optimizer step, shared by the loop,
+the framework samplers and the statistics; :func:`loss_weights` is the one
+place the micro-batch loss weighting is written.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from .._checks import positive_int
+from .._checks import choice, positive_int
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def loss_weights(
+    sizes: Sequence[int], batch_size: int, world_size: int = 1, reduction: str = "mean"
+) -> list[float]:
+    """The factor each micro-batch's loss is multiplied by before backward.
+
+    ``W b_i / B`` for a micro-batch's mean loss (``W / B`` for its summed loss):
+    the micro-batch gradients then add up to the batch's sample-weighted mean,
+    after DDP (or FSDP) averages over the ``W`` ranks, whatever the sizes.
+    """
+    choice("loss_reduction", reduction, LOSS_REDUCTIONS)
+    if reduction == "sum":
+        return [world_size / batch_size] * len(sizes)
+    return [world_size * b / batch_size for b in sizes]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step: every rank's micro-batch sizes, and this rank's micro-batches.
+
+    ``rank_sizes[r]`` lists rank ``r``'s micro-batch sizes in samples (or
+    weight); every rank has the same number. ``micro_batches`` holds this
+    rank's micro-batches as indices (into the dataset, or into the drawn
+    batch for an iterable source).
+    """
+
+    rank_sizes: tuple[tuple[int, ...], ...]
+    rank: int = 0
+    micro_batches: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """This rank's micro-batch sizes."""
+        return self.rank_sizes[self.rank]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rank_sizes)
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch: every rank's samples (or weight)."""
+        return sum(sum(r) for r in self.rank_sizes)
+
+    def loss_weights(self, reduction: str = "mean") -> list[float]:
+        """This rank's :func:`loss_weights`."""
+        return loss_weights(self.sizes, self.batch_size, self.world_size, reduction)
+
+
+def shard_batch(indices: list[int], rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s contiguous part of a global batch split over ``world_size`` ranks.
+
+    Parts differ in size by at most one sample (the first ``len % world_size``
+    ranks take one more), so any global batch, including an uneven last one,
+    is covered exactly once: every rank draws the same global batch from its
+    own identically seeded sampler and keeps its part, which keeps "every
+    sample once per epoch" across ranks and the sampler state identical on
+    all of them.
+    """
+    positive_int("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    if len(indices) < world_size:
+        raise ValueError(
+            f"a batch of {len(indices)} samples cannot give each of {world_size} ranks a sample"
+        )
+    sizes = even_split(len(indices), world_size)
+    start = sum(sizes[:rank])
+    return indices[start : start + sizes[rank]]
+
+
+def plan_step(
+    indices: list[int],
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    count: int | None = None,
+    max_micro_batch: int = sys.maxsize,
+    min_sub_batches: int = 1,
+    weight_fn: Callable[[int], int] | None = None,
+) -> StepPlan:
+    """Shard a drawn global batch over the ranks and split every shard into micro-batches.
+
+    ``count`` fixes the number of micro-batches per rank (the frameworks
+    accumulate a fixed count); without it each shard's natural count (size
+    cap and ``min_sub_batches``) is computed and the largest taken, so that
+    every rank runs the same number. A rank whose shard is a sample short
+    (or lighter) still splits into as many parts; a part may then exceed
+    ``max_micro_batch`` by a sample. With ``weight_fn`` the sizes are weights
+    and the boundaries fall at nearly equal weight.
+    """
+    shards = [shard_batch(indices, r, world_size) for r in range(world_size)]
+    weights = [[int(weight_fn(i)) for i in s] for s in shards] if weight_fn else None
+    if count is None:
+        natural = max(
+            len(
+                micro_batch_sizes(
+                    len(s), max_micro_batch=max_micro_batch, min_sub_batches=min_sub_batches
+                )
+            )
+            if weights is None
+            else len(
+                split_by_weight(w, max_micro_batch=max_micro_batch, min_sub_batches=min_sub_batches)
+            )
+            for s, w in zip(shards, weights or shards)
+        )
+        count = min(natural, min(len(s) for s in shards))
+    rank_sizes, mine = [], ()
+    for r, shard in enumerate(shards):
+        if weights is None:
+            counts = even_split(len(shard), count)
+            sizes = counts
+        else:
+            # no cap: the count is fixed, the weights only place the boundaries
+            counts = split_by_weight(weights[r], max_micro_batch=sys.maxsize, min_sub_batches=count)
+            sizes = [sum(part) for part in _cut(weights[r], counts)]
+        rank_sizes.append(tuple(sizes))
+        if r == rank:
+            mine = tuple(tuple(part) for part in _cut(shard, counts))
+    return StepPlan(tuple(rank_sizes), rank, mine)
+
+
+def _cut(items: Sequence, counts: Sequence[int]) -> list[Sequence]:
+    out, start = [], 0
+    for c in counts:
+        out.append(items[start : start + c])
+        start += c
+    return out
 
 
 def even_split(total: int, parts: int) -> list[int]:

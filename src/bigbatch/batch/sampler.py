@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .plan import even_split
+from .plan import StepPlan, plan_step
 
 
 class VariableBatchSampler:
@@ -101,29 +101,6 @@ class VariableBatchSampler:
         self._order_epoch = -1
 
 
-def shard_batch(indices: list[int], rank: int, world_size: int) -> list[int]:
-    """Rank ``rank``'s contiguous part of a global batch split over ``world_size`` ranks.
-
-    Parts differ in size by at most one sample (the first ``len % world_size``
-    ranks take one more), so any global batch, including an uneven last one,
-    is covered exactly once: every rank draws the same global batch from its
-    own :class:`VariableBatchSampler` (same seed and state) and keeps its part,
-    which keeps "every sample once per epoch" across ranks and makes the
-    sampler state identical on all of them.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive whole number, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-    if len(indices) < world_size:
-        raise ValueError(
-            f"a batch of {len(indices)} samples cannot give each of {world_size} ranks a sample"
-        )
-    sizes = even_split(len(indices), world_size)
-    start = sum(sizes[:rank])
-    return indices[start : start + sizes[rank]]
-
-
 class GlobalBatchSampler:
     """Micro-batches of a changing global batch, for loops that accumulate a fixed count.
 
@@ -182,8 +159,8 @@ class GlobalBatchSampler:
         #: global samples drawn so far, and optimizer steps drawn
         self.samples = 0
         self.steps = 0
-        #: every rank's micro-batch sizes of each recently drawn step, by step index
-        self.plans: dict[int, list[list[int]]] = {}
+        #: the plan (every rank's micro-batch sizes) of each recently drawn step, by step index
+        self.plans: dict[int, StepPlan] = {}
         # per recent step: the state before drawing it, and the size it was drawn with
         self._before: dict[int, tuple[dict[str, Any], int, int]] = {}
         self._replay: list[int] = []  # sizes of steps drawn before a checkpoint, to redraw
@@ -204,16 +181,15 @@ class GlobalBatchSampler:
             self._before[self.steps] = (self._sampler.state_dict(), self.samples, size)
             self._before.pop(self.steps - self.PLAN_WINDOW, None)
             indices = self._sampler.take(size)
-            shards = [shard_batch(indices, r, self.world_size) for r in range(self.world_size)]
-            sizes = [even_split(len(s), self.micro_batches) for s in shards]
-            self.plans[self.steps] = sizes
+            plan = plan_step(
+                indices, rank=self.rank, world_size=self.world_size, count=self.micro_batches
+            )
+            self.plans[self.steps] = plan
             self.plans.pop(self.steps - self.PLAN_WINDOW, None)  # loaders draw ahead
             self.samples += len(indices)
             self.steps += 1
-            start = 0
-            for size in sizes[self.rank]:
-                yield shards[self.rank][start : start + size]
-                start += size
+            for micro_batch in plan.micro_batches:
+                yield list(micro_batch)
 
     def __len__(self) -> int:
         if self.max_samples is None:

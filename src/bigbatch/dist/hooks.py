@@ -1,12 +1,17 @@
-"""DDP communication hooks of bigbatch.
+"""DDP communication hooks of bigbatch, in torch's ``(state, hook)`` form.
 
-:class:`TwoGroupCosine` measures SimiGrad's own signal exactly: the cosine
-between the mean gradients of two groups of ranks (REFERENCE.md §2). It costs
-one extra gradient-sized all-reduce per step (the first group's sum travels
-beside the full sum), which is what the scalar estimate of
+:func:`two_group_cosine_hook` with a :class:`TwoGroupCosine` state measures
+SimiGrad's own signal exactly: the cosine between the mean gradients of two
+groups of ranks (docs/algorithms.md, "SimiGrad"). It costs one extra
+gradient-sized all-reduce per step (the first group's sum travels beside the
+full sum), which is what the scalar estimate of
 :class:`~bigbatch.stats.MicroBatchStatistics` avoids; it is here to compare
-the two. It wraps any other hook (plain all-reduce by default, PowerSGD or a
-compression hook), because DDP takes one hook per model.
+the two. It wraps any other ``(state, hook)`` pair (plain all-reduce by
+default, PowerSGD or a compression hook), because DDP takes one hook per
+model::
+
+    state = TwoGroupCosine(optimizer.param_groups, inner=(powersgd_state, powerSGD_hook))
+    ddp.register_comm_hook(state, two_group_cosine_hook)
 """
 
 from __future__ import annotations
@@ -20,13 +25,33 @@ from torch import Tensor
 
 from .._tensors import dots, norms
 
-__all__ = ["TwoGroupCosine"]
+__all__ = ["CommHook", "TwoGroupCosine", "is_lossless", "two_group_cosine_hook"]
 
+#: a DDP communication hook function: ``hook(state, bucket) -> Future[Tensor]``
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
+def is_lossless(comm_hook: tuple[Any, CommHook] | None) -> bool:
+    """Whether a ``(state, hook)`` pair reduces gradients exactly (a plain all-reduce).
+
+    A state says so with a ``lossless`` attribute (bigbatch's compression
+    state does, from its method and ratio); torch's ``allreduce_hook`` is
+    lossless; any other hook (PowerSGD, fp16 or bf16 compression, a user's
+    own) is taken to be lossy, so the statistics do not trust the reduced
+    gradient's norm.
+    """
+    if comm_hook is None:
+        return True
+    state, hook = comm_hook
+    if hasattr(state, "lossless"):
+        return bool(state.lossless)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return hook is default_hooks.allreduce_hook
+
+
 class TwoGroupCosine:
-    """Comm hook measuring ``<g_A, g_B>``, ``|g_A|²``, ``|g_B|²`` per parameter group.
+    """The state of :func:`two_group_cosine_hook`: ``<g_A, g_B>``, ``|g_A|²``, ``|g_B|²`` per group.
 
     Ranks ``[0, W//2)`` form group A, the others group B. Each bucket is
     all-reduced as two rows, ``[local, local if rank in A else 0] / W``: the
@@ -39,12 +64,11 @@ class TwoGroupCosine:
         param_groups: lists of parameters (or param-group dicts) of the DDP
             module; statistics are per group.
         process_group: the DDP model's process group (default: the world).
-        inner: the hook that really reduces the gradient (e.g. PowerSGD);
-            None uses the plain all-reduce result of the first row.
-        inner_state: the state passed to ``inner``.
+        inner: the ``(state, hook)`` pair that really reduces the gradient
+            (e.g. PowerSGD's); None uses the plain all-reduce of the first row.
 
-    Register with ``ddp_model.register_comm_hook(None, hook)``; read with
-    :meth:`read` after the synchronising backward.
+    Register with ``ddp.register_comm_hook(state, two_group_cosine_hook)``;
+    read with :meth:`read` after the synchronising backward.
     """
 
     def __init__(
@@ -52,8 +76,7 @@ class TwoGroupCosine:
         param_groups: Sequence[Sequence[Tensor] | dict],
         process_group: Any = None,
         *,
-        inner: CommHook | None = None,
-        inner_state: Any = None,
+        inner: tuple[Any, CommHook] | None = None,
     ) -> None:
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = dist.get_world_size(self.group)
@@ -63,43 +86,14 @@ class TwoGroupCosine:
         groups = [list(g["params"]) if isinstance(g, dict) else list(g) for g in param_groups]
         self.num_groups = len(groups)
         self._group_of = {id(p): i for i, g in enumerate(groups) for p in g}
-        self.inner, self.inner_state = inner, inner_state
-        # DDP reads a hook's name (it expects a function)
-        self.__name__ = self.__qualname__ = "two_group_cosine_hook"
+        #: the ``(state, hook)`` that reduces the gradient (None: the plain all-reduce)
+        self.inner = inner
         # bucket index -> (3, groups) sums; a dict because buckets may finish on
         # different communication threads
         self._parts: dict[int, Tensor] = {}
         self._owners: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
         #: bytes this hook added to the all-reduce traffic (one row per bucket)
         self.extra_bytes = 0
-
-    # no annotations: DDP checks them by identity, which string annotations fail
-    def __call__(self, state, bucket):
-        buffer = bucket.buffer()
-        rows = torch.zeros(2, buffer.numel(), dtype=buffer.dtype, device=buffer.device)
-        torch.div(buffer, self.world_size, out=rows[0])
-        if self.in_first:
-            rows[1].copy_(rows[0])
-        self.extra_bytes += buffer.numel() * buffer.element_size()
-        index, params = bucket.index(), bucket.parameters()
-        offsets = [
-            (g.data_ptr() - buffer.data_ptr()) // buffer.element_size() for g in bucket.gradients()
-        ]
-        work = dist.all_reduce(rows, group=self.group, async_op=True)
-
-        def measure(fut: torch.futures.Future) -> Tensor:
-            total, a = fut.value()[0]
-            b = total - a
-            self._parts[index] = self._sums(params, offsets, a, b)
-            if self.inner is None:
-                buffer.copy_(total)
-            return buffer
-
-        measured = work.get_future().then(measure)
-        if self.inner is None:
-            return measured
-        reduced = self.inner(self.inner_state, bucket)
-        return torch.futures.collect_all([measured, reduced]).then(lambda f: f.value()[1].value())
 
     def _sums(self, params: list[Tensor], offsets: list[int], a: Tensor, b: Tensor) -> Tensor:
         pieces_a = [a[o : o + p.numel()] for p, o in zip(params, offsets)]
@@ -123,6 +117,15 @@ class TwoGroupCosine:
         out = torch.zeros(3, self.num_groups, dtype=torch.float64, device=a.device)
         return out.index_add_(1, owner, per_param[:, keep])
 
+    @property
+    def lossless(self) -> bool:
+        """The reduction is exact when the inner hook's is."""
+        return is_lossless(self.inner)
+
+    def traffic(self) -> int:
+        """Bytes this hook added to the all-reduces so far (one extra row per bucket)."""
+        return self.extra_bytes
+
     def reset(self) -> None:
         """Forget the sums of the previous step."""
         self._parts.clear()
@@ -132,7 +135,44 @@ class TwoGroupCosine:
         if not self._parts:
             raise RuntimeError(
                 "the two-group hook saw no bucket this step: is it registered on the DDP model "
-                "(ddp.register_comm_hook(None, hook)) and did the last backward synchronise?"
+                "(ddp.register_comm_hook(state, two_group_cosine_hook)) and did the last "
+                "backward synchronise?"
             )
         total = torch.stack(list(self._parts.values())).sum(0)
         return total[0], total[1], total[2]
+
+
+# no annotations: DDP checks a hook's annotations by identity, which string annotations fail
+def two_group_cosine_hook(state, bucket):
+    """All-reduce a bucket as ``[local, local if in group A else 0] / W`` and measure the halves.
+
+    The first row is DDP's usual mean; from the second the state accumulates
+    the step's per-group ``(|a|², |b|², <a, b>)``. With ``state.inner`` the
+    inner hook reduces the gradient and this one only measures.
+    """
+    buffer = bucket.buffer()
+    rows = torch.zeros(2, buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+    torch.div(buffer, state.world_size, out=rows[0])
+    if state.in_first:
+        rows[1].copy_(rows[0])
+    state.extra_bytes += buffer.numel() * buffer.element_size()
+    index, params = bucket.index(), bucket.parameters()
+    offsets = [
+        (g.data_ptr() - buffer.data_ptr()) // buffer.element_size() for g in bucket.gradients()
+    ]
+    work = dist.all_reduce(rows, group=state.group, async_op=True)
+
+    def measure(fut: torch.futures.Future) -> Tensor:
+        total, a = fut.value()[0]
+        b = total - a
+        state._parts[index] = state._sums(params, offsets, a, b)
+        if state.inner is None:
+            buffer.copy_(total)
+        return buffer
+
+    measured = work.get_future().then(measure)
+    if state.inner is None:
+        return measured
+    inner_state, inner_hook = state.inner
+    reduced = inner_hook(inner_state, bucket)
+    return torch.futures.collect_all([measured, reduced]).then(lambda f: f.value()[1].value())

@@ -91,14 +91,14 @@ def _keys() -> list[Key]:
         ),
         Key(
             "batch.controller",
-            "simigrad",
+            "critical_ramp",
             "how the batch size is chosen: critical_ramp (grow x factor when "
             "noise_multiple * B_simple is confidently above the next size), damped_simigrad "
             "(hold the similarity batch.target, damped), simigrad (the published rule), "
             "noise_scale, constant, ramp",
             tuple(CONTROLLERS),
         ),
-        Key("batch.initial", 64, "first batch size (samples)", low=1),
+        Key("batch.initial", 256, "first batch size (samples)", low=1),
         Key("batch.min", 16, "smallest batch size", low=1),
         Key("batch.max", 16384, "largest batch size", low=1),
         Key(
@@ -114,7 +114,7 @@ def _keys() -> list[Key]:
         ),
         Key(
             "batch.noise_multiple",
-            4.0,
+            8.0,
             "kappa of critical_ramp (grow while kappa * B_simple is above the next size) "
             "and noise_scale (B = kappa * B_simple)",
             low=0,
@@ -252,7 +252,8 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _check(key: Key, value: Any) -> Any:
+def _check_kind(key: Key, value: Any) -> Any:
+    """``value`` as the key's type (bool, whole number, finite number or one of the choices)."""
     kind = key.kind
     if kind is bool:
         if not isinstance(value, bool):
@@ -261,21 +262,26 @@ def _check(key: Key, value: Any) -> Any:
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key.name} must be a whole number, got {value!r}")
-    elif kind is float:
+        return value
+    if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key.name} must be a number, got {value!r}")
-        value = float(value)
         if not math.isfinite(value):
             raise ConfigError(f"{key.name} must be finite, got {value!r}")
-    elif kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key.name} must be a string, got {value!r}")
-        if key.choices is not None and value not in key.choices:
-            close = difflib.get_close_matches(value, key.choices, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"{key.name} = {value!r} is not one of {', '.join(key.choices)}{hint}"
-            )
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key.name} must be a string, got {value!r}")
+    if key.choices is not None and value not in key.choices:
+        close = difflib.get_close_matches(value, key.choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key.name} = {value!r} is not one of {', '.join(key.choices)}{hint}")
+    return value
+
+
+def _check(key: Key, value: Any) -> Any:
+    value = _check_kind(key, value)
+    if key.kind is bool or key.kind is str:
+        return value
     if key.low is not None and (value <= key.low if key.low_open else value < key.low):
         raise ConfigError(
             f"{key.name} must be {'>' if key.low_open else '>='} {key.low}, got {value!r}"

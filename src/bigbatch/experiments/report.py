@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..batch.smoothing import SmoothedNoise
+from .rundir import read_metrics
 
 PLOTS = {
     "batch_similarity.png": "batch size, noise scale and similarity vs step",
@@ -98,8 +99,6 @@ def _fmt(value: Any) -> str:
 
 def render_run(out: Path) -> Path:
     """Write the run's plots and ``report.md`` from its ``metrics.jsonl``, summary and config."""
-    from .runner import read_metrics
-
     out = Path(out)
     rows = read_metrics(out)
     summary = json.loads((out / "summary.json").read_text())
@@ -128,8 +127,6 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 def render_comparison(root: Path) -> Path:
     """Overlaid curves, a table and the (average batch, best accuracy) Pareto front."""
-    from .runner import read_metrics
-
     root = Path(root)
     index = json.loads((root / "compare.json").read_text())
     runs = []

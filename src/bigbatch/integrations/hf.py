@@ -54,16 +54,18 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
     cannot take from the Trainer (the loader, the moment before clipping).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the engine's options, as keywords
         self,
         sampler: GlobalBatchSampler,
         controller: Controller | None = None,
         *,
-        lr_scaling: str = "sqrt",
+        lr_scaling: str = "auto",
         base_batch_size: int | None = None,
         schedule: Schedule | None = None,
         similarity: str | None = None,
         ema_beta: float = 0.99,
+        gsnr: bool = False,
+        nonfinite: str = "skip",
     ) -> None:
         self.driver = StepDriver(
             sampler,
@@ -73,6 +75,8 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
             schedule=schedule,
             similarity=similarity,
             ema_beta=ema_beta,
+            gsnr=gsnr,
+            nonfinite=nonfinite,
         )
         self.sampler = sampler
         #: each micro-batch's loss multiplier this step, as the Trainer applies it
@@ -89,10 +93,10 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
         self.driver.before_backward(self._index)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.driver.before_optimizer_step(optimizer)
+        self.driver.decide()  # already done before clipping; here when there is no clipping
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.driver.restore_lr(optimizer)  # before the Trainer's scheduler steps
+        self.driver.after_optimizer_step()  # before the Trainer's scheduler steps
 
     def on_step_end(self, args, state, control, **kwargs):
         budget = self.sampler.max_samples
@@ -129,7 +133,16 @@ class AdaptiveBatchTrainer(Trainer):
     def __init__(self, *args: Any, sampler: GlobalBatchSampler, **kwargs: Any) -> None:
         options = {
             k: kwargs.pop(k)
-            for k in ("controller", "lr_scaling", "base_batch_size", "schedule", "similarity")
+            for k in (
+                "controller",
+                "lr_scaling",
+                "base_batch_size",
+                "schedule",
+                "similarity",
+                "ema_beta",
+                "gsnr",
+                "nonfinite",
+            )
             if k in kwargs
         }
         self.bigbatch = AdaptiveBatchCallback(sampler, **options)
@@ -142,7 +155,7 @@ class AdaptiveBatchTrainer(Trainer):
                 f"equal the sampler's micro_batches ({sampler.micro_batches})"
             )
         if self.args.max_steps <= 0:  # an upper bound: the sampler ends the run
-            smallest = max(1, getattr(self.bigbatch.driver.controller, "min", sampler.batch_size))
+            smallest = max(1, self.bigbatch.driver.controller.min)
             self.args.max_steps = math.ceil(sampler.max_samples / smallest) + 1
         self.args.ignore_data_skip = True  # the sampler resumes itself
         sampler.rank, sampler.world_size = self.args.process_index, self.args.world_size
@@ -172,7 +185,7 @@ class AdaptiveBatchTrainer(Trainer):
             self.bigbatch.loss_weights = [c / float(num_items) for c in counts]
         elif batches:  # training_step divides each micro-batch's mean loss by their number
             self.bigbatch.loss_weights = [1 / len(batches)] * len(batches)
-        if batches and self.bigbatch.driver.stats is None:
+        if batches and self.bigbatch.driver.engine is None:
             ddp = self.model_wrapped if torch.distributed.is_initialized() else None
             self.bigbatch.driver.attach(self.optimizer, ddp)
         return batches, num_items
@@ -183,7 +196,7 @@ class AdaptiveBatchTrainer(Trainer):
         return loss
 
     def _clip_grad_norm(self, model):
-        self.bigbatch.driver.finish()  # the statistics see the gradients before clipping
+        self.bigbatch.driver.decide()  # the statistics see the gradients before clipping
         return super()._clip_grad_norm(model)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

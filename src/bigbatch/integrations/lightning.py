@@ -42,31 +42,43 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
     Args:
         sampler: the :class:`~bigbatch.batch.GlobalBatchSampler` of the train
             loader; its ``micro_batches`` must equal ``accumulate_grad_batches``.
-        controller: chooses the next batch size (default ``SimiGrad()``).
-        lr_scaling: ``none``, ``linear``, ``sqrt`` (default), ``adascale`` or
-            ``adascale-sqrt``, relative to ``base_batch_size``.
+        controller: chooses the next batch size (default
+            :class:`~bigbatch.batch.CriticalBatchRamp` from the sampler's batch);
+            it must start at the sampler's batch size.
+        lr_scaling: how the rate follows the batch (``bigbatch.batch.lr``;
+            default ``auto``), relative to ``base_batch_size``.
         base_batch_size: the batch the optimizer's LR is tuned for (default:
-            the sampler's first batch size).
+            the controller's first batch size).
         schedule: LR multiplier as a function of samples seen.
         similarity: ``"split"`` or ``"scalar"`` (default ``"split"`` on one
             process, ``"scalar"`` under DDP; ``"split"`` needs one process).
         ema_beta: smoothing of the noise-scale estimates.
+        gsnr: collect the element-wise GSNR (VRGD asks for it by itself).
+        nonfinite: ``"skip"`` (a step with a NaN/Inf gradient or loss changes
+            nothing: its gradients are dropped before the optimizer step) or
+            ``"raise"`` (:class:`bigbatch.NonFiniteError` stops training).
+
+    A VRGD or AGVM optimizer (``bigbatch.optim``) observes every step's
+    statistics as under :class:`bigbatch.AdaptiveBatch`: the per-step rules
+    are the same :class:`~bigbatch.engine.StepEngine`'s.
 
     ``history`` keeps one dict per optimizer step (batch size, similarity,
     noise scale, LR factor, ...); with ``log=True`` they are also logged as
     ``bigbatch/<name>``.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the engine's options, as keywords
         self,
         sampler: GlobalBatchSampler,
         controller: Controller | None = None,
         *,
-        lr_scaling: str = "sqrt",
+        lr_scaling: str = "auto",
         base_batch_size: int | None = None,
         schedule: Schedule | None = None,
         similarity: str | None = None,
         ema_beta: float = 0.99,
+        gsnr: bool = False,
+        nonfinite: str = "skip",
         log: bool = True,
     ) -> None:
         self.driver = StepDriver(
@@ -77,6 +89,8 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
             schedule=schedule,
             similarity=similarity,
             ema_beta=ema_beta,
+            gsnr=gsnr,
+            nonfinite=nonfinite,
         )
         self.sampler = sampler
         self.log = log
@@ -98,7 +112,9 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         self.driver.attach(optimizer, trainer.strategy.model if trainer.world_size > 1 else None)
         # restored right after the step: Lightning steps its schedulers before
         # on_train_batch_end
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.driver.restore_lr(opt))
+        optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: self.driver.after_optimizer_step()
+        )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -117,7 +133,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         # the gradients are accumulated (and reduced under DDP), not yet clipped
-        metrics = self.driver.before_optimizer_step(optimizer)
+        metrics = self.driver.decide()
         if self.log:
             names = ("batch_size", "similarity", "noise_scale", "lr_factor", "loss")
             pl_module.log_dict(

@@ -15,6 +15,7 @@ scalars, not the authors' all-gather of half gradients.
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,12 +23,18 @@ import torch
 from torch import nn
 
 from .._checks import check_number
-from ..stats.collector import GradientStats
-from ..stats.estimators import half_split_cosine
+from ..batch.lr import scaled_lr
+from ..stats.result import GradientStats
 from .param_groups import param_groups
 from .wrapper import StatisticsWrapper
 
-__all__ = ["AGVM", "MODULE_RULES", "module_groups", "module_param_groups"]
+__all__ = ["AGVM", "MODULE_RULES", "cosine_of", "module_groups", "module_param_groups"]
+
+
+def cosine_of(sq_a: float, sq_b: float, dot: float, eps: float = 1e-30) -> float:
+    """``dot / sqrt(sq_a sq_b)`` in [-1, 1] (``half_split_cosine`` for Python floats)."""
+    return max(-1.0, min(1.0, dot / math.sqrt(max(sq_a, eps) * max(sq_b, eps))))
+
 
 #: built-in module-group rules: group name -> name patterns (``fnmatch`` on
 #: parameter names, first match wins); ``"top"`` and ``"ends"`` are computed
@@ -193,37 +200,36 @@ class AGVM(StatisticsWrapper):
         self.multipliers = [1.0] * len(names)
         self._steps = 0
 
-    def update(self, group_halves: torch.Tensor) -> None:
-        """One μ update from the ``(3, param groups)`` half statistics of a step."""
-        index = torch.tensor(self._group_of_param_group, device=group_halves.device)
-        parts = torch.zeros(3, len(self.group_names), dtype=torch.float64, device=index.device)
-        parts.index_add_(1, index, group_halves.double())
-        disagreement = 1 - half_split_cosine(*parts)
+    def update(self, group_halves: Sequence[Sequence[float]]) -> None:
+        """One μ update from the ``(3, param groups)`` half statistics of a step (floats)."""
+        parts = [[0.0] * len(self.group_names) for _ in range(3)]
+        for row, values in zip(parts, group_halves):
+            for value, owner in zip(values, self._group_of_param_group):
+                row[owner] += float(value)
+        disagreement = [1 - cosine_of(sq_a, sq_b, dot) for sq_a, sq_b, dot in zip(*parts)]
         low, high = self.bounds
-        ratio = ((disagreement[0] + 1e-6) / (disagreement + 1e-6)).clamp(low, high).sqrt()
+        ratio = [
+            math.sqrt(min(high, max(low, (disagreement[0] + 1e-6) / (d + 1e-6))))
+            for d in disagreement
+        ]
         m = self.momentum
-        self.multipliers = [m * mu + (1 - m) * s for mu, s in zip(self.multipliers, ratio.tolist())]
+        self.multipliers = [m * mu + (1 - m) * s for mu, s in zip(self.multipliers, ratio)]
 
     def observe(self, stats: GradientStats) -> None:
-        """Count the step and, when one is due, update μ (its one host sync, outside ``step``)."""
+        """Count the step and, when one is due, update μ (from the step's host read, no other)."""
         super().observe(stats)
         self._steps += 1
         if self._steps > self.start and (self._steps - self.start) % self.interval == 0:
             if stats.group_halves is None:
                 raise RuntimeError("AGVM needs GradientStats.group_halves (per-group halves)")
-            self.update(stats.group_halves)
+            self.update(stats.host_group_halves())
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         self._take_stats()
-        saved = [group["lr"] for group in self.param_groups]
-        try:
-            for group, owner in zip(self.param_groups, self._group_of_param_group):
-                group["lr"] = group["lr"] * self.multipliers[owner]
+        factors = [self.multipliers[owner] for owner in self._group_of_param_group]
+        with scaled_lr(self, factors):
             return self.base.step(closure)
-        finally:
-            for group, lr in zip(self.param_groups, saved):
-                group["lr"] = lr
 
     def metrics(self) -> dict[str, float]:
         out = {f"agvm/{n}": mu for n, mu in zip(self.group_names, self.multipliers)}

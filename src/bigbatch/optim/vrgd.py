@@ -83,7 +83,8 @@ class VRGD(StatisticsWrapper):
         self._steps = 0
 
     def check_sub_batches(self, count: int) -> None:
-        """Refuse fewer than 4 sub-batches per step; warn below 8 (REFERENCE.md §6)."""
+        """Refuse fewer than 4 sub-batches per step; warn below 8 (docs/algorithms.md, "VRGD")."""
+        super().check_sub_batches(count)
         if count < MIN_SUB_BATCHES:
             raise ValueError(
                 f"VRGD needs at least {MIN_SUB_BATCHES} sub-batches per step to estimate the "

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..stats.collector import GradientStats
+from ..stats.result import GradientStats
 
 __all__ = ["StatisticsWrapper"]
 
@@ -45,6 +45,14 @@ class StatisticsWrapper(torch.optim.Optimizer):
             self.base.requirements() if isinstance(self.base, StatisticsWrapper) else frozenset()
         )
         return self.needs | inner
+
+    def check_sub_batches(self, count: int) -> None:
+        """Refuse (or warn about) ``count`` sub-batches per step if too few for this wrapper.
+
+        Every wrapper in a nest is asked; the base class accepts any count.
+        """
+        if isinstance(self.base, StatisticsWrapper):
+            self.base.check_sub_batches(count)
 
     def metrics(self) -> dict[str, float]:
         """Values worth logging after a step (none by default)."""

@@ -1,6 +1,6 @@
-"""Sub-batch gradient statistics: similarity, noise scale, GSNR (REFERENCE.md §1)."""
+"""Sub-batch gradient statistics: similarity, noise scale, GSNR (docs/algorithms.md)."""
 
-from .collector import GradientStats, MicroBatchStatistics
+from .collector import SIMILARITY_MODES, MicroBatchStatistics
 from .estimators import (
     equilibrium_batch,
     expected_similarity,
@@ -10,8 +10,10 @@ from .estimators import (
     noise_from_mean,
     scalar_similarity,
 )
+from .result import GradientStats
 
 __all__ = [
+    "SIMILARITY_MODES",
     "GradientStats",
     "MicroBatchStatistics",
     "equilibrium_batch",

@@ -1,0 +1,155 @@
+"""Where a loop's samples come from: a map-style dataset or an iterable one, resumable.
+
+Both draw a global batch of any size (``draw``) and load a step's
+micro-batches collated as a ``DataLoader`` would (``load``); the loop plans
+the micro-batches in between (:func:`~bigbatch.batch.plan.plan_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from .sampler import VariableBatchSampler
+
+__all__ = ["IterableSource", "MapSource", "make_source"]
+
+
+class MapSource:
+    """A map-style dataset: every sample once per epoch, exact resume.
+
+    A :class:`~bigbatch.batch.VariableBatchSampler` draws the indices; one
+    ``DataLoader`` (with the caller's collate function, workers and pinned
+    memory) loads the current step's micro-batches and nothing beyond, so its
+    workers prefetch within a step, never a step whose size is not decided.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        weight_fn: Callable[[int], int] | None = None,
+        loader_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.sampler = VariableBatchSampler(
+            len(dataset),  # type: ignore[arg-type]
+            shuffle=shuffle,
+            seed=seed,
+            weight_fn=weight_fn,
+        )
+        self.weight_fn = weight_fn
+        self._options = loader_options or {}
+        self._generator = torch.Generator().manual_seed(seed)
+        self._loader: DataLoader | None = None
+        self._plan: list[list[int]] = []
+
+    @property
+    def dataset_size(self) -> int:
+        return self.sampler.dataset_size
+
+    def draw(self, size: int) -> list[int]:
+        """The next global batch, as dataset indices."""
+        return self.sampler.take(size)
+
+    def load(self, micro_batches: list[list[int]]) -> Iterator[Any]:
+        """This rank's micro-batches, collated."""
+        self._plan = micro_batches
+        if self._loader is None:
+            self._loader = DataLoader(
+                self.dataset,
+                batch_sampler=_CurrentPlan(self),
+                generator=self._generator,
+                **self._options,
+            )
+        yield from self._loader
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "loader_rng": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self._generator.set_state(state["loader_rng"])
+
+
+class _CurrentPlan:
+    """The DataLoader's batch sampler: the current step's micro-batches, nothing beyond."""
+
+    def __init__(self, source: MapSource) -> None:
+        self._source = source
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(list(self._source._plan))
+
+    def __len__(self) -> int:
+        return len(self._source._plan)
+
+
+class IterableSource:
+    """An ``IterableDataset``, consumed in order and started again when it ends.
+
+    Resuming skips the samples already consumed, so it is exact only for an
+    iterable that yields the same sequence each time. ``draw`` returns
+    positions in the drawn batch, which ``load`` turns into samples.
+    """
+
+    dataset_size = None
+    weight_fn = None
+
+    def __init__(self, dataset: IterableDataset, collate_fn: Callable | None = None) -> None:
+        self.dataset = dataset
+        self.collate = collate_fn or torch.utils.data.default_collate
+        self._iterator: Iterator[Any] | None = None
+        self._consumed = 0
+        self._drawn: list[Any] = []
+
+    def draw(self, size: int) -> list[int]:
+        if self._iterator is None:
+            self._iterator = iter(self.dataset)
+            for _ in range(self._consumed):  # resume: skip what was consumed
+                next(self._iterator)
+        samples = []
+        for _ in range(size):
+            try:
+                samples.append(next(self._iterator))
+            except StopIteration:  # a finite iterable: start it again
+                self._iterator = iter(self.dataset)
+                self._consumed = 0
+                samples.append(next(self._iterator))
+        self._consumed += len(samples)
+        self._drawn = samples
+        return list(range(len(samples)))
+
+    def load(self, micro_batches: list[list[int]]) -> Iterator[Any]:
+        for batch in micro_batches:
+            yield self.collate([self._drawn[i] for i in batch])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self._consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._consumed = int(state["consumed"])
+        self._iterator = None
+
+
+def make_source(
+    dataset: Dataset | IterableDataset,
+    *,
+    shuffle: bool,
+    seed: int,
+    weight_fn: Callable[[int], int] | None,
+    loader_options: dict[str, Any],
+) -> MapSource | IterableSource:
+    """The source for ``dataset``: iterable or map-style."""
+    if isinstance(dataset, IterableDataset):
+        if weight_fn is not None:
+            raise ValueError("weight_fn needs a map-style dataset (samples are weighed by index)")
+        return IterableSource(dataset, loader_options.get("collate_fn"))
+    return MapSource(
+        dataset, shuffle=shuffle, seed=seed, weight_fn=weight_fn, loader_options=loader_options
+    )

@@ -1,0 +1,54 @@
+"""What a loop needs to know about a ``DistributedDataParallel`` model, in one place."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+
+from .hooks import CommHook, TwoGroupCosine, two_group_cosine_hook
+
+__all__ = ["accumulating", "register", "unwrap"]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (the model itself otherwise)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """DDP's ``no_sync()`` for every micro-batch of a step but the last; nothing otherwise.
+
+    Gradients then accumulate locally and are reduced once per optimizer step.
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def register(
+    model: nn.Module,
+    comm_hook: tuple[Any, CommHook] | None,
+    two_groups: TwoGroupCosine | None = None,
+) -> None:
+    """Register the user's ``(state, hook)`` on a DDP model, inside the two-group hook if any.
+
+    DDP takes one hook per model, so the two-group measurement wraps the
+    user's reduction rather than replacing it.
+    """
+    if two_groups is not None:
+        two_groups.inner = comm_hook
+        comm_hook = (two_groups, two_group_cosine_hook)
+    if comm_hook is None:
+        return
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("comm_hook needs a DistributedDataParallel model on 2+ ranks")
+    state, hook = comm_hook
+    try:
+        model.register_comm_hook(state, hook)
+    except RuntimeError as err:
+        raise ValueError(
+            "the model has a comm hook already; pass yours as comm_hook=(state, hook) so it "
+            f"can be composed with bigbatch's ({err})"
+        ) from None

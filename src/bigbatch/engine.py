@@ -1,0 +1,268 @@
+"""The rules of one optimizer step, written once: what the loop and every plugin call.
+
+A loop (``AdaptiveBatch``, or a framework's through a plugin) owns the data
+and the forward/backward passes; :class:`StepEngine` owns everything else
+about a step::
+
+    engine.begin(plan)                          # the step's micro-batches
+    for i, micro_batch in enumerate(...):
+        engine.before_backward(i)
+        loss = loss_fn(...) * engine.loss_weight(i)
+        engine.add_loss(loss); loss.backward()
+    result = engine.before_optimizer_step()     # statistics, finiteness, LR, next batch size
+    if not result.skip:
+        optimizer.step()
+    engine.after_optimizer_step(result)         # the LR restored
+
+``before_optimizer_step`` finishes the statistics and reads them (with the
+loss and the finiteness check) in one host synchronisation, lets
+statistics-reading optimizers (VRGD, AGVM) observe them, multiplies the
+learning rates by the batch rule and the schedule, counts the step and asks
+the controller for the next batch size. A step whose gradient or loss is not
+finite is dropped (``nonfinite="skip"``) or raises :class:`NonFiniteError`
+(``"raise"``) before anything learns from it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._checks import choice, positive_int
+from ._tensors import norms
+from .batch.controllers import Controller
+from .batch.lr import LRScaling, Schedule, lr_factor, resolve_lr_rule
+from .batch.plan import LOSS_REDUCTIONS, StepPlan
+from .dist.world import World
+from .optim.registry import optimizer_family
+from .optim.wrapper import StatisticsWrapper
+from .stats.collector import MicroBatchStatistics
+from .stats.result import GradientStats
+
+__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "StepEngine", "StepResult"]
+
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's gradient or loss was NaN or infinite and the policy is ``"raise"``."""
+
+
+@dataclass
+class StepResult:
+    """What ``before_optimizer_step`` measured and decided."""
+
+    #: the step's statistics (tensors), None without statistics
+    stats: GradientStats | None
+    #: floats for logging: statistics, loss, lr, lr_factor, step, samples, batch sizes
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: the update must not happen (a non-finite step under ``nonfinite="skip"``)
+    skip: bool = False
+
+
+class StepEngine:
+    """Per-step rules: loss weights, statistics, finiteness, LR around the step, next batch size.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; a
+            :class:`~bigbatch.optim.StatisticsWrapper` (VRGD, AGVM) observes
+            each step's statistics.
+        controller: chooses the next batch size (``bigbatch.batch``).
+        collector: the statistics (``bigbatch.stats.MicroBatchStatistics``),
+            None to collect none (only for controllers and rules that need none).
+        lr_scaling: how the rate follows the batch (``bigbatch.batch.lr``; ``auto``
+            by default).
+        base_batch_size: the batch the rate is tuned for (default: the
+            controller's first).
+        schedule: the rate multiplier as a function of samples seen.
+        nonfinite: ``"skip"`` or ``"raise"`` for a non-finite step (with a
+            ``GradScaler`` an overflow is the scaler's to skip).
+        world: the data-parallel world (one process by default).
+        loss_reduction: ``"mean"`` if micro-batch losses are means, ``"sum"`` if sums.
+        scaler: the loop's ``torch.amp.GradScaler``, if any.
+    """
+
+    def __init__(  # noqa: PLR0913 - a step's rules have this many independent settings
+        self,
+        optimizer: torch.optim.Optimizer,
+        controller: Controller,
+        *,
+        collector: MicroBatchStatistics | None = None,
+        lr_scaling: str = "auto",
+        base_batch_size: int | None = None,
+        schedule: Schedule | None = None,
+        nonfinite: str = "skip",
+        world: World | None = None,
+        loss_reduction: str = "mean",
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        self.optimizer, self.controller, self.collector = optimizer, controller, collector
+        self.world = world if world is not None else World()
+        self.lr_scaling = resolve_lr_rule(lr_scaling, controller, optimizer_family(optimizer))
+        self.base_batch_size = positive_int(
+            "base_batch_size", controller.initial if base_batch_size is None else base_batch_size
+        )
+        self.schedule = schedule
+        self.nonfinite = choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        self.loss_reduction = choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
+        self.scaler = scaler
+        needs = getattr(controller, "needs_statistics", True) or self.lr_scaling.startswith(
+            "adascale"
+        )
+        if needs and collector is None:
+            raise ValueError(
+                f"{type(controller).__name__} with lr_scaling={self.lr_scaling!r} needs "
+                "statistics=True"
+            )
+        if isinstance(optimizer, StatisticsWrapper) and collector is None:
+            raise ValueError(f"{type(optimizer).__name__} needs statistics=True")
+        if isinstance(optimizer, StatisticsWrapper) and collector is not None:
+            missing = optimizer.requirements() - collector.provides()
+            if missing:
+                raise ValueError(
+                    f"{type(optimizer).__name__} needs {', '.join(sorted(missing))} collected "
+                    "(MicroBatchStatistics(gsnr=True))"
+                )
+        #: the batch size of the next step
+        self.batch_size = controller.initial
+        #: optimizer steps taken (skipped ones included) and samples trained on
+        self.steps_taken = 0
+        self.samples = 0
+        #: steps whose update was dropped for a non-finite gradient or loss
+        self.skipped_steps = 0
+        self._lr = LRScaling()
+        self._plan: StepPlan | None = None
+        self._weights: list[float] = []
+        self._loss: Tensor | None = None
+
+    # ------------------------------------------------------------ the micro-batches
+
+    def begin(self, plan: StepPlan, loss_weights: list[float] | None = None) -> None:
+        """Start a step; ``loss_weights`` if the loop weights micro-batch losses itself
+        (Lightning and the Hugging Face Trainer use ``1/k``), else ``W b_i / B``."""
+        self._plan = plan
+        self._weights = (
+            list(loss_weights)
+            if loss_weights is not None
+            else plan.loss_weights(self.loss_reduction)
+        )
+        self._loss = None
+        if self.collector is not None:
+            self.collector.begin(plan.sizes, plan.rank_sizes, loss_weights=self._weights)
+
+    def loss_weight(self, index: int) -> float:
+        """What micro-batch ``index``'s loss is multiplied by before backward."""
+        return self._weights[index]
+
+    def before_backward(self, index: int) -> None:
+        if self.collector is not None:
+            self.collector.before_backward(index)
+
+    def add_loss(self, weighted: Tensor) -> None:
+        """A micro-batch's weighted loss, as backpropagated (for the logged batch loss)."""
+        share = weighted.detach()
+        self._loss = share if self._loss is None else self._loss + share
+
+    # ------------------------------------------------------------ the optimizer step
+
+    def before_optimizer_step(self) -> StepResult:
+        """Measure, decide finiteness, set the learning rates, count, choose the next size."""
+        if self._plan is None:
+            raise RuntimeError("before_optimizer_step() without a step: call begin(plan) first")
+        self._lr.restore(self.optimizer)  # a scaling a framework's skipped step left behind
+        batch = self._plan.batch_size
+        stats, metrics, finite = self._measure()
+        self._plan = None
+        if not finite and self.scaler is None:
+            if self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"step {self.steps_taken + 1}: the gradient or loss is not finite "
+                    f"(loss {metrics['loss']}); nothing was updated"
+                )
+            self.skipped_steps += 1
+            self._count(batch, metrics)
+            metrics.update(skipped=1.0, lr_factor=0.0, lr=0.0, next_batch_size=self.batch_size)
+            return StepResult(stats, metrics, skip=True)
+        if finite and stats is not None and isinstance(self.optimizer, StatisticsWrapper):
+            self.optimizer.observe(stats)
+        factor = lr_factor(
+            self.lr_scaling,
+            batch,
+            self.base_batch_size,
+            grad_sq_norm=metrics.get("grad_sq_norm_ema"),
+            trace=metrics.get("trace_ema"),
+        )
+        if self.schedule is not None:
+            # controllers may hold the batch while the schedule still rises (a warm-up)
+            metrics["schedule"] = float(self.schedule(self.samples))
+            factor *= metrics["schedule"]
+        metrics["lr_factor"] = factor
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not isinstance(lr, Tensor) or lr.device.type == "cpu":
+            metrics["lr"] = float(lr) * factor
+        self._lr.apply(self.optimizer, factor)
+        self._count(batch, metrics)
+        if finite:  # an overflowed GradScaler step teaches the controller nothing
+            self.batch_size = int(self.controller.next(metrics, batch, self.samples))
+        metrics["next_batch_size"] = self.batch_size
+        return StepResult(stats, metrics)
+
+    def after_optimizer_step(self, result: StepResult | None = None) -> None:
+        """Restore the learning rates (and log what a statistics wrapper reports)."""
+        self._lr.restore(self.optimizer)
+        if result is not None and not result.skip and isinstance(self.optimizer, StatisticsWrapper):
+            result.metrics.update(self.optimizer.metrics())
+
+    def _count(self, batch: int, metrics: dict[str, float]) -> None:
+        self.steps_taken += 1
+        self.samples += batch
+        metrics.update(step=self.steps_taken, samples=self.samples, batch_size=batch)
+
+    def _measure(self) -> tuple[GradientStats | None, dict[str, float], bool]:
+        """The statistics and loss as floats, and whether the step is finite: one host read.
+
+        The finiteness of the gradient rides on ``|g|²``, which the statistics
+        reduce anyway (a NaN anywhere, on any rank, makes it NaN).
+        """
+        loss = self._loss if self._loss is not None else torch.zeros(())
+        if self.collector is not None:
+            stats = self.collector.finish(loss_scale=self._loss_scale(), loss=loss)
+            metrics = stats.as_floats()
+            return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
+        loss = self.world.all_reduce_sum((loss.double() / self.world.size).reshape(1))
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]]
+        present = [g for g in grads if g is not None]
+        total = torch.stack(norms(present)).sum() if present else torch.zeros(())
+        value, total_norm = torch.stack([loss[0], total.to(loss)]).tolist()
+        return None, {"loss": value}, math.isfinite(value + total_norm)
+
+    def _loss_scale(self) -> Tensor | None:
+        """The ``GradScaler``'s current scale as a device tensor (``get_scale()`` would sync)."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        device = self.collector.layout.device if self.collector is not None else "cpu"
+        return self.scaler.scale(torch.ones((), device=device))
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "controller": self.controller.state_dict(),
+            "statistics": self.collector.state_dict() if self.collector is not None else None,
+            "batch_size": self.batch_size,
+            "skipped_steps": self.skipped_steps,
+            "step": self.steps_taken,
+            "samples": self.samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state["controller"])
+        if self.collector is not None and state.get("statistics") is not None:
+            self.collector.load_state_dict(state["statistics"])
+        self.batch_size = int(state["batch_size"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.steps_taken, self.samples = int(state["step"]), int(state["samples"])

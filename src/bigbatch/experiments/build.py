@@ -1,0 +1,164 @@
+"""From a resolved config to the objects of a run: problem, optimizer, controller, loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+from .. import schedules
+from ..batch import Constant, CriticalBatchRamp, DampedSimiGrad, NoiseScale, Ramp, SimiGrad
+from ..batch.controllers import CONTROLLERS
+from ..batch.lr import lr_factor, resolve_lr_rule
+from ..dist.compression import CompressionState, compression_hook
+from ..dist.world import World
+from ..loop import AdaptiveBatch
+from ..optim import AGVM, create_optimizer, get_optimizer_info, module_param_groups
+from .config import ConfigError
+from .tasks import TASKS, Problem
+
+#: config names of the compression methods that differ from the hook's
+_METHOD = {"topk-only": "none"}
+
+
+def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """Fill the keys left at 0 ("the task's default") from the task, and resolve the LR rule."""
+    task = TASKS[config["task"]]
+    config = dict(config)
+    for key, value in (
+        ("model.width", task.width),
+        ("model.depth", task.depth),
+        ("max_samples", task.max_samples),
+    ):
+        if not config[key]:
+            config[key] = value
+    if not config["batch.base"]:
+        config["batch.base"] = config["batch.initial"]
+    family = get_optimizer_info(config["optimizer"]).family
+    controller = CONTROLLERS[config["batch.controller"]]
+    config["batch.lr_scaling"] = resolve_lr_rule(config["batch.lr_scaling"], controller, family)
+    if not config["lr"]:
+        held = config["batch.lr_scaling"] == "none"
+        # a scaled rate is measured at the task's small batch: carry it to batch.base
+        base_rate = task.lr(family, held)
+        if not held:
+            base_rate *= lr_factor(
+                config["batch.lr_scaling"], config["batch.base"], task.base_batch
+            )
+        config["lr"] = base_rate
+    return config
+
+
+def make_controller(config: dict[str, Any]):
+    kind = config["batch.controller"]
+    bounds = dict(initial=config["batch.initial"], min=config["batch.min"], max=config["batch.max"])
+    # the noise-following controllers hold the batch while the LR warms up: then the
+    # small rate, not the gradient noise, limits progress
+    warmup = int(config["schedule.warmup"] * config["max_samples"])
+    if kind == "simigrad":
+        return SimiGrad(target=config["batch.target"], window=config["batch.window"], **bounds)
+    if kind == "critical_ramp":
+        return CriticalBatchRamp(
+            config["batch.noise_multiple"],
+            factor=config["batch.factor"],
+            confidence=config["batch.confidence"],
+            shrink=config["batch.shrink"],
+            warmup=warmup,
+            **bounds,
+        )
+    if kind == "damped_simigrad":
+        return DampedSimiGrad(config["batch.target"], warmup=warmup, **bounds)
+    if kind == "noise_scale":
+        return NoiseScale(multiple=config["batch.noise_multiple"], **bounds)
+    if kind == "constant":
+        return Constant(config["batch.initial"])
+    samples = config["batch.ramp_samples"] or config["max_samples"] // 2
+    return Ramp(config["batch.initial"], config["batch.max"], samples=samples)
+
+
+def make_schedule(config: dict[str, Any]):
+    total = config["max_samples"]
+    warmup = int(config["schedule.warmup"] * total)
+    if config["schedule.kind"] == "cosine":
+        return schedules.warmup_cosine(total, warmup)
+    if config["schedule.kind"] == "linear":
+        return schedules.warmup_linear(total, warmup)
+    return schedules.constant
+
+
+def build(config: dict[str, Any], world: World | None = None) -> tuple[Problem, AdaptiveBatch]:
+    """The task's problem and the loop that trains it (its model wrapped in DDP on 2+ ranks)."""
+    problem = TASKS[config["task"]].build(config)
+    try:
+        return problem, _loop(config, problem, world)
+    except ValueError as err:  # settings the loop or an optimizer refuses
+        raise ConfigError(str(err)) from None
+
+
+def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> AdaptiveBatch:
+    options: dict[str, Any] = {"lr": config["lr"], "weight_decay": config["weight_decay"]}
+    accepted = get_optimizer_info(config["optimizer"]).signature().parameters
+    if "impl" in accepted:
+        options["impl"] = config["optimizer_impl"]
+    if "gamma" in accepted:  # the vr-* optimizers
+        options.update(gamma=config["vrgd.gamma"], normalizer=config["vrgd.normalizer"])
+    params: Any = problem.model
+    if config["agvm"]:
+        params = module_param_groups(problem.model, config["weight_decay"], config["agvm_rule"])
+    optimizer = create_optimizer(params, config["optimizer"], **options)
+    if config["agvm"]:
+        optimizer = AGVM(
+            optimizer,
+            interval=config["agvm_interval"],
+            start=config["agvm_start"],
+            momentum=config["agvm_momentum"],
+        )
+    model: nn.Module = problem.model
+    hook = None
+    if world is not None and world.distributed:
+        model = nn.parallel.DistributedDataParallel(model, process_group=world.group)
+        if config["dist.compression"] == "powersgd":
+            hook = _powersgd(config, world)
+        elif config["dist.compression"] != "none":
+            state = CompressionState(
+                model,  # type: ignore[arg-type]
+                _METHOD.get(config["dist.compression"], config["dist.compression"]),
+                config["dist.compressor"],
+                config["dist.ratio"],
+                eta=config["dist.eta"],
+                warmup=config["dist.warmup"],
+                seed=config["seed"],
+            )
+            hook = (state, compression_hook)
+    elif config["dist.compression"] != "none":
+        raise ConfigError(
+            f"dist.compression = {config['dist.compression']!r} compresses the gradient "
+            "traffic between processes: run with --nproc 2 or more"
+        )
+    return AdaptiveBatch(
+        model,
+        optimizer,
+        problem.train,
+        controller=make_controller(config),
+        max_micro_batch=config["max_micro_batch"],
+        min_sub_batches=config["min_sub_batches"],
+        lr_scaling=config["batch.lr_scaling"],
+        base_batch_size=config["batch.base"],
+        schedule=make_schedule(config),
+        similarity=None if config["batch.similarity"] == "auto" else config["batch.similarity"],
+        comm_hook=hook,
+        nonfinite=config["nonfinite"],
+        seed=config["seed"],
+    )
+
+
+def _powersgd(config: dict[str, Any], world: World) -> tuple[Any, Any]:
+    """torch's PowerSGD ``(state, hook)`` (Vogels et al. 2019), for comparisons."""
+    state = powerSGD_hook.PowerSGDState(
+        process_group=world.group,
+        matrix_approximation_rank=config["dist.powersgd_rank"],
+        start_powerSGD_iter=max(2, config["dist.warmup"]),
+        random_seed=config["seed"],
+    )
+    return state, powerSGD_hook.powerSGD_hook

@@ -1,0 +1,61 @@
+"""A finished run's summary: the numbers ``summary.json`` holds, from the metrics on disk."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+from ..dist.compression import CompressionState
+from ..loop import AdaptiveBatch
+from .tasks import Task
+
+
+def batch_path_ratio(batches: list[int]) -> float | None:
+    """``Σ |Δ log B| / |log(B_last / B_first)|``: 1.0 for a monotone path (or a constant batch).
+
+    The sawtooth of a cycling controller makes it large; None when the batch
+    moved but ended where it began (no monotone path to compare with).
+    """
+    travelled = sum(abs(math.log(b / a)) for a, b in itertools.pairwise(batches))
+    if travelled == 0:
+        return 1.0
+    net = abs(math.log(batches[-1] / batches[0]))
+    return travelled / net if net > 0 else None
+
+
+def target_summary(task: Task, evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """When the task's target was first reached, and the same in words either way."""
+    reached = next((r for r in evals if task.reached(r)), None)
+    values = [r[task.target_metric] for r in evals if task.target_metric in r]
+    best = (min if task.lower_is_better else max)(values, default=math.nan)
+    name = task.target_metric.removeprefix("eval_")
+    if reached is not None:
+        note = (
+            f"target {name} {task.target:g} reached at step {reached['step']} "
+            f"({reached['samples']:,} samples)"
+        )
+    else:
+        note = f"target {name} {task.target:g} not reached; best {best:.4g}"
+    return {
+        "target_metric": task.target_metric,
+        "target": task.target,
+        "target_reached": reached is not None,
+        "steps_to_target": reached["step"] if reached else None,
+        "samples_to_target": reached["samples"] if reached else None,
+        "target_note": note,
+    }
+
+
+def traffic_per_step(loop: AdaptiveBatch, steps: int) -> dict[str, float]:
+    """Bytes each rank put into all-reduces per step: gradients, and what statistics added."""
+    if not loop.world.distributed:
+        return {}
+    params = [p for p in loop.model.parameters() if p.requires_grad]
+    out = {"gradient_bytes_per_step": float(sum(p.numel() * p.element_size() for p in params))}
+    hook_state = loop.comm_hook[0] if loop.comm_hook is not None else None
+    if isinstance(hook_state, CompressionState):
+        out.update(hook_state.traffic())
+    if loop.collector is not None:
+        out["statistics_bytes_per_step"] = loop.collector.traffic() / max(1, steps)
+    return out

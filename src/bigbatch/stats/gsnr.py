@@ -1,0 +1,148 @@
+"""The element-wise gradient signal-to-noise ratio over a step's sub-batches (for VRGD).
+
+``r = mean² / variance`` per coordinate, the variance accumulated from
+deviations, never as ``E x² - mean²`` (which cancels catastrophically):
+
+- :class:`WelfordGSNR` (one process): a weighted Welford update per
+  micro-batch (West 1979), from tensor hooks that see each increment before
+  it is added to ``.grad``; one gradient-sized buffer.
+- :class:`ShiftedGSNR` (DDP): each rank sums ``w (x - c)`` and ``w (x - c)²``
+  about a shift ``c`` shared by all ranks (the previous step's mean
+  gradient), and one float32 gradient-sized all-reduce combines them; three
+  buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..dist.world import World
+from .layout import ParamLayout, SubBatches
+
+EPS = 1e-30
+
+
+class WelfordGSNR:
+    """Weighted Welford over the micro-batches of one process."""
+
+    def __init__(self, layout: ParamLayout, current: Callable[[], SubBatches | None]) -> None:
+        self.layout, self._current = layout, current
+        self._m2: list[Tensor] | None = None
+        self.handles = [
+            p.register_hook(functools.partial(self._update, i)) for i, p in enumerate(layout.params)
+        ]
+
+    def begin(self, batches: SubBatches) -> None:
+        if self._m2 is None:
+            self._m2 = [torch.zeros_like(p, dtype=torch.float32) for p in self.layout.params]
+        torch._foreach_zero_(self._m2)
+
+    def _update(self, param_index: int, increment: Tensor) -> None:
+        """``M2 += w (x - mean_old)(x - mean_new)`` for parameter ``param_index``.
+
+        ``x = incr / l`` is the micro-batch's mean gradient (``l`` its loss
+        weight), ``w = l / Σ l`` its weight, and ``mean_old`` the weighted mean
+        of the earlier micro-batches: ``.grad / (Σ l so far)``, which a tensor
+        hook sees before its own increment is added.
+        """
+        batches = self._current()
+        if batches is None or batches.current is None or self._m2 is None:
+            return
+        index, weights = batches.current, batches.loss_weights
+        if index == 0:
+            return  # one sub-batch has no deviation yet
+        p = self.layout.params[param_index]
+        x = increment.float() / weights[index]
+        scale = sum(weights)  # .grad is Σ l x: the weights that define it
+        w = weights[index] / scale
+        before = sum(weights[:index]) / scale
+        accumulated = (p.grad if p.grad is not None else torch.zeros_like(p)).float() / scale
+        mean_old = accumulated / before
+        mean_new = (accumulated + x * w) / (before + w)
+        self._m2[param_index].add_((x - mean_old) * (x - mean_new), alpha=w)
+
+    def finish(self, grads: list[Tensor], batches: SubBatches) -> list[Tensor]:
+        assert self._m2 is not None
+        scale = sum(batches.loss_weights)  # 1 unless the caller weighted differently
+        return [(g.float() / scale).square() / (m2 + EPS) for g, m2 in zip(grads, self._m2)]
+
+    def traffic(self) -> int:
+        return 0
+
+    def memory(self) -> int:
+        return _bytes(self._m2 or [])
+
+
+class ShiftedGSNR:
+    """Shifted sums of squares on every rank, combined in one all-reduce."""
+
+    def __init__(
+        self, layout: ParamLayout, current: Callable[[], SubBatches | None], world: World
+    ) -> None:
+        self.layout, self._current, self.world = layout, current, world
+        self._m1: list[Tensor] | None = None  # Σ w (x - c)
+        self._m2: list[Tensor] | None = None  # Σ w (x - c)²
+        self._shift: list[Tensor] | None = None  # c: the previous step's mean gradient
+        self.bytes = 0
+        self.handles = [
+            p.register_hook(functools.partial(self._update, i)) for i, p in enumerate(layout.params)
+        ]
+
+    def begin(self, batches: SubBatches) -> None:
+        if self._m2 is None:
+            params = self.layout.params
+            self._m1 = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+            self._m2 = [torch.zeros_like(m) for m in self._m1]
+            self._shift = [torch.zeros_like(m) for m in self._m1]
+        assert self._m1 is not None
+        torch._foreach_zero_(self._m1)
+        torch._foreach_zero_(self._m2)
+
+    def _update(self, param_index: int, increment: Tensor) -> None:
+        batches = self._current()
+        if batches is None or batches.current is None or self._m2 is None:
+            return
+        assert self._m1 is not None and self._shift is not None
+        index = batches.current
+        w = batches.sizes[index] / batches.total  # the sample weight of this sub-batch
+        x = increment.float() / batches.loss_weights[index]  # its mean gradient
+        deviation = x - self._shift[param_index]
+        self._m1[param_index].add_(deviation, alpha=w)
+        self._m2[param_index].add_(deviation.square_(), alpha=w)
+
+    def finish(self, grads: list[Tensor], batches: SubBatches) -> list[Tensor]:
+        """The ranks' sums in one float32 all-reduce; ``var = Σ w (x-c)² - (Σ w (x-c))²``.
+
+        The mean is ``c + Σ w (x - c)``: that of the uncompressed sub-batch
+        gradients, whatever comm hook reduced ``.grad``.
+        """
+        assert self._m1 is not None and self._m2 is not None and self._shift is not None
+        flat = torch.cat([m.flatten() for m in (*self._m1, *self._m2)])
+        self.world.all_reduce_sum(flat)
+        self.bytes += flat.numel() * flat.element_size()
+        half = flat.numel() // 2
+        out, start = [], 0
+        for m2, c in zip(self._m2, self._shift):
+            first = flat[start : start + m2.numel()].view_as(m2)
+            second = flat[half + start : half + start + m2.numel()].view_as(m2)
+            start += m2.numel()
+            mean = c + first
+            variance = (second - first.square()).clamp_(min=0)
+            out.append(mean.square() / (variance + EPS))
+            # an overflowed step (GradScaler) must not poison the next shift
+            c.copy_(torch.where(torch.isfinite(mean), mean, c))
+        return out
+
+    def traffic(self) -> int:
+        return self.bytes
+
+    def memory(self) -> int:
+        return _bytes((self._m1 or []) + (self._m2 or []) + (self._shift or []))
+
+
+def _bytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,100 @@
+"""The trainable parameters a collector watches, their groups, and one step's sub-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..dist.world import World
+
+
+class ParamLayout:
+    """The trainable parameters of some param groups, and which group each belongs to.
+
+    Group index tensors live on the parameters' device and are built once per
+    pattern of present gradients, so sums per group never copy from the host
+    during a step.
+    """
+
+    def __init__(self, param_groups: Sequence[Sequence[Tensor] | dict]) -> None:
+        groups = [list(g["params"]) if isinstance(g, dict) else list(g) for g in param_groups]
+        self.params = [p for g in groups for p in g if p.requires_grad]
+        if not self.params:
+            raise ValueError("gradient statistics need at least one trainable parameter")
+        self.groups = groups
+        self.num_groups = len(groups)
+        self.device = self.params[0].device
+        self._owner_list = [i for i, g in enumerate(groups) for p in g if p.requires_grad]
+        self.owner = torch.tensor(self._owner_list, device=self.device)
+        self._subsets: dict[tuple[int, ...], Tensor] = {}
+
+    def group_of(self, param_index: int) -> int:
+        """The group of parameter ``param_index`` (an index into ``params``)."""
+        return self._owner_list[param_index]
+
+    def owners(self, present: Sequence[int]) -> Tensor:
+        """The group of each parameter in ``present`` (indices into ``params``), cached."""
+        if len(present) == len(self.params):
+            return self.owner
+        key = tuple(present)
+        if key not in self._subsets:
+            self._subsets[key] = torch.tensor(
+                [self._owner_list[i] for i in key], device=self.device
+            )
+        return self._subsets[key]
+
+    def per_group(self, values: Sequence[Tensor], square: bool = False) -> Tensor:
+        """Per-parameter scalars summed per group, in float64 (squared first with ``square``)."""
+        v = torch.stack([x.double() for x in values])
+        if square:
+            v = v.square()
+        out = torch.zeros(self.num_groups, dtype=torch.float64, device=v.device)
+        return out.index_add_(0, self.owner, v)
+
+    def grads(self) -> list[Tensor]:
+        """Every parameter's ``.grad`` (zeros where it has none)."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+
+@dataclass
+class SubBatches:
+    """One step's sub-batches as the collector sees them.
+
+    ``sizes`` are this rank's micro-batch sizes, ``rank_sizes`` every rank's,
+    ``loss_weights`` the factors this rank's micro-batch mean losses were
+    multiplied by, ``current`` the micro-batch whose backward runs now.
+    """
+
+    sizes: list[int]
+    rank_sizes: list[list[int]]
+    loss_weights: list[float]
+    world: World
+    current: int | None = None
+
+    @property
+    def total(self) -> int:
+        """The global batch (every rank's samples or weight)."""
+        return sum(sum(r) for r in self.rank_sizes)
+
+    @property
+    def all_sizes(self) -> list[int]:
+        return [b for r in self.rank_sizes for b in r]
+
+    @property
+    def half(self) -> int:
+        """On one process, micro-batches ``[0, half)`` form half A, the rest half B."""
+        return len(self.sizes) // 2
+
+    def half_sizes(self) -> list[int]:
+        """Half A's sub-batch sizes: the first micro-batches, or the first ranks under DDP."""
+        if self.world.distributed:
+            return [b for r in self.rank_sizes[: self.world.size // 2] for b in r]
+        return self.sizes[: self.half]
+
+    @property
+    def last(self) -> bool:
+        """The current micro-batch is this rank's last of the step."""
+        return self.current == len(self.sizes) - 1

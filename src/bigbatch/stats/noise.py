@@ -1,0 +1,127 @@
+"""``(|G|², tr Σ)`` per group from the step's sub-batch norms, two ways; one is chosen once.
+
+- :class:`ReducedNoise`: the sub-batches are every rank's micro-batches;
+  their summed squared norms and ``|g|²`` of the reduced gradient (and the
+  loss) travel in one all-reduce of ``2 G + 1`` float64 under DDP (nothing on
+  one process), so every rank decides from bitwise identical numbers.
+- :class:`PerRankNoise`: the reduced gradient is not the exact mean (a lossy
+  comm hook, e.g. compression): each rank estimates from its own
+  micro-batches and the uncompressed ``|g|²`` of its local mean (taken in a
+  tensor hook at its last micro-batch, before DDP reduces), and the
+  estimates are averaged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from .._tensors import norms
+from ..dist.world import World
+from .estimators import noise_from_mean
+from .layout import ParamLayout, SubBatches
+
+
+class ReducedNoise:
+    """Noise estimates from all sub-batches and the reduced ``.grad``."""
+
+    def __init__(self, world: World, dataset_size: int | None) -> None:
+        self.world, self.dataset_size = world, dataset_size
+        self.bytes = 0
+        self.handles: list = []
+
+    def begin(self, batches: SubBatches) -> None:
+        pass
+
+    def reduce(
+        self,
+        sub_sq_sum: Tensor,
+        sq_full: Tensor,
+        loss: Tensor,
+        scale_sq: Tensor | float,
+        batches: SubBatches,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        groups = len(sq_full)
+        if self.world.distributed:
+            size = self.world.size
+            packed = torch.cat([sub_sq_sum, sq_full / size, (loss / size)[None]])
+            self.world.all_reduce_sum(packed)
+            self.bytes += packed.numel() * packed.element_size()
+            sub_sq_sum, sq_full, loss = packed[:groups], packed[groups:-1], packed[-1]
+        sizes = batches.all_sizes
+        signal, trace = noise_from_mean(
+            sub_sq_sum / len(sizes), sizes, sq_full / scale_sq, self.dataset_size
+        )
+        return signal, trace, loss
+
+    def traffic(self) -> int:
+        return self.bytes
+
+
+class PerRankNoise:
+    """Each rank's own estimate, averaged: for a reduction that is not exact."""
+
+    def __init__(
+        self,
+        layout: ParamLayout,
+        current: Callable[[], SubBatches | None],
+        world: World,
+        dataset_size: int | None,
+    ) -> None:
+        self.layout, self._current = layout, current
+        self.world, self.dataset_size = world, dataset_size
+        self.bytes = 0
+        self._local_sq: Tensor | None = None  # |this rank's accumulated gradient|² per group
+        self.handles = [
+            p.register_hook(functools.partial(self._local_total, i))
+            for i, p in enumerate(layout.params)
+        ]
+
+    def begin(self, batches: SubBatches) -> None:
+        if len(batches.sizes) < 2:
+            raise ValueError(
+                "with a lossy comm hook the noise is estimated within each rank: every rank "
+                f"needs 2+ micro-batches, got sizes {batches.sizes} (raise min_sub_batches)"
+            )
+        self._local_sq = torch.zeros(
+            self.layout.num_groups, device=self.layout.device, dtype=torch.float64
+        )
+
+    def _local_total(self, param_index: int, increment: Tensor) -> None:
+        """At the last micro-batch: ``|.grad + increment|²``, this rank's accumulated gradient.
+
+        A tensor hook fires before its own increment is added, so ``.grad``
+        holds the earlier micro-batches (accumulated under ``no_sync``).
+        """
+        batches = self._current()
+        if batches is None or not batches.last or self._local_sq is None:
+            return
+        p = self.layout.params[param_index]
+        total = increment if p.grad is None else p.grad + increment
+        self._local_sq[self.layout.group_of(param_index)] += norms([total])[0].double().square()
+
+    def reduce(
+        self,
+        sub_sq_sum: Tensor,
+        sq_full: Tensor,
+        loss: Tensor,
+        scale_sq: Tensor | float,
+        batches: SubBatches,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        assert self._local_sq is not None
+        groups = len(sq_full)
+        # the rank's local mean: its accumulated gradient over its summed loss weights
+        local_sq = self._local_sq / sum(batches.loss_weights) ** 2 / scale_sq
+        signal, trace = noise_from_mean(
+            sub_sq_sum / len(batches.sizes), batches.sizes, local_sq, self.dataset_size
+        )
+        packed = torch.cat([signal, trace, loss[None]]) / self.world.size
+        self.world.all_reduce_sum(packed)
+        self.bytes += packed.numel() * packed.element_size()
+        return packed[:groups], packed[groups:-1], packed[-1]
+
+    def traffic(self) -> int:
+        return self.bytes
