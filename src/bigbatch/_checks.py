@@ -8,6 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def whole_number(name: str, value: Any, low: int = 0) -> int:
+    """``value`` if it is a whole number >= ``low``, else ``ValueError`` naming both."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+    return value
+
+
 def positive_int(name: str, value: Any) -> int:
     """``value`` if it is a whole number >= 1, else ``ValueError`` naming ``name`` and ``value``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -54,3 +61,17 @@ def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def batch_bounds(
+    initial: Any, low: Any, high: Any, names: Sequence[str] = ("initial", "min", "max")
+) -> tuple[int, int, int]:
+    """Whole-number batch bounds with ``min <= initial <= max``; ``names`` name them in errors."""
+    initial, low, high = (positive_int(n, v) for n, v in zip(names, (initial, low, high)))
+    if low > high:
+        raise ValueError(f"{names[1]} ({low}) is larger than {names[2]} ({high})")
+    if not low <= initial <= high:
+        raise ValueError(
+            f"{names[0]} ({initial}) is outside [{names[1]}, {names[2]}] = [{low}, {high}]"
+        )
+    return initial, low, high

@@ -102,7 +102,7 @@ def test_constant_and_ramp():
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: SimiGrad(min=100, max=10), "inverted"),
+        (lambda: SimiGrad(min=100, max=10), "min .100. is larger than max .10."),
         (lambda: SimiGrad(initial=5, min=10), "outside"),
         (lambda: SimiGrad(target=2.0), "target"),
         (lambda: SimiGrad(initial=0), "initial"),

@@ -49,7 +49,7 @@ def test_state_checks_the_dataset():
     state = VariableBatchSampler(10).state_dict()
     with pytest.raises(ValueError, match="10 samples"):
         VariableBatchSampler(11).load_state_dict(state)
-    with pytest.raises(ValueError, match="at least one sample"):
+    with pytest.raises(ValueError, match="dataset_size"):
         VariableBatchSampler(0)
 
 

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .._checks import check_number, positive_int
+from .._checks import batch_bounds, check_flag, check_number, positive_int, whole_number
 from .smoothing import SmoothedNoise, SmoothedValue
 
 
@@ -56,17 +56,6 @@ class Controller(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def _check_bounds(initial: Any, low: Any, high: Any) -> tuple[int, int, int]:
-    initial, low, high = (
-        positive_int(n, v) for n, v in (("initial", initial), ("min", low), ("max", high))
-    )
-    if low > high:
-        raise ValueError(f"batch bounds are inverted: min={low} > max={high}")
-    if not low <= initial <= high:
-        raise ValueError(f"initial batch {initial} is outside [min, max] = [{low}, {high}]")
-    return initial, low, high
 
 
 class SimiGrad:
@@ -108,7 +97,7 @@ class SimiGrad:
         shrink: float = 0.9,
     ) -> None:
         self.target = check_number("target", target, low=-1.0, high=1.0)
-        self.initial, self.min, self.max = _check_bounds(initial, min, max)
+        self.initial, self.min, self.max = batch_bounds(initial, min, max)
         self.window = positive_int("window", window)
         self.interval = positive_int("interval", interval)
         self.growth = check_number("growth", growth, low=1.0, low_open=True)
@@ -192,14 +181,12 @@ class CriticalBatchRamp:
         shrink: bool = False,
     ) -> None:
         self.multiple = check_number("noise_multiple", multiple, low_open=True)
-        self.initial, self.min, self.max = _check_bounds(initial, min, max)
+        self.initial, self.min, self.max = batch_bounds(initial, min, max)
         self.factor = check_number("factor", factor, low=1.0, low_open=True)
         self.confidence = check_number("confidence", confidence)
         self.window = positive_int("window", window)
-        self.warmup = _whole("warmup", warmup)
-        if not isinstance(shrink, bool):
-            raise ValueError(f"shrink must be True or False, got {shrink!r}")
-        self.shrink = shrink
+        self.warmup = whole_number("warmup", warmup)
+        self.shrink = check_flag("shrink", shrink)
         self._noise = SmoothedNoise(self.window)
         self._warming = _WarmUp(self.warmup)
 
@@ -280,7 +267,7 @@ class DampedSimiGrad:
         self.target = check_number(
             "target", target, low=0.0, high=1.0, low_open=True, high_open=True
         )
-        self.initial, self.min, self.max = _check_bounds(initial, min, max)
+        self.initial, self.min, self.max = batch_bounds(initial, min, max)
         self.window = positive_int("window", window)
         self.confidence = check_number("confidence", confidence)
         self.dead_band = check_number("dead_band", dead_band)
@@ -288,7 +275,7 @@ class DampedSimiGrad:
         self.proportional = check_number("proportional", proportional)
         self.max_rate = check_number("max_rate", max_rate, low_open=True)
         self.min_change = check_number("min_change", min_change)
-        self.warmup = _whole("warmup", warmup)
+        self.warmup = whole_number("warmup", warmup)
         self._similarity = SmoothedValue(self.window)
         self._error = 0.0
         self._log_batch = math.log(self.initial)
@@ -358,12 +345,6 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-def _whole(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
-    return value
-
-
 class NoiseScale:
     """``B = multiple · B_simple``, clamped, re-chosen when it moves by more than ``threshold``.
 
@@ -385,7 +366,7 @@ class NoiseScale:
         threshold: float = 0.05,
     ) -> None:
         self.multiple = check_number("noise_multiple", multiple, low_open=True)
-        self.initial, self.min, self.max = _check_bounds(initial, min, max)
+        self.initial, self.min, self.max = batch_bounds(initial, min, max)
         self.threshold = check_number("threshold", threshold)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .._checks import choice
+from .._checks import choice, whole_number
 
 LR_RULES = ("none", "linear", "sqrt", "adascale", "adascale-sqrt")
 
@@ -164,16 +164,10 @@ def scaled_lr(optimizer: torch.optim.Optimizer, factors: float | Sequence[float]
         scaling.restore(optimizer)
 
 
-def _check_samples(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a whole number of samples >= 0, got {value!r}")
-    return value
-
-
 def _warmup_then(total: int, warmup: int, decay: Callable[[float], float]) -> Schedule:
     """Linear warm-up over ``warmup`` samples, then ``decay(t)``, t going 0→1 at ``total``."""
-    _check_samples("total", total)
-    _check_samples("warmup", warmup)
+    whole_number("total", total)
+    whole_number("warmup", warmup)
     if warmup > total:
         raise ValueError(f"warmup ({warmup}) exceeds the total ({total}) samples")
 
@@ -200,3 +194,17 @@ def warmup_linear(total: int, warmup: int = 0, final: float = 0.0) -> Schedule:
 def constant(samples: int) -> float:
     """The schedule that leaves the learning rate alone."""
     return 1.0
+
+
+#: the schedules a config names (``schedule.kind``): warm-up then decay, or none
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def schedule_by_name(kind: str, total: int, warmup: int) -> Schedule:
+    """``warmup_cosine`` / ``warmup_linear`` over ``total`` samples, or the constant schedule."""
+    choice("schedule", kind, SCHEDULES)
+    if kind == "cosine":
+        return warmup_cosine(total, warmup)
+    if kind == "linear":
+        return warmup_linear(total, warmup)
+    return constant

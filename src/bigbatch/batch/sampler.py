@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .._checks import positive_int
 from .plan import StepPlan, plan_step
 
 
@@ -33,8 +34,7 @@ class VariableBatchSampler:
         seed: int = 0,
         weight_fn: Callable[[int], int] | None = None,
     ) -> None:
-        if isinstance(dataset_size, bool) or not isinstance(dataset_size, int) or dataset_size < 1:
-            raise ValueError(f"the dataset must hold at least one sample, got {dataset_size!r}")
+        positive_int("dataset_size (samples in the dataset)", dataset_size)
         self.dataset_size = dataset_size
         self.shuffle = shuffle
         self.seed = int(seed)
@@ -57,8 +57,7 @@ class VariableBatchSampler:
 
     def take(self, size: int) -> list[int]:
         """The next batch: ``size`` samples (or ``size`` weight with ``weight_fn``)."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"batch size must be a positive whole number, got {size!r}")
+        positive_int("batch size", size)
         if self.weight_fn is None:
             return self._take_count(size)
         batch: list[int] = []
@@ -141,9 +140,8 @@ class GlobalBatchSampler:
         seed: int = 0,
     ) -> None:
         self._sampler = VariableBatchSampler(dataset_size, shuffle=shuffle, seed=seed)
-        for name, value in (("batch_size", batch_size), ("micro_batches", micro_batches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+        positive_int("batch_size", batch_size)
+        positive_int("micro_batches", micro_batches)
         if batch_size < micro_batches * world_size:
             raise ValueError(
                 f"batch_size {batch_size} cannot give {micro_batches} micro-batches to each of "

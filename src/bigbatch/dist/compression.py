@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._checks import choice
+from .._checks import choice, whole_number
 
 __all__ = ["COMPRESSORS", "METHODS", "CompressionState", "compression_hook"]
 
@@ -80,8 +80,7 @@ class CompressionState:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         if not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta < 0:
             raise ValueError(f"eta must be a finite number >= 0, got {eta!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be a whole number >= 1, got {warmup!r}")
+        whole_number("warmup", warmup, low=1)
         self.ratio, self.eta, self.warmup, self.seed = float(ratio), float(eta), warmup, seed
         # The state is in the units of the bucket: with a GradScaler, loss-scaled.
         # Overflowed steps leave it untouched (see _keep_finite); a change of

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch import Tensor
 
 from .._tensors import dots, norms
@@ -45,8 +46,6 @@ def is_lossless(comm_hook: tuple[Any, CommHook] | None) -> bool:
     state, hook = comm_hook
     if hasattr(state, "lossless"):
         return bool(state.lossless)
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     return hook is default_hooks.allreduce_hook
 
 

@@ -7,10 +7,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from .. import schedules
 from ..batch import Constant, CriticalBatchRamp, DampedSimiGrad, NoiseScale, Ramp, SimiGrad
 from ..batch.controllers import CONTROLLERS
-from ..batch.lr import lr_factor, resolve_lr_rule
+from ..batch.lr import lr_factor, resolve_lr_rule, schedule_by_name
 from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
 from ..loop import AdaptiveBatch
@@ -79,12 +78,7 @@ def make_controller(config: dict[str, Any]):
 
 def make_schedule(config: dict[str, Any]):
     total = config["max_samples"]
-    warmup = int(config["schedule.warmup"] * total)
-    if config["schedule.kind"] == "cosine":
-        return schedules.warmup_cosine(total, warmup)
-    if config["schedule.kind"] == "linear":
-        return schedules.warmup_linear(total, warmup)
-    return schedules.constant
+    return schedule_by_name(config["schedule.kind"], total, int(config["schedule.warmup"] * total))
 
 
 def build(config: dict[str, Any], world: World | None = None) -> tuple[Problem, AdaptiveBatch]:

@@ -22,6 +22,21 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
+from .._checks import batch_bounds
+from ..batch.controllers import CONTROLLERS
+from ..batch.lr import LR_RULES, SCHEDULES
+from ..dist.compression import COMPRESSORS, METHODS
+from ..engine import NONFINITE_POLICIES
+from ..optim import IMPLS, list_optimizers
+from ..optim.agvm import RULE_NAMES
+from ..optim.vrgd import NORMALIZERS
+from ..stats import SIMILARITY_MODES
+from .tasks import TASKS
+
+#: config values of dist.compression beside the hook's methods
+COMPRESSION_CHOICES = ("none", *(m for m in METHODS if m != "none"), "topk-only", "powersgd")
+
+
 class ConfigError(ValueError):
     """A configuration a run cannot start with; the message names the key and value."""
 
@@ -42,11 +57,6 @@ class Key:
 
 
 def _keys() -> list[Key]:
-    from ..batch.controllers import CONTROLLERS
-    from ..batch.lr import LR_RULES
-    from ..optim import list_optimizers
-    from .tasks import TASKS
-
     return [
         Key("task", "mnist1d", "the task to train (see `bigbatch tasks`)", tuple(TASKS)),
         Key(
@@ -66,7 +76,7 @@ def _keys() -> list[Key]:
             "optimizer_impl",
             "foreach",
             "impl of bigbatch optimizers",
-            ("foreach", "reference", "compiled"),
+            IMPLS,
         ),
         Key(
             "lr",
@@ -87,7 +97,7 @@ def _keys() -> list[Key]:
             "nonfinite",
             "skip",
             "a step with a NaN/Inf gradient or loss: skip its update (counted) or stop the run",
-            ("skip", "raise"),
+            NONFINITE_POLICIES,
         ),
         Key(
             "batch.controller",
@@ -151,11 +161,9 @@ def _keys() -> list[Key]:
             "split: measured cosine of two halves (micro-batches; rank groups under DDP, one "
             "extra gradient all-reduce); scalar: estimated from noise scalars; auto: split on "
             "one process, scalar under DDP",
-            ("auto", "split", "scalar"),
+            ("auto", *SIMILARITY_MODES),
         ),
-        Key(
-            "schedule.kind", "cosine", "LR schedule over samples", ("cosine", "linear", "constant")
-        ),
+        Key("schedule.kind", "cosine", "LR schedule over samples", SCHEDULES),
         Key("schedule.warmup", 0.05, "warm-up, as a fraction of max_samples", low=0, high=1),
         Key(
             "dist.compression",
@@ -163,10 +171,10 @@ def _keys() -> list[Key]:
             "gradient compression with error control between processes (--nproc 2+): "
             "ef, ef21, econtrol; topk-only: compression without error control; "
             "powersgd: torch's PowerSGD hook (rank dist.powersgd_rank)",
-            ("none", "ef", "ef21", "econtrol", "topk-only", "powersgd"),
+            COMPRESSION_CHOICES,
         ),
         Key("dist.powersgd_rank", 1, "PowerSGD's matrix approximation rank", low=1),
-        Key("dist.compressor", "topk", "what dist.compression sends", ("topk", "randk")),
+        Key("dist.compressor", "topk", "what dist.compression sends", COMPRESSORS),
         Key(
             "dist.ratio",
             0.01,
@@ -189,14 +197,14 @@ def _keys() -> list[Key]:
             "vrgd.normalizer",
             "mean",
             "vr-* optimizers: per-tensor GSNR normaliser",
-            ("mean", "median"),
+            NORMALIZERS,
         ),
         Key("agvm", False, "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)"),
         Key(
             "agvm_rule",
             "ends",
             "AGVM module groups: top-level children, first/body/last, or by name",
-            ("top", "ends", "detection", "transformer"),
+            RULE_NAMES,
         ),
         Key("agvm_interval", 5, "AGVM: steps between multiplier updates", low=1),
         Key("agvm_start", 50, "AGVM: steps before the first update (paper: 500)", low=0),
@@ -302,15 +310,11 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown config key {name!r}{hint}")
             config[name] = _check(known[name], value)
-    if config["batch.min"] > config["batch.max"]:
-        raise ConfigError(
-            f"batch.min ({config['batch.min']}) is larger than batch.max ({config['batch.max']})"
-        )
-    if not config["batch.min"] <= config["batch.initial"] <= config["batch.max"]:
-        raise ConfigError(
-            f"batch.initial ({config['batch.initial']}) is outside "
-            f"[batch.min, batch.max] = [{config['batch.min']}, {config['batch.max']}]"
-        )
+    names = ("batch.initial", "batch.min", "batch.max")
+    try:
+        batch_bounds(*(config[n] for n in names), names=names)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if config["batch.min"] < config["min_sub_batches"]:
         raise ConfigError(
             f"batch.min ({config['batch.min']}) is below min_sub_batches "

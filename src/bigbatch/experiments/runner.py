@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
@@ -174,8 +175,6 @@ def _set_threads(threads: int, world: World) -> None:
 def _progress(total: int, done: int, quiet: bool):
     if quiet:
         return None
-    from tqdm import tqdm
-
     return tqdm(
         total=total,
         initial=done,

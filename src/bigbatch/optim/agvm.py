@@ -22,13 +22,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_number
+from .._checks import check_number, positive_int, whole_number
 from ..batch.lr import scaled_lr
 from ..stats.result import GradientStats
 from .param_groups import param_groups
 from .wrapper import StatisticsWrapper
 
-__all__ = ["AGVM", "MODULE_RULES", "cosine_of", "module_groups", "module_param_groups"]
+__all__ = [
+    "AGVM",
+    "MODULE_RULES",
+    "RULE_NAMES",
+    "cosine_of",
+    "module_groups",
+    "module_param_groups",
+]
 
 
 def cosine_of(sq_a: float, sq_b: float, dot: float, eps: float = 1e-30) -> float:
@@ -51,6 +58,8 @@ MODULE_RULES: Mapping[str, Mapping[str, Sequence[str]]] = {
     },
 }
 COMPUTED_RULES = ("top", "ends")
+#: every built-in rule's name
+RULE_NAMES = (*COMPUTED_RULES, *MODULE_RULES)
 
 
 #: a built-in rule's name, or group names mapped to parameter-name patterns
@@ -166,10 +175,8 @@ class AGVM(StatisticsWrapper):
         momentum: float = 0.97,
         bounds: tuple[float, float] = (0.5, 10.0),
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"interval must be a positive whole number, got {interval!r}")
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"start must be a whole number ≥ 0, got {start!r}")
+        positive_int("interval", interval)
+        whole_number("start", start)
         momentum = check_number("momentum", momentum)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
