@@ -187,7 +187,10 @@ class AdaptiveBatchTrainer(Trainer):
             self.bigbatch.loss_weights = [1 / len(batches)] * len(batches)
         if batches and self.bigbatch.driver.engine is None:
             ddp = self.model_wrapped if torch.distributed.is_initialized() else None
-            self.bigbatch.driver.attach(self.optimizer, ddp)
+            # accelerate wraps the optimizer; the engine needs the one it wraps (a VRGD or
+            # AGVM must be seen as one, and it shares its param groups with the wrapper)
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            self.bigbatch.driver.attach(inner, ddp)
         return batches, num_items
 
     def training_step(self, model, inputs, num_items_in_batch=None):

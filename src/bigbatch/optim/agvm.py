@@ -231,12 +231,11 @@ class AGVM(StatisticsWrapper):
                 raise RuntimeError("AGVM needs GradientStats.group_halves (per-group halves)")
             self.update(stats.host_group_halves())
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        self._take_stats()
+    def modulated_step(self, stats: GradientStats) -> None:
+        """The base step with group ``i``'s rate multiplied by its ``μ_i``."""
         factors = [self.multipliers[owner] for owner in self._group_of_param_group]
         with scaled_lr(self, factors):
-            return self.base.step(closure)
+            self.base.step()
 
     def metrics(self) -> dict[str, float]:
         out = {f"agvm/{n}": mu for n, mu in zip(self.group_names, self.multipliers)}

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_number, choice
+from ..stats.result import GradientStats
 from .wrapper import StatisticsWrapper
 
 __all__ = ["MIN_SUB_BATCHES", "VRGD", "FewSubBatchesWarning", "gsnr_ratio"]
@@ -119,8 +120,8 @@ class VRGD(StatisticsWrapper):
         return [avg / correction for avg in self._ratio_avg]
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        stats = self._take_stats()
+    def modulated_step(self, stats: GradientStats) -> None:
+        """``g ← r ⊙ g`` with the clipped, normalised GSNR ratio, then the base step."""
         if stats.gsnr is None:
             raise RuntimeError("VRGD needs the element-wise GSNR: collect it with gsnr=True")
         self.check_sub_batches(len(stats.sizes))
@@ -129,7 +130,7 @@ class VRGD(StatisticsWrapper):
         ]
         if present:
             torch._foreach_mul_([p.grad for p, _ in present], [r for _, r in present])
-        return self.base.step(closure)
+        self.base.step()
 
     def _wrapper_state(self) -> dict[str, Any]:
         return {

@@ -58,6 +58,28 @@ class StatisticsWrapper(torch.optim.Optimizer):
         """Values worth logging after a step (none by default)."""
         return self.base.metrics() if isinstance(self.base, StatisticsWrapper) else {}
 
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Run ``closure`` first (Lightning runs the last backward inside it, and the
+        statistics are observed there), then the modulated step of the base optimizer.
+
+        A step in which no parameter has a gradient (a loop dropped a non-finite
+        step's gradients) does nothing, as torch's optimizers do.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            self._stats = None
+            return loss
+        self.modulated_step(self._take_stats())
+        return loss
+
+    def modulated_step(self, stats: GradientStats) -> None:
+        """The base optimizer's step, modulated by this step's statistics (subclasses)."""
+        raise NotImplementedError
+
     def _take_stats(self) -> GradientStats:
         stats, self._stats = self._stats, None
         if stats is None:
@@ -90,5 +112,8 @@ class StatisticsWrapper(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.base.load_state_dict(state_dict["base"])
+        # torch's load_state_dict builds new group dicts: share the base's again, or the
+        # rates set on the wrapper (schedulers, bigbatch's LR rules, AGVM) would miss it
+        self.param_groups = self.base.param_groups
         self.state = self.base.state
         self._load_wrapper_state(state_dict["wrapper"])
