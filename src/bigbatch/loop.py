@@ -135,72 +135,56 @@ class AdaptiveBatch:
     Each step draws a global batch of the current size from ``dataset``, splits
     it into micro-batches (at least ``min_sub_batches``, each at most
     ``max_micro_batch``, sizes differing by at most one), measures the
-    gradient statistics across them (the similarity of the two halves, the
-    noise scale), steps the optimizer at the learning rate for the batch, and
-    asks the controller for the next batch size.
+    gradient statistics across them, steps the optimizer at the learning rate
+    for the batch, and asks the controller for the next batch size
+    (docs/adaptive_batching.md).
 
     Args:
-        model: the module being trained (its parameters' gradients are measured).
+        model: the module being trained, or its ``DistributedDataParallel``.
         optimizer: any ``torch.optim.Optimizer`` (bigbatch's or torch's).
         dataset: a map-style dataset (every sample once per epoch, exact
-            resume) or an ``IterableDataset`` (consumed in order; resume skips
-            what was consumed, so it is exact only for a deterministic iterable).
-        controller: a controller from ``bigbatch.batch`` (default
-            :class:`~bigbatch.batch.CriticalBatchRamp`: the batch doubles
-            whenever eight times the measured noise scale is confidently above
-            the next size, and never shrinks).
+            resume) or an ``IterableDataset`` (consumed in order; exact resume
+            only for a deterministic iterable).
+        controller: from ``bigbatch.batch``; default
+            :class:`~bigbatch.batch.CriticalBatchRamp` (the batch doubles once
+            eight times the noise scale is confidently above the next size).
         max_micro_batch: the largest micro-batch that fits in memory.
-        min_sub_batches: the fewest micro-batches per step (≥ 2; 4 by default
-            so the statistics have two per half).
-        lr_scaling: how the learning rate follows the batch, relative to
+        min_sub_batches: the fewest micro-batches per step (≥ 2; default 4).
+        lr_scaling: how the rate follows the batch relative to
             ``base_batch_size``: ``none``, ``linear``, ``sqrt``, ``adascale``,
-            ``adascale-sqrt``, or ``auto`` (default: held for a controller that
-            follows the noise scale, else ``sqrt`` for Adam-type optimizers and
-            ``linear`` for SGD- and LARS-type; see ``bigbatch.batch.lr``). The
-            rate of a step is ``lr × rule(B / base_batch_size) × schedule(samples)``,
-            set just before the optimizer step and restored after it.
-        base_batch_size: the batch the optimizer's learning rate was tuned for
-            (default: the controller's initial batch).
-        schedule: a function of samples seen returning a learning-rate
-            multiplier (see ``bigbatch.schedules``).
-        scaler: a ``torch.amp.GradScaler``; the loop scales losses, unscales
-            and steps through it.
-        statistics: collect gradient statistics (required by the adaptive
-            controllers and the AdaScale rules).
-        gsnr: also collect the element-wise gradient SNR (``step.stats.gsnr``).
-        similarity: ``"split"`` (the measured cosine of two halves) or
-            ``"scalar"`` (estimated from the noise scalars); default ``"split"``
-            on one process and ``"scalar"`` under DDP. See
-            :class:`~bigbatch.stats.MicroBatchStatistics`.
-        comm_hook: a DDP communication hook as torch's ``(state, hook)`` pair
-            (e.g. ``(CompressionState(...), compression_hook)`` or PowerSGD's);
-            the loop registers it (inside the two-group hook with
-            ``similarity="split"``) and saves ``state.state_dict()`` if there is one.
-        ema_beta: smoothing of the noise-scale estimates.
-        finite_correction: correct the noise estimates for batches that are a
-            large fraction of a map-style dataset (sampling without replacement).
-        loss_reduction: ``"mean"`` if ``step.backward`` gets micro-batch mean
-            losses, ``"sum"`` if it gets sums.
-        nonfinite: what a step with a NaN or infinite gradient or loss does:
-            ``"skip"`` (default) drops the update, counts it in
-            ``skipped_steps`` and ``metrics["skipped"]``, keeps the batch size;
-            ``"raise"`` raises :class:`NonFiniteError` before anything is
-            updated. With a ``GradScaler`` an overflow is the scaler's to skip.
-        weight_fn: count the batch in weight (e.g. tokens) instead of samples:
-            ``weight_fn(index)`` is sample ``index``'s weight.
+            ``adascale-sqrt`` or ``auto`` (default: held under a controller
+            that follows the noise, else by optimizer family; ``bigbatch.batch.lr``).
+            A step's rate is ``lr × rule(B / base) × schedule(samples)``, set just
+            before the optimizer step and restored after it.
+        base_batch_size: the batch ``lr`` is tuned for (default: the controller's first).
+        schedule: the rate multiplier as a function of samples seen (``bigbatch.schedules``).
+        scaler: a ``torch.amp.GradScaler`` to scale losses and step through.
+        statistics: collect the gradient statistics (the adaptive controllers
+            and the AdaScale rules need them).
+        gsnr: also collect the element-wise gradient SNR (VRGD asks by itself).
+        similarity: ``"split"`` (measured) or ``"scalar"`` (from the noise
+            scalars); default split on one process, scalar under DDP.
+        comm_hook: a DDP communication hook as torch's ``(state, hook)`` pair;
+            registered by the loop (inside the two-group hook with
+            ``similarity="split"``), its state saved with the loop's.
+        ema_beta: smoothing of the statistics' noise-scale averages.
+        finite_correction: correct the noise for batches that are a large
+            fraction of a map-style dataset (sampling without replacement).
+        loss_reduction: ``"mean"`` (micro-batch mean losses) or ``"sum"``.
+        nonfinite: a step with a NaN/Inf gradient or loss is dropped and
+            counted (``"skip"``) or raises :class:`NonFiniteError` (``"raise"``)
+            before anything learns from it; with a ``GradScaler`` an overflow
+            is the scaler's to skip.
+        weight_fn: count the batch in weight (e.g. tokens): sample ``i`` weighs
+            ``weight_fn(i)``.
         seed, shuffle: the sampler's permutation.
-        loader_options: keyword arguments of the ``DataLoader`` that loads each
-            step's micro-batches (``collate_fn``, ``num_workers``,
-            ``pin_memory``, ``persistent_workers``, ...).
+        loader_options: ``DataLoader`` keywords for loading micro-batches
+            (``collate_fn``, ``num_workers``, ``pin_memory``, ...).
 
-    Under DDP (``model`` a ``DistributedDataParallel``) the batch is global:
-    every rank draws the same batch from an identically seeded sampler and
-    trains on its shard, the ranks' micro-batches are the sub-batches of the
-    statistics, and every rank makes the same batch-size decision from
-    all-reduced statistics (one all-reduce of a few scalars per step with
-    ``similarity="scalar"``, the default under DDP).
-
-    Models with BatchNorm normalise over each micro-batch, not the global batch.
+    Under DDP every rank draws the same global batch and trains its shard;
+    the ranks' micro-batches are the sub-batches of the statistics and every
+    rank makes the same decision (docs/distributed.md). BatchNorm normalises
+    over each micro-batch, not the global batch.
     """
 
     def __init__(  # noqa: PLR0913 - a user-facing loop: every option is a keyword
@@ -283,10 +267,6 @@ class AdaptiveBatch:
     # ------------------------------------------------------------ what the engine counts
 
     @property
-    def controller(self) -> Controller:
-        return self.engine.controller
-
-    @property
     def batch_size(self) -> int:
         """The global batch size of the next step."""
         return self.engine.batch_size
@@ -305,11 +285,6 @@ class AdaptiveBatch:
     def skipped_steps(self) -> int:
         """Steps whose update was dropped for a non-finite gradient or loss."""
         return self.engine.skipped_steps
-
-    @property
-    def lr_scaling(self) -> str:
-        """The learning-rate rule in force (``auto`` resolved)."""
-        return self.engine.lr_scaling
 
     # ------------------------------------------------------------ iteration
 
@@ -365,7 +340,6 @@ class AdaptiveBatch:
         are those of the module inside DDP, so a checkpoint loads with any
         number of processes.
         """
-        hook_state = self.comm_hook[0] if self.comm_hook is not None else None
         return {
             "model": ddp.unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -373,9 +347,7 @@ class AdaptiveBatch:
             "source": self.source.state_dict(),
             "engine": self.engine.state_dict(),
             "rng": self.world.all_gather_object(rng_state()),
-            "comm_hook": self.world.all_gather_object(hook_state.state_dict())
-            if hasattr(hook_state, "state_dict")
-            else None,
+            "comm_hook": ddp.hook_state_dict(self.comm_hook, self.world),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -393,11 +365,7 @@ class AdaptiveBatch:
         self.engine.load_state_dict(state["engine"])
         saved = state["rng"]
         set_rng_state(saved[self.world.rank % len(saved)])
-        hooks = state.get("comm_hook")
-        hook_state = self.comm_hook[0] if self.comm_hook is not None else None
-        # each rank's error state is its own: with another world size it starts afresh
-        if hooks and hasattr(hook_state, "load_state_dict") and len(hooks) == self.world.size:
-            hook_state.load_state_dict(hooks[self.world.rank])
+        ddp.load_hook_state_dict(self.comm_hook, state.get("comm_hook"), self.world)
 
 
 def _check_sub_batches(

@@ -8,8 +8,9 @@ from typing import Any
 from torch import nn
 
 from .hooks import CommHook, TwoGroupCosine, two_group_cosine_hook
+from .world import World
 
-__all__ = ["accumulating", "register", "unwrap"]
+__all__ = ["accumulating", "hook_state_dict", "load_hook_state_dict", "register", "unwrap"]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -52,3 +53,24 @@ def register(
             "the model has a comm hook already; pass yours as comm_hook=(state, hook) so it "
             f"can be composed with bigbatch's ({err})"
         ) from None
+
+
+def hook_state_dict(comm_hook: tuple[Any, CommHook] | None, world: World) -> list | None:
+    """Every rank's comm-hook state (a collective; None when the state keeps none)."""
+    state = comm_hook[0] if comm_hook is not None else None
+    if not hasattr(state, "state_dict"):
+        return None
+    return world.all_gather_object(state.state_dict())
+
+
+def load_hook_state_dict(
+    comm_hook: tuple[Any, CommHook] | None, saved: list | None, world: World
+) -> None:
+    """Give each rank its own saved hook state back.
+
+    Error-feedback state belongs to a rank: with another number of ranks it
+    starts afresh.
+    """
+    state = comm_hook[0] if comm_hook is not None else None
+    if saved and hasattr(state, "load_state_dict") and len(saved) == world.size:
+        state.load_state_dict(saved[world.rank])

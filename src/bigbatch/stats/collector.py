@@ -19,6 +19,16 @@ Nothing moves between the host and the device during a step: per-micro-batch
 norms accumulate in a device tensor, Python numbers enter only as scalars,
 and the caller reads everything at once (``GradientStats.as_floats``, one
 synchronisation per optimizer step).
+
+Around an ordinary accumulation loop (``bigbatch.AdaptiveBatch`` does this
+for you)::
+
+    stats = MicroBatchStatistics(optimizer.param_groups)
+    stats.begin(sizes)                      # sizes of this step's micro-batches
+    for i, (x, y) in enumerate(micro_batches):
+        stats.before_backward(i)
+        (loss_fn(model(x), y) * sizes[i] / sum(sizes)).backward()
+    result = stats.finish()                 # before optimizer.step()
 """
 
 from __future__ import annotations
@@ -33,28 +43,18 @@ from .._checks import choice
 from .._tensors import norms
 from ..batch.plan import loss_weights as default_loss_weights
 from ..dist.world import World
-from .estimators import ema_update, half_split_cosine
+from .estimators import half_split_cosine
 from .gsnr import ShiftedGSNR, WelfordGSNR
 from .halves import SIMILARITY_MODES, FromNoiseScalars, SplitMicroBatches, SplitRanks
 from .layout import ParamLayout, SubBatches
-from .noise import PerRankNoise, ReducedNoise
+from .noise import NoiseAverages, PerRankNoise, ReducedNoise
 from .result import GradientStats
 
 __all__ = ["SIMILARITY_MODES", "GradientStats", "MicroBatchStatistics"]
 
 
 class MicroBatchStatistics:
-    """Collects :class:`GradientStats` over the micro-batches of each step.
-
-    Use it around an ordinary accumulation loop (``bigbatch.AdaptiveBatch``
-    does this for you)::
-
-        stats = MicroBatchStatistics(optimizer.param_groups)
-        stats.begin(sizes)                      # sizes of this step's micro-batches
-        for i, (x, y) in enumerate(micro_batches):
-            stats.before_backward(i)
-            (loss_fn(model(x), y) * sizes[i] / sum(sizes)).backward()
-        result = stats.finish()                 # before optimizer.step()
+    """Collects :class:`GradientStats` over the micro-batches of each step (see the module).
 
     The loss of micro-batch ``i`` must be its mean loss times ``W b_i / B``
     (``W`` ranks, ``W = 1`` on one process; ``bigbatch.batch.loss_weights``),
@@ -105,9 +105,6 @@ class MicroBatchStatistics:
             similarity or ("scalar" if self.world.distributed else "split"),
             SIMILARITY_MODES,
         )
-        if not 0 <= ema_beta < 1:
-            raise ValueError(f"ema_beta must be in [0, 1), got {ema_beta!r}")
-        self.ema_beta = ema_beta
         self.gsnr = gsnr
         self.dataset_size = dataset_size
         self.layout = ParamLayout(param_groups)
@@ -133,10 +130,7 @@ class MicroBatchStatistics:
                 if self.world.distributed
                 else WelfordGSNR(self.layout, current)
             )
-        device = self.layout.device
-        self._signal_ema = torch.zeros((), device=device, dtype=torch.float64)
-        self._trace_ema = torch.zeros((), device=device, dtype=torch.float64)
-        self._ema_steps = 0
+        self.averages = NoiseAverages(ema_beta, self.layout.device)
         self._sub_sq: Tensor | None = None  # (micro-batches, groups): |g_i|² / l_i²
         self._hooks = [
             torch.autograd.graph.register_multi_grad_hook(
@@ -170,15 +164,11 @@ class MicroBatchStatistics:
         """Start a step made of micro-batches of these sizes.
 
         ``rank_sizes`` (under DDP) lists every rank's micro-batch sizes, this
-        rank's among them; there must be at least 2 sub-batches in all, and
-        with ``similarity="split"`` on one process at least 2 micro-batches.
-        ``loss_weights`` are the factors this rank's micro-batch mean losses
-        are multiplied by before backward (default ``W b_i / B``, which makes
-        ``.grad`` the sample-weighted mean after DDP averages). Loops that
-        weight every micro-batch equally (``1/k``: Lightning, the Hugging
-        Face Trainer) pass theirs; the sub-batch gradients are then still
-        exact, and ``.grad`` is the mean of the micro-batch means, which
-        differs from the sample mean only by the ±1 sample between sizes.
+        rank's among them; at least 2 sub-batches in all (2 micro-batches with
+        ``similarity="split"`` on one process). ``loss_weights`` are the factors
+        this rank's micro-batch mean losses are multiplied by before backward
+        (default ``W b_i / B``); loops that weight them ``1/k`` (Lightning, the
+        Hugging Face Trainer) pass theirs, and the sub-batch gradients stay exact.
         """
         local = [int(s) for s in sizes]
         every = [[int(s) for s in r] for r in rank_sizes] if rank_sizes is not None else [local]
@@ -248,13 +238,7 @@ class MicroBatchStatistics:
         )
         signal, trace = signal_g.sum(), trace_g.sum()
         sq_a, sq_b, dot_ab = self.halves.read(grads, sq_full, signal_g, trace_g, batches)
-
-        beta = self.ema_beta
-        ema_update(self._signal_ema, signal, beta)
-        ema_update(self._trace_ema, trace, beta)
-        self._ema_steps += 1
-        correction = 1 - beta**self._ema_steps
-        signal_ema, trace_ema = self._signal_ema / correction, self._trace_ema / correction
+        signal_ema, trace_ema = self.averages.update(signal, trace)
 
         gsnr = self.gsnr_part.finish(grads, batches) if self.gsnr_part is not None else None
         self._batches, self._sub_sq = None, None
@@ -294,16 +278,10 @@ class MicroBatchStatistics:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, object]:
-        return {
-            "signal_ema": self._signal_ema.clone(),
-            "trace_ema": self._trace_ema.clone(),
-            "ema_steps": self._ema_steps,
-        }
+        return self.averages.state_dict()
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self._signal_ema.copy_(state["signal_ema"])  # type: ignore[arg-type]
-        self._trace_ema.copy_(state["trace_ema"])  # type: ignore[arg-type]
-        self._ema_steps = int(state["ema_steps"])  # type: ignore[call-overload]
+        self.averages.load_state_dict(state)
 
     # ------------------------------------------------------------ the gradient hook
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .._tensors import norms
 from ..dist.world import World
-from .estimators import noise_from_mean
+from .estimators import ema_update, noise_from_mean
 from .layout import ParamLayout, SubBatches
 
 
@@ -125,3 +125,39 @@ class PerRankNoise:
 
     def traffic(self) -> int:
         return self.bytes
+
+
+class NoiseAverages:
+    """Bias-corrected moving averages of ``|G|²`` and ``tr Σ``, apart (gpt-neox, β 0.99).
+
+    The noise scale is the ratio of the two averages, never an average of
+    ratios; a non-finite step's estimates are skipped without a host read.
+    """
+
+    def __init__(self, beta: float, device: torch.device) -> None:
+        if not 0 <= beta < 1:
+            raise ValueError(f"ema_beta must be in [0, 1), got {beta!r}")
+        self.beta = beta
+        self._signal = torch.zeros((), device=device, dtype=torch.float64)
+        self._trace = torch.zeros((), device=device, dtype=torch.float64)
+        self._steps = 0
+
+    def update(self, signal: Tensor, trace: Tensor) -> tuple[Tensor, Tensor]:
+        """Add one step's estimates; the corrected averages ``(|G|², tr Σ)``."""
+        ema_update(self._signal, signal, self.beta)
+        ema_update(self._trace, trace, self.beta)
+        self._steps += 1
+        correction = 1 - self.beta**self._steps
+        return self._signal / correction, self._trace / correction
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "signal_ema": self._signal.clone(),
+            "trace_ema": self._trace.clone(),
+            "ema_steps": self._steps,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self._signal.copy_(state["signal_ema"])  # type: ignore[arg-type]
+        self._trace.copy_(state["trace_ema"])  # type: ignore[arg-type]
+        self._steps = int(state["ema_steps"])  # type: ignore[call-overload]
