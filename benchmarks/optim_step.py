@@ -4,7 +4,7 @@ Anchors, measured in the same process: torch.optim.AdamW(foreach),
 torch.optim.SGD(momentum, foreach), timm Lamb and Lars (for-loop and foreach),
 and the memory-traffic floor of each optimizer: the parameter-sized arrays its
 step must move x 4 bytes x N / the bandwidth of an in-place ``mul_`` on a
-128 MB tensor (REFERENCE.md §10).
+128 MB tensor (docs/algorithms.md, "The memory floor of an optimizer step").
 
     python benchmarks/optim_step.py                 # the full table (~5 min on 2 cores)
     python benchmarks/optim_step.py --block-sweep   # choose _blocks.CPU_BLOCK_ELEMENTS

@@ -9,7 +9,7 @@ the exact two-group cosine (``similarity="split"``, ranks ``[0, W/2)``
 against the rest) and, from the same step's ``|G|²`` and ``tr Σ`` estimates,
 the scalar estimate (``similarity="scalar"``). The table compares their means
 and step-to-step spread with the similarity that the mean noise estimates
-imply (REFERENCE.md §1).
+imply (docs/algorithms.md, "Gradient statistics").
 """
 
 from __future__ import annotations

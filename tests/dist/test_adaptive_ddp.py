@@ -114,8 +114,8 @@ def test_scalar_similarity_agrees_with_the_exact_two_group_cosine(cluster):
     result = cluster.run(programs.similarity_series, 300, batch)[0]
     split = sum(result["split"]) / len(result["split"])
     scalar = sum(result["scalar"]) / len(result["scalar"])
-    # Both follow the similarity the mean noise estimates imply (REFERENCE.md
-    # §1); the measured cosine lies ~0.02 above it, the scalar estimate ~0.01
+    # Both follow the similarity the mean noise estimates imply (docs/algorithms.md,
+    # "Gradient statistics"); the measured cosine lies ~0.02 above it, the scalar estimate ~0.01
     # below (ratios of noisy numbers), as 1500-step runs show.
     signal = sum(s for s, _ in result["noise"]) / len(result["noise"])
     trace = sum(t for _, t in result["noise"]) / len(result["noise"])

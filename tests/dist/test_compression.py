@@ -1,4 +1,4 @@
-"""Compression hooks with error control on gloo ranks (REFERENCE.md §8)."""
+"""Compression hooks with error control on gloo ranks (docs/algorithms.md, "Compression with error control")."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""AGVM: module groups, μ dynamics (REFERENCE.md §7), the LR around the step, state."""
+"""AGVM: module groups, μ dynamics (docs/algorithms.md, "AGVM"), the LR around the step, state."""
 
 import math
 

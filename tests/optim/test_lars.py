@@ -38,7 +38,7 @@ def test_matches_timm_lars_for_50_steps(switch, impl):
 
 
 def test_without_weight_decay_lars_is_sgd_with_momentum():
-    """By design (REFERENCE.md §4): no decay and no always_adapt means no adaptation."""
+    """By design (docs/algorithms.md, "LARS"): no decay and no always_adapt means no adaptation."""
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(6, 6))
     b = torch.nn.Parameter(a.detach().clone())

@@ -1,4 +1,4 @@
-"""MERIT against a plain transcription of REFERENCE.md §5 (the authors' rule)."""
+"""MERIT against a plain transcription of docs/algorithms.md, "MERIT" (the authors' rule)."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""VRGD against transcriptions of its formulas (REFERENCE.md §6)."""
+"""VRGD against transcriptions of its formulas (docs/algorithms.md, "VRGD")."""
 
 import warnings
 

@@ -1,4 +1,4 @@
-"""Noise estimators against closed-form oracles (REFERENCE.md §1)."""
+"""Noise estimators against closed-form oracles (docs/algorithms.md, "Gradient statistics")."""
 
 import math
 

@@ -7,7 +7,7 @@ model, so all are tested without one.
 
 - :class:`SimiGrad` (Qin et al., NeurIPS 2021): hold the half-split gradient
   cosine at a target, growing the batch ×1.1 when it is below and shrinking
-  ×0.9 when above (REFERENCE.md §2).
+  ×0.9 when above (docs/algorithms.md, "Batch-size controllers").
 - :class:`CriticalBatchRamp`: a monotone ramp that doubles the batch once
   ``κ · B_simple`` is confidently above the next size (the critical batch
   grows during training: McCandlish et al. 2018; Merrill et al. 2025).
@@ -68,7 +68,7 @@ class SimiGrad:
     Non-finite similarities are skipped (the batch does not move on them).
 
     Choosing ``target``: equal halves of a batch ``B`` have similarity about
-    ``1 / (1 + 2 B_simple / B)`` (REFERENCE.md §1), so the controller settles
+    ``1 / (1 + 2 B_simple / B)`` (docs/algorithms.md, "Gradient statistics"), so the controller settles
     near ``B = 2 B_simple s* / (1 - s*)``. The default ``s* = 1/3`` settles at
     ``B ≈ B_simple``, the critical batch of McCandlish et al. (2018), where
     doubling the batch still nearly halves the steps; a higher target buys

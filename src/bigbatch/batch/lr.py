@@ -1,7 +1,7 @@
 """Learning-rate rules for a changing batch, and schedules in samples.
 
 A batch-size rule gives the factor by which the learning rate tuned at the
-base batch ``B0`` is multiplied at batch ``B`` (REFERENCE.md §2):
+base batch ``B0`` is multiplied at batch ``B`` (docs/algorithms.md, "Batch-size controllers"):
 
 - ``none``: 1;  ``linear``: ``B/B0`` (Goyal et al. 2017);  ``sqrt``: ``sqrt(B/B0)``
   (SimiGrad; Krizhevsky 2014);

@@ -7,7 +7,7 @@ module group, the disagreement of the two half-batch gradients,
 rescales each group's learning rate by a smoothed
 ``μ_i ← m μ_i + (1 - m) sqrt(clamp((D_0 + 1e-6)/(D_i + 1e-6), 0.5, 10))``
 relative to the reference group 0; and multiplies group ``i``'s LR by ``μ_i``
-around every step (REFERENCE.md §7). The cosines come from
+around every step (docs/algorithms.md, "AGVM"). The cosines come from
 ``bigbatch.stats`` (``GradientStats.group_halves``), so under DDP they cost
 scalars, not the authors' all-gather of half gradients.
 """

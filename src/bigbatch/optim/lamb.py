@@ -3,7 +3,7 @@
 Adam's update, rescaled per tensor by the trust ratio ``|p| / |u|`` so every
 layer moves by a similar fraction of its norm whatever the batch size. The
 defaults and semantics are those of apex ``FusedLAMB`` and timm ``Lamb``
-(REFERENCE.md §3), so a run moved from either gets the same numbers.
+(docs/algorithms.md, "LAMB"), so a run moved from either gets the same numbers.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def lamb_foreach(
     Two passes over the state: the first updates the moments and sums the block
     norms of ``p`` and ``u``; the second recomputes ``u`` (cheaper than storing
     it) and applies it with the trust ratio. That is the 11-array minimum of
-    REFERENCE.md §10 (with the global grad norm), without a ``u`` buffer.
+    docs/algorithms.md, "The memory floor of an optimizer step" (with the global grad norm), without a ``u`` buffer.
     """
     bc1, bc2 = bias_correction1, bias_correction2
     # m̂ / (sqrt(v̂) + eps) == scale * m / (sqrt(v) + eps * sqrt(bc2)): folding the

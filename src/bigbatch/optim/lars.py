@@ -2,7 +2,7 @@
 
 SGD with momentum whose per-tensor learning rate is scaled by the trust ratio
 ``eta * |w| / (|g| + weight_decay * |w| + eps)``. Semantics of timm ``Lars``
-and apex ``LARC`` (REFERENCE.md §4).
+and apex ``LARC`` (docs/algorithms.md, "LARS").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Training". LAMB's trust ratio uses L2 norms, which let single large entries
 (and with them the maximum attention logit) grow at large batch; MERIT uses
 max-norms of whole layers, rows and columns, takes per element the largest of
 the row, column and layer ratios, and clips the scaled update to [-1, 1].
-Follows the authors' code (REFERENCE.md §5): Adam moments without bias
+Follows the authors' code (docs/algorithms.md, "MERIT"): Adam moments without bias
 correction, weight decay inside the update, every tensor adapted.
 """
 

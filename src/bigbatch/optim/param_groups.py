@@ -27,7 +27,7 @@ def param_groups(
     rest get ``weight_decay``. A model method ``no_weight_decay()`` returning
     names (the timm convention) adds to ``no_decay``. This is also what makes
     LAMB and LARS skip the trust ratio for those parameters (NVIDIA's BERT
-    recipe; REFERENCE.md §3–4). Empty groups are left out.
+    recipe; docs/algorithms.md, "LAMB"). Empty groups are left out.
 
     Example:
         >>> opt = LAMB(param_groups(model, weight_decay=0.01), lr=2e-3)

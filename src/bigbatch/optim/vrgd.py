@@ -6,7 +6,7 @@ Each step the element-wise GSNR of the sub-batch gradients, ``r = ḡ²/σ²``
 median) is 1, clipped to ``[γ, 1]``, optionally smoothed by a momentum, and
 multiplies the gradient the base optimizer sees: coordinates whose sub-batch
 gradients disagree are damped, the consistent ones pass unchanged
-(REFERENCE.md §6). The paper publishes no code; this follows its equations.
+(docs/algorithms.md, "VRGD"). The paper publishes no code; this follows its equations.
 """
 
 from __future__ import annotations
