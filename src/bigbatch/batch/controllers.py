@@ -68,9 +68,9 @@ class SimiGrad:
     Non-finite similarities are skipped (the batch does not move on them).
 
     Choosing ``target``: equal halves of a batch ``B`` have similarity about
-    ``1 / (1 + 2 B_simple / B)`` (docs/algorithms.md, "Gradient statistics"), so the controller settles
-    near ``B = 2 B_simple s* / (1 - s*)``. The default ``s* = 1/3`` settles at
-    ``B ≈ B_simple``, the critical batch of McCandlish et al. (2018), where
+    ``1 / (1 + 2 B_simple / B)`` (docs/algorithms.md, "Gradient statistics"), so
+    the controller settles near ``B = 2 B_simple s* / (1 - s*)``. The default
+    ``s* = 1/3`` settles at ``B ≈ B_simple``, the critical batch of McCandlish et al. (2018), where
     doubling the batch still nearly halves the steps; a higher target buys
     fewer steps with more samples (0.8 → ``8 B_simple``, SimiGrad's BERT
     setting), a lower one the reverse (its CIFAR-10 runs used 0–0.2).

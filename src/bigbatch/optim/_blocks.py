@@ -3,7 +3,8 @@
 An eager optimizer step is a chain of element-wise passes (moments, square
 root, division, weight decay, update); each pass streams every tensor through
 memory, so an eager LAMB step moves ~26 parameter-sized arrays where the math
-needs 11 (docs/algorithms.md, "The memory floor of an optimizer step"). On a CPU the cure is to run the whole chain on one
+needs 11 (docs/algorithms.md, "The memory floor of an optimizer step"). On a
+CPU the cure is to run the whole chain on one
 cache-sized block of elements before moving to the next: intermediates then
 live in cache and only the optimizer state is streamed. Per-tensor reductions
 (the norms of trust ratios) are summed from their blocks' partial norms.

@@ -95,7 +95,8 @@ def lamb_foreach(
     Two passes over the state: the first updates the moments and sums the block
     norms of ``p`` and ``u``; the second recomputes ``u`` (cheaper than storing
     it) and applies it with the trust ratio. That is the 11-array minimum of
-    docs/algorithms.md, "The memory floor of an optimizer step" (with the global grad norm), without a ``u`` buffer.
+    docs/algorithms.md, "The memory floor of an optimizer step" (with the global
+    grad norm), without a ``u`` buffer.
     """
     bc1, bc2 = bias_correction1, bias_correction2
     # m̂ / (sqrt(v̂) + eps) == scale * m / (sqrt(v) + eps * sqrt(bc2)): folding the

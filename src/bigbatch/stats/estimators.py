@@ -1,4 +1,4 @@
-"""Estimators of gradient noise from sub-batch gradients (docs/algorithms.md, "Gradient statistics").
+"""Estimators of gradient noise from sub-batch gradients (docs/algorithms.md).
 
 Pure functions of scalars, so they work the same whether the sub-batches are
 micro-batches on one process or ranks under DDP, and are tested against
@@ -102,7 +102,8 @@ def scalar_halves(
     """Expected ``(|g_A|², |g_B|², <g_A, g_B>)`` of two halves, from ``|G|²`` and ``tr Σ``.
 
     ``E<g_A, g_B> = |G|² - trΣ/(N-1)`` (zero covariance with replacement) and
-    ``E|g_X|² = |G|² + trΣ φ(B_X)`` with ``φ = inverse_size`` (docs/algorithms.md, "Gradient statistics").
+    ``E|g_X|² = |G|² + trΣ φ(B_X)`` with ``φ = inverse_size`` (docs/algorithms.md,
+    "Gradient statistics").
     """
     cross = signal
     if dataset_size is not None and not math.isinf(dataset_size) and dataset_size > 1:
@@ -119,7 +120,7 @@ def scalar_similarity(
     size_b: float,
     dataset_size: float | None = None,
 ) -> Tensor:
-    """The half-split cosine estimated from ``|G|²`` and ``tr Σ`` alone (docs/algorithms.md, "Gradient statistics").
+    """The half-split cosine estimated from ``|G|²`` and ``tr Σ`` alone (docs/algorithms.md).
 
     ``s ≈ E<g_A, g_B> / sqrt(E|g_A|² E|g_B|²)`` for halves of ``size_a`` and
     ``size_b`` samples (:func:`scalar_halves`). Fed with one step's unbiased
@@ -131,7 +132,7 @@ def scalar_similarity(
 
 
 def expected_similarity(b_simple: float, size_a: float, size_b: float | None = None) -> float:
-    """The cosine of two half-batch gradients implied by a noise scale (docs/algorithms.md, "Gradient statistics").
+    """The cosine of two half-batch gradients implied by a noise scale (docs/algorithms.md).
 
     ``E<g_A, g_B> = |G|²`` and ``E|g_X|² = |G|² + trΣ / B_X``, so
     ``s ≈ 1 / sqrt((1 + B_simple/B_A)(1 + B_simple/B_B))``; for equal halves of a
