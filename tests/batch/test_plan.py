@@ -31,3 +31,36 @@ def test_weighted_split_covers_every_sample_in_order(weights, micro):
 def test_weighted_split_balances_tokens():
     counts = split_by_weight([10] * 40 + [40] * 10, max_micro_batch=1000, min_sub_batches=4)
     assert counts == [20, 20, 5, 5]
+
+
+def test_plan_step_shards_then_splits_every_rank_into_the_same_count():
+    from bigbatch.batch import plan_step
+
+    indices = list(range(101))
+    plans = [
+        plan_step(indices, rank=r, world_size=3, max_micro_batch=10, min_sub_batches=2)
+        for r in range(3)
+    ]
+    assert all(p.rank_sizes == plans[0].rank_sizes for p in plans)
+    counts = {len(sizes) for sizes in plans[0].rank_sizes}
+    assert counts == {4}  # the 34-sample shard needs 4 parts of <= 10
+    drawn = [i for p in plans for mb in p.micro_batches for i in mb]
+    assert drawn == indices  # each sample once, in order
+    assert plans[0].batch_size == 101
+
+
+def test_loss_weights_make_grad_the_sample_mean_after_ranks_average():
+    from bigbatch.batch import StepPlan, loss_weights
+
+    plan = StepPlan(((3, 2), (3, 2)), rank=1)
+    assert plan.loss_weights() == [2 * 3 / 10, 2 * 2 / 10]
+    # summed over ranks and divided by W, the weights of all micro-batches sum to 1
+    assert sum(plan.loss_weights()) * 2 / 2 == 1.0
+    assert loss_weights([4, 4], 8, 1, "sum") == [1 / 8, 1 / 8]
+
+
+def test_a_fixed_count_with_weights_places_boundaries_by_weight():
+    from bigbatch.batch import plan_step
+
+    plan = plan_step(list(range(6)), count=2, weight_fn=lambda i: 10 if i == 0 else 1)
+    assert plan.rank_sizes == ((10, 5),) and plan.micro_batches == ((0,), (1, 2, 3, 4, 5))

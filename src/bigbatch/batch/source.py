@@ -121,7 +121,7 @@ class IterableSource:
                 self._iterator = iter(self.dataset)
                 self._consumed = 0
                 samples.append(next(self._iterator))
-        self._consumed += len(samples)
+            self._consumed += 1  # since the iterable (last) started
         self._drawn = samples
         return list(range(len(samples)))
 

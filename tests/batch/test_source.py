@@ -1,0 +1,50 @@
+"""Data sources: what a loop draws and loads, and where it resumes."""
+
+import torch
+from torch.utils.data import IterableDataset, TensorDataset
+
+from bigbatch.batch.source import IterableSource, MapSource, make_source
+
+
+def test_map_source_loads_the_planned_micro_batches_and_resumes():
+    data = TensorDataset(torch.arange(20.0))
+    source = MapSource(data, seed=1)
+    drawn = source.draw(6)
+    assert len(set(drawn)) == 6
+    loaded = [b[0].tolist() for b in source.load([drawn[:2], drawn[2:]])]
+    assert loaded == [[float(i) for i in drawn[:2]], [float(i) for i in drawn[2:]]]
+    state = source.state_dict()
+    expected = source.draw(9)
+    again = MapSource(data, seed=1)
+    again.load_state_dict(state)
+    assert again.draw(9) == expected
+
+
+class Counting(IterableDataset):
+    def __iter__(self):
+        yield from (torch.tensor(float(i)) for i in range(5))
+
+
+def test_iterable_source_restarts_a_finite_stream_and_skips_on_resume():
+    source = IterableSource(Counting())
+    positions = source.draw(7)  # runs past the end: the stream starts again
+    assert positions == list(range(7))
+    assert [b.tolist() for b in source.load([[0, 1, 2, 3, 4], [5, 6]])] == [
+        [0.0, 1.0, 2.0, 3.0, 4.0],
+        [0.0, 1.0],
+    ]
+    resumed = IterableSource(Counting())
+    resumed.load_state_dict(source.state_dict())
+    resumed.draw(2)
+    assert [b.tolist() for b in resumed.load([[0, 1]])] == [[2.0, 3.0]]
+
+
+def test_make_source_picks_by_kind_and_refuses_weights_on_a_stream():
+    import pytest
+
+    assert isinstance(
+        make_source(Counting(), shuffle=True, seed=0, weight_fn=None, loader_options={}),
+        IterableSource,
+    )
+    with pytest.raises(ValueError, match="weight_fn needs a map-style dataset"):
+        make_source(Counting(), shuffle=True, seed=0, weight_fn=len, loader_options={})

@@ -1,0 +1,43 @@
+"""Summary numbers computed from a run's metrics."""
+
+import math
+
+import pytest
+
+from bigbatch.experiments.summary import batch_path_ratio, target_summary
+from bigbatch.experiments.tasks import TASKS
+
+
+def test_batch_path_ratio():
+    assert batch_path_ratio([64, 64, 128, 256, 256]) == pytest.approx(1.0)  # monotone
+    assert batch_path_ratio([64, 64, 64]) == 1.0  # constant
+    saw = batch_path_ratio([64, 256, 64, 256])  # up, down, up: 3 moves for a net 1
+    assert saw == pytest.approx(3.0)
+    assert batch_path_ratio([64, 128, 64]) is None  # back where it began
+
+
+def test_target_summary_in_numbers_and_words():
+    task = TASKS["mnist1d"]
+    evals = [
+        {"step": 10, "samples": 640, "eval_accuracy": 0.5},
+        {"step": 20, "samples": 1280, "eval_accuracy": 0.975},
+    ]
+    reached = target_summary(task, evals)
+    assert reached["target_reached"] and reached["steps_to_target"] == 20
+    assert reached["samples_to_target"] == 1280
+    assert "reached at step 20 (1,280 samples)" in reached["target_note"]
+    missed = target_summary(task, evals[:1])
+    assert not missed["target_reached"] and missed["steps_to_target"] is None
+    assert missed["target_note"] == "target accuracy 0.97 not reached; best 0.5"
+
+
+def test_a_loss_target_is_reached_from_above():
+    task = TASKS["lm"]
+    assert task.lower_is_better
+    evals = [
+        {"step": 1, "samples": 64, "eval_loss": 3.0, "eval_accuracy": 0.1},
+        {"step": 2, "samples": 128, "eval_loss": task.target - 1e-3, "eval_accuracy": 0.2},
+    ]
+    summary = target_summary(task, evals)
+    assert summary["steps_to_target"] == 2 and summary["target_metric"] == "eval_loss"
+    assert not math.isnan(task.target)

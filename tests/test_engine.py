@@ -1,0 +1,152 @@
+"""The step engine: one place for the per-step rules, tested without a framework."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import bigbatch as bb
+from bigbatch.batch import StepPlan
+from bigbatch.engine import StepEngine
+
+
+def setup(controller=None, optimizer="sgd", statistics=True, **options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    elif optimizer == "lamb":
+        opt = bb.optim.LAMB(model.parameters(), lr=0.01)
+    else:
+        opt = optimizer(model)
+    collector = bb.stats.MicroBatchStatistics(opt.param_groups) if statistics else None
+    controller = controller or bb.batch.Constant(16)
+    engine = StepEngine(opt, controller, collector=collector, **options)
+    return model, opt, engine
+
+
+FOUR = StepPlan(((4, 4, 4, 4),))
+
+
+def run_step(model, engine, plan=FOUR, poison=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    engine.begin(plan)
+    start = 0
+    for i, size in enumerate(plan.sizes):
+        engine.before_backward(i)
+        loss = nn.functional.cross_entropy(model(x[start : start + size]), y[start : start + size])
+        if poison:
+            loss = loss * math.nan
+        loss = loss * engine.loss_weight(i)
+        engine.add_loss(loss)
+        loss.backward()
+        start += size
+    return engine.before_optimizer_step()
+
+
+def test_the_rate_is_set_for_the_step_and_restored_after():
+    seen = []
+    model, opt, engine = setup(
+        bb.batch.Constant(16), lr_scaling="linear", base_batch_size=8, schedule=lambda s: 0.5
+    )
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(o.param_groups[0]["lr"]))
+    result = run_step(model, engine)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 2 * 0.5)  # applied now
+    opt.step()
+    engine.after_optimizer_step(result)
+    assert opt.param_groups[0]["lr"] == 0.1  # restored exactly
+    assert seen == [pytest.approx(0.1)]
+    assert result.metrics["lr_factor"] == pytest.approx(1.0)
+    assert result.metrics["lr"] == pytest.approx(0.1) and result.metrics["schedule"] == 0.5
+
+
+def test_a_restore_the_framework_never_called_does_not_compound():
+    model, opt, engine = setup(bb.batch.Constant(16), lr_scaling="linear", base_batch_size=8)
+    run_step(model, engine)  # applied x2, never restored (a GradScaler skipped the step)
+    opt.zero_grad()
+    run_step(model, engine)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
+
+
+def test_counters_and_the_controller_decision():
+    ramp = bb.batch.Ramp(steps=[(0, 16), (32, 32)])
+    model, opt, engine = setup(ramp, lr_scaling="none")
+    first = run_step(model, engine)
+    engine.after_optimizer_step(first)
+    assert (engine.steps_taken, engine.samples, engine.batch_size) == (1, 16, 16)
+    opt.zero_grad()
+    second = run_step(model, engine)
+    assert second.metrics["step"] == 2 and second.metrics["samples"] == 32
+    assert second.metrics["next_batch_size"] == engine.batch_size == 32
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_a_non_finite_step_is_skipped_before_anything_learns_from_it(statistics):
+    controller = bb.batch.CriticalBatchRamp(0.01, initial=16, window=2) if statistics else None
+    model, opt, engine = setup(controller or bb.batch.Constant(16), statistics=statistics)
+    averages = engine.collector.state_dict() if statistics else None
+    result = run_step(model, engine, poison=True)
+    assert result.skip and result.metrics["skipped"] == 1.0 and result.metrics["lr"] == 0.0
+    assert engine.skipped_steps == 1 and engine.steps_taken == 1 and engine.batch_size == 16
+    assert opt.param_groups[0]["lr"] == 0.1  # nothing applied
+    if statistics:  # the moving averages skipped the NaN
+        after = engine.collector.state_dict()
+        assert after["ema_steps"] == averages["ema_steps"] + 1
+        assert torch.isfinite(after["signal_ema"]) and torch.isfinite(after["trace_ema"])
+
+
+def test_a_non_finite_step_raises_when_asked():
+    model, _, engine = setup(nonfinite="raise")
+    with pytest.raises(bb.NonFiniteError, match="step 1"):
+        run_step(model, engine, poison=True)
+    assert engine.steps_taken == 0
+
+
+@pytest.mark.parametrize(
+    "controller, optimizer, rule",
+    [
+        (bb.batch.CriticalBatchRamp(initial=16), "sgd", "none"),  # follows the noise: held
+        (bb.batch.Constant(16), "sgd", "linear"),
+        (bb.batch.Constant(16), "lamb", "sqrt"),
+        (bb.batch.SimiGrad(initial=16), "lamb", "sqrt"),
+    ],
+)
+def test_auto_rule_by_controller_and_optimizer_family(controller, optimizer, rule):
+    _, _, engine = setup(controller, optimizer=optimizer)
+    assert engine.lr_scaling == rule
+    assert engine.base_batch_size == 16  # the controller's first batch
+
+
+def test_what_the_rules_need_is_checked_up_front():
+    with pytest.raises(ValueError, match="needs statistics"):
+        setup(bb.batch.CriticalBatchRamp(initial=16), statistics=False)
+    with pytest.raises(ValueError, match="needs statistics"):
+        setup(bb.batch.Constant(16), statistics=False, lr_scaling="adascale")
+
+    def vrgd(model):
+        return bb.optim.VRGD(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    with pytest.raises(ValueError, match="gsnr"):
+        setup(optimizer=vrgd)  # a collector without the GSNR VRGD reads
+    with pytest.raises(ValueError, match="nonfinite"):
+        setup(nonfinite="ignore")
+
+
+def test_state_round_trip():
+    model, opt, engine = setup(bb.batch.CriticalBatchRamp(0.5, initial=16, window=2))
+    for seed in range(6):
+        engine.after_optimizer_step(run_step(model, engine, seed=seed))
+        opt.zero_grad()
+    state = engine.state_dict()
+    _, _, other = setup(bb.batch.CriticalBatchRamp(0.5, initial=16, window=2))
+    other.load_state_dict(state)
+    again = other.state_dict()
+    assert again["controller"] == state["controller"]
+    assert all(
+        torch.equal(again["statistics"][k], v)
+        for k, v in state["statistics"].items()
+        if torch.is_tensor(v)
+    )
+    assert (other.steps_taken, other.samples, other.batch_size) == (6, 96, engine.batch_size)
