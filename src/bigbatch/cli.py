@@ -118,7 +118,8 @@ def _train(args: argparse.Namespace) -> int:
         config = _config(args)
         out = Path(args.out) if args.out else None
     launching = args.nproc > 1 and "LOCAL_RANK" not in os.environ
-    world = None if launching else init_from_env()
+    # the device decides the backend (NCCL for GPUs, one per rank; gloo for the CPU)
+    world = None if launching else init_from_env(_device(config))
     if launching:
         if not args.resume:
             out = out or new_run_dir(task=config["task"])
@@ -145,6 +146,15 @@ def _train(args: argparse.Namespace) -> int:
         dist.barrier()  # gloo aborts a rank that tears down while a peer still talks
         dist.destroy_process_group()
     return 0
+
+
+def _device(config: dict[str, Any]):
+    from .experiments.device import resolve_device
+
+    try:
+        return resolve_device(config["device"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _launch(args: argparse.Namespace, out: Path) -> int:

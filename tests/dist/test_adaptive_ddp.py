@@ -102,6 +102,11 @@ def test_two_group_hook_wraps_another_hook_without_changing_the_gradient(cluster
     assert results[0]["cosines"] == results[1]["cosines"]
     assert all(-1 <= c <= 1 for c in results[0]["cosines"])
     assert results[0]["extra_bytes"] > 0
+    if torch.cuda.is_available():
+        pytest.skip(
+            "torch's PowerSGD hook calls torch.cuda.synchronize() whenever CUDA is available, "
+            "which fails for the CPU tensors of these gloo ranks"
+        )
     # around PowerSGD the model gets the compressed gradient, the cosine the exact one
     compressed = cluster2.run(programs.hook_with_inner, 5, "powersgd")
     assert compressed[0]["cosines"][0] == results[0]["cosines"][0]

@@ -8,8 +8,12 @@ import torch
 from bigbatch import cli
 from bigbatch.loop import AdaptiveBatch
 
+# the CPU: these runs are compared bitwise, and --nproc 2 uses two gloo ranks even where a
+# GPU exists (tests/test_cuda.py trains on the GPU)
 SMALL = [
     "--quiet",
+    "--set",
+    "device=cpu",
     "--set",
     "task=digits",
     "--set",
@@ -221,7 +225,16 @@ def test_teacher_task_trains(tmp_path):
     out = tmp_path / "teacher"
     assert (
         run_cli(
-            "train", "--quiet", "--set", "task=teacher", "--set", "max_samples=20000", "--out", out
+            "train",
+            "--quiet",
+            "--set",
+            "device=cpu",
+            "--set",
+            "task=teacher",
+            "--set",
+            "max_samples=20000",
+            "--out",
+            out,
         )
         == 0
     )

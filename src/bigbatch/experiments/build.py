@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -15,6 +16,7 @@ from ..dist.world import World
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, create_optimizer, get_optimizer_info, module_param_groups
 from .config import ConfigError
+from .device import Precision
 from .tasks import TASKS, Problem
 
 #: config names of the compression methods that differ from the hook's
@@ -81,16 +83,24 @@ def make_schedule(config: dict[str, Any]):
     return schedule_by_name(config["schedule.kind"], total, int(config["schedule.warmup"] * total))
 
 
-def build(config: dict[str, Any], world: World | None = None) -> tuple[Problem, AdaptiveBatch]:
-    """The task's problem and the loop that trains it (its model wrapped in DDP on 2+ ranks)."""
+def build(
+    config: dict[str, Any], world: World | None = None, device: torch.device | None = None
+) -> tuple[Problem, AdaptiveBatch, Precision]:
+    """The task's problem on ``device``, the loop that trains it (its model in DDP on 2+
+    ranks) and the precision its forward passes run in."""
+    device = device if device is not None else torch.device("cpu")
     problem = TASKS[config["task"]].build(config)
+    problem.model.to(device)
     try:
-        return problem, _loop(config, problem, world)
+        precision = Precision(config["precision"], device)
+        return problem, _loop(config, problem, world, precision), precision
     except ValueError as err:  # settings the loop or an optimizer refuses
         raise ConfigError(str(err)) from None
 
 
-def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> AdaptiveBatch:
+def _loop(
+    config: dict[str, Any], problem: Problem, world: World | None, precision: Precision
+) -> AdaptiveBatch:
     options: dict[str, Any] = {"lr": config["lr"], "weight_decay": config["weight_decay"]}
     accepted = get_optimizer_info(config["optimizer"]).signature().parameters
     if "impl" in accepted:
@@ -111,7 +121,12 @@ def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> Adap
     model: nn.Module = problem.model
     hook = None
     if world is not None and world.distributed:
-        model = nn.parallel.DistributedDataParallel(model, process_group=world.group)
+        on_gpu = precision.device.type == "cuda"
+        model = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[precision.device.index] if on_gpu else None,
+            process_group=world.group,
+        )
         if config["dist.compression"] == "powersgd":
             hook = _powersgd(config, world)
         elif config["dist.compression"] != "none":
@@ -144,6 +159,9 @@ def _loop(config: dict[str, Any], problem: Problem, world: World | None) -> Adap
         comm_hook=hook,
         nonfinite=config["nonfinite"],
         seed=config["seed"],
+        scaler=precision.scaler(),
+        # batches reach a GPU from pinned memory, without blocking the host
+        loader_options={"pin_memory": precision.device.type == "cuda"},
     )
 
 

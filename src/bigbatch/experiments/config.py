@@ -31,6 +31,7 @@ from ..optim import IMPLS, list_optimizers
 from ..optim.agvm import RULE_NAMES
 from ..optim.vrgd import NORMALIZERS
 from ..stats import SIMILARITY_MODES
+from .device import PRECISIONS
 from .tasks import TASKS
 
 #: config values of dist.compression beside the hook's methods
@@ -93,6 +94,20 @@ def _keys() -> list[Key]:
         Key("eval_every", 25, "evaluate on the test set every this many steps", low=1),
         Key("checkpoint_every", 100, "write a checkpoint every this many steps", low=1),
         Key("threads", 0, "torch CPU threads; 0: torch's default", low=0),
+        Key(
+            "device",
+            "auto",
+            "where to train: auto (the GPU when there is one, under torchrun the LOCAL_RANK-th), "
+            "cpu, cuda or cuda:N",
+        ),
+        Key(
+            "precision",
+            "fp32",
+            "forward passes in fp32, bf16 (autocast) or fp16 (autocast with a GradScaler); "
+            "parameters and optimizer state stay fp32",
+            PRECISIONS,
+        ),
+        Key("tf32", True, "TF32 tensor cores for fp32 matrix products on CUDA"),
         Key(
             "nonfinite",
             "skip",

@@ -29,7 +29,8 @@ from tqdm import tqdm
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
 from .build import build, with_task_defaults
-from .config import to_toml
+from .config import ConfigError, to_toml
+from .device import resolve_device, set_tf32, to_device
 from .report import render_run
 from .rundir import CHECKPOINT, load_checkpoint, read_metrics, save_atomically
 from .summary import batch_path_ratio, target_summary, traffic_per_step
@@ -45,9 +46,14 @@ def train(
     writes ``out`` and returns the summary, the other ranks return it too.
     """
     config = with_task_defaults(config)
-    world = init_from_env()
+    try:
+        device = resolve_device(config["device"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    set_tf32(config["tf32"])
+    world = init_from_env(device)
     _set_threads(config["threads"], world)
-    problem, loop = build(config, world)
+    problem, loop, precision = build(config, world, device)
     writer = world.rank == 0
     state = _open_run(out, config, loop, resume, writer)
     first_step = loop.steps_taken
@@ -57,7 +63,9 @@ def train(
     with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
         for step in loop.steps(max_samples=config["max_samples"]):
             for batch in step.micro_batches():
-                step.backward(problem.loss(loop.model, batch))
+                with precision.autocast():
+                    loss = problem.loss(loop.model, to_device(batch, device))
+                step.backward(loss)
             step.apply()
             row = dict(step.metrics)
             last = loop.samples >= config["max_samples"]
@@ -146,6 +154,8 @@ def _write_summary(
         "samples": loop.samples,
         "wall_seconds": state["wall_seconds"],
         "processes": loop.world.size,
+        "device": str(next(problem.model.parameters()).device),
+        "precision": config["precision"],
         "skipped_steps": loop.skipped_steps,
         "batch_path_ratio": batch_path_ratio([r["batch_size"] for r in rows]),
         **target_summary(task, evals),

@@ -95,18 +95,37 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+class OnDevice:
+    """Evaluation tensors, copied to the model's device once (CPU: no copy)."""
+
+    def __init__(self, *tensors: Tensor) -> None:
+        self._tensors = tensors
+        self._copies: dict[torch.device, tuple[Tensor, ...]] = {}
+
+    def on(self, model: nn.Module) -> tuple[Tensor, ...]:
+        device = next(model.parameters()).device
+        if device not in self._copies:
+            self._copies[device] = tuple(t.to(device) for t in self._tensors)
+        return self._copies[device]
+
+
 def _classification_eval(x: Tensor, y: Tensor, chunk: int = 4096):
+    data = OnDevice(x, y)
+
     def evaluate(model: nn.Module) -> dict[str, float]:
+        xs, ys = data.on(model)
         was_training = model.training
         model.eval()
-        loss, correct = 0.0, 0
+        loss = torch.zeros((), dtype=torch.float64, device=xs.device)
+        correct = torch.zeros((), dtype=torch.int64, device=xs.device)
         with torch.no_grad():
-            for i in range(0, len(x), chunk):
-                out = model(x[i : i + chunk])
-                loss += nn.functional.cross_entropy(out, y[i : i + chunk], reduction="sum").item()
-                correct += (out.argmax(-1) == y[i : i + chunk]).sum().item()
+            for i in range(0, len(xs), chunk):
+                out = model(xs[i : i + chunk]).float()
+                loss += nn.functional.cross_entropy(out, ys[i : i + chunk], reduction="sum")
+                correct += (out.argmax(-1) == ys[i : i + chunk]).sum()
         model.train(was_training)
-        return {"eval_loss": loss / len(x), "eval_accuracy": correct / len(x)}
+        total, right = torch.stack([loss, correct.double()]).tolist()  # one read
+        return {"eval_loss": total / len(xs), "eval_accuracy": right / len(xs)}
 
     return evaluate
 
@@ -287,7 +306,7 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(h))
 
     def max_attention_logit(self) -> float:
-        return max(float(b.attn.max_logit) for b in self.blocks)
+        return float(torch.stack([b.attn.max_logit for b in self.blocks]).amax())
 
 
 def markov_language(vocab: int = 32, alpha: float = 0.2, seed: int = 7) -> tuple[Tensor, float]:
@@ -323,20 +342,20 @@ def build_lm(
         return nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
 
     xt, yt = x[sequences:], y[sequences:]
+    test_data = OnDevice(xt, yt)
 
     def evaluate(model: nn.Module) -> dict[str, float]:
+        xs, ys = test_data.on(model)
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            out = model(xt)
-            loss_value = nn.functional.cross_entropy(out.flatten(0, 1), yt.flatten()).item()
-            accuracy = (out.argmax(-1) == yt).float().mean().item()
+            out = model(xs).float()
+            loss_value = nn.functional.cross_entropy(out.flatten(0, 1), ys.flatten())
+            accuracy = (out.argmax(-1) == ys).float().mean()
+            logit = torch.stack([b.attn.max_logit for b in model.blocks]).amax()  # type: ignore
         model.train(was_training)
-        return {
-            "eval_loss": loss_value,
-            "eval_accuracy": accuracy,
-            "max_attention_logit": model.max_attention_logit(),
-        }  # type: ignore[operator]
+        values = torch.stack([loss_value.double(), accuracy.double(), logit.double()]).tolist()
+        return dict(zip(("eval_loss", "eval_accuracy", "max_attention_logit"), values))
 
     return Problem(
         TensorDataset(x[:sequences], y[:sequences]),

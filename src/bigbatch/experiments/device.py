@@ -1,0 +1,84 @@
+"""Where a run computes and in what precision: the ``device``, ``precision`` and ``tf32`` keys.
+
+``device = "auto"`` is the GPU when there is one (under ``torchrun`` the
+process's ``LOCAL_RANK``-th), else the CPU. ``precision`` is ``fp32``,
+``bf16`` (autocast to bfloat16; parameters and optimizer state stay
+float32) or ``fp16`` (autocast to float16 with a ``GradScaler``). Batches
+move to the device from pinned memory with non-blocking copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device a config names (``auto``, ``cpu``, ``cuda`` or ``cuda:N``), checked."""
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device = {name!r} is not a device (auto, cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device = {name!r}: bigbatch runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device = {name!r} but no CUDA device is available here")
+        index = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0))
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device = {name!r} but this machine has {torch.cuda.device_count()} GPU(s)"
+            )
+        device = torch.device("cuda", index)
+    return device
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor cores for float32 matrix products and convolutions (CUDA only)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+class Precision:
+    """Autocast for the forward passes, and the ``GradScaler`` fp16 needs."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        if name not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+        self.name, self.device = name, device
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        if self.name == "fp32":
+            yield
+            return
+        with torch.autocast(self.device.type, dtype=_DTYPES[self.name]):
+            yield
+
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """A loss scaler for float16 (whose gradients underflow without one); else None."""
+        if self.name != "fp16":
+            return None
+        return torch.amp.GradScaler(self.device.type)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (tensors in tuples, lists, dicts) on ``device``, copied without blocking."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch

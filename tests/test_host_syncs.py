@@ -1,0 +1,122 @@
+"""One host synchronisation per optimizer step, counted on the CPU.
+
+On a GPU every read of a device tensor's value from Python (``item``,
+``tolist``, ``float()``, ``bool()``, ``.cpu()``, ...) stalls the host until
+the device catches up. The CPU has no such stall, but the same reads are
+visible: these tests wrap the reading methods of ``torch.Tensor`` and count
+them during a step (the batch drawn, micro-batches loaded, forward, backward,
+statistics, optimizer step, next batch size). The contract: exactly one per
+step, with statistics (the batch decision, which carries the loss and the
+finiteness check) or without. ``tests/test_cuda.py`` checks the same on a GPU
+with ``torch.cuda.set_sync_debug_mode``.
+
+Reads made by the host-side data pipeline are not counted: the sampler's
+permutation and the ``DataLoader``'s worker seed are CPU tensors wherever the
+model trains, so reading them never waits for a device.
+"""
+
+import contextlib
+import traceback
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import bigbatch as bb
+
+READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def counting_reads():
+    counts: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name, original):
+        def read(self, *args, **kwargs):
+            if not _in_data_pipeline():
+                counts.append(name)
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _in_data_pipeline() -> bool:
+    files = [frame.filename for frame in traceback.extract_stack(limit=8)]
+    return any("torch/utils/data" in f or f.endswith("bigbatch/batch/sampler.py") for f in files)
+
+
+def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 12, generator=gen), torch.randint(0, 3, (4096,)))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if optimizer == "sgd"
+        else bb.optim.VRGD(torch.optim.SGD(model.parameters(), lr=0.05))
+    )
+    controller = (
+        bb.batch.CriticalBatchRamp(8.0, initial=16 * micro_batches, min=micro_batches, window=2)
+        if statistics
+        else bb.batch.Constant(16 * micro_batches)
+    )
+    loop = bb.AdaptiveBatch(
+        model,
+        opt,
+        data,
+        controller=controller,
+        max_micro_batch=16,
+        min_sub_batches=micro_batches,
+        statistics=statistics,
+        gsnr=gsnr,
+    )
+    return model, loop
+
+
+def reads_per_step(model, loop, steps=4):
+    per_step = []
+    iterator = loop.steps(max_steps=steps)
+    for _ in range(steps):
+        with counting_reads() as reads:
+            step = next(iterator)
+            for x, y in step.micro_batches():
+                step.backward(nn.functional.cross_entropy(model(x), y))
+            step.apply()
+        per_step.append(list(reads))
+    return per_step
+
+
+@pytest.mark.parametrize("micro_batches", [2, 8])
+@pytest.mark.parametrize("gsnr", [False, True])
+def test_one_read_per_step_with_statistics(micro_batches, gsnr):
+    model, loop = make_loop(micro_batches, gsnr=gsnr)
+    per_step = reads_per_step(model, loop, steps=10)
+    assert per_step == [["tolist"]] * len(per_step)
+    assert loop.batch_size > 16 * micro_batches, "the controller must have acted"
+
+
+def test_one_read_per_step_with_vrgd():
+    model, loop = make_loop(8, optimizer="vrgd")
+    assert reads_per_step(model, loop) == [["tolist"]] * 4
+
+
+@pytest.mark.parametrize("micro_batches", [1, 8])
+def test_one_read_per_step_without_statistics(micro_batches):
+    model, loop = make_loop(micro_batches, statistics=False)
+    assert reads_per_step(model, loop) == [["tolist"]] * 4
+
+
+def test_the_counter_sees_a_read():
+    with counting_reads() as reads:
+        torch.ones(2).sum().item()
+    assert reads == ["item"]
