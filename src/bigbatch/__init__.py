@@ -1,6 +1,7 @@
 """bigbatch: make very large batches train as well as small ones in PyTorch."""
 
 from . import batch, dist, optim, schedules, stats
+from .engine import StepEngine, StepResult
 from .loop import AdaptiveBatch, NonFiniteError, Step
 
 __version__ = "0.1.0"
@@ -9,6 +10,8 @@ __all__ = [
     "AdaptiveBatch",
     "NonFiniteError",
     "Step",
+    "StepEngine",
+    "StepResult",
     "__version__",
     "batch",
     "dist",
