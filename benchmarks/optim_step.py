@@ -9,6 +9,13 @@ step must move x 4 bytes x N / the bandwidth of an in-place ``mul_`` on a
     python benchmarks/optim_step.py                 # the full table (~5 min on 2 cores)
     python benchmarks/optim_step.py --block-sweep   # choose _blocks.CPU_BLOCK_ELEMENTS
     python benchmarks/optim_step.py --scale 0.1 --no-compiled   # a quick look
+    python benchmarks/optim_step.py --device cuda --model 124M  # on a GPU (and --model 774M)
+
+On a GPU the step is timed with CUDA events (median of 15 after 3 warm-up
+steps), the floor's bandwidth is that of ``mul_`` on a 256 MB tensor on the
+device, the anchors add torch's fused AdamW and SGD, and the table adds the
+host synchronisations inside one ``step()`` (``torch.cuda.set_sync_debug_mode``)
+and the first step's time (state creation and, for ``compiled``, compiling).
 
 timm is optional: its rows are left out when it is not installed
 (``pip install --no-deps timm``).
@@ -43,6 +50,10 @@ FLOOR_ARRAYS = {
 }
 
 
+#: GPT-2 sizes as (blocks, d): 124M has 148 tensors, 774M 436
+MODELS = {"small": (4, 768), "124M": (12, 768), "774M": (36, 1280)}
+
+
 def gpt2_like_shapes(
     blocks: int = 4, d: int = 768, vocab: int = 50257, context: int = 1024, scale: float = 1.0
 ) -> list[tuple[int, ...]]:
@@ -55,12 +66,12 @@ def gpt2_like_shapes(
     return [*shapes, (d,), (d,)]
 
 
-def make_params(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+def make_params(shapes: list[tuple[int, ...]], device: str = "cpu") -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
     params = []
     for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
-        p.grad = torch.randn(shape, generator=gen) * 1e-3
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(device)
         params.append(p)
     return params
 
@@ -72,27 +83,57 @@ def groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     ]
 
 
-def median_step_ms(optimizer: torch.optim.Optimizer, warmup: int, repeat: int) -> float:
+def timed(fn: Callable[[], object], device: str) -> float:
+    """Seconds ``fn`` takes: CUDA events on a GPU, the wall clock on the CPU."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_time = time.perf_counter()
+    fn()
+    return time.perf_counter() - start_time
+
+
+def median_step_ms(
+    optimizer: torch.optim.Optimizer, warmup: int, repeat: int, device: str = "cpu"
+) -> float:
     for _ in range(warmup):
         optimizer.step()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed(optimizer.step, device) for _ in range(repeat)) * 1e3
 
 
-def inplace_mul_bandwidth(nbytes: int = 128 * 2**20, repeat: int = 20) -> float:
+def host_syncs(fn: Callable[[], object], device: str) -> int | None:
+    """Host synchronisations ``fn`` makes on a GPU (sync debug mode); None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def inplace_mul_bandwidth(
+    nbytes: int = 128 * 2**20, repeat: int = 20, device: str = "cpu"
+) -> float:
     """Bytes per second moved by ``x.mul_(c)`` (read + write) on a ``nbytes`` tensor."""
-    x = torch.ones(nbytes // 4)
+    x = torch.ones(nbytes // 4, device=device)
     x.mul_(1.0)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        x.mul_(1.0000001)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
+    return (
+        2
+        * nbytes
+        / statistics.median(timed(lambda: x.mul_(1.0000001), device) for _ in range(repeat))
+    )
 
 
 def load_timm_optim() -> types.ModuleType | None:
@@ -111,7 +152,25 @@ def load_timm_optim() -> types.ModuleType | None:
 def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]:
     """(family, label, anchor family, factory(params) -> optimizer)."""
     impls = ["foreach", "reference"] + ([] if args.no_compiled else ["compiled"])
+    cuda = args.device.startswith("cuda")
+    fused: list[tuple[str, str, str, Callable]] = []
+    if cuda:  # torch's fused kernels: the GPU anchors
+        fused = [
+            (
+                "AdamW",
+                "torch AdamW fused",
+                "",
+                lambda ps: torch.optim.AdamW(groups(ps, 0.01), lr=1e-3, fused=True),
+            ),
+            (
+                "SGD",
+                "torch SGD momentum fused",
+                "",
+                lambda ps: torch.optim.SGD(groups(ps, 0.0), lr=0.1, momentum=0.9, fused=True),
+            ),
+        ]
     rows: list[tuple[str, str, str, Callable]] = [
+        *fused,
         (
             "AdamW",
             "torch AdamW foreach",
@@ -152,7 +211,7 @@ def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]
             (
                 "LAMB",
                 f"bigbatch LAMB {impl}",
-                "timm Lamb foreach",
+                "torch AdamW fused" if cuda else "timm Lamb foreach",
                 lambda ps, i=impl: LAMB(groups(ps, 0.01), lr=1e-3, impl=i),
             )
         )
@@ -160,7 +219,7 @@ def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]
             (
                 "LARS",
                 f"bigbatch LARS {impl}",
-                "torch SGD momentum foreach",
+                "torch SGD momentum fused" if cuda else "torch SGD momentum foreach",
                 lambda ps, i=impl: LARS(groups(ps, 1e-4), lr=0.1, impl=i),
             )
         )
@@ -168,7 +227,7 @@ def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]
             (
                 "MERIT",
                 f"bigbatch MERIT {impl}",
-                "torch AdamW foreach",
+                "torch AdamW fused" if cuda else "torch AdamW foreach",
                 lambda ps, i=impl: MERIT(groups(ps, 0.01), lr=1e-3, impl=i),
             )
         )
@@ -176,14 +235,20 @@ def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]
 
 
 def run_table(args: argparse.Namespace) -> None:
-    shapes = gpt2_like_shapes(scale=args.scale)
-    params = make_params(shapes)
+    blocks, d = MODELS[args.model]
+    shapes = gpt2_like_shapes(blocks=blocks, d=d, scale=args.scale)
+    params = make_params(shapes, args.device)
     n = sum(p.numel() for p in params)
-    bandwidth = inplace_mul_bandwidth()
+    probe = 256 * 2**20 if args.device.startswith("cuda") else 128 * 2**20
+    bandwidth = inplace_mul_bandwidth(probe, device=args.device)
+    where = (
+        torch.cuda.get_device_name(args.device)
+        if args.device.startswith("cuda")
+        else f"{torch.get_num_threads()} CPU threads"
+    )
     print(
         f"# {n / 1e6:.1f}M fp32 params in {len(params)} tensors; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; "
-        f"in-place mul_ bandwidth at start {bandwidth / 1e9:.1f} GB/s"
+        f"{where}; in-place mul_ bandwidth at start {bandwidth / 1e9:.1f} GB/s"
     )
     results: dict[str, float] = {}
     rows = []
@@ -191,24 +256,28 @@ def run_table(args: argparse.Namespace) -> None:
         if args.only and not any(s.lower() in label.lower() for s in args.only):
             continue
         # The bandwidth drifts on a shared machine: each row's floor is measured beside it.
-        floor = FLOOR_ARRAYS[family] * 4 * n / inplace_mul_bandwidth() * 1e3
+        floor = FLOOR_ARRAYS[family] * 4 * n / inplace_mul_bandwidth(probe, device=args.device)
+        floor *= 1e3
         optimizer = factory(params)
-        start = time.perf_counter()
-        optimizer.step()  # state creation and, for impl="compiled", compilation
-        first = time.perf_counter() - start
-        ms = median_step_ms(optimizer, args.warmup, args.repeat)
+        # state creation and, for impl="compiled", compilation
+        first = timed(optimizer.step, args.device)
+        ms = median_step_ms(optimizer, args.warmup, args.repeat, args.device)
+        syncs = host_syncs(optimizer.step, args.device)
         results[label] = ms
-        rows.append((family, label, anchor, ms, floor))
+        rows.append((family, label, anchor, ms, floor, first, syncs))
         del optimizer
         gc.collect()
         print(f"  measured {label}: {ms:.1f} ms (first step {first:.1f} s)", file=sys.stderr)
 
     print()
-    print("| step | median ms | × anchor (anchor) | × floor (floor ms) |")
-    print("|---|---|---|---|")
-    for _, label, anchor, ms, floor in rows:
+    print("| step | median ms | × anchor (anchor) | × floor (floor ms) | first step s | syncs |")
+    print("|---|---|---|---|---|---|")
+    for _, label, anchor, ms, floor, first, syncs in rows:
         vs_anchor = f"{ms / results[anchor]:.2f} ({anchor})" if anchor in results else ""
-        print(f"| {label} | {ms:.1f} | {vs_anchor} | {ms / floor:.2f} ({floor:.1f}) |")
+        print(
+            f"| {label} | {ms:.2f} | {vs_anchor} | {ms / floor:.2f} ({floor:.2f}) "
+            f"| {first:.1f} | {'—' if syncs is None else syncs} |"
+        )
 
     def best(family: str) -> tuple[str, float]:
         own = {k: v for k, v in results.items() if k.startswith(f"bigbatch {family}")}
@@ -217,7 +286,7 @@ def run_table(args: argparse.Namespace) -> None:
 
     print("\nTargets (issue 2):")
     checks = []
-    floors = {label: floor for _, label, _, _, floor in rows}
+    floors = {row[1]: row[4] for row in rows}
     if "bigbatch LAMB compiled" in results:
         checks.append(
             (
@@ -264,8 +333,10 @@ def main() -> None:
         default=1.0,
         help="multiply the vocabulary size (1.0: the full ~68M-parameter set)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--model", default="small", choices=tuple(MODELS), help="GPT-2 size")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=None, help="10 on the CPU, 15 on a GPU")
     parser.add_argument("--no-compiled", action="store_true", help="skip impl='compiled'")
     parser.add_argument("--only", nargs="*", help="run only rows whose label contains these")
     parser.add_argument(
@@ -274,6 +345,8 @@ def main() -> None:
         help="time foreach LAMB/LARS for block sizes 2^12..2^21",
     )
     args = parser.parse_args()
+    if args.repeat is None:
+        args.repeat = 15 if args.device.startswith("cuda") else 10
     if args.block_sweep:
         run_block_sweep(args)
     else:

@@ -157,3 +157,31 @@ def test_auto_picks_the_gpu_and_a_killed_cuda_run_resumes(tmp_path, monkeypatch)
     # GPU reductions may add in another order (atomics): the same path, to float tolerance
     assert [r["batch_size"] for r in a] == [r["batch_size"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["reference", "foreach", "compiled"])
+@pytest.mark.parametrize("name", ["lamb", "lars", "merit"])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_no_host_sync_inside_optimizer_step_on_cuda(name, impl, tensor_lr):
+    params = [nn.Parameter(p) for p in gpt_like_params()]
+    lr = torch.tensor(1e-2, device=DEVICE) if tensor_lr else 1e-2
+    opt = bb.optim.create_optimizer(params, name, lr=lr, impl=impl)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # the first step creates the state (and compiles)
+    assert count_syncs(opt.step) == 0
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars", "merit"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_keep_float32_state_on_cuda(name, dtype):
+    params = [nn.Parameter(p) for p in gpt_like_params(dtype=dtype)]
+    opt = bb.optim.create_optimizer(params, name, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in params:
+        assert p.dtype == dtype
+        for value in opt.state[p].values():
+            if value.is_floating_point() and value.dim() > 0:
+                assert value.dtype == torch.float32

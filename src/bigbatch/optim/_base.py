@@ -45,7 +45,7 @@ def check_betas(betas: Any, *, count: int = 2) -> tuple[float, ...]:
 
 def check_adam_group(group: dict[str, Any]) -> None:
     """Check and normalise the Adam-style hyper-parameters of a group (LAMB, MERIT)."""
-    group["lr"] = check_number("lr", group["lr"])
+    group["lr"] = check_lr(group["lr"])
     group["betas"] = check_betas(group["betas"])
     group["eps"] = check_number("eps", group["eps"], low_open=True)  # v can be 0
     group["weight_decay"] = check_number("weight_decay", group["weight_decay"])
@@ -69,6 +69,29 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
         for gs in by_device.values()
     ]
     return torch.linalg.vector_norm(torch.stack(per_device))
+
+
+def add_scaled(targets: list[Tensor], updates: list[Tensor], coefficient: float | Tensor) -> None:
+    """``targets += coefficient * updates`` (``updates`` may be overwritten).
+
+    A tensor coefficient (a tensor learning rate) is multiplied in on the
+    device: ``alpha=`` would read it to the host.
+    """
+    if isinstance(coefficient, Tensor):
+        torch._foreach_mul_(updates, coefficient)
+        torch._foreach_add_(targets, updates)
+    else:
+        torch._foreach_add_(targets, updates, alpha=coefficient)
+
+
+def check_lr(value: Any) -> float | Tensor:
+    """A learning rate: a number, or a 0-dim floating tensor (as torch.optim accepts), >= 0."""
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or not value.is_floating_point():
+            raise ValueError(f"lr must be a number or a 0-dim floating tensor, got {value!r}")
+        check_number("lr", float(value))  # read once, at construction, never in step()
+        return value
+    return check_number("lr", value)
 
 
 def trust_ratio(w_norm: Tensor, u_norm: Tensor, ratio: Tensor) -> Tensor:
@@ -196,7 +219,7 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         # impl is a property of this object, not of a param group: state_dict()
         # carries groups, and a state saved under one impl loads under another.
         self.impl = check_impl(impl)
-        self._scalars: dict[tuple[int, str], Tensor] = {}
+        self._scalars: dict[tuple[int, str, torch.device], Tensor] = {}
         defaults = dict(defaults)
         self._check_group(defaults)
         super().__init__(params, defaults)
@@ -232,19 +255,25 @@ class BigBatchOptimizer(torch.optim.Optimizer):
             params.append(p)
         return params
 
-    def _scalar(self, group_index: int, name: str, value: float) -> float | Tensor:
-        """``value`` as a float, or for the compiled impl in a reused CPU float32 tensor.
+    def _scalar(
+        self, group_index: int, name: str, value: float | Tensor, device: torch.device
+    ) -> float | Tensor:
+        """``value`` as a float, or for the compiled impl in a reused float32 tensor on ``device``.
 
         The compiled update takes the lr and the bias corrections as tensors so
-        that new values do not recompile; they are computed in double precision
-        here and stored once.
+        that new values do not recompile; they live on the parameters' device,
+        so the kernel reads them there (a CPU scalar inside a CUDA graph would be
+        read to the host per tensor). A tensor learning rate (as torch.optim
+        accepts) is used as it is, never read to the host.
         """
+        if isinstance(value, Tensor):
+            return value.to(device=device, dtype=torch.float32)
         if self.impl != "compiled":
             return float(value)
-        key = (group_index, name)
+        key = (group_index, name, device)
         t = self._scalars.get(key)
         if t is None:
-            t = self._scalars[key] = torch.zeros((), dtype=torch.float32)
+            t = self._scalars[key] = torch.zeros((), dtype=torch.float32, device=device)
         return t.fill_(float(value))
 
     def _state_for(self, p: Tensor) -> dict[str, Tensor]:
@@ -308,6 +337,11 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         ``lists`` are params, their grads, then state lists (in ``state_dtype``).
         """
         for params, grads, *state in group_by_device_and_dtype(*lists):
+            device = params[0].device
+            kwargs = {
+                k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v
+                for k, v in kwargs.items()
+            }
             low_precision = params[0].dtype in LOW_PRECISION
             if low_precision:
                 # Compute in float32 against the float32 state, round into p once.

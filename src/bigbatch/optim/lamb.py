@@ -18,7 +18,13 @@ from torch import Tensor
 from .._checks import check_flag, check_number
 from .._tensors import norm_dtype, norms
 from . import _blocks
-from ._base import BigBatchOptimizer, check_adam_group, global_grad_norm, trust_ratio
+from ._base import (
+    BigBatchOptimizer,
+    add_scaled,
+    check_adam_group,
+    global_grad_norm,
+    trust_ratio,
+)
 
 __all__ = ["LAMB", "lamb_foreach", "lamb_reference"]
 
@@ -78,7 +84,7 @@ def lamb_foreach(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     clip: Tensor | None,
     beta1: float,
     beta2: float,
@@ -104,7 +110,7 @@ def lamb_foreach(
     scale = math.sqrt(bc2) / bc1
     eps_hat = eps * math.sqrt(bc2)
     coupled_decay = weight_decay if not decoupled_weight_decay else 0.0
-    shrink = 1 - lr * weight_decay if decoupled_weight_decay else 1.0
+    decay_first = decoupled_weight_decay and weight_decay != 0
     adapt = weight_decay != 0 or always_adapt
     if clip is not None:
         clip = clip.to(params[0].device)
@@ -131,10 +137,10 @@ def lamb_foreach(
         torch._foreach_mul_(V, beta2)
         torch._foreach_addcmul_(V, G, G, value=1 - beta2)
         U = direction(P, M, V)
-        if shrink != 1.0:
-            torch._foreach_mul_(P, shrink)  # decoupled decay first: the ratio sees the decayed p
+        if decay_first:  # decoupled decay first: the ratio sees the decayed p
+            torch._foreach_mul_(P, 1 - lr * weight_decay)
         if not adapt:
-            torch._foreach_add_(P, U, alpha=-lr * scale)
+            add_scaled(P, U, -lr * scale)
             continue
         pieces += block
         u_norms += norms(U)
@@ -150,7 +156,10 @@ def lamb_foreach(
     step_sizes = (ratio * (-lr * scale)).unbind(0)
     for block in blocks:
         P, M, V = (_blocks.take(t, block) for t in (params, exp_avgs, exp_avg_sqs))
-        torch._foreach_addcmul_(P, direction(P, M, V), [step_sizes[i] for i, _, _ in block])
+        U = direction(P, M, V)
+        # a list of device scalars: foreach_addcmul_ would read them to the host (a sync)
+        torch._foreach_mul_(U, [step_sizes[i] for i, _, _ in block])
+        torch._foreach_add_(P, U)
 
 
 class LAMB(BigBatchOptimizer):
@@ -242,6 +251,7 @@ class LAMB(BigBatchOptimizer):
             steps = [s["step"] for s in states]
             self._increment_steps(steps)
             beta1, beta2 = group["betas"]
+            device = params[0].device
             for step, idx in self._partition_by_step(steps).items():
                 # The corrections are computed here in double precision, not in the
                 # update: inside a compiled kernel beta**step would be evaluated per
@@ -256,14 +266,14 @@ class LAMB(BigBatchOptimizer):
                     [params[i].grad for i in idx],
                     [states[i]["exp_avg"] for i in idx],
                     [states[i]["exp_avg_sq"] for i in idx],
-                    lr=self._scalar(index, "lr", group["lr"]),
+                    lr=self._scalar(index, "lr", group["lr"], device),
                     clip=clip,
                     beta1=beta1,
                     beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
-                    bias_correction1=self._scalar(index, "bias_correction1", bc1),
-                    bias_correction2=self._scalar(index, "bias_correction2", bc2),
+                    bias_correction1=self._scalar(index, "bias_correction1", bc1, device),
+                    bias_correction2=self._scalar(index, "bias_correction2", bc2, device),
                     decoupled_weight_decay=group["decoupled_weight_decay"],
                     trust_clip=group["trust_clip"],
                     always_adapt=group["always_adapt"],

@@ -16,7 +16,7 @@ from torch import Tensor
 from .._checks import check_flag, check_number
 from .._tensors import norm_dtype, norms
 from . import _blocks
-from ._base import BigBatchOptimizer, trust_ratio
+from ._base import BigBatchOptimizer, check_lr, trust_ratio
 
 __all__ = ["LARS", "lars_foreach", "lars_reference"]
 
@@ -87,7 +87,7 @@ def lars_foreach(
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     momentum: float,
     dampening: float,
     weight_decay: float,
@@ -133,7 +133,10 @@ def lars_foreach(
                 torch._foreach_mul_(B, momentum)
                 torch._foreach_add_(B, G, alpha=1 - dampening)
             G = torch._foreach_add(G, B, alpha=momentum) if nesterov else B
-        torch._foreach_add_(P, G, alpha=-lr)
+        if isinstance(lr, Tensor):  # a copy: G may be the buffers or the gradients themselves
+            torch._foreach_add_(P, torch._foreach_mul(G, -lr))
+        else:
+            torch._foreach_add_(P, G, alpha=-lr)
 
 
 class LARS(BigBatchOptimizer):
@@ -195,7 +198,7 @@ class LARS(BigBatchOptimizer):
 
     @staticmethod
     def _check_group(group: dict[str, Any]) -> None:
-        group["lr"] = check_number("lr", group["lr"])
+        group["lr"] = check_lr(group["lr"])
         group["momentum"] = check_number("momentum", group["momentum"], high=1.0, high_open=True)
         group["dampening"] = check_number("dampening", group["dampening"], high=1.0)
         group["weight_decay"] = check_number("weight_decay", group["weight_decay"])
@@ -237,7 +240,7 @@ class LARS(BigBatchOptimizer):
                     ps,
                     [p.grad for p in ps],
                     buffers,
-                    lr=self._scalar(index, "lr", group["lr"]),
+                    lr=self._scalar(index, "lr", group["lr"], ps[0].device),
                     momentum=momentum,
                     dampening=group["dampening"],
                     weight_decay=group["weight_decay"],

@@ -92,7 +92,7 @@ def merit_foreach(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -141,7 +141,7 @@ def merit_foreach(
             ratio = trust_ratio(w, a, w / a)
             for rows in blocks:
                 u = direction(p[rows], m[rows], v[rows])
-                p[rows].add_(u.mul_(ratio).clamp_(-1.0, 1.0), alpha=-lr)
+                _descend(p[rows], u.mul_(ratio).clamp_(-1.0, 1.0), lr)
             continue
 
         rw, ru = torch.cat(row_w), torch.cat(row_u)
@@ -152,7 +152,15 @@ def merit_foreach(
             u = direction(p[rows], m[rows], v[rows])
             tau = torch.maximum(row_ratio[rows], col_ratio).clamp_(min=layer)
             tau.masked_fill_(row_bad[rows], 1.0).masked_fill_(col_bad, 1.0)
-            p[rows].add_(u.mul_(tau).clamp_(-1.0, 1.0), alpha=-lr)
+            _descend(p[rows], u.mul_(tau).clamp_(-1.0, 1.0), lr)
+
+
+def _descend(p: Tensor, update: Tensor, lr: float | Tensor) -> None:
+    """``p -= lr * update`` (``update`` is a temporary; a tensor lr stays on the device)."""
+    if isinstance(lr, Tensor):
+        p.sub_(update.mul_(lr))
+    else:
+        p.add_(update, alpha=-lr)
 
 
 class MERIT(BigBatchOptimizer):
@@ -205,7 +213,7 @@ class MERIT(BigBatchOptimizer):
                 [p.grad for p in params],
                 [s["exp_avg"] for s in states],
                 [s["exp_avg_sq"] for s in states],
-                lr=self._scalar(index, "lr", group["lr"]),
+                lr=self._scalar(index, "lr", group["lr"], params[0].device),
                 beta1=beta1,
                 beta2=beta2,
                 eps=group["eps"],
