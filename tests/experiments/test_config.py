@@ -42,3 +42,14 @@ def test_set_values_are_read_as_toml():
 def test_bad_values_name_the_key_and_value(layer, message):
     with pytest.raises(ConfigError, match=message):
         resolve(layer)
+
+
+def test_the_cli_docs_list_every_key_as_the_help_does():
+    """docs/cli.md carries the `bigbatch train --help` listing; a new or changed key updates both."""
+    from pathlib import Path
+
+    from bigbatch.experiments.config import help_text
+
+    docs = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    listing = docs.split("## Config keys", 1)[1].split("```")[1].strip("\n")
+    assert listing == help_text()
