@@ -45,7 +45,7 @@ def test_bad_values_name_the_key_and_value(layer, message):
 
 
 def test_the_cli_docs_list_every_key_as_the_help_does():
-    """docs/cli.md carries the `bigbatch train --help` listing; a new or changed key updates both."""
+    """docs/cli.md carries the `--help` listing; a new or changed key updates both."""
     from pathlib import Path
 
     from bigbatch.experiments.config import help_text
