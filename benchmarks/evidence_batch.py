@@ -31,14 +31,14 @@ the last segment extended), both conservative for the adaptive run. Writes
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
 import math
-import multiprocessing
 import statistics
 from pathlib import Path
 from typing import Any
+
+from _runs import run_all
 
 STATIC = (64, 256, 1024, 4096, 16384)
 MULTIPLIERS = (0.5, 1.0, 2.0)
@@ -79,27 +79,6 @@ def arms(task_name: str, quick: bool) -> dict[str, list[dict[str, Any]]]:
                 settings["batch.target"] = 0.8
         out[kind] = [{**settings, "lr": settings["lr"] * m} for m in multipliers]
     return out
-
-
-def _train(args: tuple[dict[str, Any], str]) -> dict[str, Any]:
-    config, out = args
-    from bigbatch.experiments.config import resolve
-    from bigbatch.experiments.runner import train
-
-    path = Path(out)
-    if (path / "summary.json").is_file():
-        return json.loads((path / "summary.json").read_text())
-    if path.exists():  # a run killed midway: start it again
-        import shutil
-
-        shutil.rmtree(path)
-    return train(resolve(config), path, quiet=True)
-
-
-def run_all(jobs: list[tuple[dict[str, Any], str]], workers: int) -> list[dict[str, Any]]:
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return list(pool.map(_train, jobs))
 
 
 def rank(summary: dict[str, Any], lower_is_better: bool) -> tuple:

@@ -1,0 +1,69 @@
+"""Every registered optimizer trains every built-in task at the task's rate for its family.
+
+A user who names an optimizer and leaves ``lr`` at 0 gets the task's measured
+rate for that optimizer's family (docs/results.md, "Learning rate per optimizer
+family"). At a small budget each must move the model well past chance; the
+bar is set so that a rate 30× too small (an Adam rate given to LARS) fails.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from bigbatch.experiments.build import _loop, with_task_defaults
+from bigbatch.experiments.config import resolve
+from bigbatch.experiments.device import Precision
+from bigbatch.experiments.tasks import TASKS
+from bigbatch.optim import list_optimizers
+
+#: samples per run; chance (10 classes; lm: the uniform loss over 32 tokens) and the margin
+#: a run must clear it by: accuracy ≥ chance + margin, or eval loss ≤ uniform − margin
+BUDGET = {"digits": 12_288, "mnist1d": 16_384, "teacher": 12_288, "lm": 8_192}
+CHANCE = {"digits": 0.1, "mnist1d": 0.1, "teacher": 0.1, "lm": math.log(32)}
+MARGIN = {"digits": 0.3, "mnist1d": 0.15, "teacher": 0.2, "lm": 0.3}
+
+
+def _train(task_name: str, optimizer: str, problem, initial_model) -> dict[str, float]:
+    config = with_task_defaults(
+        resolve(
+            {
+                "task": task_name,
+                "optimizer": optimizer,
+                "max_samples": BUDGET[task_name],
+                "device": "cpu",
+            }
+        )
+    )
+    torch.manual_seed(0)
+    model = copy.deepcopy(initial_model)
+    problem = copy.copy(problem)
+    problem.model = model
+    loop = _loop(config, problem, None, Precision("fp32", torch.device("cpu")))
+    for step in loop.steps(max_samples=config["max_samples"]):
+        for batch in step.micro_batches():
+            step.backward(problem.loss(model, batch))
+        step.apply()
+    return problem.evaluate(model)
+
+
+@pytest.mark.parametrize("task_name", sorted(BUDGET))
+def test_every_optimizer_trains_every_task_at_its_default_rate(task_name):
+    torch.manual_seed(0)
+    config = with_task_defaults(resolve({"task": task_name, "device": "cpu"}))
+    problem = TASKS[task_name].build(config)
+    initial = copy.deepcopy(problem.model)
+    failures = []
+    for optimizer in list_optimizers():
+        scores = _train(task_name, optimizer, problem, initial)
+        chance, margin = CHANCE[task_name], MARGIN[task_name]
+        if TASKS[task_name].lower_is_better:
+            ok = scores["eval_loss"] <= chance - margin
+            got = f"eval loss {scores['eval_loss']:.3f} (uniform {chance:.3f})"
+        else:
+            ok = scores["eval_accuracy"] >= chance + margin
+            got = f"accuracy {scores['eval_accuracy']:.3f} (chance {chance:.2f})"
+        if not ok:
+            failures.append(f"{optimizer}: {got}")
+    assert not failures, f"{task_name}: " + "; ".join(failures)
