@@ -13,7 +13,8 @@ Arms, each trained for the task's sample budget with a cosine schedule:
 - ``critical_ramp`` with its defaults and ``damped_simigrad`` at the
   similarity that corresponds to the ramp's multiple (``s* = κ / (κ + 2)``,
   0.8), both from batch 256 with the rate held (``lr_scaling = auto``), at
-  the task's held rate × {0.5, 1, 2}.
+  the task's held rate × {0.5, 1, 2};
+- with ``--kappas``, ``critical_ramp`` at other multiples κ, the same way.
 
 Every arm gets a 3-point grid on seed 0; its best rate (fewest steps to the
 task's target, then the best metric) is rerun on seeds 1 and 2. For each arm:
@@ -56,7 +57,9 @@ def base(task_name: str) -> dict[str, Any]:
     }
 
 
-def arms(task_name: str, quick: bool) -> dict[str, list[dict[str, Any]]]:
+def arms(
+    task_name: str, quick: bool, kappas: tuple[float, ...] = ()
+) -> dict[str, list[dict[str, Any]]]:
     """Each arm's grid of configs (overrides of the base)."""
     from bigbatch.experiments.tasks import TASKS
 
@@ -78,6 +81,11 @@ def arms(task_name: str, quick: bool) -> dict[str, list[dict[str, Any]]]:
             if kind == "damped_simigrad":
                 settings["batch.target"] = 0.8
         out[kind] = [{**settings, "lr": settings["lr"] * m} for m in multipliers]
+    for kappa in kappas:  # the ramp at other multiples κ, each with its own grid
+        settings = {"batch.controller": "critical_ramp", "batch.initial": 256}
+        out[f"critical_ramp k={kappa:g}"] = [
+            {**settings, "batch.noise_multiple": kappa, "lr": held * m} for m in multipliers
+        ]
     return out
 
 
@@ -117,6 +125,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 static batches, no grid, 1 seed")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (1 thread each)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--kappas", type=float, nargs="*", default=[], help="more arms: critical_ramp at these κ"
+    )
     args = parser.parse_args()
 
     from bigbatch.experiments.tasks import TASKS
@@ -125,7 +136,7 @@ def main() -> None:
     lower = task.lower_is_better
     root = Path(args.out or f"runs/evidence-{args.task}{'-quick' if args.quick else ''}")
     root.mkdir(parents=True, exist_ok=True)
-    grid = arms(args.task, args.quick)
+    grid = arms(args.task, args.quick, tuple(args.kappas))
 
     def job(arm: str, i: int, overrides: dict[str, Any], seed: int) -> tuple[dict, str]:
         name = f"{arm.replace(' ', '')}-lr{i}-seed{seed}"
