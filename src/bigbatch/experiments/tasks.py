@@ -58,7 +58,9 @@ class Task:
     target: float
     #: measured learning rates: ``lrs[family]`` at ``base_batch`` under the family's
     #: batch rule (``bigbatch.batch.lr.FAMILY_RULES``), ``lrs[family + "/held"]`` for
-    #: controllers that hold the rate while the batch follows the noise
+    #: controllers that hold the rate while the batch follows the noise. The adam rates
+    #: come from the evidence grids, the sgd and lars ones from benchmarks/family_lrs.py
+    #: (docs/results.md, "Learning rate per optimizer family")
     lrs: Mapping[str, float]
     max_samples: int
     width: int
@@ -376,7 +378,14 @@ TASKS: dict[str, Task] = {
             size="40k train / 10k test, 40 features",
             expected="~0.97 test accuracy",
             target=0.97,
-            lrs={"adam": 4e-3, "adam/held": 1.6e-2},
+            lrs={
+                "adam": 4e-3,
+                "adam/held": 1.6e-2,
+                "sgd": 0.025,
+                "sgd/held": 0.1,
+                "lars": 0.79,
+                "lars/held": 3.16,
+            },
             max_samples=1_200_000,
             width=32,
             depth=3,
@@ -388,7 +397,14 @@ TASKS: dict[str, Task] = {
             size="50k train / 10k test, 32 features",
             expected="~0.95 test accuracy (1.0 reachable)",
             target=0.95,
-            lrs={"adam": 4e-3, "adam/held": 1.6e-2},
+            lrs={
+                "adam": 4e-3,
+                "adam/held": 1.6e-2,
+                "sgd": 0.25,
+                "sgd/held": 1.0,
+                "lars": 0.79,
+                "lars/held": 3.16,
+            },
             max_samples=1_500_000,
             width=64,
             depth=2,
@@ -400,7 +416,14 @@ TASKS: dict[str, Task] = {
             size="1437 train / 360 test, 64 features",
             expected="~0.97 test accuracy",
             target=0.95,
-            lrs={"adam": 4e-3, "adam/held": 1.6e-2},
+            lrs={
+                "adam": 4e-3,
+                "adam/held": 1.6e-2,
+                "sgd": 0.25,
+                "sgd/held": 1.0,
+                "lars": 2.5,
+                "lars/held": 10.0,
+            },
             max_samples=300_000,
             width=128,
             depth=1,
@@ -413,7 +436,14 @@ TASKS: dict[str, Task] = {
             expected="eval loss near the entropy floor (2.306 nats)",
             target=2.33,
             target_metric="eval_loss",
-            lrs={"adam": 2e-3, "adam/held": 8e-3},
+            lrs={
+                "adam": 2e-3,
+                "adam/held": 8e-3,
+                "sgd": 0.079,
+                "sgd/held": 0.316,
+                "lars": 0.25,
+                "lars/held": 1.0,
+            },
             max_samples=400_000,
             width=64,
             depth=2,
