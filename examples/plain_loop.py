@@ -6,7 +6,7 @@ Compared with an ordinary gradient-accumulation loop, the lines marked
 ``# bigbatch`` are the changes. Prints the batch size as the controller
 grows it (every 40 steps); runs in well under 2 minutes on 2 CPU cores. The
 controller is the default one (``bb.batch.CriticalBatchRamp``): the batch
-doubles whenever eight times the smoothed noise scale is confidently above
+doubles whenever six times the smoothed noise scale is confidently above
 the next size, and the learning rate is held (``lr_scaling="auto"``).
 """
 

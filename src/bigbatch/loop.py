@@ -147,7 +147,7 @@ class AdaptiveBatch:
             only for a deterministic iterable).
         controller: from ``bigbatch.batch``; default
             :class:`~bigbatch.batch.CriticalBatchRamp` (the batch doubles once
-            eight times the noise scale is confidently above the next size).
+            six times the noise scale is confidently above the next size).
         max_micro_batch: the largest micro-batch that fits in memory.
         min_sub_batches: the fewest micro-batches per step (≥ 2; default 4).
         lr_scaling: how the rate follows the batch relative to

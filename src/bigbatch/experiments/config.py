@@ -139,7 +139,7 @@ def _keys() -> list[Key]:
         ),
         Key(
             "batch.noise_multiple",
-            8.0,
+            6.0,
             "kappa of critical_ramp (grow while kappa * B_simple is above the next size) "
             "and noise_scale (B = kappa * B_simple)",
             low=0,
