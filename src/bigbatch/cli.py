@@ -261,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `bigbatch tasks | head`: the reader left; nothing to report
+        # point stdout at devnull so the interpreter's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 
