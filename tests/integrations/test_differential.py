@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
@@ -25,20 +25,9 @@ import bigbatch as bb  # noqa: E402
 from bigbatch.integrations.hf import AdaptiveBatchTrainer  # noqa: E402
 from bigbatch.integrations.lightning import AdaptiveBatchCallback  # noqa: E402
 
+from ._data import Teacher  # noqa: E402
+
 K, FIRST, BUDGET, POISONED = 4, 64, 64 * 60, 5
-
-
-class Teacher(Dataset):
-    def __init__(self, n=4096):
-        gen = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 16, generator=gen)
-        self.y = (self.x @ torch.randn(16, 4, generator=gen)).argmax(1)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i]}
 
 
 class Net(nn.Module):

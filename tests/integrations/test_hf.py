@@ -5,25 +5,13 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 transformers = pytest.importorskip("transformers")
 
 import bigbatch as bb  # noqa: E402
 from bigbatch.integrations.hf import AdaptiveBatchTrainer  # noqa: E402
 
-
-class Teacher(Dataset):
-    def __init__(self, n=4096, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 16, generator=gen)
-        self.y = (self.x @ torch.randn(16, 4, generator=gen)).argmax(1)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "labels": self.y[i]}
+from ._data import Teacher  # noqa: E402
 
 
 class Net(nn.Module):

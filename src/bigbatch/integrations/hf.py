@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Any
@@ -131,20 +132,9 @@ class AdaptiveBatchTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, sampler: GlobalBatchSampler, **kwargs: Any) -> None:
-        options = {
-            k: kwargs.pop(k)
-            for k in (
-                "controller",
-                "lr_scaling",
-                "base_batch_size",
-                "schedule",
-                "similarity",
-                "ema_beta",
-                "gsnr",
-                "nonfinite",
-            )
-            if k in kwargs
-        }
+        # the callback's own keywords; every other argument is the Trainer's
+        names = list(inspect.signature(AdaptiveBatchCallback).parameters)[1:]
+        options = {k: kwargs.pop(k) for k in names if k in kwargs}
         self.bigbatch = AdaptiveBatchCallback(sampler, **options)
         super().__init__(*args, **kwargs)
         if sampler.max_samples is None:
