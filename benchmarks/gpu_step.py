@@ -82,7 +82,7 @@ def timed_step(model, loop, device: torch.device) -> tuple[float, int]:
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode(0)
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = sum("called a synchronizing" in str(w.message) for w in caught)
     if cuda:
         end.record()
         torch.cuda.synchronize()

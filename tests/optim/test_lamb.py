@@ -7,7 +7,7 @@ from bigbatch.optim import LAMB
 from bigbatch.optim._base import global_grad_norm
 
 from .common import flat, make_model, rel_err, split_groups, train
-from .timm_reference import load
+from .timm_reference import for_loop, load
 
 SWITCHES = {
     "defaults": {},
@@ -31,7 +31,7 @@ def test_matches_timm_lamb_for_50_steps(switch, impl):
     # loss_scale 30 puts the global grad norm well above max_grad_norm=1, so the clip acts
     expected = train(
         reference_model,
-        timm_lamb(split_groups(reference_model, 0.05), lr=0.02, foreach=False, **timm_options),
+        for_loop(timm_lamb, split_groups(reference_model, 0.05), lr=0.02, **timm_options),
         loss_scale=30.0,
     )
     model = make_model()

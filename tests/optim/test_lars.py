@@ -6,7 +6,7 @@ import torch
 from bigbatch.optim import LARS
 
 from .common import flat, make_model, rel_err, split_groups, train
-from .timm_reference import load
+from .timm_reference import for_loop, load
 
 # timm's defaults differ (lr 1.0, momentum 0): every test passes settings explicitly.
 BASE = {"lr": 2.0, "momentum": 0.9, "dampening": 0.0, "nesterov": False}
@@ -28,7 +28,7 @@ def test_matches_timm_lars_for_50_steps(switch, impl):
     reference_model = make_model()
     start = flat(reference_model)
     expected = train(
-        reference_model, timm_lars(split_groups(reference_model, 1e-3), foreach=False, **options)
+        reference_model, for_loop(timm_lars, split_groups(reference_model, 1e-3), **options)
     )
     model = make_model()
     got = train(model, LARS(split_groups(model, 1e-3), impl=impl, **options))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 import types
 from pathlib import Path
@@ -28,3 +29,10 @@ def load(module: str):
         package.__path__ = [str(Path(next(iter(spec.submodule_search_locations))) / "optim")]
         sys.modules[_PACKAGE] = package
     return importlib.import_module(f"{_PACKAGE}.{module}")
+
+
+def for_loop(optimizer_class, *args, **options):
+    """A timm optimizer running its per-tensor loop (``foreach=False`` where the version has it)."""
+    if "foreach" in inspect.signature(optimizer_class).parameters:
+        options["foreach"] = False
+    return optimizer_class(*args, **options)

@@ -1,7 +1,9 @@
 """Where a run computes and in what precision: the ``device``, ``precision`` and ``tf32`` keys.
 
 ``device = "auto"`` is the GPU when there is one (under ``torchrun`` the
-process's ``LOCAL_RANK``-th), else the CPU. ``precision`` is ``fp32``,
+process's ``LOCAL_RANK``-th), else the CPU. Where a node runs more processes
+than it has GPUs (``--nproc 2`` on one GPU), every process takes the CPU: NCCL
+needs a GPU of its own per rank, and all ranks must choose alike. ``precision`` is ``fp32``,
 ``bf16`` (autocast to bfloat16; parameters and optimizer state stay
 float32) or ``fp16`` (autocast to float16 with a ``GradScaler``). Batches
 move to the device from pinned memory with non-blocking copies.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +27,15 @@ def resolve_device(name: str) -> torch.device:
     """The device a config names (``auto``, ``cpu``, ``cuda`` or ``cuda:N``), checked."""
     if name == "auto":
         if not torch.cuda.is_available():
+            return torch.device("cpu")
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_processes > torch.cuda.device_count():
+            warnings.warn(
+                f"device = 'auto': {local_processes} processes on this node but "
+                f"{torch.cuda.device_count()} GPU(s); training on the CPU "
+                "(set device = 'cuda' with one process per GPU to use them)",
+                stacklevel=2,
+            )
             return torch.device("cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     try:
