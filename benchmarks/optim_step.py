@@ -10,6 +10,7 @@ step must move x 4 bytes x N / the bandwidth of an in-place ``mul_`` on a
     python benchmarks/optim_step.py --block-sweep   # choose _blocks.CPU_BLOCK_ELEMENTS
     python benchmarks/optim_step.py --scale 0.1 --no-compiled   # a quick look
     python benchmarks/optim_step.py --device cuda --model 124M  # on a GPU (and --model 774M)
+    python benchmarks/optim_step.py --device cuda --model 774M --fused-sweep  # fused chunk sizes
 
 On a GPU the step is timed with CUDA events (median of 15 after 3 warm-up
 steps), the floor's bandwidth is that of ``mul_`` on a 256 MB tensor on the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import inspect
 import statistics
 import sys
 import time
@@ -120,7 +122,7 @@ def host_syncs(fn: Callable[[], object], device: str) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sum("called a synchronizing" in str(w.message) for w in caught)
 
 
 def inplace_mul_bandwidth(
@@ -151,8 +153,9 @@ def load_timm_optim() -> types.ModuleType | None:
 
 def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]:
     """(family, label, anchor family, factory(params) -> optimizer)."""
-    impls = ["foreach", "reference"] + ([] if args.no_compiled else ["compiled"])
     cuda = args.device.startswith("cuda")
+    impls = ["foreach", "reference"] + ([] if args.no_compiled else ["compiled"])
+    impls += ["fused"] if cuda else []  # Triton kernels: CUDA only
     fused: list[tuple[str, str, str, Callable]] = []
     if cuda:  # torch's fused kernels: the GPU anchors
         fused = [
@@ -186,14 +189,17 @@ def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]
     ]
     timm = load_timm_optim()
     if timm is not None:
-        for foreach in (False, True):
+        # timm's Lamb and Lars take ``foreach`` only in some versions
+        takes_foreach = "foreach" in inspect.signature(timm.Lamb).parameters
+        for foreach in (False, True) if takes_foreach else (False,):
             kind = "foreach" if foreach else "for-loop"
+            extra = {"foreach": foreach} if takes_foreach else {}
             rows.append(
                 (
                     "LAMB",
                     f"timm Lamb {kind}",
                     "",
-                    lambda ps, f=foreach: timm.Lamb(groups(ps, 0.01), lr=1e-3, foreach=f),
+                    lambda ps, kw=extra: timm.Lamb(groups(ps, 0.01), lr=1e-3, **kw),
                 )
             )
             rows.append(
@@ -201,9 +207,7 @@ def candidates(args: argparse.Namespace) -> list[tuple[str, str, str, Callable]]
                     "LARS",
                     f"timm Lars {kind}",
                     "",
-                    lambda ps, f=foreach: timm.Lars(
-                        groups(ps, 1e-4), lr=0.1, momentum=0.9, foreach=f
-                    ),
+                    lambda ps, kw=extra: timm.Lars(groups(ps, 1e-4), lr=0.1, momentum=0.9, **kw),
                 )
             )
     for impl in impls:
@@ -284,9 +288,12 @@ def run_table(args: argparse.Namespace) -> None:
         label = min(own, key=own.get)
         return label, own[label]
 
+    floors = {row[1]: row[4] for row in rows}
+    if args.device.startswith("cuda"):
+        print_gpu_targets(results, floors, {row[1]: (row[5], row[6]) for row in rows})
+        return
     print("\nTargets (issue 2):")
     checks = []
-    floors = {row[1]: row[4] for row in rows}
     if "bigbatch LAMB compiled" in results:
         checks.append(
             (
@@ -312,6 +319,75 @@ def run_table(args: argparse.Namespace) -> None:
             checks.append((f"{label} ≤ {bound}× {anchor}", ms / results[anchor], bound))
     for text, ratio, bound in checks:
         print(f"- {text}: {ratio:.2f} {'met' if ratio <= bound else 'NOT met'}")
+
+
+def print_gpu_targets(
+    results: dict[str, float],
+    floors: dict[str, float],
+    first_and_syncs: dict[str, tuple[float, int | None]],
+) -> None:
+    """The GPU goals of issue 16 for the ``fused`` rows: time against floors and anchors,
+    the first step (compiling included) and host syncs inside ``step()``."""
+    print("\nTargets (issue 16, impl='fused'):")
+    checks = []
+    for family, bound, anchor, anchor_bound in (
+        ("LAMB", 1.3, None, None),
+        ("LARS", None, "torch SGD momentum fused", 1.3),
+        ("MERIT", None, "torch AdamW fused", 2.0),
+    ):
+        label = f"bigbatch {family} fused"
+        if label not in results:
+            continue
+        if bound is not None:
+            checks.append((f"{label} ≤ {bound}× its floor", results[label] / floors[label], bound))
+        if anchor in results:
+            ratio = results[label] / results[anchor]
+            checks.append((f"{label} ≤ {anchor_bound}× {anchor}", ratio, anchor_bound))
+        first, syncs = first_and_syncs[label]
+        checks.append((f"{label} first step ≤ 20 s", first, 20.0))
+        checks.append((f"{label} host syncs in step() = 0", float(syncs or 0), 0.0))
+    for text, value, bound in checks:
+        print(f"- {text}: {value:.2f} {'met' if value <= bound else 'NOT met'}")
+
+
+def run_fused_sweep(args: argparse.Namespace) -> None:
+    """impl="fused" at other chunk sizes (LAMB, LARS) and tile sizes (MERIT), on a GPU."""
+    from bigbatch.optim import _fused
+
+    blocks, d = MODELS[args.model]
+    params = make_params(gpt2_like_shapes(blocks=blocks, d=d, scale=args.scale), args.device)
+    adamw = torch.optim.AdamW(groups(params, 0.01), lr=1e-3, fused=True)
+    base = median_step_ms(adamw, args.warmup, args.repeat, args.device)
+    print(f"# {args.model}: torch AdamW fused {base:.2f} ms")
+    defaults = (_fused.CHUNK, _fused.NUM_WARPS, _fused.TILE_ROWS, _fused.TILE_COLS, _fused.SUB_COLS)
+
+    def timed_fused(make: Callable) -> float:
+        _fused._layouts.clear()  # the tables depend on the sizes
+        return median_step_ms(make(), args.warmup, args.repeat, args.device)
+
+    for chunk, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+        _fused.CHUNK, _fused.NUM_WARPS = chunk, warps
+        lamb = timed_fused(lambda: LAMB(groups(params, 0.01), lr=1e-3, impl="fused"))
+        lars = timed_fused(lambda: LARS(groups(params, 1e-4), lr=0.1, impl="fused"))
+        print(f"chunk {chunk}, {warps} warps: LAMB {lamb:.2f} ms, LARS {lars:.2f} ms")
+    _fused.CHUNK, _fused.NUM_WARPS = defaults[:2]
+    for rows, cols, sub, warps in (
+        (32, 512, 128, 8),
+        (16, 512, 128, 4),
+        (32, 256, 256, 8),
+        (64, 512, 128, 8),
+        (32, 1024, 256, 8),
+        (8, 1024, 512, 4),
+    ):
+        _fused.TILE_ROWS, _fused.TILE_COLS, _fused.SUB_COLS, _fused.NUM_WARPS = (
+            rows,
+            cols,
+            sub,
+            warps,
+        )
+        merit = timed_fused(lambda: MERIT(groups(params, 0.01), lr=1e-3, impl="fused"))
+        print(f"tile {rows}x{cols}/{sub}, {warps} warps: MERIT {merit:.2f} ms")
+    _fused.CHUNK, _fused.NUM_WARPS, _fused.TILE_ROWS, _fused.TILE_COLS, _fused.SUB_COLS = defaults
 
 
 def run_block_sweep(args: argparse.Namespace) -> None:
@@ -344,11 +420,18 @@ def main() -> None:
         action="store_true",
         help="time foreach LAMB/LARS for block sizes 2^12..2^21",
     )
+    parser.add_argument(
+        "--fused-sweep",
+        action="store_true",
+        help="on a GPU: time impl='fused' at other chunk and tile sizes",
+    )
     args = parser.parse_args()
     if args.repeat is None:
         args.repeat = 15 if args.device.startswith("cuda") else 10
     if args.block_sweep:
         run_block_sweep(args)
+    elif args.fused_sweep:
+        run_fused_sweep(args)
     else:
         run_table(args)
 

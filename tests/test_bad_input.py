@@ -101,7 +101,7 @@ API_CASES = [
     (lambda: LAMB(model().parameters(), lr=-1.0), ValueError, "-1.0"),
     (lambda: LAMB(model().parameters(), betas=(0.9, 1.0)), ValueError, "1.0"),
     (lambda: LARS(model().parameters(), lr=0.1, momentum=-0.5), ValueError, "-0.5"),
-    (lambda: MERIT(model().parameters(), impl="fused"), ValueError, "'fused'"),
+    (lambda: MERIT(model().parameters(), impl="fast"), ValueError, "'fast'"),
     (lambda: create_optimizer(model(), "lamb", lr=1e-3, beta=0.9), ValueError, "'beta'"),
     (lambda: create_optimizer(model(), "lamd", lr=1e-3), ValueError, "'lamd'"),
     (lambda: VRGD(torch.optim.SGD(model().parameters(), lr=0.1), gamma=0), ValueError, "0"),

@@ -235,7 +235,7 @@ BAD = [
     (LAMB, {"weight_decay": float("nan")}, "weight_decay"),
     (LAMB, {"max_grad_norm": 0.0}, "max_grad_norm"),
     (LAMB, {"trust_clip": "yes"}, "trust_clip"),
-    (LAMB, {"impl": "fused"}, "impl"),
+    (LAMB, {"impl": "fast"}, "impl"),
     (LARS, {"lr": 0.1, "momentum": 1.5}, "momentum"),
     (LARS, {"lr": 0.1, "trust_coefficient": 0.0}, "trust_coefficient"),
     (LARS, {"lr": 0.1, "nesterov": True, "momentum": 0.0}, "nesterov"),

@@ -76,7 +76,7 @@ def _keys() -> list[Key]:
         Key(
             "optimizer_impl",
             "foreach",
-            "impl of bigbatch optimizers",
+            "impl of bigbatch optimizers (fused: Triton kernels, CUDA only)",
             IMPLS,
         ),
         Key(

@@ -4,7 +4,8 @@ Each optimizer is a thin :class:`torch.optim.Optimizer` subclass that validates
 its hyper-parameters and gathers tensors; the math lives in functional updates
 (one readable per-tensor ``reference`` function and one multi-tensor ``foreach``
 function per optimizer). ``impl="compiled"`` runs the reference function through
-``torch.compile``, which fuses it into a few passes over memory.
+``torch.compile``, which fuses it into a few passes over memory; ``impl="fused"``
+runs hand-written multi-tensor Triton kernels on CUDA (``_fused.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 from .._checks import check_number, choice
 from .._tensors import norms
 
-IMPLS = ("reference", "foreach", "compiled")
+IMPLS = ("reference", "foreach", "compiled", "fused")
 
 
 class ImplFallbackWarning(UserWarning):
@@ -31,7 +32,22 @@ class ImplFallbackWarning(UserWarning):
 
 
 def check_impl(impl: str) -> str:
-    return choice("impl", impl, IMPLS)
+    impl = choice("impl", impl, IMPLS)
+    if impl == "fused":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "impl='fused' needs Triton, which ships with CUDA builds of PyTorch; "
+                "use impl='foreach'"
+            ) from None
+        from ._fused import interpreted
+
+        if not torch.cuda.is_available() and not interpreted():
+            raise ValueError(
+                "impl='fused' runs on CUDA, and no GPU is available; use impl='foreach'"
+            )
+    return impl
 
 
 def check_betas(betas: Any, *, count: int = 2) -> tuple[float, ...]:
@@ -214,6 +230,10 @@ class BigBatchOptimizer(torch.optim.Optimizer):
 
     #: inductor options for impl="compiled" (see ``compiled``)
     compile_options: ClassVar[dict[str, Any] | None] = None
+    #: names in ``_fused`` of the impl="fused" update and of the test of which
+    #: tensors it takes (None: every float32/bfloat16/float16 contiguous tensor)
+    fused_update: ClassVar[str]
+    fused_accepts: ClassVar[str | None] = None
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], impl: str) -> None:
         # impl is a property of this object, not of a param group: state_dict()
@@ -336,28 +356,58 @@ class BigBatchOptimizer(torch.optim.Optimizer):
 
         ``lists`` are params, their grads, then state lists (in ``state_dtype``).
         """
-        for params, grads, *state in group_by_device_and_dtype(*lists):
-            device = params[0].device
+        for bucket in group_by_device_and_dtype(*lists):
+            device = bucket[0][0].device
             kwargs = {
                 k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v
                 for k, v in kwargs.items()
             }
-            low_precision = params[0].dtype in LOW_PRECISION
-            if low_precision:
-                # Compute in float32 against the float32 state, round into p once.
-                work, grads = [p.float() for p in params], [g.float() for g in grads]
+            if self.impl == "fused":
+                self._run_fused(foreach, bucket, kwargs)
             else:
-                work = params
-            if self.impl == "reference":
-                reference(work, grads, *state, **kwargs)
-            elif self.impl == "foreach":
-                foreach(work, grads, *state, **kwargs)
+                self._run_eager(reference, foreach, bucket, kwargs)
+
+    def _run_eager(
+        self,
+        reference: Callable,
+        foreach: Callable,
+        lists: Sequence[list[Tensor]],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """The reference, foreach or compiled update of one bucket (impl "fused": foreach)."""
+        params, grads, *state = lists
+        low_precision = params[0].dtype in LOW_PRECISION
+        if low_precision:
+            # Compute in float32 against the float32 state, round into p once.
+            work, grads = [p.float() for p in params], [g.float() for g in grads]
+        else:
+            work = params
+        if self.impl == "reference":
+            reference(work, grads, *state, **kwargs)
+        elif self.impl == "compiled":
+            run_compiled(reference, foreach, self.compile_options, work, grads, *state, **kwargs)
+        else:
+            foreach(work, grads, *state, **kwargs)
+        if low_precision:
+            torch._foreach_copy_(params, work)
+
+    def _run_fused(
+        self, foreach: Callable, lists: Sequence[list[Tensor]], kwargs: dict[str, Any]
+    ) -> None:
+        """The Triton update of one bucket; what its kernels do not take runs through foreach."""
+        from . import _fused
+
+        _fused.check_device(lists[0][0].device)
+        accepts = getattr(_fused, self.fused_accepts) if self.fused_accepts else None
+        take, rest = _fused.split_supported(lists, accepts)
+        for indices, run in ((take, getattr(_fused, self.fused_update)), (rest, None)):
+            if not indices:
+                continue
+            part = [[lst[i] for i in indices] if lst else [] for lst in lists]
+            if run is not None:
+                run(*part, **kwargs)
             else:
-                run_compiled(
-                    reference, foreach, self.compile_options, work, grads, *state, **kwargs
-                )
-            if low_precision:
-                torch._foreach_copy_(params, work)
+                self._run_eager(foreach, foreach, part, kwargs)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -183,7 +183,8 @@ class LAMB(BigBatchOptimizer):
             trust ratio (timm's ``decoupled_decay``); ``u`` then has no decay term.
         impl: ``"foreach"`` (default; multi-tensor, cache-blocked on CPU),
             ``"reference"`` (per tensor, readable) or ``"compiled"``
-            (``torch.compile`` of the reference, compiled once per shape set).
+            (``torch.compile`` of the reference, compiled once per shape set)
+            or ``"fused"`` (three multi-tensor Triton kernels, CUDA only).
 
     State per parameter: ``step`` (float32 CPU scalar), ``exp_avg`` and
     ``exp_avg_sq`` on the parameter's device, in its dtype (float32 for
@@ -193,6 +194,8 @@ class LAMB(BigBatchOptimizer):
     Example:
         >>> opt = LAMB(param_groups(model, weight_decay=0.01), lr=2e-3)
     """
+
+    fused_update: ClassVar[str] = "lamb_fused"
 
     # Inductor would store u (a new parameter-sized buffer every step, paid in
     # page faults) to share it between the norm and the update; recomputing it

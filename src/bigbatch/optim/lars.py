@@ -8,7 +8,7 @@ and apex ``LARC`` (docs/algorithms.md, "LARS").
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -162,11 +162,14 @@ class LARS(BigBatchOptimizer):
         eps: added to the ratio's denominator.
         trust_clip: LARC clipping, ``τ ← min(τ / lr, 1)``.
         always_adapt: adapt groups without weight decay too.
-        impl: ``"foreach"`` (default), ``"reference"`` or ``"compiled"``.
+        impl: ``"foreach"`` (default), ``"reference"``, ``"compiled"`` or
+            ``"fused"`` (Triton kernels, CUDA only).
 
     State per parameter: ``momentum_buffer`` when momentum is non-zero, on the
     parameter's device, in its dtype (float32 for float16/bfloat16 parameters).
     """
+
+    fused_update: ClassVar[str] = "lars_fused"
 
     def __init__(
         self,

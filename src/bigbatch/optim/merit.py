@@ -12,7 +12,7 @@ correction, weight decay inside the update, every tensor adapted.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -174,12 +174,16 @@ class MERIT(BigBatchOptimizer):
     Args:
         params: parameters or param groups.
         lr, betas, eps, weight_decay: as in Adam (weight decay inside ``u``).
-        impl: ``"foreach"`` (default), ``"reference"`` or ``"compiled"``.
+        impl: ``"foreach"`` (default), ``"reference"``, ``"compiled"`` or
+            ``"fused"`` (Triton kernels, CUDA only).
 
     State per parameter: ``step`` (float32 CPU scalar, for bookkeeping),
     ``exp_avg`` and ``exp_avg_sq`` on the parameter's device, in its dtype
     (float32 for float16/bfloat16 parameters).
     """
+
+    fused_update: ClassVar[str] = "merit_fused"
+    fused_accepts: ClassVar[str | None] = "merit_supports"
 
     def __init__(
         self,
