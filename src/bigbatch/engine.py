@@ -37,6 +37,7 @@ from ._tensors import norms
 from .batch.controllers import Controller
 from .batch.lr import LRScaling, Schedule, lr_factor, resolve_lr_rule
 from .batch.plan import LOSS_REDUCTIONS, StepPlan
+from .dist.fsdp import local
 from .dist.world import World
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
@@ -233,11 +234,13 @@ class StepEngine:
             stats = self.collector.finish(loss_scale=self._loss_scale(), loss=loss)
             metrics = stats.as_floats()
             return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
-        loss = self.world.all_reduce_sum((loss.double() / self.world.size).reshape(1))
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]]
-        present = [g for g in grads if g is not None]
+        present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
         total = torch.stack(norms(present)).sum() if present else torch.zeros(())
-        value, total_norm = torch.stack([loss[0], total.to(loss)]).tolist()
+        # one all-reduce: the mean loss, and the gradient norms (NaN on any rank reaches all)
+        size = self.world.size
+        packed = torch.stack([loss.double().reshape(()), total.to(loss.device, torch.float64)])
+        value, total_norm = self.world.all_reduce_sum(packed / size).tolist()
         return None, {"loss": value}, math.isfinite(value + total_norm)
 
     def _loss_scale(self) -> Tensor | None:

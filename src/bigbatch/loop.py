@@ -31,7 +31,7 @@ from .batch.controllers import Controller, CriticalBatchRamp
 from .batch.lr import Schedule
 from .batch.plan import StepPlan, plan_step
 from .batch.source import make_source
-from .dist import ddp
+from .dist import ddp, fsdp
 from .dist.hooks import CommHook, is_lossless
 from .dist.world import World
 from .engine import NonFiniteError, StepEngine, StepResult
@@ -243,6 +243,7 @@ class AdaptiveBatch:
                 similarity=similarity,
                 world=self.world,
                 lossy_reduction=not is_lossless(comm_hook),
+                grad_sources=fsdp.unsharded_parameters(model) if self.world.sharded else None,
             )
             if statistics
             else None

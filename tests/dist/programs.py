@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 from bigbatch import AdaptiveBatch
 from bigbatch.batch import Constant, SimiGrad
-from bigbatch.optim import AGVM, VRGD
+from bigbatch.optim import AGVM, VRGD, create_optimizer
 from bigbatch.stats import noise_components, scalar_similarity
 
 D = 12
@@ -47,13 +47,20 @@ def make_loop(
     data: TensorDataset | None = None,
     gsnr: bool = False,
     optimizer: str = "sgd",
+    fsdp: bool = False,
 ) -> AdaptiveBatch:
     model = make_model()
-    if ddp:
+    if fsdp:
+        model = shard(model)
+    elif ddp:
         model = DDP(model)
     groups = param_groups(model)
     if optimizer == "sgd":
         optimizer_ = torch.optim.SGD(groups, lr=lr)
+    elif optimizer == "adamw":
+        optimizer_ = torch.optim.AdamW(groups, lr=lr)
+    elif optimizer in ("lamb", "lars", "merit"):
+        optimizer_ = create_optimizer(groups, optimizer, lr=lr)
     elif optimizer == "vr-sgd":
         optimizer_ = VRGD(torch.optim.SGD(groups, lr=lr))
     else:  # agvm
@@ -73,48 +80,63 @@ def make_loop(
     )
 
 
+def shard(model: nn.Module) -> nn.Module:
+    """``model`` under FSDP2: each linear layer, then the root, ``fully_shard``-ed over the ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0])
+    fully_shard(model[2])
+    return fully_shard(model)
+
+
 def train(loop: AdaptiveBatch, steps: int) -> dict[str, list]:
     """Run ``steps`` steps; what every rank saw and decided."""
-    record: dict[str, list] = {"batch": [], "similarity": [], "loss": [], "indices": []}
+    record: dict[str, list] = {
+        "batch": [], "similarity": [], "loss": [], "indices": [], "noise_scale": []
+    }  # fmt: skip
     for step in loop.steps(max_steps=loop.steps_taken + steps):
         for x, y in step.micro_batches():
             step.backward(nn.functional.mse_loss(loop.model(x), y))
         step.apply()
         record["batch"].append(step.batch_size)
         record["similarity"].append(step.metrics.get("similarity"))
+        record["noise_scale"].append(step.metrics.get("noise_scale"))
         record["loss"].append(step.metrics["loss"])
         record["indices"].append([i for b in step.indices for i in b])
     return record
 
 
 def flat_params(loop: AdaptiveBatch) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in loop.model.parameters()])
+    """All parameters in one vector (gathered from the ranks' shards under FSDP2)."""
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in loop.model.parameters()]
+    return torch.cat([p.detach().flatten() for p in full])
 
 
 # ---------------------------------------------------------------- programs
 
 
-def adaptive_run(steps: int, similarity: str) -> dict:
+def adaptive_run(steps: int, similarity: str, fsdp: bool = False, optimizer: str = "sgd") -> dict:
     world = dist.get_world_size()
     controller = SimiGrad(target=0.5, initial=16 * world, min=2 * world, max=512, window=5)
-    loop = make_loop(controller, similarity=similarity)
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    loop = make_loop(controller, similarity=similarity, fsdp=fsdp, optimizer=optimizer, lr=lr)
     record = train(loop, steps)
     record["params"] = flat_params(loop)
     return record
 
 
-def constant_run(batch: int, steps: int) -> dict:
-    loop = make_loop(Constant(batch))
+def constant_run(batch: int, steps: int, fsdp: bool = False, optimizer: str = "sgd") -> dict:
+    loop = make_loop(Constant(batch), fsdp=fsdp, optimizer=optimizer)
     record = train(loop, steps)
     record["params"] = flat_params(loop)
     return record
 
 
-def one_step_statistics(similarity: str, batch: int) -> dict:
+def one_step_statistics(similarity: str, batch: int, fsdp: bool = False) -> dict:
     """One step's statistics, and the same values computed sub-batch by sub-batch."""
     data = regression_data()
-    loop = make_loop(Constant(batch), similarity=similarity, data=data)
-    reference = copy.deepcopy(loop.model.module)
+    loop = make_loop(Constant(batch), similarity=similarity, data=data, fsdp=fsdp)
+    reference = make_model() if fsdp else copy.deepcopy(loop.model.module)
     step = next(loop.steps(max_steps=1))
     for x, y in step.micro_batches():
         step.backward(nn.functional.mse_loss(loop.model(x), y))
@@ -506,14 +528,58 @@ def within_rank_statistics(batch: int) -> dict:
     }
 
 
-def sharded_model_error() -> str:
-    """What AdaptiveBatch says of a model sharded with FSDP2's ``fully_shard``."""
-    from torch.distributed.fsdp import fully_shard
+def fsdp_refusals() -> list[str]:
+    """What AdaptiveBatch says of FSDP2 options it does not support, and of DTensor
+    parameters without ``fully_shard``."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+    messages = []
+    for options in ({"gsnr": True}, {"similarity": "split"}):
+        try:
+            make_loop(Constant(16), fsdp=True, **options)
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
     model = make_model()
-    fully_shard(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weight = nn.Parameter(distribute_tensor(model[0].weight.detach(), mesh, [Shard(0)]))
+    model[0].weight = weight
     try:
         AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), regression_data())
+        messages.append("no error")
     except ValueError as err:
-        return str(err)
-    return "no error"
+        messages.append(str(err))
+    return messages
+
+
+def sharded_optimizer_collectives(name: str, layers: int) -> int:
+    """The all-reduces one step of optimizer ``name`` makes on a ``layers``-deep FSDP2 model
+    (two param groups: weights with weight decay, biases without)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(D, D) for _ in range(layers)]).double()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    groups = [
+        {"params": [m.weight for m in model], "weight_decay": 0.01},
+        {"params": [m.bias for m in model], "weight_decay": 0.0},
+    ]
+    optimizer = create_optimizer(groups, name, lr=0.01)
+    x, y = regression_data()[:16]
+    nn.functional.mse_loss(model(x).sum(1, keepdim=True), y).backward()
+    calls = 0
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        optimizer.step()
+    finally:
+        dist.all_reduce = real
+    return calls

@@ -1,4 +1,5 @@
-"""What a loop needs to know about a ``DistributedDataParallel`` model, in one place."""
+"""What a loop needs to know about a ``DistributedDataParallel`` model, in one place
+(and where a step accumulates, about an FSDP2 one: :mod:`bigbatch.dist.fsdp`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from .fsdp import accumulate, is_fully_sharded
 from .hooks import CommHook, TwoGroupCosine, two_group_cosine_hook
 from .world import World
 
@@ -19,11 +21,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """DDP's ``no_sync()`` for every micro-batch of a step but the last; nothing otherwise.
+    """DDP's ``no_sync()`` for every micro-batch of a step but the last; under FSDP2
+    the gradient sync switched off until the last; nothing for a plain module.
 
     Gradients then accumulate locally and are reduced once per optimizer step.
     """
-    if isinstance(model, nn.parallel.DistributedDataParallel) and not last:
+    if is_fully_sharded(model):
+        accumulate(model, last)
+    elif isinstance(model, nn.parallel.DistributedDataParallel) and not last:
         return model.no_sync()
     return contextlib.nullcontext()
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .._tensors import dots, norms
 

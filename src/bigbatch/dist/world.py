@@ -15,26 +15,33 @@ __all__ = ["World", "init_from_env"]
 
 @dataclass(frozen=True)
 class World:
-    """The data-parallel world of a model: one process, or the ranks of its DDP process group."""
+    """The data-parallel world of a model: one process, or the ranks of its DDP or FSDP2 group."""
 
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    #: each rank holds a shard of the parameters and of the reduced gradient (FSDP2)
+    sharded: bool = False
 
     @classmethod
     def of(cls, model: nn.Module) -> World:
-        """The world of ``model``: its DDP process group, or one process for a plain module.
+        """The world of ``model``: its DDP process group, the mesh of an FSDP2
+        ``fully_shard``, or one process for a plain module.
 
-        A sharded model (FSDP2's ``fully_shard``, FSDP1, or any DTensor
-        parameter) is refused with one clear error: bigbatch would otherwise
-        take it for a single process and draw the whole global batch on
-        every rank.
+        Other sharding (FSDP1, DTensor parameters without ``fully_shard``) is
+        refused with one clear error: bigbatch would otherwise take it for a
+        single process and draw the whole global batch on every rank.
         """
+        from .fsdp import is_fully_sharded, mesh_group
+
+        if is_fully_sharded(model):
+            group = mesh_group(model)
+            return cls(dist.get_rank(group), dist.get_world_size(group), group, sharded=True)
         sharding = _sharding(model)
         if sharding is not None:
             raise ValueError(
-                f"the model is sharded ({sharding}); bigbatch supports plain modules and "
-                "DistributedDataParallel models so far: wrap the model in DDP instead"
+                f"the model is sharded ({sharding}); bigbatch supports plain modules, "
+                "DistributedDataParallel and FSDP2 fully_shard models"
             )
         if isinstance(model, nn.parallel.DistributedDataParallel):
             group = model.process_group
@@ -71,8 +78,6 @@ class World:
 def _sharding(model: nn.Module) -> str | None:
     """How ``model`` is sharded across ranks, in words; None for an unsharded module."""
     fsdp = getattr(torch.distributed, "fsdp", None)
-    if fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ())):
-        return "FSDP2 fully_shard"
     if fsdp is not None and isinstance(model, getattr(fsdp, "FullyShardedDataParallel", ())):
         return "FullyShardedDataParallel"
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .._checks import check_number, choice
 from .._tensors import norms
+from ._shards import local, shards_of
 
 IMPLS = ("reference", "foreach", "compiled", "fused")
 
@@ -74,8 +75,13 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
     """The L2 norm of all ``grads`` together, as a float32 tensor on the first grad's device.
 
     No host sync: per-tensor norms are stacked and combined on device, as
-    :func:`torch.nn.utils.clip_grad_norm_` does.
+    :func:`torch.nn.utils.clip_grad_norm_` does. FSDP2 shards: this rank's
+    squared norm, summed over the ranks in one all-reduce.
     """
+    shards = shards_of(grads)
+    if shards is not None:
+        (norm,) = shards.norms(global_grad_norm([local(g) for g in grads]).reshape(1))
+        return norm[0]
     first = grads[0].device
     by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
     for g in grads:
@@ -243,6 +249,12 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         defaults = dict(defaults)
         self._check_group(defaults)
         super().__init__(params, defaults)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if self.impl != "foreach" and shards_of(all_params) is not None:
+            raise ValueError(
+                f"impl={self.impl!r} does not run on FSDP2 shards (DTensor parameters); "
+                "use impl='foreach'"
+            )
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}impl: {self.impl}\n)"
@@ -362,6 +374,10 @@ class BigBatchOptimizer(torch.optim.Optimizer):
                 k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v
                 for k, v in kwargs.items()
             }
+            shards = shards_of(bucket[0])
+            if shards is not None:  # FSDP2: the local shards, whole-tensor reductions in `shards`
+                bucket = tuple([local(t) for t in lst] for lst in bucket)
+                kwargs = {**kwargs, "shards": shards}
             if self.impl == "fused":
                 self._run_fused(foreach, bucket, kwargs)
             else:

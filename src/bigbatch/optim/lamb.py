@@ -25,6 +25,7 @@ from ._base import (
     global_grad_norm,
     trust_ratio,
 )
+from ._shards import Shards
 
 __all__ = ["LAMB", "lamb_foreach", "lamb_reference"]
 
@@ -95,6 +96,7 @@ def lamb_foreach(
     decoupled_weight_decay: bool,
     trust_clip: bool,
     always_adapt: bool,
+    shards: Shards | None = None,
 ) -> None:
     """The same step as :func:`lamb_reference` with multi-tensor ops, cache-blocked on the CPU.
 
@@ -102,7 +104,9 @@ def lamb_foreach(
     norms of ``p`` and ``u``; the second recomputes ``u`` (cheaper than storing
     it) and applies it with the trust ratio. That is the 11-array minimum of
     docs/algorithms.md, "The memory floor of an optimizer step" (with the global
-    grad norm), without a ``u`` buffer.
+    grad norm), without a ``u`` buffer. On FSDP2 shards (``shards``) the
+    tensors are this rank's rows and the norms of ``p`` and ``u`` are summed
+    over the ranks in one all-reduce between the two passes.
     """
     bc1, bc2 = bias_correction1, bias_correction2
     # m̂ / (sqrt(v̂) + eps) == scale * m / (sqrt(v) + eps * sqrt(bc2)): folding the
@@ -148,18 +152,38 @@ def lamb_foreach(
     if not adapt:
         return
 
-    w_norm = _blocks.combine_norms(pieces, w_norms, len(params))
-    u_norm = _blocks.combine_norms(pieces, u_norms, len(params)) * scale
-    ratio = trust_ratio(w_norm, u_norm, w_norm / u_norm)
-    if trust_clip:
-        ratio = ratio.clamp(max=1.0)
-    step_sizes = (ratio * (-lr * scale)).unbind(0)
+    step_sizes = _step_sizes(pieces, w_norms, u_norms, params, scale, lr, trust_clip, shards)
     for block in blocks:
         P, M, V = (_blocks.take(t, block) for t in (params, exp_avgs, exp_avg_sqs))
         U = direction(P, M, V)
         # a list of device scalars: foreach_addcmul_ would read them to the host (a sync)
         torch._foreach_mul_(U, [step_sizes[i] for i, _, _ in block])
         torch._foreach_add_(P, U)
+
+
+def _step_sizes(
+    pieces: list[_blocks.Piece],
+    w_norms: list[Tensor],
+    u_norms: list[Tensor],
+    params: list[Tensor],
+    scale: float,
+    lr: float | Tensor,
+    trust_clip: bool,
+    shards: Shards | None,
+) -> tuple[Tensor, ...]:
+    """Per tensor ``-lr * scale * ratio`` from the blocks' norms of ``p`` and ``U``
+    (on FSDP2 shards, the norms summed over the ranks first)."""
+    if pieces:
+        w_norm = _blocks.combine_norms(pieces, w_norms, len(params))
+        u_norm = _blocks.combine_norms(pieces, u_norms, len(params)) * scale
+    else:  # every local shard is empty (FSDP2): this rank adds nothing to the norms
+        w_norm = u_norm = params[0].new_zeros(len(params), dtype=norm_dtype(params[0]))
+    if shards is not None:
+        w_norm, u_norm = shards.norms(w_norm, u_norm)
+    ratio = trust_ratio(w_norm, u_norm, w_norm / u_norm)
+    if trust_clip:
+        ratio = ratio.clamp(max=1.0)
+    return (ratio * (-lr * scale)).unbind(0)
 
 
 class LAMB(BigBatchOptimizer):

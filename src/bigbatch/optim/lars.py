@@ -17,6 +17,7 @@ from .._checks import check_flag, check_number
 from .._tensors import norm_dtype, norms
 from . import _blocks
 from ._base import BigBatchOptimizer, check_lr, trust_ratio
+from ._shards import Shards
 
 __all__ = ["LARS", "lars_foreach", "lars_reference"]
 
@@ -97,18 +98,23 @@ def lars_foreach(
     trust_clip: bool,
     always_adapt: bool,
     first_step: bool,
+    shards: Shards | None = None,
 ) -> None:
     """The same step as :func:`lars_reference` with multi-tensor ops, cache-blocked on the CPU.
 
     The norms take one read of ``p`` and ``g``; the update then runs block by
-    block so the adapted gradient never leaves the cache.
+    block so the adapted gradient never leaves the cache. On FSDP2 shards
+    (``shards``) both norms are summed over the ranks in one all-reduce.
     """
     adapt = weight_decay != 0 or always_adapt
     ratios: tuple[Tensor, ...] = ()
     if adapt:
+        w_norm, g_norm = torch.stack(norms(params)), torch.stack(norms(grads))
+        if shards is not None:
+            w_norm, g_norm = shards.norms(w_norm, g_norm)
         ratios = _lars_ratio(
-            torch.stack(norms(params)),
-            torch.stack(norms(grads)),
+            w_norm,
+            g_norm,
             lr=lr,
             weight_decay=weight_decay,
             trust_coefficient=trust_coefficient,

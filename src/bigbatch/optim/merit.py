@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import _blocks
 from ._base import BigBatchOptimizer, check_adam_group, trust_ratio
+from ._shards import Shards
 
 __all__ = ["MERIT", "merit_foreach", "merit_ratio", "merit_reference"]
 
@@ -97,62 +98,113 @@ def merit_foreach(
     beta2: float,
     eps: float,
     weight_decay: float,
+    shards: Shards | None = None,
 ) -> None:
     """The same step as :func:`merit_reference`, cache-blocked along dim 0 on the CPU.
 
     The ratios need every row and column maximum of ``|p|`` and ``|u|`` before
-    any element moves, so each tensor takes two passes over blocks of rows: the
-    first updates the moments and gathers row maxima and running column maxima,
-    the second recomputes ``u`` (cheaper than storing it) and applies the step.
-    On CUDA a block is the whole tensor.
+    any element moves, so the step takes two passes over blocks of rows: the
+    first updates the moments and gathers row maxima and running column maxima
+    of every tensor, the second recomputes ``u`` (cheaper than storing it) and
+    applies the step. On CUDA a block is the whole tensor. On FSDP2 shards
+    (``shards``) each rank holds whole rows: row maxima are local, and the
+    column and layer maxima of all tensors are maximised over the ranks in one
+    all-reduce between the passes.
     """
     size = _blocks.block_elements(params[0].device)
+    views = [_as_rows(t) for t in zip(params, grads, exp_avgs, exp_avg_sqs)]
+    found = [_gather_maxima(*v, size, beta1, beta2, eps, weight_decay) for v in views]
+    if shards is not None:
+        packed = shards.max(torch.cat([m.packed() for m in found]))
+        offset = 0
+        for m in found:
+            offset = m.unpack(packed, offset)
+    for (p, _, m, v), maxima in zip(views, found):
+        for rows in _row_blocks(p, size):
+            u = _direction(p[rows], m[rows], v[rows], eps, weight_decay)
+            _descend(p[rows], u.mul_(maxima.ratio(rows)).clamp_(-1.0, 1.0), lr)
 
-    def direction(p: Tensor, m: Tensor, v: Tensor) -> Tensor:
-        u = v.sqrt().add_(eps)
-        torch.div(m, u, out=u)
-        if weight_decay != 0:
-            u.add_(p, alpha=weight_decay)
-        return u
 
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        if p.ndim == 0:  # a scalar: one row of one element, same ratio rule (ndim < 2)
-            p, g, m, v = (t.view(1) for t in (p, g, m, v))
-        blocks = _row_blocks(p, size)
-        row_w, row_u = [], []
-        col_w = col_u = None
-        for rows in blocks:
-            pb, gb, mb, vb = p[rows], g[rows], m[rows], v[rows]
-            mb.lerp_(gb, 1 - beta1)
-            vb.mul_(beta2).addcmul_(gb, gb, value=1 - beta2)
-            u = direction(pb, mb, vb)
-            if p.ndim < 2:  # one scalar ratio: "rows" are running maxima of the whole tensor
-                row_w.append(_max_abs(pb))
-                row_u.append(_max_abs(u))
-                continue
-            row_w.append(_max_abs(pb, 1))
-            row_u.append(_max_abs(u, 1))
-            cw, cu = _max_abs(pb, 0), _max_abs(u, 0)
-            col_w = cw if col_w is None else torch.maximum(col_w, cw)
-            col_u = cu if col_u is None else torch.maximum(col_u, cu)
+def _as_rows(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """A 0-d tensor as one row of one element (the same ratio rule as a vector)."""
+    return tuple(t.view(1) for t in tensors) if tensors[0].ndim == 0 else tensors
 
-        if p.ndim < 2:
-            w, a = torch.stack(row_w).amax(), torch.stack(row_u).amax()
-            ratio = trust_ratio(w, a, w / a)
-            for rows in blocks:
-                u = direction(p[rows], m[rows], v[rows])
-                _descend(p[rows], u.mul_(ratio).clamp_(-1.0, 1.0), lr)
-            continue
 
-        rw, ru = torch.cat(row_w), torch.cat(row_u)
-        layer = rw.amax() / ru.amax()
-        row_ratio, col_ratio = rw / ru, col_w / col_u
-        row_bad, col_bad = (rw == 0) | (ru == 0), (col_w == 0) | (col_u == 0)
-        for rows in blocks:
-            u = direction(p[rows], m[rows], v[rows])
-            tau = torch.maximum(row_ratio[rows], col_ratio).clamp_(min=layer)
-            tau.masked_fill_(row_bad[rows], 1.0).masked_fill_(col_bad, 1.0)
-            _descend(p[rows], u.mul_(tau).clamp_(-1.0, 1.0), lr)
+def _direction(p: Tensor, m: Tensor, v: Tensor, eps: float, weight_decay: float) -> Tensor:
+    """``u = m / (sqrt(v) + eps) + weight_decay * p`` in a new tensor."""
+    u = v.sqrt().add_(eps)
+    torch.div(m, u, out=u)
+    if weight_decay != 0:
+        u.add_(p, alpha=weight_decay)
+    return u
+
+
+class _Maxima:
+    """Row, column and layer maxima of ``|p|`` and ``|u|`` of one tensor, and its ratios."""
+
+    def __init__(self, p: Tensor) -> None:
+        self.matrix = p.ndim >= 2
+        self.rows_w: list[Tensor] = []
+        self.rows_u: list[Tensor] = []
+        zeros = p.new_zeros((1, *p.shape[1:]) if self.matrix else ())
+        self.col_w, self.col_u = zeros.clone(), zeros.clone()  # |x| >= 0: zeros are neutral
+        self.layer_w, self.layer_u = p.new_zeros(()), p.new_zeros(())
+
+    def add(self, pb: Tensor, u: Tensor) -> None:
+        """Fold in a block of rows (possibly empty: an FSDP2 rank may hold no rows)."""
+        if pb.numel() == 0:
+            return
+        if not self.matrix:
+            self.layer_w = torch.maximum(self.layer_w, _max_abs(pb))
+            self.layer_u = torch.maximum(self.layer_u, _max_abs(u))
+            return
+        rw, ru = _max_abs(pb, 1), _max_abs(u, 1)
+        self.rows_w.append(rw)
+        self.rows_u.append(ru)
+        self.col_w = torch.maximum(self.col_w, _max_abs(pb, 0))
+        self.col_u = torch.maximum(self.col_u, _max_abs(u, 0))
+        self.layer_w = torch.maximum(self.layer_w, rw.amax())
+        self.layer_u = torch.maximum(self.layer_u, ru.amax())
+
+    def packed(self) -> Tensor:
+        """What the ranks maximise together: column and layer maxima."""
+        parts = [self.col_w.flatten(), self.col_u.flatten()] if self.matrix else []
+        return torch.cat([*parts, self.layer_w.reshape(1), self.layer_u.reshape(1)])
+
+    def unpack(self, packed: Tensor, offset: int) -> int:
+        if self.matrix:
+            n = self.col_w.numel()
+            self.col_w = packed[offset : offset + n].view_as(self.col_w)
+            self.col_u = packed[offset + n : offset + 2 * n].view_as(self.col_u)
+            offset += 2 * n
+        self.layer_w, self.layer_u = packed[offset], packed[offset + 1]
+        return offset + 2
+
+    def ratio(self, rows: slice) -> Tensor:
+        """τ for the rows ``rows``: see :func:`merit_ratio`."""
+        if not self.matrix or not self.rows_w:  # a vector; or a shard of no rows
+            return trust_ratio(self.layer_w, self.layer_u, self.layer_w / self.layer_u)
+        if len(self.rows_w) > 1:  # the blocks' row maxima, joined once
+            self.rows_w, self.rows_u = [torch.cat(self.rows_w)], [torch.cat(self.rows_u)]
+        rw, ru = self.rows_w[0][rows], self.rows_u[0][rows]
+        layer = self.layer_w / self.layer_u
+        tau = torch.maximum(rw / ru, self.col_w / self.col_u).clamp_(min=layer)
+        bad = (rw == 0) | (ru == 0) | (self.col_w == 0) | (self.col_u == 0)
+        return tau.masked_fill_(bad, 1.0)
+
+
+def _gather_maxima(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, size: int | None, *hyper: float
+) -> _Maxima:
+    """The first pass over one tensor: the moments, and the maxima of ``|p|`` and ``|u|``."""
+    beta1, beta2, eps, weight_decay = hyper
+    maxima = _Maxima(p)
+    for rows in _row_blocks(p, size):
+        pb, gb, mb, vb = p[rows], g[rows], m[rows], v[rows]
+        mb.lerp_(gb, 1 - beta1)
+        vb.mul_(beta2).addcmul_(gb, gb, value=1 - beta2)
+        maxima.add(pb, _direction(pb, mb, vb, eps, weight_decay))
+    return maxima
 
 
 def _descend(p: Tensor, update: Tensor, lr: float | Tensor) -> None:

@@ -86,6 +86,9 @@ class MicroBatchStatistics:
             (compression): the noise estimates then use only each rank's own,
             uncompressed micro-batches and are averaged over the ranks; needs
             2+ micro-batches per rank.
+        grad_sources: under FSDP2, each sharded parameter's unsharded tensor
+            (``bigbatch.dist.fsdp.unsharded_parameters``), where the
+            micro-batch gradients are read before the reduce-scatter.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class MicroBatchStatistics:
         similarity: str | None = None,
         world: World | None = None,
         lossy_reduction: bool = False,
+        grad_sources: dict[int, Tensor] | None = None,
     ) -> None:
         self.world = world if world is not None else World()
         self.similarity = choice(
@@ -107,7 +111,12 @@ class MicroBatchStatistics:
         )
         self.gsnr = gsnr
         self.dataset_size = dataset_size
-        self.layout = ParamLayout(param_groups)
+        self.layout = ParamLayout(param_groups, grad_sources)
+        if self.world.sharded and (gsnr or self.similarity == "split" or lossy_reduction):
+            raise ValueError(
+                "under FSDP2 the statistics are the noise scalars and the scalar similarity; "
+                "gsnr, similarity='split' and lossy comm hooks need a DDP model"
+            )
         self.lossy_reduction = lossy_reduction and self.world.distributed
         self._batches: SubBatches | None = None
         current = self._current_batches
@@ -134,7 +143,7 @@ class MicroBatchStatistics:
         self._sub_sq: Tensor | None = None  # (micro-batches, groups): |g_i|² / l_i²
         self._hooks = [
             torch.autograd.graph.register_multi_grad_hook(
-                self.layout.params, self._on_gradients, mode="all"
+                self.layout.hooked, self._on_gradients, mode="all"
             ),
             *self.noise.handles,
             *(self.gsnr_part.handles if self.gsnr_part is not None else []),

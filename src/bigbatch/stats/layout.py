@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..dist.fsdp import local
 from ..dist.world import World
 
 
@@ -17,11 +18,21 @@ class ParamLayout:
     Group index tensors live on the parameters' device and are built once per
     pattern of present gradients, so sums per group never copy from the host
     during a step.
+
+    ``sources`` maps a sharded parameter (by ``id``) to the unsharded tensor
+    its micro-batch gradients flow through (FSDP2, :mod:`bigbatch.dist.fsdp`):
+    hooks go on ``hooked``; ``grads()`` are then this rank's shards.
     """
 
-    def __init__(self, param_groups: Sequence[Sequence[Tensor] | dict]) -> None:
+    def __init__(
+        self,
+        param_groups: Sequence[Sequence[Tensor] | dict],
+        sources: dict[int, Tensor] | None = None,
+    ) -> None:
         groups = [list(g["params"]) if isinstance(g, dict) else list(g) for g in param_groups]
         self.params = [p for g in groups for p in g if p.requires_grad]
+        #: the tensors whose gradients are each backward's increments (hooks go here)
+        self.hooked = [sources.get(id(p), p) for p in self.params] if sources else self.params
         if not self.params:
             raise ValueError("gradient statistics need at least one trainable parameter")
         self.groups = groups
@@ -55,8 +66,11 @@ class ParamLayout:
         return out.index_add_(0, self.owner, v)
 
     def grads(self) -> list[Tensor]:
-        """Every parameter's ``.grad`` (zeros where it has none)."""
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        """Every parameter's ``.grad`` (zeros where it has none); this rank's shard of it
+        for a sharded parameter."""
+        return [
+            local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in self.params
+        ]
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 - :class:`ReducedNoise`: the sub-batches are every rank's micro-batches;
   their summed squared norms and ``|g|²`` of the reduced gradient (and the
-  loss) travel in one all-reduce of ``2 G + 1`` float64 under DDP (nothing on
-  one process), so every rank decides from bitwise identical numbers.
+  loss) travel in one all-reduce of ``2 G + 1`` float64 under DDP or FSDP2
+  (where ``|g|²`` is the sum of the ranks' shards'; nothing on one process),
+  so every rank decides from bitwise identical numbers.
 - :class:`PerRankNoise`: the reduced gradient is not the exact mean (a lossy
   comm hook, e.g. compression): each rank estimates from its own
   micro-batches and the uncompressed ``|g|²`` of its local mean (taken in a
@@ -47,7 +48,10 @@ class ReducedNoise:
         groups = len(sq_full)
         if self.world.distributed:
             size = self.world.size
-            packed = torch.cat([sub_sq_sum, sq_full / size, (loss / size)[None]])
+            # DDP: every rank holds the whole reduced gradient (average the equal values);
+            # FSDP2: each holds a shard (sum the shards' squared norms)
+            sq_part = sq_full if self.world.sharded else sq_full / size
+            packed = torch.cat([sub_sq_sum, sq_part, (loss / size)[None]])
             self.world.all_reduce_sum(packed)
             self.bytes += packed.numel() * packed.element_size()
             sub_sq_sum, sq_full, loss = packed[:groups], packed[groups:-1], packed[-1]

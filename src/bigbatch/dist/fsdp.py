@@ -1,0 +1,92 @@
+"""What a loop needs to know about a model sharded with FSDP2's ``fully_shard``, in one place.
+
+Under ``fully_shard`` (torch.distributed.fsdp) each parameter the optimizer
+sees is a DTensor holding this rank's shard of dim 0, and so is its reduced
+``.grad``. The forward and backward run on *unsharded* parameters, regular
+tensors that FSDP all-gathers before a module's forward; their gradients are
+this rank's full local contributions, which FSDP reduce-scatters into the
+sharded ``.grad`` (averaging over the ranks, as DDP does).
+
+bigbatch therefore takes each micro-batch's gradient norm from a hook on the
+unsharded parameter (before the reduce-scatter, as it does before DDP's
+all-reduce), and ``|g|²`` of the reduced gradient from the local shards,
+summed over the ranks in the statistics' one scalar all-reduce. Gradients
+accumulate locally over a step's micro-batches and are reduced once, at the
+last (``set_requires_gradient_sync``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["accumulate", "is_fully_sharded", "local", "mesh_group", "unsharded_parameters"]
+
+
+def _fsdp_module_type() -> type | None:
+    fsdp = getattr(torch.distributed, "fsdp", None)
+    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """``model`` is the root of an FSDP2 ``fully_shard``."""
+    kind = _fsdp_module_type()
+    return kind is not None and isinstance(model, kind)
+
+
+def mesh_group(model: nn.Module) -> Any:
+    """The process group ``model``'s parameters are sharded over (a one-dimensional mesh)."""
+    meshes: list = []
+    for p in model.parameters():  # each fully_shard call may build its own, equal, mesh
+        if _is_dtensor(p) and not any(p.device_mesh == m for m in meshes):
+            meshes.append(p.device_mesh)
+    if len(meshes) != 1:
+        raise ValueError(
+            f"the model's parameters are sharded over {len(meshes)} device meshes; bigbatch "
+            "supports fully_shard over one mesh of the data-parallel ranks"
+        )
+    mesh = meshes[0]
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"the model is sharded over a {mesh.ndim}-D device mesh (HSDP or tensor "
+            "parallel); bigbatch supports fully_shard over a 1-D mesh of the data-parallel ranks"
+        )
+    return mesh.get_group()
+
+
+def unsharded_parameters(model: nn.Module) -> dict[int, Tensor]:
+    """For each sharded parameter (by ``id``), the unsharded tensor its gradient comes from.
+
+    FSDP2 creates the unsharded parameters lazily, at the first all-gather:
+    this all-gathers once (``unshard``) and reshards, a collective every rank
+    must reach. The unsharded tensors stay the same objects from step to step.
+    """
+    sharded = [m for m in model.modules() if is_fully_sharded(m)]
+    for module in sharded:
+        module.unshard()
+    for module in sharded:
+        module.reshard()
+    found: dict[int, Tensor] = {}
+    for module in sharded:
+        group = module._get_fsdp_state()._fsdp_param_group  # torch has no public accessor
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            found[id(fsdp_param.sharded_param)] = fsdp_param.unsharded_param
+    return found
+
+
+def accumulate(model: nn.Module, last: bool) -> None:
+    """Reduce-scatter the gradients only at the step's last micro-batch."""
+    model.set_requires_gradient_sync(last)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"

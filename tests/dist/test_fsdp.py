@@ -1,0 +1,80 @@
+"""AdaptiveBatch on a model sharded with FSDP2's ``fully_shard`` (gloo, 2 and 4 ranks).
+
+The model's last layer has one output row, so with 2+ ranks some ranks hold
+empty shards of it.
+"""
+
+import pytest
+import torch
+
+from . import programs
+
+
+def test_fsdp_statistics_equal_the_sub_batch_by_sub_batch_values(cluster):
+    batch = 11 * cluster.world_size + 1  # uneven shards and micro-batches
+    results = cluster.run(programs.one_step_statistics, "scalar", batch, True)
+    first = results[0]
+    for other in results[1:]:
+        assert other["got"] == first["got"]  # bitwise identical on every rank
+    got, expected = first["got"], first["expected"]
+    assert sum(first["sizes"]) == batch
+    assert got["signal"] == pytest.approx(expected["signal"], rel=1e-6)
+    assert got["trace"] == pytest.approx(expected["trace"], rel=1e-6)
+    assert got["similarity"] == pytest.approx(expected["similarity"], rel=1e-6, abs=1e-9)
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fsdp_trains_like_one_process_on_the_same_global_batches(cluster, optimizer):
+    batch, steps = 10 * cluster.world_size + 3, 8
+    results = cluster.run(programs.constant_run, batch, steps, True, optimizer)
+    single = programs.make_loop(programs.Constant(batch), ddp=False, optimizer=optimizer)
+    record = programs.train(single, steps)
+    for result in results:
+        torch.testing.assert_close(result["params"], programs.flat_params(single))
+        assert result["loss"] == pytest.approx(record["loss"], rel=1e-9)
+
+
+def test_fsdp_decides_like_ddp_and_alike_on_every_rank(cluster2):
+    sharded = cluster2.run(programs.adaptive_run, 60, "scalar", True)
+    replicated = cluster2.run(programs.adaptive_run, 60, "scalar", False)
+    assert len(set(sharded[0]["batch"])) > 3  # the batch really adapts
+    assert sharded[1]["batch"] == sharded[0]["batch"] == replicated[0]["batch"]
+    assert sharded[1]["noise_scale"] == sharded[0]["noise_scale"]
+    assert sharded[0]["noise_scale"] == pytest.approx(replicated[0]["noise_scale"], rel=1e-9)
+    torch.testing.assert_close(sharded[0]["params"], replicated[0]["params"])
+
+
+def test_what_fsdp_does_not_support_gets_one_clear_error(cluster2):
+    gsnr, split, dtensor = cluster2.run(programs.fsdp_refusals)[0]
+    assert "gsnr, similarity='split' and lossy comm hooks need a DDP model" in gsnr
+    assert "gsnr, similarity='split'" in split
+    assert "sharded (DTensor parameters)" in dtensor and "fully_shard" in dtensor
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "lars", "merit"])
+def test_large_batch_optimizers_on_shards_equal_one_process(cluster, optimizer):
+    batch, steps = 10 * cluster.world_size + 3, 6
+    results = cluster.run(programs.constant_run, batch, steps, True, optimizer)
+    single = programs.make_loop(programs.Constant(batch), ddp=False, optimizer=optimizer)
+    programs.train(single, steps)
+    for result in results:
+        torch.testing.assert_close(result["params"], programs.flat_params(single))
+
+
+def test_lamb_on_shards_with_adaptive_batches_decides_and_trains_like_ddp(cluster2):
+    sharded = cluster2.run(programs.adaptive_run, 40, "scalar", True, "lamb")
+    replicated = cluster2.run(programs.adaptive_run, 40, "scalar", False, "lamb")
+    assert len(set(sharded[0]["batch"])) > 3
+    assert sharded[1]["batch"] == sharded[0]["batch"] == replicated[0]["batch"]
+    torch.testing.assert_close(sharded[0]["params"], replicated[0]["params"])
+
+
+@pytest.mark.parametrize("optimizer, expected", [("lamb", 2), ("lars", 1), ("merit", 2)])
+def test_a_step_on_shards_makes_a_fixed_number_of_collectives(cluster2, optimizer, expected):
+    # LAMB: the global clip, and the trust ratios of the group with weight decay;
+    # LARS: that group's ratios (without decay LAMB and LARS adapt nothing);
+    # MERIT: one per group (it adapts every tensor)
+    for layers in (2, 5):
+        calls = cluster2.run(programs.sharded_optimizer_collectives, optimizer, layers)
+        assert calls == [expected, expected], (layers, calls)
