@@ -339,11 +339,19 @@ class AdaptiveBatch:
         Under DDP this is a collective (call it on every rank): it gathers
         every rank's random state, so any rank may save it. The model's keys
         are those of the module inside DDP, so a checkpoint loads with any
-        number of processes.
+        number of processes. Under FSDP2 the model and optimizer states are
+        gathered whole to rank 0's CPU (plain tensors; the other ranks' are
+        empty: save rank 0's), so they load with another number of processes,
+        under DDP, or on one process (``bigbatch.dist.fsdp.full_state``).
         """
+        if self.world.sharded:
+            model_state, optimizer_state = fsdp.full_state(self.model, self.optimizer)
+        else:
+            model_state = ddp.unwrap(self.model).state_dict()
+            optimizer_state = self.optimizer.state_dict()
         return {
-            "model": ddp.unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "source": self.source.state_dict(),
             "engine": self.engine.state_dict(),
@@ -358,8 +366,11 @@ class AdaptiveBatch:
         ``r`` takes the random state of rank ``r mod saved ranks`` and the
         batches are re-sharded, so it continues correctly but not bitwise.
         """
-        ddp.unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.world.sharded:
+            fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            ddp.unwrap(self.model).load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.source.load_state_dict(state["source"])

@@ -129,6 +129,7 @@ def constant_run(batch: int, steps: int, fsdp: bool = False, optimizer: str = "s
     loop = make_loop(Constant(batch), fsdp=fsdp, optimizer=optimizer)
     record = train(loop, steps)
     record["params"] = flat_params(loop)
+    record["traffic"] = loop.collector.traffic() / steps  # the statistics' bytes per step
     return record
 
 
@@ -204,20 +205,21 @@ def one_step_statistics(similarity: str, batch: int, fsdp: bool = False) -> dict
     return {"expected": expected, "got": got, "sizes": sizes, "micro_counts": counts}
 
 
-def resume_same_world(steps: int, at: int) -> dict:
+def resume_same_world(steps: int, at: int, fsdp: bool = False, optimizer: str = "sgd") -> dict:
     """A straight run, and one rebuilt from its state after ``at`` steps."""
     world = dist.get_world_size()
+    lr = 0.05 if optimizer == "sgd" else 0.01
 
     def controller():
         return SimiGrad(target=0.5, initial=16 * world, min=2 * world, max=512, window=5)
 
-    loop = make_loop(controller())
+    loop = make_loop(controller(), fsdp=fsdp, optimizer=optimizer, lr=lr)
     first = train(loop, at)
     state = copy.deepcopy(loop.state_dict())
     rest = train(loop, steps - at)
     straight = flat_params(loop)
 
-    resumed = make_loop(controller())
+    resumed = make_loop(controller(), fsdp=fsdp, optimizer=optimizer, lr=lr)
     resumed.load_state_dict(state)
     again = train(resumed, steps - at)
     return {
@@ -229,10 +231,11 @@ def resume_same_world(steps: int, at: int) -> dict:
     }
 
 
-def save_run(steps: int, path: str) -> dict:
+def save_run(steps: int, path: str, fsdp: bool = False, optimizer: str = "sgd") -> dict:
     """Train ``steps`` steps and save the loop's state from rank 0."""
     world = dist.get_world_size()
-    loop = make_loop(SimiGrad(target=0.5, initial=16 * world, min=8, max=512, window=5))
+    controller = SimiGrad(target=0.5, initial=16 * world, min=8, max=512, window=5)
+    loop = make_loop(controller, fsdp=fsdp, optimizer=optimizer)
     record = train(loop, steps)
     state = loop.state_dict()
     if dist.get_rank() == 0:
@@ -243,9 +246,12 @@ def save_run(steps: int, path: str) -> dict:
     return record
 
 
-def resume_run(steps: int, path: str) -> dict:
+def resume_run(
+    steps: int, path: str, fsdp: bool = False, optimizer: str = "sgd", ddp: bool = True
+) -> dict:
     """Load a state saved by ``save_run`` (any number of ranks) and train on."""
-    loop = make_loop(SimiGrad(target=0.5, initial=64, min=8, max=512, window=5))
+    controller = SimiGrad(target=0.5, initial=64, min=8, max=512, window=5)
+    loop = make_loop(controller, fsdp=fsdp, optimizer=optimizer, ddp=ddp)
     loop.load_state_dict(torch.load(path, weights_only=True))
     start = {"batch": loop.batch_size, "samples": loop.samples, "step": loop.steps_taken}
     record = train(loop, steps)
@@ -583,3 +589,29 @@ def sharded_optimizer_collectives(name: str, layers: int) -> int:
     finally:
         dist.all_reduce = real
     return calls
+
+
+def cli_build(strategy: str, steps: int) -> dict:
+    """The command line's model and loop for ``dist.strategy`` on these ranks, a few steps."""
+    from bigbatch.dist import World
+    from bigbatch.experiments.build import build, with_task_defaults
+    from bigbatch.experiments.config import resolve
+
+    config = with_task_defaults(
+        resolve({"task": "teacher", "device": "cpu", "dist.strategy": strategy})
+    )
+    world = World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    problem, loop, _ = build(config, world)
+    losses = []
+    for step in loop.steps(max_steps=steps):
+        for batch in step.micro_batches():
+            step.backward(problem.loss(loop.model, batch))
+        step.apply()
+        losses.append(step.metrics["loss"])
+    evaluation = problem.evaluate(problem.model)  # every rank: a collective under FSDP2
+    return {
+        "model": type(loop.model).__name__,
+        "sharded": loop.world.sharded,
+        "losses": losses,
+        "accuracy": evaluation["eval_accuracy"],
+    }

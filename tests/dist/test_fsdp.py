@@ -33,6 +33,8 @@ def test_fsdp_trains_like_one_process_on_the_same_global_batches(cluster, optimi
     for result in results:
         torch.testing.assert_close(result["params"], programs.flat_params(single))
         assert result["loss"] == pytest.approx(record["loss"], rel=1e-9)
+        # the statistics' one all-reduce: 2 groups x (sub-batch norms, shards' |g|²) + the loss
+        assert result["traffic"] == (2 * 2 + 1) * 8
 
 
 def test_fsdp_decides_like_ddp_and_alike_on_every_rank(cluster2):
@@ -78,3 +80,33 @@ def test_a_step_on_shards_makes_a_fixed_number_of_collectives(cluster2, optimize
     for layers in (2, 5):
         calls = cluster2.run(programs.sharded_optimizer_collectives, optimizer, layers)
         assert calls == [expected, expected], (layers, calls)
+
+
+def test_an_fsdp_run_resumed_with_the_same_ranks_is_identical(cluster2):
+    result = cluster2.run(programs.resume_same_world, 30, 12, True, "lamb")[0]
+    assert result["again"] == result["rest"]  # batches, similarities, losses, shards
+    torch.testing.assert_close(result["resumed"], result["straight"], rtol=0, atol=0)
+
+
+def test_an_fsdp_checkpoint_resumes_on_four_ranks_and_on_one_process(cluster2, cluster4, tmp_path):
+    path = str(tmp_path / "state.pt")
+    saved = cluster2.run(programs.save_run, 20, path, True, "lamb")[0]
+    for resumed in (
+        cluster4.run(programs.resume_run, 10, path, True, "lamb")[0],
+        programs.resume_run(10, path, optimizer="lamb", ddp=False),  # whole tensors: plain module
+    ):
+        assert resumed["start"] == {
+            "batch": saved["next_batch"], "samples": saved["samples"], "step": 20
+        }  # fmt: skip
+        assert resumed["batch"][0] == saved["next_batch"]
+        assert resumed["loss"][-1] < saved["loss"][0]
+
+
+def test_the_command_lines_fsdp_strategy_trains_like_its_ddp(cluster2):
+    sharded = cluster2.run(programs.cli_build, "fsdp", 5)
+    replicated = cluster2.run(programs.cli_build, "ddp", 5)[0]
+    assert sharded[0]["sharded"] and sharded[0]["model"].startswith("FSDP")
+    assert replicated["model"] == "DistributedDataParallel"
+    assert sharded[0]["losses"] == sharded[1]["losses"]
+    assert sharded[0]["losses"] == pytest.approx(replicated["losses"], rel=1e-5)
+    assert sharded[0]["accuracy"] == pytest.approx(replicated["accuracy"], abs=1e-3)

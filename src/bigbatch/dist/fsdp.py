@@ -22,7 +22,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["accumulate", "is_fully_sharded", "local", "mesh_group", "unsharded_parameters"]
+__all__ = [
+    "accumulate",
+    "full_state",
+    "is_fully_sharded",
+    "load_full_state",
+    "local",
+    "mesh_group",
+    "unsharded_parameters",
+]
 
 
 def _fsdp_module_type() -> type | None:
@@ -76,6 +84,45 @@ def unsharded_parameters(model: nn.Module) -> dict[int, Tensor]:
         for fsdp_param in group.fsdp_params:
             found[id(fsdp_param.sharded_param)] = fsdp_param.unsharded_param
     return found
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole (unsharded) model and optimizer states as plain CPU tensors, on rank 0.
+
+    A collective: each tensor is gathered to rank 0 and offloaded to its CPU
+    (the other ranks get empty dictionaries, and the GPUs never hold a whole
+    model). Whole tensors keyed like the unsharded module's, so a checkpoint
+    loads with another number of processes, under DDP or on one process, and
+    with ``torch.load(..., weights_only=True)`` (a DTensor would not).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+) -> None:
+    """Load :func:`full_state`'s dictionaries into a sharded model and its optimizer.
+
+    A collective: rank 0's dictionaries are broadcast tensor by tensor and each
+    rank keeps its shard (the other ranks' may be empty, as ``full_state``
+    leaves them).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    if not model_state:
+        # torch skips the model on a rank whose dictionary is empty, broadcast or not:
+        # name the keys (rank 0 sends the values)
+        model_state = dict.fromkeys(model.state_dict())
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optimizer_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
 
 
 def accumulate(model: nn.Module, last: bool) -> None:

@@ -107,6 +107,14 @@ def _loop(
         options["impl"] = config["optimizer_impl"]
     if "gamma" in accepted:  # the vr-* optimizers
         options.update(gamma=config["vrgd.gamma"], normalizer=config["vrgd.normalizer"])
+    sharded = world is not None and world.distributed and config["dist.strategy"] == "fsdp"
+    if sharded:  # before the optimizer is built: fully_shard replaces the parameters
+        if config["dist.compression"] != "none":
+            raise ConfigError(
+                "dist.compression compresses DDP's all-reduce; dist.strategy = 'fsdp' "
+                "reduce-scatters without it: choose one"
+            )
+        shard_model(problem.model, precision.device)
     params: Any = problem.model
     if config["agvm"]:
         params = module_param_groups(problem.model, config["weight_decay"], config["agvm_rule"])
@@ -120,7 +128,7 @@ def _loop(
         )
     model: nn.Module = problem.model
     hook = None
-    if world is not None and world.distributed:
+    if world is not None and world.distributed and not sharded:
         on_gpu = precision.device.type == "cuda"
         model = nn.parallel.DistributedDataParallel(
             model,
@@ -164,6 +172,28 @@ def _loop(
         # batches reach a GPU from pinned memory, without blocking the host
         loader_options={"pin_memory": precision.device.type == "cuda"},
     )
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` sharded with FSDP2 over every process: each child module (each element of a
+    ``ModuleList``) that holds parameters is one ``fully_shard`` unit, the root the last.
+
+    One unit per layer gathers one layer's parameters at a time, as torchtitan
+    shards a transformer block by block.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    units = []
+    for child in model.children():
+        parts = list(child) if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]
+        if isinstance(child, nn.ModuleDict):
+            parts = list(child.values())
+        units += [m for m in parts if any(p.requires_grad for p in m.parameters())]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _powersgd(config: dict[str, Any], world: World) -> tuple[Any, Any]:

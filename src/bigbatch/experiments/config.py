@@ -181,6 +181,13 @@ def _keys() -> list[Key]:
         Key("schedule.kind", "cosine", "LR schedule over samples", SCHEDULES),
         Key("schedule.warmup", 0.05, "warm-up, as a fraction of max_samples", low=0, high=1),
         Key(
+            "dist.strategy",
+            "ddp",
+            "how --nproc 2+ processes share the model: ddp (each holds it whole) or fsdp "
+            "(FSDP2 fully_shard: each holds a shard of parameters, gradients and state)",
+            ("ddp", "fsdp"),
+        ),
+        Key(
             "dist.compression",
             "none",
             "gradient compression with error control between processes (--nproc 2+): "

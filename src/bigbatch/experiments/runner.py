@@ -8,9 +8,10 @@ A run directory holds ``config.toml`` (the resolved config), ``metrics.jsonl``
 checkpoint to the result it would have had.
 
 Under ``torchrun`` (or ``bigbatch train --nproc N``) every rank trains its
-shard of each global batch through ``DistributedDataParallel``; rank 0
-evaluates and writes the run directory, every rank loads the checkpoint on
-resume.
+shard of each global batch through ``DistributedDataParallel``, or FSDP2's
+``fully_shard`` with ``dist.strategy = "fsdp"`` (where every rank joins the
+evaluation's forward passes); rank 0 evaluates and writes the run
+directory, every rank loads the checkpoint on resume.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def train(
     _set_threads(config["threads"], world)
     problem, loop, precision = build(config, world, device)
     writer = world.rank == 0
+    # under FSDP2 a forward is a collective (it gathers the parameters): every rank evaluates
+    evaluates = writer or loop.world.sharded
     state = _open_run(out, config, loop, resume, writer)
     first_step = loop.steps_taken
     start = time.perf_counter() - state["wall_seconds"]
@@ -70,7 +73,7 @@ def train(
             row = dict(step.metrics)
             last = loop.samples >= config["max_samples"]
             due = loop.steps_taken % config["eval_every"] == 0 or loop.steps_taken == 1
-            if writer and (due or last):
+            if evaluates and (due or last):
                 evaluation = problem.evaluate(problem.model)
                 row.update(evaluation)
             state["wall_seconds"] = row["wall_seconds"] = time.perf_counter() - start
@@ -83,9 +86,12 @@ def train(
                 _show(bar, step.batch_size, loop.steps_taken, row, evaluation)
     if bar is not None:
         bar.close()
+    train_evaluation = None
+    if evaluates and problem.evaluate_train is not None:
+        train_evaluation = problem.evaluate_train(problem.model)
     if writer:
         traffic = traffic_per_step(loop, loop.steps_taken - first_step)
-        summary = _write_summary(out, config, loop, state, problem, traffic)
+        summary = _write_summary(out, config, loop, state, problem, traffic, train_evaluation)
     # the other ranks wait for the summary so no rank returns before the run is complete
     return world.broadcast_object(summary if writer else None)
 
@@ -139,6 +145,7 @@ def _write_summary(
     state: dict[str, Any],
     problem: Problem,
     traffic: dict[str, float],
+    train_evaluation: dict[str, float] | None,
 ) -> dict[str, Any]:
     task = TASKS[config["task"]]
     rows = read_metrics(out)
@@ -162,8 +169,8 @@ def _write_summary(
         **traffic,
         **problem.info,
     }
-    if problem.evaluate_train is not None and evals:
-        train_accuracy = problem.evaluate_train(problem.model)["eval_accuracy"]
+    if train_evaluation is not None and evals:
+        train_accuracy = train_evaluation["eval_accuracy"]
         summary["final_train_accuracy"] = train_accuracy
         summary["generalization_gap"] = train_accuracy - summary["final_accuracy"]
     if evals and "max_attention_logit" in evals[-1]:

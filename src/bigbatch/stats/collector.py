@@ -79,7 +79,7 @@ class MicroBatchStatistics:
             through the comm-hook state ``two_groups``, which the caller
             registers); ``"scalar"`` estimates it from the noise scalars, with
             no gradient-sized buffer or traffic. Default: ``"split"`` on one
-            process, ``"scalar"`` under DDP.
+            process, ``"scalar"`` under DDP and FSDP2.
         world: the data-parallel world (``bigbatch.dist.World.of(ddp_model)``);
             one process by default.
         lossy_reduction: DDP reduces the gradients with a lossy comm hook
@@ -106,7 +106,7 @@ class MicroBatchStatistics:
         self.world = world if world is not None else World()
         self.similarity = choice(
             "similarity",
-            similarity or ("scalar" if self.world.distributed else "split"),
+            similarity or ("scalar" if self.world.distributed or self.world.sharded else "split"),
             SIMILARITY_MODES,
         )
         self.gsnr = gsnr
