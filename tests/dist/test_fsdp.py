@@ -110,3 +110,11 @@ def test_the_command_lines_fsdp_strategy_trains_like_its_ddp(cluster2):
     assert sharded[0]["losses"] == sharded[1]["losses"]
     assert sharded[0]["losses"] == pytest.approx(replicated["losses"], rel=1e-5)
     assert sharded[0]["accuracy"] == pytest.approx(replicated["accuracy"], abs=1e-3)
+
+
+def test_agvm_on_shards_decides_and_trains_like_ddp(cluster2):
+    # AGVM's per-group cosines come from the statistics' scalars, which FSDP2 shares
+    sharded = cluster2.run(programs.adaptive_run, 30, "scalar", True, "agvm")
+    replicated = cluster2.run(programs.adaptive_run, 30, "scalar", False, "agvm")
+    assert sharded[1]["batch"] == sharded[0]["batch"] == replicated[0]["batch"]
+    torch.testing.assert_close(sharded[0]["params"], replicated[0]["params"])
