@@ -48,10 +48,25 @@ def test_fsdp_decides_like_ddp_and_alike_on_every_rank(cluster2):
 
 
 def test_what_fsdp_does_not_support_gets_one_clear_error(cluster2):
-    gsnr, split, dtensor = cluster2.run(programs.fsdp_refusals)[0]
-    assert "gsnr, similarity='split' and lossy comm hooks need a DDP model" in gsnr
-    assert "gsnr, similarity='split'" in split
+    split, dtensor = cluster2.run(programs.fsdp_refusals)[0]
+    assert "similarity='split' and lossy comm hooks need a DDP model" in split
     assert "sharded (DTensor parameters)" in dtensor and "fully_shard" in dtensor
+
+
+def test_gsnr_under_fsdp_equals_the_sub_batch_by_sub_batch_value(cluster):
+    results = cluster.run(programs.two_step_gsnr, 10 * cluster.world_size + 2, True)
+    result = results[0]
+    for other in results[1:]:
+        assert torch.equal(other["got"], result["got"])  # whole tensors, alike on every rank
+    keep = result["variance"] > 1e-12  # coordinates with a variance to speak of
+    torch.testing.assert_close(result["got"][keep], result["expected"][keep], rtol=1e-3, atol=1e-6)
+
+
+def test_vrgd_on_shards_decides_and_trains_like_ddp(cluster2):
+    sharded = cluster2.run(programs.adaptive_run, 20, "scalar", True, "vr-sgd")
+    replicated = cluster2.run(programs.adaptive_run, 20, "scalar", False, "vr-sgd")
+    assert sharded[1]["batch"] == sharded[0]["batch"] == replicated[0]["batch"]
+    torch.testing.assert_close(sharded[0]["params"], replicated[0]["params"])
 
 
 @pytest.mark.parametrize("optimizer", ["lamb", "lars", "merit"])

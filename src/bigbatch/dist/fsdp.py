@@ -29,6 +29,7 @@ __all__ = [
     "load_full_state",
     "local",
     "mesh_group",
+    "shard_like",
     "unsharded_parameters",
 ]
 
@@ -128,6 +129,19 @@ def load_full_state(
 def accumulate(model: nn.Module, last: bool) -> None:
     """Reduce-scatter the gradients only at the step's last micro-batch."""
     model.set_requires_gradient_sync(last)
+
+
+def shard_like(whole: Tensor, like: Tensor) -> Tensor:
+    """This rank's part of ``whole`` as ``like`` (a DTensor) is sharded; ``whole`` otherwise.
+
+    Every rank holds ``whole``: each keeps its rows, with no communication.
+    """
+    if not _is_dtensor(like):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    part = distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+    return part.to_local()
 
 
 def local(t: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_number, choice
+from ..dist.fsdp import local, shard_like
 from ..stats.result import GradientStats
 from .wrapper import StatisticsWrapper
 
@@ -129,7 +130,9 @@ class VRGD(StatisticsWrapper):
             (p, r) for p, r in zip(self._params, self.ratios(stats.gsnr)) if p.grad is not None
         ]
         if present:
-            torch._foreach_mul_([p.grad for p, _ in present], [r for _, r in present])
+            # FSDP2: the ratios are whole tensors, the gradients this rank's rows
+            grads = [local(p.grad) for p, _ in present]
+            torch._foreach_mul_(grads, [shard_like(r, p.grad) for p, r in present])
         self.base.step()
 
     def _wrapper_state(self) -> dict[str, Any]:

@@ -112,10 +112,10 @@ class MicroBatchStatistics:
         self.gsnr = gsnr
         self.dataset_size = dataset_size
         self.layout = ParamLayout(param_groups, grad_sources)
-        if self.world.sharded and (gsnr or self.similarity == "split" or lossy_reduction):
+        if self.world.sharded and (self.similarity == "split" or lossy_reduction):
             raise ValueError(
-                "under FSDP2 the statistics are the noise scalars and the scalar similarity; "
-                "gsnr, similarity='split' and lossy comm hooks need a DDP model"
+                "under FSDP2 the similarity is the scalar one: similarity='split' and lossy "
+                "comm hooks need a DDP model"
             )
         self.lossy_reduction = lossy_reduction and self.world.distributed
         self._batches: SubBatches | None = None
@@ -136,7 +136,7 @@ class MicroBatchStatistics:
         if gsnr:
             self.gsnr_part = (
                 ShiftedGSNR(self.layout, current, self.world)
-                if self.world.distributed
+                if self.world.distributed or self.world.sharded
                 else WelfordGSNR(self.layout, current)
             )
         self.averages = NoiseAverages(ema_beta, self.layout.device)

@@ -6,10 +6,14 @@ deviations, never as ``E x² - mean²`` (which cancels catastrophically):
 - :class:`WelfordGSNR` (one process): a weighted Welford update per
   micro-batch (West 1979), from tensor hooks that see each increment before
   it is added to ``.grad``; one gradient-sized buffer.
-- :class:`ShiftedGSNR` (DDP): each rank sums ``w (x - c)`` and ``w (x - c)²``
-  about a shift ``c`` shared by all ranks (the previous step's mean
-  gradient), and one float32 gradient-sized all-reduce combines them; three
-  buffers.
+- :class:`ShiftedGSNR` (DDP, FSDP2): each rank sums ``w (x - c)`` and
+  ``w (x - c)²`` about a shift ``c`` shared by all ranks (the previous step's
+  mean gradient), and one float32 gradient-sized all-reduce combines them;
+  three buffers. Under FSDP2 the hooks sit on the unsharded parameters and
+  the buffers are whole tensors on every rank (so is the GSNR it returns):
+  the shift must be the same for every coordinate on every rank, and the
+  all-reduce gives every rank the whole mean for it, with no gather. The
+  memory is three whole float32 copies of the parameters per rank.
 """
 
 from __future__ import annotations
@@ -89,12 +93,12 @@ class ShiftedGSNR:
         self._shift: list[Tensor] | None = None  # c: the previous step's mean gradient
         self.bytes = 0
         self.handles = [
-            p.register_hook(functools.partial(self._update, i)) for i, p in enumerate(layout.params)
+            p.register_hook(functools.partial(self._update, i)) for i, p in enumerate(layout.hooked)
         ]
 
     def begin(self, batches: SubBatches) -> None:
         if self._m2 is None:
-            params = self.layout.params
+            params = self.layout.hooked  # whole tensors (FSDP2: the unsharded parameters)
             self._m1 = [torch.zeros_like(p, dtype=torch.float32) for p in params]
             self._m2 = [torch.zeros_like(m) for m in self._m1]
             self._shift = [torch.zeros_like(m) for m in self._m1]
