@@ -25,6 +25,7 @@ from torch import Tensor, nn
 __all__ = [
     "accumulate",
     "full_state",
+    "is_dtensor",
     "is_fully_sharded",
     "load_full_state",
     "local",
@@ -49,7 +50,7 @@ def mesh_group(model: nn.Module) -> Any:
     """The process group ``model``'s parameters are sharded over (a one-dimensional mesh)."""
     meshes: list = []
     for p in model.parameters():  # each fully_shard call may build its own, equal, mesh
-        if _is_dtensor(p) and not any(p.device_mesh == m for m in meshes):
+        if is_dtensor(p) and not any(p.device_mesh == m for m in meshes):
             meshes.append(p.device_mesh)
     if len(meshes) != 1:
         raise ValueError(
@@ -136,7 +137,7 @@ def shard_like(whole: Tensor, like: Tensor) -> Tensor:
 
     Every rank holds ``whole``: each keeps its rows, with no communication.
     """
-    if not _is_dtensor(like):
+    if not is_dtensor(like):
         return whole
     from torch.distributed.tensor import distribute_tensor
 
@@ -146,8 +147,9 @@ def shard_like(whole: Tensor, like: Tensor) -> Tensor:
 
 def local(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor; any other tensor as it is."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """``t`` is a DTensor (by name: ``torch.distributed.tensor`` need not be importable)."""
     return type(t).__name__ == "DTensor"

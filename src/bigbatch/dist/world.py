@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .fsdp import is_dtensor, is_fully_sharded, mesh_group
+
 __all__ = ["World", "init_from_env"]
 
 
@@ -32,8 +34,6 @@ class World:
         refused with one clear error: bigbatch would otherwise take it for a
         single process and draw the whole global batch on every rank.
         """
-        from .fsdp import is_fully_sharded, mesh_group
-
         if is_fully_sharded(model):
             group = mesh_group(model)
             return cls(dist.get_rank(group), dist.get_world_size(group), group, sharded=True)
@@ -80,7 +80,7 @@ def _sharding(model: nn.Module) -> str | None:
     fsdp = getattr(torch.distributed, "fsdp", None)
     if fsdp is not None and isinstance(model, getattr(fsdp, "FullyShardedDataParallel", ())):
         return "FullyShardedDataParallel"
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         return "DTensor parameters"
     return None
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..dist.fsdp import local
+from ..dist.fsdp import is_dtensor, local
 
 __all__ = ["Shards", "local", "shards_of"]
 
@@ -57,7 +57,7 @@ class Shards:
 def shards_of(tensors: Sequence[Tensor]) -> Shards | None:
     """The :class:`Shards` of ``tensors`` if they are DTensors sharded on dim 0 over a 1-D
     mesh (FSDP2), None for plain tensors; anything else is one clear error."""
-    dtensors = [type(t).__name__ == "DTensor" for t in tensors]
+    dtensors = [is_dtensor(t) for t in tensors]
     if not any(dtensors):
         return None
     if not all(dtensors):
