@@ -1,11 +1,13 @@
 """``bigbatch train --nproc N``: DDP runs through torch's launcher, killed and resumed."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,15 +56,51 @@ def test_two_processes_train_like_one_on_the_same_batches(tmp_path):
     )
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (name) state ppid ...": the name may hold spaces and parentheses
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
 def kill_after_first_checkpoint(run, *args):
+    """SIGKILL the run and every process it started, as a lost machine would.
+
+    torch's launcher starts each rank in a session of its own, so killing the
+    command's process group alone would leave the ranks training (and writing
+    checkpoints) on their own.
+    """
     process = bigbatch("train", *args, "--out", run, wait=False)
     deadline = time.monotonic() + 120
     while not (run / "checkpoint.pt").exists():
         assert process.poll() is None, "the run ended before its first checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
+    tree = process_tree(process.pid)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     process.wait()
+    while any(alive(pid) for pid in tree[1:]):
+        assert time.monotonic() < deadline + 60
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting to be reaped runs no code)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def test_a_killed_two_process_run_resumes_with_two_or_one(tmp_path):
