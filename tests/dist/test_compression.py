@@ -27,9 +27,12 @@ def test_econtrol_without_feedback_and_ef21_sgdm_without_averaging_are_ef21(clus
             assert other[0]["loss"] == ef21[0]["loss"]
 
 
-def test_error_control_converges_where_plain_top_k_does_not(cluster):
+def test_error_control_converges_where_plain_top_k_does_not(cluster2):
+    # two ranks only: 6 × 1000 steps on four gloo ranks take a minute on two cores, and
+    # the hooks' arithmetic does not depend on the number of ranks (the exactness
+    # tests above run on four)
     distance = {
-        method: cluster.run(programs.heterogeneous_quadratic, method, 1000)[0]
+        method: cluster2.run(programs.heterogeneous_quadratic, method, 1000)[0]
         for method in ("allreduce", "none", "ef", "ef21", "ef21-sgdm", "econtrol")
     }
     assert distance["allreduce"] < 1e-3

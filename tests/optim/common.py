@@ -7,6 +7,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+#: what the ``impl`` fixture runs ("foreach-blocked": foreach with every tensor split)
+IMPLS = ("reference", "foreach", "foreach-blocked", "compiled")
+
+
+def impl_cases(switches, compiled: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(impl, switch)`` pairs: every switch under the eager impls, ``compiled`` only compiled.
+
+    The compiled impl is the reference function through torch.compile, which
+    compiles once per switch (5–10 s each on two cores): the reference cases
+    check every switch, and the compiled ones check the compilation on the
+    defaults and on every switch at once.
+    """
+    return [(i, s) for i in IMPLS for s in switches if i != "compiled" or s in compiled]
+
 
 class TinyNet(nn.Module):
     """Embedding, linear (weight and bias), LayerNorm and a 1-D convolution."""

@@ -2,8 +2,10 @@ import pytest
 
 from bigbatch.optim import _blocks
 
+from .common import IMPLS
 
-@pytest.fixture(params=["reference", "foreach", "foreach-blocked", "compiled"])
+
+@pytest.fixture(params=IMPLS)
 def impl(request, monkeypatch) -> str:
     """Every impl; "foreach-blocked" is foreach with blocks so small that every tensor splits."""
     if request.param == "foreach-blocked":

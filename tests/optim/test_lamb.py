@@ -6,7 +6,7 @@ import torch
 from bigbatch.optim import LAMB
 from bigbatch.optim._base import global_grad_norm
 
-from .common import flat, make_model, rel_err, split_groups, train
+from .common import flat, impl_cases, make_model, rel_err, split_groups, train
 from .timm_reference import for_loop, load
 
 SWITCHES = {
@@ -17,11 +17,14 @@ SWITCHES = {
     "decoupled": {"decoupled_weight_decay": True},
     "no_bias_correction": {"bias_correction": False},
 }
+SWITCHES["all"] = {k: v for switch in SWITCHES.values() for k, v in switch.items()}
 TIMM_NAMES = {"decoupled_weight_decay": "decoupled_decay"}
 
 
-@pytest.mark.parametrize("switch", SWITCHES)
-def test_matches_timm_lamb_for_50_steps(switch, impl):
+@pytest.mark.parametrize(
+    ("impl", "switch"), impl_cases(SWITCHES, compiled=("defaults", "all")), indirect=["impl"]
+)
+def test_matches_timm_lamb_for_50_steps(impl, switch):
     options = SWITCHES[switch]
     timm_options = {TIMM_NAMES.get(k, k): v for k, v in options.items()}
     timm_lamb = load("lamb").Lamb

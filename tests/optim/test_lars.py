@@ -5,7 +5,7 @@ import torch
 
 from bigbatch.optim import LARS
 
-from .common import flat, make_model, rel_err, split_groups, train
+from .common import flat, impl_cases, make_model, rel_err, split_groups, train
 from .timm_reference import for_loop, load
 
 # timm's defaults differ (lr 1.0, momentum 0): every test passes settings explicitly.
@@ -17,11 +17,15 @@ SWITCHES = {
     "nesterov": {"nesterov": True},
     "no_momentum": {"momentum": 0.0},
     "dampening": {"dampening": 0.3},
+    # nesterov needs momentum without dampening: every other switch at once
+    "all": {"trust_clip": True, "always_adapt": True, "nesterov": True},
 }
 
 
-@pytest.mark.parametrize("switch", SWITCHES)
-def test_matches_timm_lars_for_50_steps(switch, impl):
+@pytest.mark.parametrize(
+    ("impl", "switch"), impl_cases(SWITCHES, compiled=("defaults", "all")), indirect=["impl"]
+)
+def test_matches_timm_lars_for_50_steps(impl, switch):
     options = {**BASE, **SWITCHES[switch]}
     timm_lars = load("lars").Lars
 

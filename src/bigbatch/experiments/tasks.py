@@ -158,16 +158,19 @@ class Conv1dNet(nn.Module):
         return self.head(self.features(x.unsqueeze(1)).flatten(1))
 
 
-def mnist1d_arrays(seed: int = 42) -> dict[str, np.ndarray]:
-    """MNIST-1D with the package's default settings, built once and cached as .npz."""
-    path = cache_dir() / f"mnist1d-50000-seed{seed}.npz"
+def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarray]:
+    """MNIST-1D with the package's default settings, built once and cached as .npz.
+
+    The package keeps 80% of ``samples`` for training and 20% for the test set.
+    """
+    path = cache_dir() / f"mnist1d-{samples}-seed{seed}.npz"
     if path.is_file():
         with np.load(path) as data:
             return {k: data[k] for k in data.files}
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
-    args.num_samples, args.seed = 50_000, seed
+    args.num_samples, args.seed = samples, seed
     data = make_dataset(args)
     arrays = {k: np.asarray(data[k]) for k in ("x", "y", "x_test", "y_test")}
     path.parent.mkdir(parents=True, exist_ok=True)
