@@ -29,12 +29,14 @@ def test_matches_timm_lars_for_50_steps(impl, switch):
     options = {**BASE, **SWITCHES[switch]}
     timm_lars = load("lars").Lars
 
-    reference_model = make_model()
+    # float64: at lr 2 a ReLU next to zero amplifies a float32 rounding difference between
+    # two correct implementations into a 2% gap within a few steps (seen with nesterov)
+    reference_model = make_model().double()
     start = flat(reference_model)
     expected = train(
         reference_model, for_loop(timm_lars, split_groups(reference_model, 1e-3), **options)
     )
-    model = make_model()
+    model = make_model().double()
     got = train(model, LARS(split_groups(model, 1e-3), impl=impl, **options))
 
     assert rel_err(expected, start) > 1e-3, "the run must move the parameters"
