@@ -89,7 +89,10 @@ def build(
     """The task's problem on ``device``, the loop that trains it (its model in DDP on 2+
     ranks) and the precision its forward passes run in."""
     device = device if device is not None else torch.device("cpu")
-    problem = TASKS[config["task"]].build(config)
+    try:
+        problem = TASKS[config["task"]].build(config)
+    except ValueError as err:  # a setting the task cannot meet (train_samples)
+        raise ConfigError(str(err)) from None
     problem.model.to(device)
     try:
         precision = Precision(config["precision"], device)

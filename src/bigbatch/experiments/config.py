@@ -89,6 +89,19 @@ def _keys() -> list[Key]:
         Key("weight_decay", 0.01, "weight decay (not on biases and norms)", low=0),
         Key("seed", 0, "seed for model initialisation and data order", low=0),
         Key("max_samples", 0, "training budget in samples; 0: the task's default", low=0),
+        Key(
+            "train_samples",
+            0,
+            "train on the task's first N training samples only (a smaller set opens a "
+            "generalization gap); 0: all of them",
+            low=0,
+        ),
+        Key(
+            "stop_at_target",
+            False,
+            "end the run at the first evaluation that reaches the task's target (for "
+            "steps-to-target studies; the schedule still spans max_samples)",
+        ),
         Key("max_micro_batch", 1024, "largest micro-batch per forward/backward", low=1),
         Key("min_sub_batches", 4, "fewest micro-batches per step (statistics need >= 2)", low=2),
         Key("eval_every", 25, "evaluate on the test set every this many steps", low=1),

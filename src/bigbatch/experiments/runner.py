@@ -35,7 +35,7 @@ from .device import resolve_device, set_tf32, to_device
 from .report import render_run
 from .rundir import CHECKPOINT, load_checkpoint, read_metrics, save_atomically
 from .summary import batch_path_ratio, target_summary, traffic_per_step
-from .tasks import TASKS, Problem
+from .tasks import TASKS, Problem, Task
 
 
 def train(
@@ -55,6 +55,7 @@ def train(
     world = init_from_env(device)
     _set_threads(config["threads"], world)
     problem, loop, precision = build(config, world, device)
+    task = TASKS[config["task"]]
     writer = world.rank == 0
     # under FSDP2 a forward is a collective (it gathers the parameters): every rank evaluates
     evaluates = writer or loop.world.sharded
@@ -76,6 +77,7 @@ def train(
             if evaluates and (due or last):
                 evaluation = problem.evaluate(problem.model)
                 row.update(evaluation)
+            last = last or (config["stop_at_target"] and due and _reached(world, task, evaluation))
             state["wall_seconds"] = row["wall_seconds"] = time.perf_counter() - start
             state["metrics_lines"] += 1
             if log is not None:
@@ -84,6 +86,8 @@ def train(
                 _checkpoint(out, loop, state, log)
             if bar is not None:
                 _show(bar, step.batch_size, loop.steps_taken, row, evaluation)
+            if last:  # the budget is spent (the loop ends by itself) or the target reached
+                break
     if bar is not None:
         bar.close()
     train_evaluation = None
@@ -116,6 +120,11 @@ def _open_run(
         (out / "config.toml").write_text(to_toml(config))
         metrics_path.write_text("")
     return state
+
+
+def _reached(world: World, task: Task, evaluation: dict[str, float]) -> bool:
+    """Whether rank 0's latest evaluation met the task's target, on every rank."""
+    return world.broadcast_object(world.rank == 0 and task.reached(evaluation))
 
 
 def _checkpoint(out: Path, loop: AdaptiveBatch, state: dict[str, Any], log: Any) -> None:

@@ -158,6 +158,17 @@ class Conv1dNet(nn.Module):
         return self.head(self.features(x.unsqueeze(1)).flatten(1))
 
 
+def training_rows(config: dict[str, Any], available: int) -> int:
+    """How many of a task's ``available`` training samples a run uses: the first
+    ``train_samples`` (a smaller training set opens a generalization gap), or all."""
+    wanted = config.get("train_samples", 0) or available
+    if wanted > available:
+        raise ValueError(
+            f"train_samples = {wanted} is more than the task's {available:,} training samples"
+        )
+    return wanted
+
+
 def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarray]:
     """MNIST-1D with the package's default settings, built once and cached as .npz.
 
@@ -183,6 +194,7 @@ def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarra
 def build_mnist1d(config: dict[str, Any]) -> Problem:
     data = mnist1d_arrays()
     x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"], dtype=torch.long)
+    x, y = x[: training_rows(config, len(x))], y[: training_rows(config, len(y))]
     xt = torch.tensor(data["x_test"], dtype=torch.float32)
     yt = torch.tensor(data["y_test"], dtype=torch.long)
     torch.manual_seed(config["seed"])
@@ -234,13 +246,14 @@ def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 1
     torch.manual_seed(config["seed"])
     model = _mlp(dims, width, depth, classes)
     xt, yt = x[n_train:], y[n_train:]
+    rows = training_rows(config, n_train)
     return Problem(
-        TensorDataset(x[:n_train], y[:n_train]),
+        TensorDataset(x[:rows], y[:rows]),
         (xt, yt),
         model,
         _classification_loss,
         _classification_eval(xt, yt),
-        evaluate_train=_classification_eval(x[:n_train], y[:n_train]),
+        evaluate_train=_classification_eval(x[:rows], y[:rows]),
     )
 
 
@@ -263,13 +276,14 @@ def build_digits(config: dict[str, Any]) -> Problem:
     torch.manual_seed(config["seed"])
     model = _mlp(64, config["model.width"], config["model.depth"], 10)
     xt, yt = x[split:], y[split:]
+    rows = training_rows(config, split)
     return Problem(
-        TensorDataset(x[:split], y[:split]),
+        TensorDataset(x[:rows], y[:rows]),
         (xt, yt),
         model,
         _classification_loss,
         _classification_eval(xt, yt),
-        evaluate_train=_classification_eval(x[:split], y[:split]),
+        evaluate_train=_classification_eval(x[:rows], y[:rows]),
     )
 
 
@@ -375,8 +389,9 @@ def build_lm(
         values = torch.stack([loss_value.double(), accuracy.double(), logit.double()]).tolist()
         return dict(zip(("eval_loss", "eval_accuracy", "max_attention_logit"), values))
 
+    rows = training_rows(config, sequences)
     return Problem(
-        TensorDataset(x[:sequences], y[:sequences]),
+        TensorDataset(x[:rows], y[:rows]),
         (xt, yt),
         model,
         loss,
