@@ -42,7 +42,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from _runs import run_all
+from bigbatch.experiments.sweep import Arm, sweep
 
 STATIC = (64, 256, 1024, 4096, 16384)
 MULTIPLIERS = (0.5, 1.0, 2.0)
@@ -60,21 +60,19 @@ def base(task_name: str) -> dict[str, Any]:
     }
 
 
-def arms(
-    task_name: str, quick: bool, kappas: tuple[float, ...] = ()
-) -> dict[str, list[dict[str, Any]]]:
-    """Each arm's grid of configs (overrides of the base)."""
+def arms(task_name: str, quick: bool, kappas: tuple[float, ...] = ()) -> list[Arm]:
+    """Each arm's overrides of the base, its ``lr`` the middle of its grid."""
     from bigbatch.experiments.tasks import TASKS
 
     task = TASKS[task_name]
     scaled, held = task.lr("adam", held=False), task.lr("adam", held=True)
-    multipliers = (1.0,) if quick else MULTIPLIERS
-    out: dict[str, list[dict[str, Any]]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for batch in (256, 1024, 4096) if quick else STATIC:
-        out[f"static {batch}"] = [
-            {"batch.controller": "constant", "batch.initial": batch, "lr": scaled * m}
-            for m in multipliers
-        ]
+        out[f"static {batch}"] = {
+            "batch.controller": "constant",
+            "batch.initial": batch,
+            "lr": scaled,
+        }
     for kind in CONTROLLERS:
         settings: dict[str, Any] = {"batch.controller": kind}
         if kind == "simigrad":  # as published: from the small batch, target 1/3, sqrt rule
@@ -83,20 +81,15 @@ def arms(
             settings.update({"batch.initial": 256, "lr": held})
             if kind == "damped_simigrad":
                 settings["batch.target"] = 0.8
-        out[kind] = [{**settings, "lr": settings["lr"] * m} for m in multipliers]
+        out[kind] = settings
     for kappa in kappas:  # the ramp at other multiples κ, each with its own grid
-        settings = {"batch.controller": "critical_ramp", "batch.initial": 256}
-        out[f"critical_ramp k={kappa:g}"] = [
-            {**settings, "batch.noise_multiple": kappa, "lr": held * m} for m in multipliers
-        ]
-    return out
-
-
-def rank(summary: dict[str, Any], lower_is_better: bool) -> tuple:
-    """Fewest steps to the target first; then the best metric."""
-    best = summary["best_eval_loss"] if lower_is_better else -summary["best_accuracy"]
-    reached = summary["steps_to_target"] is not None
-    return (not reached, summary["steps_to_target"] or 0, best)
+        out[f"critical_ramp k={kappa:g}"] = {
+            "batch.controller": "critical_ramp",
+            "batch.initial": 256,
+            "batch.noise_multiple": kappa,
+            "lr": held,
+        }
+    return [Arm(name, overrides, name.replace(" ", "")) for name, overrides in out.items()]
 
 
 def frontier(points: list[tuple[float, float]], samples: float) -> float:
@@ -144,34 +137,27 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     grid = arms(args.task, args.quick, tuple(args.kappas))
     if args.arms is not None:
-        grid = {a: c for a, c in grid.items() if a.startswith(tuple(args.arms))}
+        grid = [a for a in grid if a.name.startswith(tuple(args.arms))]
         if not grid:
             parser.error(f"--arms {' '.join(args.arms)}: no arm starts with these")
 
-    def job(arm: str, i: int, overrides: dict[str, Any], seed: int) -> tuple[dict, str]:
-        name = f"{arm.replace(' ', '')}-lr{i}-seed{seed}"
-        return {**base(args.task), **overrides, "seed": seed}, str(root / name)
-
-    first = [job(arm, i, o, 0) for arm, configs in grid.items() for i, o in enumerate(configs)]
-    results = dict(zip([j[1] for j in first], run_all(first, args.jobs)))
-    chosen: dict[str, int] = {}
-    for arm, configs in grid.items():
-        scores = [results[job(arm, i, o, 0)[1]] for i, o in enumerate(configs)]
-        chosen[arm] = min(range(len(configs)), key=lambda i: rank(scores[i], lower))
-    seeds = range(1 if args.quick else args.seeds)
-    reruns = [
-        job(arm, chosen[arm], grid[arm][chosen[arm]], s) for arm in grid for s in seeds if s > 0
-    ]
-    results.update(zip([j[1] for j in reruns], run_all(reruns, args.jobs)))
-
+    results = sweep(
+        base(args.task),
+        grid,
+        root,
+        multipliers=(1.0,) if args.quick else MULTIPLIERS,
+        seeds=1 if args.quick else args.seeds,
+        rank="steps",
+        jobs=args.jobs,
+    )
     table: dict[str, dict[str, Any]] = {}
-    for arm in grid:
-        runs = [results[job(arm, chosen[arm], grid[arm][chosen[arm]], s)[1]] for s in seeds]
+    for result in results:
+        runs = result.runs
         reached = [r for r in runs if r["steps_to_target"] is not None]
         metric = [r["best_eval_loss"] if lower else r["best_accuracy"] for r in runs]
-        table[arm] = {
-            "lr": grid[arm][chosen[arm]]["lr"],
-            "grid_lrs": [c["lr"] for c in grid[arm]],
+        table[result.name] = {
+            "lr": result.lr,
+            "grid_lrs": result.lrs,
             "reached": f"{len(reached)}/{len(runs)}",
             "steps": [r["steps_to_target"] for r in runs],
             "samples": [r["samples_to_target"] for r in runs],

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from _runs import run_all
+from bigbatch.experiments.sweep import run_all
 
 #: the representative optimizer of each family and its grid (a factor √10 apart)
 GRIDS = {

@@ -30,56 +30,35 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from pathlib import Path
-from typing import Any
 
-from _runs import run_all
+from bigbatch.experiments.analysis import mean_std
+from bigbatch.experiments.sweep import Arm, metric, sweep
 
 OPTIMIZERS = ("sgd", "adamw", "lamb", "lars")
 MULTIPLES = (1, 16, 64, 256)
 GRID = (0.5, 1.0, 2.0)
 
 
-def arms(task_name: str, optimizers, multiples, grid) -> dict[tuple[str, int], list[dict]]:
-    """Each (optimizer, batch) arm's rate grid, as config overrides."""
+def arms(task_name: str, optimizers, multiples) -> list[Arm]:
+    """Each (optimizer, batch) arm: the family's rate at the small batch, carried by its rule."""
     from bigbatch.experiments.tasks import TASKS
     from bigbatch.optim import get_optimizer_info
 
     task = TASKS[task_name]
-    out = {}
+    out = []
     for name in optimizers:
         rate = task.lr(get_optimizer_info(name).family, held=False)
         for multiple in multiples:
             batch = task.base_batch * multiple
-            out[name, batch] = [
-                {
-                    "task": task_name,
-                    "optimizer": name,
-                    "batch.controller": "constant",
-                    "batch.base": task.base_batch,
-                    "batch.initial": batch,
-                    "batch.max": max(batch, 16384),
-                    "lr": rate * m,
-                    "eval_every": 10,
-                    "threads": 1,
-                    "device": "cpu",
-                }
-                for m in grid
-            ]
+            overrides = {
+                "optimizer": name,
+                "batch.initial": batch,
+                "batch.max": max(batch, 16384),
+                "lr": rate,
+            }
+            out.append(Arm(f"{name} {batch}", overrides, f"{name}-b{batch}"))
     return out
-
-
-def metric(summary: dict[str, Any], lower: bool, which: str = "best") -> float:
-    """A run's ``best`` or ``final`` metric: eval loss when lower is better, else accuracy."""
-    return summary[f"{which}_eval_loss" if lower else f"{which}_accuracy"]
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def main() -> None:
@@ -101,52 +80,41 @@ def main() -> None:
     if unknown:
         parser.error(f"--optimizers: unknown {', '.join(unknown)}")
     task = TASKS[args.task]
-    lower = task.lower_is_better
     budget = int(task.max_samples * args.fraction)
     root = Path(args.out or f"runs/scaling-{args.task}{'-quick' if args.quick else ''}")
     root.mkdir(parents=True, exist_ok=True)
-    grid = arms(args.task, args.optimizers, args.multiples, (1.0,) if args.quick else GRID)
-
-    def job(arm: tuple[str, int], i: int, seed: int) -> tuple[dict, str]:
-        name, batch = arm
-        config = {**grid[arm][i], "seed": seed, "max_samples": budget}
-        return config, str(root / f"{name}-b{batch}-lr{i}-seed{seed}")
-
-    first = [job(arm, i, 0) for arm in grid for i in range(len(grid[arm]))]
-    results = dict(zip([j[1] for j in first], run_all(first, args.jobs)))
-    chosen = {
-        arm: min(
-            range(len(configs)),
-            key=lambda i, arm=arm: _rank(results[job(arm, i, 0)[1]], lower),
-        )
-        for arm, configs in grid.items()
+    base = {
+        "task": args.task,
+        "batch.controller": "constant",
+        "batch.base": task.base_batch,
+        "max_samples": budget,
+        "eval_every": 10,
+        "threads": 1,
+        "device": "cpu",
     }
-    seeds = range(1 if args.quick else args.seeds)
-    reruns = [job(arm, chosen[arm], s) for arm in grid for s in seeds if s > 0]
-    results.update(zip([j[1] for j in reruns], run_all(reruns, args.jobs)))
-
+    results = sweep(
+        base,
+        arms(args.task, args.optimizers, args.multiples),
+        root,
+        multipliers=(1.0,) if args.quick else GRID,
+        seeds=1 if args.quick else args.seeds,
+        rank="best",
+        jobs=args.jobs,
+    )
     table = {}
-    for arm in grid:
-        runs = [results[job(arm, chosen[arm], s)[1]] for s in seeds]
-        table[f"{arm[0]} {arm[1]}"] = {
-            "optimizer": arm[0],
-            "batch": arm[1],
-            "lr": grid[arm][chosen[arm]]["lr"],
-            "grid_lrs": [c["lr"] for c in grid[arm]],
-            "final": [metric(r, lower, "final") for r in runs],
-            "best": [metric(r, lower, "best") for r in runs],
-            "max_attention_logit": [r.get("max_attention_logit") for r in runs],
-            "run": job(arm, chosen[arm], 0)[1],
+    for result in results:
+        table[result.name] = {
+            "optimizer": result.overrides["optimizer"],
+            "batch": result.overrides["batch.initial"],
+            "lr": result.lr,
+            "grid_lrs": result.lrs,
+            "final": [metric(r, "final") for r in result.runs],
+            "best": [metric(r, "best") for r in result.runs],
+            "max_attention_logit": [r.get("max_attention_logit") for r in result.runs],
+            "run": str(root / result.dirs[0]),
         }
     (root / "scaling.json").write_text(json.dumps(table, indent=2) + "\n")
     write_report(root, args, task, budget, table)
-
-
-def _rank(summary: dict[str, Any], lower: bool) -> float:
-    value = metric(summary, lower)
-    if not math.isfinite(value):
-        return math.inf
-    return value if lower else -value
 
 
 def _cell(values: list[float], digits: int) -> str:

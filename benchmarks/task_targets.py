@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from _runs import run_all
+from bigbatch.experiments.sweep import run_all
 
 TASKS = ("mnist1d", "teacher", "digits", "lm")
 STATIC = (256, 1024)

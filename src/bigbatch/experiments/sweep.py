@@ -1,0 +1,214 @@
+"""Tuned comparisons: every arm gets the same learning-rate grid, and its best rate more seeds.
+
+A comparison between batch sizes, optimizers or controllers is only fair if
+each arm is trained at a rate that suits it: one rate for all favours the arm
+it was tuned for. The protocol here gives every arm the same budget of tuning:
+
+1. each arm trains at its own rate (the config's ``lr``, or the task's
+   measured rate for the arm's optimizer and LR rule when ``lr`` is 0) times
+   each point of a multiplier grid, on the first seed;
+2. the grid run that ranks best (:data:`RANKS`) gives the arm's rate;
+3. that rate is trained again on the further seeds.
+
+Every run is one process and one run directory, ``<stem>-lr<i>-seed<s>`` under
+the sweep's root; a directory that holds a ``summary.json`` is reused, so a
+killed sweep continues where it stopped. ``bigbatch compare`` and the
+evidence benchmarks (``benchmarks/``) both run through :func:`sweep`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._checks import positive_int
+from .build import with_task_defaults
+from .config import ConfigError, resolve
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One cell of a comparison: its label, config overrides and run-directory stem."""
+
+    name: str
+    overrides: dict[str, Any]
+    stem: str
+
+
+@dataclass
+class ArmResult:
+    """What an arm's sweep found: its rate grid, the chosen rate and the seeds' summaries."""
+
+    name: str
+    overrides: dict[str, Any]
+    lrs: list[float]
+    chosen: int
+    #: the summary of each grid run (first seed), in the grid's order
+    grid: list[dict[str, Any]]
+    #: the summaries at the chosen rate, one per seed (the first is the grid's run)
+    runs: list[dict[str, Any]]
+    #: the run directories of ``runs``, relative to the sweep's root
+    dirs: list[str] = field(default_factory=list)
+
+    @property
+    def lr(self) -> float:
+        return self.lrs[self.chosen]
+
+    def values(self, key: str) -> list[Any]:
+        """``key`` of each seed's summary (None where a summary lacks it)."""
+        return [s.get(key) for s in self.runs]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "overrides": self.overrides,
+            "lrs": self.lrs,
+            "chosen": self.chosen,
+            "dirs": self.dirs,
+        }
+
+
+def metric(summary: dict[str, Any], which: str = "best") -> float:
+    """A run's ``best`` or ``final`` score on its task's target metric (accuracy or eval loss)."""
+    loss = summary.get("target_metric", "eval_accuracy").endswith("loss")
+    value = summary[f"{which}_eval_loss" if loss else f"{which}_accuracy"]
+    return value if value is not None else math.nan
+
+
+def _score(summary: dict[str, Any], which: str) -> float:
+    """Lower is better; a non-finite score ranks last."""
+    value = metric(summary, which)
+    if not math.isfinite(value):
+        return math.inf
+    return value if summary.get("target_metric", "").endswith("loss") else -value
+
+
+def _by_steps(summary: dict[str, Any]) -> tuple:
+    steps = summary.get("steps_to_target")
+    return (steps is None, steps or 0, _score(summary, "best"))
+
+
+#: how a grid's runs are ranked: ``steps`` (fewest optimizer steps to the task's target,
+#: then the best score), ``best`` (best score over the run), ``final`` (score at the end)
+RANKS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "steps": _by_steps,
+    "best": lambda s: _score(s, "best"),
+    "final": lambda s: _score(s, "final"),
+}
+
+
+def arm_rate(config: dict[str, Any]) -> float:
+    """The rate an arm trains at before the grid: its ``lr``, or the task's rate when 0."""
+    return with_task_defaults(resolve(config))["lr"]
+
+
+def check_protocol(multipliers: Sequence[float], seeds: int, rank: str, jobs: int) -> None:
+    """A :class:`ConfigError` naming the first bad setting of a sweep, if any."""
+    if rank not in RANKS:
+        raise ConfigError(f"rank must be one of {', '.join(RANKS)}, got {rank!r}")
+    try:
+        positive_int("seeds", seeds)
+        positive_int("jobs", jobs)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not multipliers or any(not (m > 0 and math.isfinite(m)) for m in multipliers):
+        raise ConfigError(f"the rate grid takes positive multipliers, got {list(multipliers)}")
+
+
+def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
+    """Train one config into its directory unless a finished run is there; return its summary."""
+    from .runner import train
+
+    config, out, quiet = job
+    path = Path(out)
+    if (path / "summary.json").is_file():
+        return json.loads((path / "summary.json").read_text())
+    if path.exists():  # a run killed midway: start it again
+        shutil.rmtree(path)
+    if not quiet:
+        print(f"[{path.name}] lr {config['lr']:.4g}, seed {config['seed']}", flush=True)
+    return train(resolve(config), path, quiet=quiet)
+
+
+def run_all(
+    jobs: Sequence[tuple[dict[str, Any], str]], workers: int = 1, quiet: bool = True
+) -> list[dict[str, Any]]:
+    """Each ``(config, out)``, ``workers`` at a time; fresh processes (one torch each) when > 1."""
+    tasks = [(config, out, quiet) for config, out in jobs]
+    if workers <= 1:
+        return [train_once(t) for t in tasks]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return list(pool.map(train_once, tasks))
+
+
+def sweep(
+    base: dict[str, Any],
+    arms: Sequence[Arm],
+    root: Path,
+    *,
+    multipliers: Sequence[float] = (1.0,),
+    seeds: int = 1,
+    rank: str = "best",
+    jobs: int = 1,
+    quiet: bool = True,
+) -> list[ArmResult]:
+    """Train every arm on the rate grid, then its best rate on ``seeds`` seeds (module docstring).
+
+    ``base`` is a config layer (any keys of the schema) under each arm's
+    overrides; the seeds are ``base["seed"]`` (default 0) and the ones after
+    it. With ``jobs`` > 1 and ``threads`` unset, each run gets an equal share
+    of the cores. Raises :class:`ConfigError` before training if any config is
+    bad.
+    """
+    check_protocol(multipliers, seeds, rank, jobs)
+    base = dict(base)
+    if jobs > 1 and not base.get("threads"):
+        base["threads"] = max(1, (os.cpu_count() or 1) // jobs)
+    first_seed = int(base.get("seed", 0))
+    root = Path(root)
+    rates = {arm.stem: arm_rate({**base, **arm.overrides}) for arm in arms}  # checks every config
+
+    def job(arm: Arm, i: int, seed: int) -> tuple[dict[str, Any], str]:
+        config = {**base, **arm.overrides, "lr": rates[arm.stem] * multipliers[i], "seed": seed}
+        return config, f"{arm.stem}-lr{i}-seed{seed}"
+
+    grid_jobs = [job(arm, i, first_seed) for arm in arms for i in range(len(multipliers))]
+    done = dict(zip((name for _, name in grid_jobs), _run(grid_jobs, root, jobs, quiet)))
+    chosen = {}
+    for arm in arms:
+        scores = [RANKS[rank](done[job(arm, i, first_seed)[1]]) for i in range(len(multipliers))]
+        chosen[arm.stem] = min(range(len(multipliers)), key=scores.__getitem__)
+    more = [job(arm, chosen[arm.stem], first_seed + k) for arm in arms for k in range(1, seeds)]
+    done.update(zip((name for _, name in more), _run(more, root, jobs, quiet)))
+
+    results = []
+    for arm in arms:
+        pick = chosen[arm.stem]
+        names = [job(arm, pick, first_seed + k)[1] for k in range(seeds)]
+        results.append(
+            ArmResult(
+                name=arm.name,
+                overrides=dict(arm.overrides),
+                lrs=[rates[arm.stem] * m for m in multipliers],
+                chosen=pick,
+                grid=[done[job(arm, i, first_seed)[1]] for i in range(len(multipliers))],
+                runs=[done[n] for n in names],
+                dirs=names,
+            )
+        )
+    return results
+
+
+def _run(
+    jobs: list[tuple[dict[str, Any], str]], root: Path, workers: int, quiet: bool
+) -> list[dict[str, Any]]:
+    return run_all([(config, str(root / name)) for config, name in jobs], workers, quiet)

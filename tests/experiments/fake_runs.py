@@ -1,0 +1,49 @@
+"""A stand-in for ``runner.train`` whose outcome is a known function of the config.
+
+Sweeps and comparisons are about choosing and aggregating runs; with this
+trainer their tests check the choices against known answers in milliseconds.
+The model: the best rate is 0.004 at any batch (accuracy falls with the
+squared log-distance from it), and the steps to the target follow
+``S_min · (1 + B_crit / B)`` with ``S_min = 100`` and ``B_crit = 4 · width``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+S_MIN = 100
+
+
+def critical_batch(width: int) -> float:
+    return 4.0 * width
+
+
+def fake_train(config: dict[str, Any], out: Path, *, resume: bool = False, quiet: bool = False):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    batch = config["batch.initial"]
+    width = config["model.width"] or 32
+    accuracy = 0.98 - 0.01 * math.log(config["lr"] / 0.004) ** 2 - 0.001 * config["seed"]
+    steps = round(S_MIN * (1 + critical_batch(width) / batch))
+    summary = {
+        "task": config["task"],
+        "target_metric": "eval_accuracy",
+        "target": 0.9,
+        "best_accuracy": accuracy,
+        "final_accuracy": accuracy - 0.001,
+        "best_eval_loss": 1 - accuracy,
+        "final_eval_loss": 1 - accuracy,
+        "steps_to_target": steps if accuracy >= 0.9 else None,
+        "samples_to_target": steps * batch if accuracy >= 0.9 else None,
+        "steps": 2 * steps,
+        "samples": 2 * steps * batch,
+        "avg_batch_size": float(batch),
+        "wall_seconds": 1.0,
+    }
+    rows = [{"step": s, "samples": s * batch, "eval_accuracy": accuracy} for s in (1, steps)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "summary.json").write_text(json.dumps(summary))
+    return summary

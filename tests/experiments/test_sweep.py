@@ -1,0 +1,61 @@
+"""The tuned-sweep protocol: the same rate grid for every arm, the best rate on more seeds."""
+
+import pytest
+
+from bigbatch.experiments.config import ConfigError
+from bigbatch.experiments.sweep import RANKS, Arm, metric, sweep
+
+BASE = {"task": "digits", "batch.controller": "constant", "lr": 0.004}
+
+
+def test_each_arm_gets_the_grid_and_its_best_rate_gets_the_seeds(trained, tmp_path):
+    arms = [
+        Arm("low", {"batch.initial": 64, "lr": 0.002}, "low"),  # best at x2
+        Arm("high", {"batch.initial": 256, "lr": 0.008}, "high"),  # best at x0.5
+    ]
+    results = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0, 2.0), seeds=3)
+    assert [r.lr for r in results] == pytest.approx([0.004, 0.004])
+    assert [r.chosen for r in results] == [2, 0]
+    assert results[0].lrs == pytest.approx([0.001, 0.002, 0.004])
+    assert results[1].lrs == pytest.approx([0.004, 0.008, 0.016])
+    # 3 grid runs per arm on seed 0, then seeds 1 and 2 at the chosen rate only
+    assert len(trained) == 2 * 3 + 2 * 2
+    assert [r["seed"] for r in trained[6:]] == [1, 2, 1, 2]
+    assert results[0].dirs == ["low-lr2-seed0", "low-lr2-seed1", "low-lr2-seed2"]
+    assert [metric(s) for s in results[0].runs] == pytest.approx([0.98, 0.979, 0.978])
+
+
+def test_a_repeated_sweep_reuses_its_finished_runs(trained, tmp_path):
+    arms = [Arm("a", {"batch.initial": 64}, "a")]
+    first = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0), seeds=2)
+    count = len(trained)
+    (tmp_path / "a-lr1-seed1" / "summary.json").unlink()  # as if killed midway
+    again = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0), seeds=2)
+    assert len(trained) == count + 1  # only the unfinished run trained again
+    assert [r.runs for r in again] == [r.runs for r in first]
+
+
+def test_the_steps_rank_prefers_reaching_the_target_sooner():
+    late = {"steps_to_target": 300, "best_accuracy": 0.99, "target_metric": "eval_accuracy"}
+    soon = {"steps_to_target": 200, "best_accuracy": 0.95, "target_metric": "eval_accuracy"}
+    never = {"steps_to_target": None, "best_accuracy": 0.99, "target_metric": "eval_accuracy"}
+    assert sorted([late, never, soon], key=RANKS["steps"]) == [soon, late, never]
+    assert sorted([late, never, soon], key=RANKS["best"])[-1] is soon
+    lm = {"best_eval_loss": float("nan"), "target_metric": "eval_loss"}
+    assert RANKS["best"](lm) == float("inf")  # a diverged run ranks last
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"rank": "fastest"}, "rank must be one of"),
+        ({"seeds": 0}, "seeds must be a positive whole number"),
+        ({"multipliers": (1.0, -2.0)}, "positive multipliers"),
+    ],
+)
+def test_bad_options_stop_before_any_run(trained, tmp_path, options, message):
+    with pytest.raises(ConfigError, match=message):
+        sweep(BASE, [Arm("a", {}, "a")], tmp_path, **options)
+    with pytest.raises(ConfigError, match=r"batch\.intial"):
+        sweep(BASE, [Arm("a", {"batch.intial": 3}, "a")], tmp_path)
+    assert trained == []
