@@ -17,8 +17,6 @@ non-finite gradient (``nonfinite = "raise"``) exits with code 3.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import os
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from .experiments.config import (
     parse_assignment,
     resolve,
 )
+from .experiments.sweep import RANKS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,14 +77,33 @@ def _parser() -> argparse.ArgumentParser:
         "a run may resume with another N",
     )
 
-    compare = config_command("compare", "train a grid of runs and write one comparison report")
+    compare = config_command(
+        "compare",
+        "train a grid of runs, each at its best rate of a grid, and write one comparison report",
+    )
     compare.add_argument(
         "--vary",
         metavar="KEY=V1,V2,...",
         action="append",
         default=[],
-        help="a key and its values; several --vary make a grid",
+        help="a key and its values; several --vary make a grid; keys joined by + vary "
+        "together (model.width+model.depth=64+2,32+3)",
     )
+    compare.add_argument(
+        "--lr-grid",
+        metavar="M1,M2,...",
+        help="train each arm at its rate times each multiplier and keep the best (default 1)",
+    )
+    compare.add_argument(
+        "--seeds", type=int, help="seeds at each arm's chosen rate (default 1; the first is seed)"
+    )
+    compare.add_argument(
+        "--rank",
+        choices=tuple(RANKS),
+        help="how the rate grid is ranked: steps (fewest to the task's target), best or final "
+        "score (default best)",
+    )
+    compare.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
     compare.add_argument("--out", metavar="DIR", help="comparison directory (default: under runs/)")
 
     report = commands.add_parser("report", help="re-render the report of a run or comparison")
@@ -95,9 +113,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return resolve(*_layers(args))
+
+
+def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     layers = [load_toml(args.config)] if args.config else []
     layers.append(dict(parse_assignment(a) for a in args.set))
-    return resolve(*layers)
+    return layers
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -189,35 +211,28 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
 
 
 def _compare(args: argparse.Namespace) -> None:
-    from .experiments.report import render_comparison
-    from .experiments.rundir import check_new_run_dir, new_run_dir
-    from .experiments.runner import train
+    from .experiments.compare import plan, run_comparison
 
-    base = _config(args)
-    axes = []
-    for text in args.vary:
-        key, sep, values = text.partition("=")
-        if not sep or not values.strip():
-            raise ConfigError(f"--vary takes KEY=V1,V2,..., got {text!r}")
-        key = key.strip()
-        axes.append([(key, parse_assignment(f"{key}={v}")[1]) for v in values.split(",")])
-    if not axes:
-        raise ConfigError("compare needs at least one --vary KEY=V1,V2,...")
-    grid = [dict(combo) for combo in itertools.product(*axes)]
-    configs = [resolve(base, overrides) for overrides in grid]  # all checked before any training
-    root = Path(args.out) if args.out else new_run_dir(task=f"compare-{base['task']}")
-    check_new_run_dir(root)
-    root.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for i, overrides in enumerate(grid):
-        label = ", ".join(f"{k}={v}" for k, v in overrides.items())
-        entries.append({"dir": f"run{i:02d}", "label": label, "overrides": overrides})
-    (root / "compare.json").write_text(json.dumps({"runs": entries}, indent=2) + "\n")
-    for entry, config in zip(entries, configs):
-        print(f"[{entry['dir']}] {entry['label']}", flush=True)
-        summary = train(config, root / entry["dir"], quiet=args.quiet)
-        _print_summary(root / entry["dir"], summary)
-    print(f"comparison report: {render_comparison(root)}")
+    recipe: dict[str, Any] = {}
+    layers = []
+    if args.config:  # a recipe file may carry the comparison itself in a [compare] table
+        table = load_toml(args.config)
+        recipe = {
+            k.removeprefix("compare."): v for k, v in table.items() if k.startswith("compare.")
+        }
+        layers.append({k: v for k, v in table.items() if not k.startswith("compare.")})
+    layers.append(dict(parse_assignment(a) for a in args.set))
+    flags = {
+        "vary": args.vary or None,
+        "lr_grid": args.lr_grid,
+        "seeds": args.seeds,
+        "rank": args.rank,
+        "jobs": args.jobs,
+    }
+    options = {**recipe, **{k: v for k, v in flags.items() if v is not None}}
+    comparison = plan(resolve(*layers), **options)
+    out = Path(args.out) if args.out else None
+    print(f"comparison report: {run_comparison(comparison, out, quiet=args.quiet)}")
 
 
 def _tasks() -> None:

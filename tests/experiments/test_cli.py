@@ -171,13 +171,23 @@ def test_compare_writes_one_report(tmp_path):
         == 0
     )
     index = json.loads((out / "compare.json").read_text())
-    assert [r["label"] for r in index["runs"]] == [
+    assert [a["name"] for a in index["arms"]] == [
         "batch.controller=constant",
         "batch.controller=simigrad",
     ]
+    assert [a["dirs"] for a in index["arms"]] == [["run00-lr0-seed0"], ["run01-lr0-seed0"]]
     report = (out / "report.md").read_text()
     assert "batch.controller=simigrad" in report
-    assert (out / "pareto.png").is_file() and (out / "accuracy.png").is_file()
+    assert (out / "pareto.png").is_file() and (out / "curves.png").is_file()
+
+
+def test_stop_at_target_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path):
+    out = tmp_path / "run"
+    budget = ["--set", "max_samples=60000", "--set", "eval_every=5"]
+    assert run_cli("train", *SMALL, *budget, "--set", "stop_at_target=true", "--out", out) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["target_reached"] and summary["steps"] == summary["steps_to_target"]
+    assert summary["samples"] < 60000
 
 
 def test_tasks_are_listed(capsys):

@@ -7,8 +7,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..batch.smoothing import SmoothedNoise
+from .analysis import fit_critical_batch, mean_std
 from .rundir import read_metrics
+from .sweep import ArmResult
 
 PLOTS = {
     "batch_similarity.png": "batch size, noise scale and similarity vs step",
@@ -125,79 +129,202 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return sorted(front)
 
 
-def render_comparison(root: Path) -> Path:
-    """Overlaid curves, a table and the (average batch, best accuracy) Pareto front."""
-    root = Path(root)
+def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
+    """The plan, and each trained arm with its runs' summaries (the grid's are not read)."""
     index = json.loads((root / "compare.json").read_text())
-    runs = []
-    for entry in index["runs"]:
-        run_dir = root / entry["dir"]
-        if not (run_dir / "summary.json").is_file():
-            continue
-        runs.append(
-            (
-                entry["label"],
-                read_metrics(run_dir),
-                json.loads((run_dir / "summary.json").read_text()),
+    arms = []
+    for entry in index.get("arms", []):
+        dirs = [d for d in entry["dirs"] if (root / d / "summary.json").is_file()]
+        if dirs:
+            runs = [json.loads((root / d / "summary.json").read_text()) for d in dirs]
+            arms.append(
+                ArmResult(
+                    entry["name"], entry["overrides"], entry["lrs"], entry["chosen"], [], runs, dirs
+                )
             )
+    return index.get("plan", {}), arms
+
+
+def _mean_std_text(values: list[Any], digits: int) -> str:
+    mean, std = mean_std(values)
+    if math.isnan(mean):
+        return "—"
+    return f"{mean:,.{digits}f}" if len(values) == 1 else f"{mean:,.{digits}f} ± {std:,.{digits}f}"
+
+
+def _axis(plan: dict[str, Any], arms: list[ArmResult]) -> str | None:
+    """The varied key to draw against: numeric, three values at least; the batch first."""
+    numeric = []
+    for key in plan.get("varied", []):
+        values = {a.overrides.get(key) for a in arms}
+        if len(values) >= 3 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
+            numeric.append(key)
+    if "batch.initial" in numeric:
+        return "batch.initial"
+    return numeric[-1] if numeric else None
+
+
+def render_comparison(root: Path) -> Path:
+    """A table of every arm (seed mean ± std at its chosen rate), curves, and the Pareto front;
+    against a numeric varied key, the score and the steps to the target, with the critical batch.
+    """
+    root = Path(root)
+    plan, arms = _read_comparison(root)
+    loss = bool(arms) and arms[0].runs[0].get("target_metric", "").endswith("loss")
+    score = "eval loss" if loss else "accuracy"
+    key = "eval_loss" if loss else "eval_accuracy"
+    _plot_curves(root, arms, key, score)
+    _plot_pareto(root, arms, loss, score)
+    lines = ["# Comparison", ""]
+    if arms:
+        first = arms[0].runs[0]
+        target = first.get("target_metric", "").removeprefix("eval_")
+        lines += [
+            f"Task {first.get('task')}; target {target} {first.get('target', math.nan):g}. "
+            f"Each arm at its rate × {plan.get('lr_grid', [1.0])} on the first seed, ranked by "
+            f"{plan.get('rank', 'best')}; the chosen rate on {plan.get('seeds', 1)} seed(s), "
+            "mean ± std.",
+            "",
+        ]
+    columns = f"best {score} | final {score} | steps to target | samples to target | steps"
+    lines += [
+        f"| arm | lr (grid) | {columns} | average batch | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    digits = 4
+    for arm in arms:
+        reached = [s for s in arm.values("steps_to_target") if s is not None]
+        grid = ", ".join(f"{r:.3g}" for r in arm.lrs)
+        best = arm.values("best_eval_loss" if loss else "best_accuracy")
+        final = arm.values("final_eval_loss" if loss else "final_accuracy")
+        lines.append(
+            f"| {arm.name} | {arm.lrs[arm.chosen]:.3g} ({grid}) | {_mean_std_text(best, digits)} "
+            f"| {_mean_std_text(final, digits)} | {_mean_std_text(reached, 0)} "
+            f"({len(reached)}/{len(arm.runs)}) "
+            f"| {_mean_std_text(arm.values('samples_to_target'), 0)} "
+            f"| {_mean_std_text(arm.values('steps'), 0)} "
+            f"| {_mean_std_text(arm.values('avg_batch_size'), 0)} "
+            f"| {_mean_std_text(arm.values('wall_seconds'), 0)} |"
         )
+    lines += ["", f"![test {score} vs samples and steps](curves.png)", ""]
+    lines += [f"![average batch vs best {score}](pareto.png)", ""]
+    axis = _axis(plan, arms)
+    if axis is not None:
+        lines += _by_axis(root, plan, arms, axis, loss, score)
+    path = root / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _plot_curves(root: Path, arms: list[ArmResult], key: str, score: str) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, rows, _ in runs:
+    for arm in arms:
+        rows = read_metrics(root / arm.dirs[0])
         for ax, x in zip(axes, ("samples", "step")):
-            ax.plot(*_series(rows, x, "eval_accuracy"), marker=".", label=label)
+            ax.plot(*_series(rows, x, key), marker=".", label=arm.name)
     for ax, x in zip(axes, ("samples", "optimizer steps")):
         ax.set_xlabel(x)
         ax.set_xscale("log")
-        ax.set_ylabel("test accuracy")
-    axes[0].legend(fontsize=7)
+        ax.set_ylabel(f"test {score} (first seed)")
+    if arms:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(root / "accuracy.png", dpi=100)
+    fig.savefig(root / "curves.png", dpi=100)
     plt.close(fig)
 
+
+def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool, score: str) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    points = [(s["avg_batch_size"], s["best_accuracy"]) for _, _, s in runs]
-    for (label, _, _), (b, a) in zip(runs, points):
+    best = "best_eval_loss" if loss else "best_accuracy"
+    points = [(mean_std(a.values("avg_batch_size"))[0], mean_std(a.values(best))[0]) for a in arms]
+    for arm, (b, a) in zip(arms, points):
         ax.scatter([b], [a])
-        ax.annotate(label, (b, a), fontsize=7)
-    front = pareto_front(points)
+        ax.annotate(arm.name, (b, a), fontsize=7)
+    signed = [(b, -a if loss else a) for b, a in points]
+    front = [(b, -a if loss else a) for b, a in pareto_front(signed)]
     ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=0.8, label="Pareto front")
     ax.set_xscale("log")
     ax.set_xlabel("average batch size (samples / steps)")
-    ax.set_ylabel("best test accuracy")
+    ax.set_ylabel(f"best test {score} (seed mean)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(root / "pareto.png", dpi=100)
     plt.close(fig)
 
-    columns = [
-        "best_accuracy",
-        "final_accuracy",
-        "avg_batch_size",
-        "steps",
-        "samples",
-        "steps_to_target",
-        "samples_to_target",
-        "wall_seconds",
-    ]
-    lines = [
-        "# Comparison",
-        "",
-        "| run | " + " | ".join(columns) + " |",
-        "|---|" + "---|" * len(columns),
-    ]
-    for label, _, s in runs:
-        lines.append(f"| {label} | " + " | ".join(_fmt(s.get(c)) for c in columns) + " |")
-    lines += [
-        "",
-        "![test accuracy vs samples and steps](accuracy.png)",
-        "",
-        "![average batch vs best accuracy](pareto.png)",
-        "",
-    ]
-    path = root / "report.md"
-    path.write_text("\n".join(lines))
-    return path
+
+def _by_axis(
+    root: Path, plan: dict[str, Any], arms: list[ArmResult], axis: str, loss: bool, score: str
+) -> list[str]:
+    """The score and the steps to the target against ``axis``, one curve per other setting."""
+    others = [k for k in plan.get("varied", []) if k != axis]
+    curves: dict[str, list[ArmResult]] = {}
+    for arm in arms:
+        label = ", ".join(f"{k}={arm.overrides[k]}" for k in others) or "all"
+        curves.setdefault(label, []).append(arm)
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    best = "best_eval_loss" if loss else "best_accuracy"
+    lines = []
+    fits = []
+    for label, members in curves.items():
+        members.sort(key=lambda a: a.overrides[axis])
+        xs = [a.overrides[axis] for a in members]
+        stats = [mean_std(a.values(best)) for a in members]
+        left.errorbar(
+            xs, [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o", label=label
+        )
+        # steps to the target, where every seed reached it
+        points = [
+            (a.overrides[axis], mean_std(a.values("steps_to_target"))[0])
+            for a in members
+            if all(s is not None for s in a.values("steps_to_target"))
+        ]
+        if not points:
+            continue
+        line = right.plot(*zip(*points), marker="o", label=label)[0]
+        if axis == "batch.initial" and len(points) >= 3:
+            floor, critical = fit_critical_batch(points)
+            fits.append((label, floor, critical, points))
+            if 0 < critical < math.inf:
+                grid = np.geomspace(points[0][0], points[-1][0], 50)
+                right.plot(grid, floor * (1 + critical / grid), "--", color=line.get_color())
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(axis)
+    left.set_ylabel(f"best test {score} (seed mean ± std)")
+    right.set_yscale("log")
+    right.set_ylabel("optimizer steps to the target (seed mean)")
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    name = f"by_{axis.replace('.', '_')}.png"
+    fig.savefig(root / name, dpi=100)
+    plt.close(fig)
+    lines += [f"![best {score} and steps to the target against {axis}]({name})", ""]
+    if fits:
+        lines += [
+            "Critical batch: the fit of steps ≈ S_min · (1 + B_crit / B) to the steps to the "
+            "target (McCandlish et al. 2018); at B_crit the steps are twice their floor, and "
+            "doubling the batch beyond it saves less than a third of them.",
+            "",
+            "| curve | S_min | B_crit | steps at each batch |",
+            "|---|---|---|---|",
+        ]
+        for label, floor, critical, points in fits:
+            at = ", ".join(f"{b:g}: {s:,.0f}" for b, s in points)
+            crit = (
+                f"> {points[-1][0]:g} (no floor yet)"
+                if math.isinf(critical)
+                else f"< {points[0][0]:g}"
+                if critical == 0
+                else f"{critical:,.0f}"
+            )
+            lines.append(f"| {label} | {floor:,.0f} | {crit} | {at} |")
+        lines.append("")
+    return lines
 
 
 def render(path: Path) -> Path:

@@ -1,0 +1,45 @@
+"""Numbers drawn from several runs: seed statistics and the critical batch of a steps curve."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+
+def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
+    """Mean and sample standard deviation of the finite values (NaN, NaN when there are none)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
+
+
+def fit_critical_batch(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(S_min, B_crit)`` of ``steps ≈ S_min · (1 + B_crit / B)`` through ``(batch, steps)``.
+
+    The steps–batch trade-off of McCandlish et al. 2018 ("An Empirical Model of
+    Large-Batch Training", eq. 2.11): below the critical batch ``B_crit``
+    doubling the batch nearly halves the steps to a target; above it the steps
+    approach their floor ``S_min``, and at ``B_crit`` they are twice the floor.
+    The model is linear in ``1/B``; the fit minimises relative errors (steps
+    span orders of magnitude), so each batch weighs alike. ``B_crit`` is
+    ``inf`` when the steps still halve across the whole range (no floor seen)
+    and 0 when they do not fall with the batch at all.
+    """
+    if len(points) < 2:
+        raise ValueError(f"a critical batch needs steps at two batch sizes at least, got {points}")
+    batch = np.array([p[0] for p in points], dtype=float)
+    steps = np.array([p[1] for p in points], dtype=float)
+    if np.any(batch <= 0) or np.any(steps <= 0):
+        raise ValueError(f"batches and steps must be positive, got {list(points)}")
+    # (S - a - b/B) / S = 1 - a/S - (b/B)/S: least squares of [1/S, 1/(B S)] @ [a, b] ≈ 1
+    design = np.stack([1 / steps, 1 / (batch * steps)], axis=1)
+    (floor, slope), *_ = np.linalg.lstsq(design, np.ones_like(steps), rcond=None)
+    if slope <= 0:
+        return float(np.min(steps)), 0.0
+    if floor <= 0:
+        return 0.0, math.inf
+    return float(floor), float(slope / floor)

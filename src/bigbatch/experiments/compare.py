@@ -1,0 +1,149 @@
+"""``bigbatch compare``: a grid of arms, each tuned the same way, and one report.
+
+Each ``--vary KEY=V1,V2,...`` is an axis of the grid; keys joined by ``+``
+vary together, so ``model.width+model.depth=64+2,32+3`` is one axis of two
+shapes. The arms are every combination of the axes' values. Each arm trains
+through :func:`bigbatch.experiments.sweep.sweep`: its rate times each
+multiplier of ``lr_grid`` on the first seed, then the best of those
+(``rank``) on ``seeds`` seeds.
+
+A comparison directory holds ``compare.json`` (the plan, then what each arm
+chose), one run directory per run, and the report. Running the same
+comparison into the same directory again continues it: finished runs are
+reused. A recipe is a TOML file of config keys with the comparison in a
+``[compare]`` table (``vary``, ``lr_grid``, ``seeds``, ``rank``, ``jobs``);
+``examples/recipes/`` has some.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, parse_assignment, resolve
+from .report import render_comparison
+from .rundir import check_new_run_dir, new_run_dir
+from .sweep import Arm, check_protocol, sweep
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A checked plan: the base config, the arms, and how each is tuned."""
+
+    base: dict[str, Any]
+    varied: list[str]
+    arms: list[Arm]
+    lr_grid: list[float]
+    seeds: int
+    rank: str
+    jobs: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "varied": self.varied,
+            "lr_grid": self.lr_grid,
+            "seeds": self.seeds,
+            "rank": self.rank,
+            "base": self.base,
+            "arms": [{"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms],
+        }
+
+
+def parse_axis(text: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """``KEY=V1,V2`` or ``K1+K2=A1+B1,A2+B2``: the keys and each point's overrides."""
+    keys_text, sep, values = text.partition("=")
+    if not sep or not values.strip() or not keys_text.strip():
+        raise ConfigError(f"--vary takes KEY=V1,V2,... (or K1+K2=A1+B1,...), got {text!r}")
+    keys = [k.strip() for k in keys_text.split("+")]
+    points = []
+    for value in values.split(","):
+        parts = value.split("+") if len(keys) > 1 else [value]
+        if len(parts) != len(keys):
+            raise ConfigError(
+                f"--vary {keys_text}: {value!r} has {len(parts)} values for {len(keys)} keys"
+            )
+        points.append(dict(parse_assignment(f"{k}={v}") for k, v in zip(keys, parts)))
+    return keys, points
+
+
+def _multipliers(lr_grid: Any) -> list[float]:
+    values = lr_grid.split(",") if isinstance(lr_grid, str) else lr_grid
+    try:
+        return [float(v) for v in ([values] if isinstance(values, (int, float)) else values)]
+    except (TypeError, ValueError):
+        raise ConfigError(f"lr_grid takes multipliers like 0.5,1,2, got {lr_grid!r}") from None
+
+
+def plan(base: dict[str, Any], **options: Any) -> Comparison:
+    """The comparison of ``options`` (vary, lr_grid, seeds, rank, jobs) over ``base``, checked.
+
+    Every arm's config is resolved here, so a bad value stops the comparison
+    before any run starts.
+    """
+    known = {"vary", "lr_grid", "seeds", "rank", "jobs"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown comparison option {unknown[0]!r}; [compare] takes {', '.join(sorted(known))}"
+        )
+    vary = options.get("vary") or []
+    if isinstance(vary, str):
+        vary = [vary]
+    if not vary:
+        raise ConfigError("compare needs at least one --vary KEY=V1,V2,...")
+    axes = [parse_axis(text) for text in vary]
+    varied = [k for keys, _ in axes for k in keys]
+    if len(set(varied)) < len(varied):
+        raise ConfigError(f"a key is varied twice: {varied}")
+    lr_grid = _multipliers(options.get("lr_grid", [1.0]))
+    seeds, rank, jobs = options.get("seeds", 1), options.get("rank", "best"), options.get("jobs", 1)
+    check_protocol(lr_grid, seeds, rank, jobs)
+    arms = []
+    for i, combo in enumerate(itertools.product(*(points for _, points in axes))):
+        overrides = {k: v for point in combo for k, v in point.items()}
+        resolve(base, overrides)  # checked before any training
+        label = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        arms.append(Arm(label, overrides, f"run{i:02d}"))
+    return Comparison(
+        base=dict(base),
+        varied=varied,
+        arms=arms,
+        lr_grid=lr_grid,
+        seeds=seeds,
+        rank=rank,
+        jobs=jobs,
+    )
+
+
+def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = False) -> Path:
+    """Train the comparison into ``out`` (new, or the same comparison's, continued); the report."""
+    root = out or new_run_dir(task=f"compare-{comparison.base['task']}")
+    index_path = root / "compare.json"
+    planned = comparison.to_dict()
+    if index_path.is_file():
+        if json.loads(index_path.read_text()).get("plan") != json.loads(json.dumps(planned)):
+            raise ConfigError(
+                f"--out {str(root)!r} holds another comparison; choose a new directory"
+            )
+    else:
+        check_new_run_dir(root)
+        root.mkdir(parents=True, exist_ok=True)
+        index_path.write_text(json.dumps({"plan": planned}, indent=2) + "\n")
+    for arm in comparison.arms:
+        print(f"[{arm.stem}] {arm.name}", flush=True)
+    results = sweep(
+        comparison.base,
+        comparison.arms,
+        root,
+        multipliers=comparison.lr_grid,
+        seeds=comparison.seeds,
+        rank=comparison.rank,
+        jobs=comparison.jobs,
+        quiet=quiet or comparison.jobs > 1,
+    )
+    index = {"plan": planned, "arms": [r.to_dict() for r in results]}
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    return render_comparison(root)

@@ -1,0 +1,40 @@
+"""The critical-batch fit against curves of known critical batch."""
+
+import math
+
+import numpy as np
+import pytest
+
+from bigbatch.experiments.analysis import fit_critical_batch, mean_std
+
+BATCHES = [64, 256, 1024, 4096, 16384]
+
+
+@pytest.mark.parametrize("critical", [100.0, 1000.0, 5000.0])
+def test_recovers_the_critical_batch_of_the_empirical_model(critical):
+    points = [(b, 40 * (1 + critical / b)) for b in BATCHES]
+    floor, fitted = fit_critical_batch(points)
+    assert floor == pytest.approx(40, rel=1e-9)
+    assert fitted == pytest.approx(critical, rel=1e-9)
+
+
+def test_within_a_third_under_ten_percent_noise():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        points = [(b, 40 * (1 + 800 / b) * rng.uniform(0.9, 1.1)) for b in BATCHES]
+        assert fit_critical_batch(points)[1] == pytest.approx(800, rel=1 / 3)
+
+
+def test_steps_that_still_halve_or_never_fall_are_outside_the_range():
+    halving = [(b, 1e6 / b) for b in BATCHES]
+    assert fit_critical_batch(halving)[1] == math.inf or fit_critical_batch(halving)[1] > 1e6
+    flat = [(b, 50.0) for b in BATCHES]
+    assert fit_critical_batch(flat)[1] == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="two batch sizes"):
+        fit_critical_batch([(64, 10.0)])
+
+
+def test_mean_std_skips_what_is_missing():
+    assert mean_std([1.0, None, 3.0, float("nan")]) == (2.0, pytest.approx(math.sqrt(2)))
+    assert mean_std([5.0]) == (5.0, 0.0)
+    assert all(math.isnan(v) for v in mean_std([None]))

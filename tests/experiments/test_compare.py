@@ -1,0 +1,94 @@
+"""``bigbatch compare``: the grid, recipes, the tuned protocol and the report (fake training)."""
+
+import json
+import re
+
+import pytest
+
+from bigbatch import cli
+from bigbatch.experiments.compare import parse_axis, plan
+from bigbatch.experiments.config import ConfigError, resolve
+
+from .fake_runs import critical_batch
+
+
+def run_cli(*args):
+    return cli.main([str(a) for a in args])
+
+
+def test_keys_joined_by_plus_vary_together():
+    keys, points = parse_axis("model.width+model.depth=64+2,32+3")
+    assert keys == ["model.width", "model.depth"]
+    assert points == [{"model.width": 64, "model.depth": 2}, {"model.width": 32, "model.depth": 3}]
+    comparison = plan(
+        resolve({"task": "digits"}),
+        vary=["model.width+model.depth=64+2,32+3", "batch.initial=64,256,1024"],
+    )
+    assert len(comparison.arms) == 6  # 2 shapes x 3 batches, not 2 x 2 x 3
+    assert comparison.arms[1].name == "model.width=64, model.depth=2, batch.initial=256"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"vary": ["model.width+model.depth=64+2,32"]}, "has 1 values for 2 keys"),
+        ({"vary": ["batch.initial=64", "batch.initial=128"]}, "varied twice"),
+        ({"vary": ["batch.initial=64"], "lr_grid": "1,x2"}, "lr_grid takes multipliers"),
+        ({"vary": ["batch.initial=64"], "seeds": 0}, "seeds must be a positive"),
+        ({"vary": ["batch.initial=64"], "folds": 3}, "unknown comparison option 'folds'"),
+        ({"vary": ["batch.initial=-1"]}, "batch.initial"),
+    ],
+)
+def test_a_bad_plan_is_one_error(options, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(resolve({"task": "digits"}), **options)
+
+
+RECIPE = """
+task = "digits"
+[batch]
+controller = "constant"
+[compare]
+vary = ["model.width+model.depth=32+1,128+1", "batch.initial=64,256,1024,4096"]
+lr_grid = [0.5, 1, 2]
+seeds = 2
+rank = "steps"
+"""
+
+
+def test_a_recipe_runs_the_protocol_and_reports_the_critical_batch(trained, tmp_path, capsys):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE)
+    out = tmp_path / "cmp"
+    assert run_cli("compare", "--quiet", "--config", recipe, "--out", out) == 0
+    assert len(trained) == 8 * 3 + 8 * 1  # 8 arms: a 3-point grid, then one more seed
+    assert {c["batch.controller"] for c in trained} == {"constant"}
+    index = json.loads((out / "compare.json").read_text())
+    assert [a["dirs"][1] for a in index["arms"]][:1] == ["run00-lr1-seed1"]
+    report = (out / "report.md").read_text()
+    for name in ("curves.png", "pareto.png", "by_batch_initial.png"):
+        assert (out / name).is_file() and name in report
+    # one critical batch per shape, the fake's 4 x width (its steps are rounded)
+    for width in (32, 128):
+        row = next(
+            r
+            for r in report.splitlines()
+            if r.startswith(f"| model.width={width}, model.depth=1 |")
+        )
+        fitted = float(re.split(r"\s*\|\s*", row)[3].replace(",", ""))
+        assert fitted == pytest.approx(critical_batch(width), rel=0.02)
+    # the same comparison into the same directory continues it: nothing trains again
+    assert run_cli("compare", "--quiet", "--config", recipe, "--out", out) == 0
+    assert len(trained) == 32
+    # flags override the recipe; another plan in that directory is refused
+    capsys.readouterr()
+    assert run_cli("compare", "--quiet", "--config", recipe, "--seeds", "3", "--out", out) == 2
+    assert "holds another comparison" in capsys.readouterr().err
+
+
+def test_an_unknown_recipe_option_is_one_error(tmp_path, capsys):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE + "folds = 3\n")
+    assert run_cli("compare", "--config", recipe, "--out", tmp_path / "x") == 2
+    err = capsys.readouterr().err
+    assert "unknown comparison option 'folds'" in err and err.count("\n") == 1
