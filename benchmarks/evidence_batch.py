@@ -259,7 +259,7 @@ def plot(root: Path, args, task, table, static_points) -> None:
                     xytext=(4, 4),
                     textcoords="offset points",
                 )
-    markers = iter(("*", "D", "^", "s", "v"))
+    markers = itertools.cycle(("*", "D", "^", "s", "v", "P", "X"))
     for arm, row in table.items():
         if arm.startswith("static"):
             continue
