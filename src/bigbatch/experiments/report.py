@@ -259,19 +259,85 @@ def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool, score: str) -> N
 def _by_axis(
     root: Path, plan: dict[str, Any], arms: list[ArmResult], axis: str, loss: bool, score: str
 ) -> list[str]:
-    """The score and the steps to the target against ``axis``, one curve per other setting."""
+    """The score and the steps to the target against ``axis``, one curve per other setting;
+    against the batch, each curve's critical batch."""
     others = [k for k in plan.get("varied", []) if k != axis]
     curves: dict[str, list[ArmResult]] = {}
-    for arm in arms:
+    for arm in sorted(arms, key=lambda a: a.overrides[axis]):
         label = ", ".join(f"{k}={arm.overrides[k]}" for k in others) or "all"
         curves.setdefault(label, []).append(arm)
+    fits = _critical_batches(curves, axis) if axis == "batch.initial" else {}
+    name = _plot_by_axis(root, curves, axis, fits, loss, score)
+    lines = [f"![best {score} and steps to the target against {axis}]({name})", ""]
+    if fits:
+        lines += [
+            "Critical batch: the fit of steps ≈ S_min · (1 + B_crit / B) to the steps to the "
+            "target (McCandlish et al. 2018) over the batches every seed reached it at (seed "
+            "means; then each seed's own fit); at B_crit the steps are twice their floor, and "
+            "doubling the batch beyond it saves less than a third of them.",
+            "",
+            "| curve | S_min | B_crit | B_crit of each seed | steps at each batch |",
+            "|---|---|---|---|---|",
+        ]
+        for label, (floor, critical, per_seed) in fits.items():
+            at = []
+            for arm in curves[label]:
+                steps = arm.values("steps_to_target")
+                reached = [s for s in steps if s is not None]
+                at.append(
+                    f"{arm.overrides[axis]:g}: {mean_std(reached)[0]:,.0f}"
+                    if len(reached) == len(steps)
+                    else f"{arm.overrides[axis]:g}: reached {len(reached)}/{len(steps)}"
+                )
+            seeds = ", ".join(_critical_text(c, curves[label], axis) for c in per_seed) or "—"
+            lines.append(
+                f"| {label} | {floor:,.0f} | {_critical_text(critical, curves[label], axis)} "
+                f"| {seeds} | {', '.join(at)} |"
+            )
+        lines.append("")
+    return lines
+
+
+def _critical_batches(
+    curves: dict[str, list[ArmResult]], axis: str
+) -> dict[str, tuple[float, float, list[float]]]:
+    """Per curve with three batches reached by every seed: the fit to the seed means, and
+    each seed's own fit where that seed reached three batches."""
+    fits = {}
+    for label, members in curves.items():
+        steps = [(a.overrides[axis], a.values("steps_to_target")) for a in members]
+        means = [(b, mean_std(s)[0]) for b, s in steps if all(v is not None for v in s)]
+        if len(means) < 3:
+            continue
+        per_seed = []
+        for seed in range(min(len(s) for _, s in steps)):
+            points = [(b, s[seed]) for b, s in steps if s[seed] is not None]
+            if len(points) >= 3:
+                per_seed.append(fit_critical_batch(points)[1])
+        fits[label] = (*fit_critical_batch(means), per_seed)
+    return fits
+
+
+def _critical_text(critical: float, members: list[ArmResult], axis: str) -> str:
+    if math.isinf(critical):
+        return f"> {members[-1].overrides[axis]:g} (no floor yet)"
+    if critical == 0:
+        return f"< {members[0].overrides[axis]:g}"
+    return f"{critical:,.0f}"
+
+
+def _plot_by_axis(
+    root: Path,
+    curves: dict[str, list[ArmResult]],
+    axis: str,
+    fits: dict[str, tuple[float, float, list[float]]],
+    loss: bool,
+    score: str,
+) -> str:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     best = "best_eval_loss" if loss else "best_accuracy"
-    lines = []
-    fits = []
     for label, members in curves.items():
-        members.sort(key=lambda a: a.overrides[axis])
         xs = [a.overrides[axis] for a in members]
         stats = [mean_std(a.values(best)) for a in members]
         left.errorbar(
@@ -286,45 +352,22 @@ def _by_axis(
         if not points:
             continue
         line = right.plot(*zip(*points), marker="o", label=label)[0]
-        if axis == "batch.initial" and len(points) >= 3:
-            floor, critical = fit_critical_batch(points)
-            fits.append((label, floor, critical, points))
-            if 0 < critical < math.inf:
-                grid = np.geomspace(points[0][0], points[-1][0], 50)
-                right.plot(grid, floor * (1 + critical / grid), "--", color=line.get_color())
+        floor, critical, _ = fits.get(label, (0.0, 0.0, []))
+        if 0 < critical < math.inf:
+            grid = np.geomspace(points[0][0], points[-1][0], 50)
+            right.plot(grid, floor * (1 + critical / grid), "--", color=line.get_color())
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel(axis)
     left.set_ylabel(f"best test {score} (seed mean ± std)")
     right.set_yscale("log")
-    right.set_ylabel("optimizer steps to the target (seed mean)")
+    right.set_ylabel("optimizer steps to the target (seed mean; dashed: the fit)")
     left.legend(fontsize=7)
     fig.tight_layout()
     name = f"by_{axis.replace('.', '_')}.png"
     fig.savefig(root / name, dpi=100)
     plt.close(fig)
-    lines += [f"![best {score} and steps to the target against {axis}]({name})", ""]
-    if fits:
-        lines += [
-            "Critical batch: the fit of steps ≈ S_min · (1 + B_crit / B) to the steps to the "
-            "target (McCandlish et al. 2018); at B_crit the steps are twice their floor, and "
-            "doubling the batch beyond it saves less than a third of them.",
-            "",
-            "| curve | S_min | B_crit | steps at each batch |",
-            "|---|---|---|---|",
-        ]
-        for label, floor, critical, points in fits:
-            at = ", ".join(f"{b:g}: {s:,.0f}" for b, s in points)
-            crit = (
-                f"> {points[-1][0]:g} (no floor yet)"
-                if math.isinf(critical)
-                else f"< {points[0][0]:g}"
-                if critical == 0
-                else f"{critical:,.0f}"
-            )
-            lines.append(f"| {label} | {floor:,.0f} | {crit} | {at} |")
-        lines.append("")
-    return lines
+    return name
 
 
 def render(path: Path) -> Path:
