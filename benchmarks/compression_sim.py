@@ -1,8 +1,8 @@
 """Error-control methods on simulated ranks in one process: a fast look at compression.
 
     python benchmarks/compression_sim.py                              # LAMB, Top-K 1%, 2 ranks
-    python benchmarks/compression_sim.py --optimizer sgd --momentum 0 --lr 1.0 \\
-        --methods all-reduce ef ef21-sgdm                            # the EF21-SGDM paper's setting
+    python benchmarks/compression_sim.py --optimizer sgd --momentum 0 --lr 0.25 \\
+        --methods ef21-sgdm          # the EF21-SGDM paper's setting: plain SGD, momentum inside
     python benchmarks/compression_sim.py --methods econtrol --eta 0.000025   # theory's η = δ/400
 
 Each step draws a batch (256 by default) with replacement, splits it into
