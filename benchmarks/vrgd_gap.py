@@ -16,7 +16,7 @@ below the training set's size), the base alone and VRGD on it (``vr-momentum``,
 ``vr-adam``, ``vr-lamb``) at γ = 0.04, 0.1 and 0.2. Every step has 8
 micro-batches (the sub-batches VRGD's variance is taken over; the same for the
 baselines). Every arm gets the family's rate at batch 64 carried by its rule
-(linear for SGD, sqrt for the Adam type) times 0.5, 1 and 2 on seed 0 and
+(linear for SGD, sqrt for the Adam type) times 0.5, 1 and 2 (``--multipliers``) on seed 0 and
 keeps the rate with the best final test accuracy, rerun on seeds 1 and 2
 (bigbatch.experiments.sweep). Reports final test and train accuracy and the
 gap, mean ± std over seeds. Writes ``vrgd_gap.md`` and ``vrgd_gap.json``.
@@ -64,6 +64,13 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=1.0, help="of the task's sample budget")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (1 thread each)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--multipliers",
+        nargs="+",
+        type=float,
+        default=[0.5, 1.0, 2.0],
+        help="the rate grid, times each arm's carried rate (the same for every arm)",
+    )
     parser.add_argument("--quick", action="store_true", help="no grid, one seed, γ = 0.1 only")
     args = parser.parse_args()
 
@@ -87,7 +94,7 @@ def main() -> None:
         base,
         arms(args.bases, args.multiples, (0.1,) if args.quick else GAMMAS),
         root,
-        multipliers=(1.0,) if args.quick else (0.5, 1.0, 2.0),
+        multipliers=(1.0,) if args.quick else tuple(args.multipliers),
         seeds=1 if args.quick else args.seeds,
         rank="final",
         jobs=args.jobs,
