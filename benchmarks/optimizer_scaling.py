@@ -16,7 +16,7 @@ small batch (``batch.base``, 64), trained for the same sample budget with the
 cosine schedule. Its rate is the task's measured rate for the optimizer's
 family, carried from batch 64 by the family's rule (sqrt for the Adam type,
 linear for the SGD and LARS types), times each point of a 3-point grid
-(×0.5, ×1, ×2): every arm gets the same tuning budget. The best rate on seed
+(×0.5, ×1, ×2; ``--multipliers``): every arm gets the same tuning budget. The best rate on seed
 0 (best metric: accuracy, lm: eval loss) is rerun on seeds 1 and 2. Writes
 ``scaling.md`` (final and best metric, mean ± std, per optimizer and batch),
 ``scaling.json``, ``metric_vs_batch.png`` and, for ``lm``,
@@ -70,6 +70,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (1 thread each)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--fraction", type=float, default=1.0, help="of the task's sample budget")
+    parser.add_argument(
+        "--multipliers",
+        nargs="+",
+        type=float,
+        default=list(GRID),
+        help="the rate grid, times each arm's carried rate (the same for every arm)",
+    )
     parser.add_argument("--quick", action="store_true", help="no grid, one seed")
     args = parser.parse_args()
 
@@ -96,7 +103,7 @@ def main() -> None:
         base,
         arms(args.task, args.optimizers, args.multiples),
         root,
-        multipliers=(1.0,) if args.quick else GRID,
+        multipliers=(1.0,) if args.quick else tuple(args.multipliers),
         seeds=1 if args.quick else args.seeds,
         rank="best",
         jobs=args.jobs,
