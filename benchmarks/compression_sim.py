@@ -28,6 +28,7 @@ import statistics
 import torch
 
 from bigbatch.batch.lr import lr_factor, schedule_by_name
+from bigbatch.dist.compression import top_k
 from bigbatch.dist.error_control import SHARED_ESTIMATE, local_step, start
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import resolve
@@ -53,15 +54,13 @@ def train(args: argparse.Namespace, method: str, seed: int) -> list[float]:
     params = list(model.parameters())
     total = int(TASKS[args.task].max_samples * args.fraction)
     schedule = schedule_by_name("cosine", total, int(0.05 * total))
-    k = max(1, int(args.ratio * sum(p.numel() for p in params)))
     generator = torch.Generator().manual_seed(seed)
     states: list = []
     scores = []
     metric = "eval_loss" if TASKS[args.task].lower_is_better else "eval_accuracy"
 
-    def top_k(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        indices = message.abs().topk(k).indices
-        return message[indices], indices
+    def select(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return top_k(message, args.ratio)  # the hook's own Top-K
 
     steps = total // args.batch
     for step in range(steps):
@@ -78,7 +77,7 @@ def train(args: argparse.Namespace, method: str, seed: int) -> list[float]:
         else:
             reduced = torch.zeros_like(shares[0])
             for i, x in enumerate(shares):
-                values, indices, states[i] = local_step(method, x, states[i], args.eta, top_k)
+                values, indices, states[i] = local_step(method, x, states[i], args.eta, select)
                 reduced.index_add_(0, indices, values)
             if method in SHARED_ESTIMATE:  # the step is the sum of the ranks' estimates
                 reduced = torch.stack([s["estimate"] for s in states]).sum(0)

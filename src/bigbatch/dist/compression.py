@@ -34,6 +34,17 @@ from .error_control import METHODS, SHARED_ESTIMATE
 __all__ = ["COMPRESSORS", "DEFAULT_ETA", "METHODS", "CompressionState", "compression_hook"]
 
 COMPRESSORS = ("topk", "randk")
+
+
+def kept(d: int, ratio: float) -> int:
+    """How many of ``d`` coordinates a compression ratio keeps: ``⌈ratio·d⌉``, at least one."""
+    return max(1, min(d, math.ceil(ratio * d)))
+
+
+def top_k(message: Tensor, ratio: float) -> tuple[Tensor, Tensor]:
+    """Top-K: the values and indices of the ``kept(d, ratio)`` largest-magnitude coordinates."""
+    indices = message.abs().topk(kept(message.numel(), ratio), sorted=False).indices
+    return message[indices], indices
 #: each method's η when none is given; at Top-K 1% under LAMB no η tried trained
 #: (docs/results.md, "Compression at 1%")
 DEFAULT_ETA = {"ef21-sgdm": 0.1, "econtrol": 0.1}
@@ -172,15 +183,14 @@ class CompressionState:
         return work.get_future().then(finish)
 
     def _select(self, message: Tensor, bucket_index: int, iteration: int) -> tuple[Tensor, Tensor]:
-        d = message.numel()
-        k = max(1, min(d, math.ceil(self.ratio * d)))
         if self.compressor == "topk":
-            indices = message.abs().topk(k, sorted=False).indices
-        else:  # the same indices on every rank: a generator seeded from step and bucket
-            generator = torch.Generator(device=message.device).manual_seed(
-                (self.seed * 1_000_003 + iteration) * 4099 + bucket_index
-            )
-            indices = torch.randperm(d, generator=generator, device=message.device)[:k]
+            return top_k(message, self.ratio)
+        # Rand-K: the same indices on every rank, from a generator seeded by step and bucket
+        d = message.numel()
+        generator = torch.Generator(device=message.device).manual_seed(
+            (self.seed * 1_000_003 + iteration) * 4099 + bucket_index
+        )
+        indices = torch.randperm(d, generator=generator, device=message.device)[: kept(d, self.ratio)]
         return message[indices], indices
 
     def _reduce(self, values: Tensor, indices: Tensor, d: int) -> torch.futures.Future:
