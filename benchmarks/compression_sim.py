@@ -4,6 +4,7 @@
     python benchmarks/compression_sim.py --optimizer sgd --momentum 0 --lr 0.25 \\
         --methods ef21-sgdm          # the EF21-SGDM paper's setting: plain SGD, momentum inside
     python benchmarks/compression_sim.py --methods econtrol --eta 0.000025   # theory's η = δ/400
+    python benchmarks/compression_sim.py --compressor randk --lr 0.001     # Rand-K, a lower rate
 
 Each step draws a batch (256 by default) with replacement, splits it into
 ``--ranks`` shards, takes each shard's gradient divided by the number of ranks
@@ -28,7 +29,7 @@ import statistics
 import torch
 
 from bigbatch.batch.lr import lr_factor, schedule_by_name
-from bigbatch.dist.compression import top_k
+from bigbatch.dist.compression import rand_k, top_k
 from bigbatch.dist.error_control import SHARED_ESTIMATE, local_step, start
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import resolve
@@ -60,7 +61,11 @@ def train(args: argparse.Namespace, method: str, seed: int) -> list[float]:
     metric = "eval_loss" if TASKS[args.task].lower_is_better else "eval_accuracy"
 
     def select(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return top_k(message, args.ratio)  # the hook's own Top-K
+        if args.compressor == "topk":
+            return top_k(message, args.ratio)  # the hook's own Top-K
+        # Rand-K: every rank draws the same coordinates in a step (``step``, the
+        # loop's), as in the hook
+        return rand_k(message, args.ratio, torch.Generator().manual_seed(seed * 1_000_003 + step))
 
     steps = total // args.batch
     for step in range(steps):
@@ -101,6 +106,7 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=None, help="SGD's momentum")
     parser.add_argument("--eta", type=float, default=0.1)
     parser.add_argument("--ratio", type=float, default=0.01)
+    parser.add_argument("--compressor", default="topk", choices=("topk", "randk"))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--fraction", type=float, default=1.0, help="of the task's budget")
@@ -111,7 +117,8 @@ def main() -> None:
         parser.error(f"--methods: unknown {', '.join(bad)}")
     torch.set_num_threads(1)
     lower = TASKS[args.task].lower_is_better
-    print(f"| method | final | best |  ({args.optimizer}, ratio {args.ratio:g}, η {args.eta:g})")
+    setting = f"{args.optimizer}, {args.compressor} {args.ratio:g}, η {args.eta:g}"
+    print(f"| method | final | best |  ({setting})")
     print("|---|---|---|")
     for method in args.methods:
         runs = [train(args, method, seed) for seed in range(args.seeds)]

@@ -3,7 +3,34 @@
 import pytest
 import torch
 
+from bigbatch.dist.compression import kept, rand_k, top_k
+
 from . import programs
+
+
+@pytest.mark.parametrize(
+    ("d", "ratio", "k"), [(1000, 0.01, 10), (1001, 0.01, 11), (5, 0.01, 1), (7, 1.0, 7)]
+)
+def test_a_ratio_keeps_its_ceiling_of_the_coordinates_and_at_least_one(d, ratio, k):
+    assert kept(d, ratio) == k
+
+
+def test_top_k_sends_the_largest_magnitudes():
+    message = torch.tensor([0.1, -3.0, 0.5, 2.0, -0.2, 0.0, 1.0, -0.05, 0.3, 0.4])
+    values, indices = top_k(message, 0.2)
+    assert sorted(indices.tolist()) == [1, 3]
+    assert torch.equal(values, message[indices])
+
+
+def test_rand_k_draws_the_same_coordinates_from_the_same_generator_state():
+    a, b = torch.randn(500), torch.randn(500)  # two ranks' messages
+    values_a, indices_a = rand_k(a, 0.02, torch.Generator().manual_seed(7))
+    values_b, indices_b = rand_k(b, 0.02, torch.Generator().manual_seed(7))
+    assert torch.equal(indices_a, indices_b) and indices_a.numel() == 10
+    assert indices_a.unique().numel() == 10
+    assert torch.equal(values_a, a[indices_a]) and torch.equal(values_b, b[indices_b])
+    _, other = rand_k(a, 0.02, torch.Generator().manual_seed(8))
+    assert not torch.equal(other, indices_a)
 
 
 def test_ef_sending_everything_equals_plain_all_reduce(cluster):
@@ -43,9 +70,10 @@ def test_error_control_converges_where_plain_top_k_does_not(cluster2):
 
 def test_bytes_are_counted(cluster2):
     result = cluster2.run(programs.compressed_run, "ef", "topk", 0.1, 20, warmup=5)[0]
-    sent, plain = result["bytes"]["compressed_bytes_per_step"], result["bytes"][
-        "uncompressed_bytes_per_step"
-    ]
+    sent, plain = (
+        result["bytes"]["compressed_bytes_per_step"],
+        result["bytes"]["uncompressed_bytes_per_step"],
+    )
     # 113 float64 parameters in one bucket: 5 plain steps, then values (8 B) and
     # int64 indices (8 B) of ceil(10%) = 12 of them
     assert plain == 113 * 8

@@ -1,20 +1,16 @@
 """The error-control rules on flat tensors, with the ranks simulated in one process."""
 
-import math
+import functools
 
 import pytest
 import torch
 
+from bigbatch.dist import compression
 from bigbatch.dist.error_control import METHODS, SHARED_ESTIMATE, local_step, start
 
 
 def top_k(ratio):
-    def select(message):
-        k = max(1, math.ceil(ratio * message.numel()))
-        indices = message.abs().topk(k, sorted=False).indices
-        return message[indices], indices
-
-    return select
+    return functools.partial(compression.top_k, ratio=ratio)
 
 
 def compressed_step(method, eta, xs, states, shared, ratio):

@@ -45,6 +45,19 @@ def top_k(message: Tensor, ratio: float) -> tuple[Tensor, Tensor]:
     """Top-K: the values and indices of the ``kept(d, ratio)`` largest-magnitude coordinates."""
     indices = message.abs().topk(kept(message.numel(), ratio), sorted=False).indices
     return message[indices], indices
+
+
+def rand_k(message: Tensor, ratio: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Rand-K: ``kept(d, ratio)`` coordinates drawn by ``generator`` (unscaled values, indices).
+
+    Every rank must pass a generator in the same state, so that all pick the
+    same coordinates and one all-reduce of the values suffices.
+    """
+    d = message.numel()
+    indices = torch.randperm(d, generator=generator, device=message.device)[: kept(d, ratio)]
+    return message[indices], indices
+
+
 #: each method's η when none is given; at Top-K 1% under LAMB no η tried trained
 #: (docs/results.md, "Compression at 1%")
 DEFAULT_ETA = {"ef21-sgdm": 0.1, "econtrol": 0.1}
@@ -186,12 +199,10 @@ class CompressionState:
         if self.compressor == "topk":
             return top_k(message, self.ratio)
         # Rand-K: the same indices on every rank, from a generator seeded by step and bucket
-        d = message.numel()
         generator = torch.Generator(device=message.device).manual_seed(
             (self.seed * 1_000_003 + iteration) * 4099 + bucket_index
         )
-        indices = torch.randperm(d, generator=generator, device=message.device)[: kept(d, self.ratio)]
-        return message[indices], indices
+        return rand_k(message, self.ratio, generator)
 
     def _reduce(self, values: Tensor, indices: Tensor, d: int) -> torch.futures.Future:
         """The sum over ranks of the sparse messages, as a dense tensor (a future)."""
