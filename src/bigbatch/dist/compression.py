@@ -31,7 +31,16 @@ from .._checks import choice, whole_number
 from . import error_control
 from .error_control import METHODS, SHARED_ESTIMATE
 
-__all__ = ["COMPRESSORS", "DEFAULT_ETA", "METHODS", "CompressionState", "compression_hook"]
+__all__ = [
+    "COMPRESSORS",
+    "DEFAULT_ETA",
+    "METHODS",
+    "CompressionState",
+    "compression_hook",
+    "kept",
+    "rand_k",
+    "top_k",
+]
 
 COMPRESSORS = ("topk", "randk")
 
