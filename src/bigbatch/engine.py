@@ -37,6 +37,7 @@ from ._tensors import norms
 from .batch.controllers import Controller
 from .batch.lr import LRScaling, Schedule, lr_factor, resolve_lr_rule
 from .batch.plan import LOSS_REDUCTIONS, StepPlan
+from .batch.smoothing import SmoothedNoise
 from .dist.fsdp import local
 from .dist.world import World
 from .optim.registry import optimizer_family
@@ -136,6 +137,8 @@ class StepEngine:
         #: steps whose update was dropped for a non-finite gradient or loss
         self.skipped_steps = 0
         self._lr = LRScaling()
+        #: the logged noise scale of a controller that has none of its own
+        self._noise = SmoothedNoise(20)
         self._plan: StepPlan | None = None
         self._weights: list[float] = []
         self._loss: Tensor | None = None
@@ -209,8 +212,20 @@ class StepEngine:
         self._count(batch, metrics)
         if finite:  # an overflowed GradScaler step teaches the controller nothing
             self.batch_size = int(self.controller.next(metrics, batch, self.samples))
+            self._log_noise_scale(metrics)
         metrics["next_batch_size"] = self.batch_size
         return StepResult(stats, metrics)
+
+    def _log_noise_scale(self, metrics: dict[str, float]) -> None:
+        """One noise scale in the metrics: the controller's, if it decides on one, else the
+        same smoothed estimate the noise-following controllers use (window 20, one
+        standard error), so every run logs a comparable ``noise_scale`` with its bounds."""
+        estimate = getattr(self.controller, "estimate", None)
+        if estimate is not None:
+            metrics.update(estimate())
+        elif "trace" in metrics:
+            self._noise.update(metrics["grad_sq_norm"], metrics["trace"])
+            metrics.update(self._noise.estimate(1.0))
 
     def after_optimizer_step(self, result: StepResult | None = None) -> None:
         """Restore the learning rates (and log what a statistics wrapper reports)."""
@@ -233,6 +248,9 @@ class StepEngine:
         if self.collector is not None:
             stats = self.collector.finish(loss_scale=self._loss_scale(), loss=loss)
             metrics = stats.as_floats()
+            # the collector's β-average ratio is not what any controller decides on: the logged
+            # noise_scale is the deciding estimate (_log_noise_scale)
+            del metrics["noise_scale"]
             return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
         grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]]
         present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
@@ -256,6 +274,7 @@ class StepEngine:
         return {
             "controller": self.controller.state_dict(),
             "statistics": self.collector.state_dict() if self.collector is not None else None,
+            "noise": self._noise.state_dict(),
             "batch_size": self.batch_size,
             "skipped_steps": self.skipped_steps,
             "step": self.steps_taken,
@@ -266,6 +285,8 @@ class StepEngine:
         self.controller.load_state_dict(state["controller"])
         if self.collector is not None and state.get("statistics") is not None:
             self.collector.load_state_dict(state["statistics"])
+        if "noise" in state:  # absent from checkpoints that logged the collector's average
+            self._noise.load_state_dict(state["noise"])
         self.batch_size = int(state["batch_size"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, IterableDataset
 
 from ._checks import positive_int
-from .batch.controllers import Controller, CriticalBatchRamp
+from .batch.controllers import BatchWarmup, Controller
 from .batch.lr import Schedule
 from .batch.plan import StepPlan, plan_step
 from .batch.source import make_source
@@ -146,8 +146,9 @@ class AdaptiveBatch:
             resume) or an ``IterableDataset`` (consumed in order; exact resume
             only for a deterministic iterable).
         controller: from ``bigbatch.batch``; default
-            :class:`~bigbatch.batch.CriticalBatchRamp` (the batch doubles once
-            six times the noise scale is confidently above the next size).
+            :class:`~bigbatch.batch.BatchWarmup` (from batch 64, the batch doubles
+            once the critical batch estimated from the noise scale has grown past
+            the next size).
         max_micro_batch: the largest micro-batch that fits in memory.
         min_sub_batches: the fewest micro-batches per step (≥ 2; default 4).
         lr_scaling: how the rate follows the batch relative to
@@ -215,7 +216,7 @@ class AdaptiveBatch:
     ) -> None:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.world = World.of(model)
-        controller = controller if controller is not None else CriticalBatchRamp()
+        controller = controller if controller is not None else BatchWarmup()
         self.max_micro_batch = positive_int("max_micro_batch", max_micro_batch)
         self.min_sub_batches = positive_int("min_sub_batches", min_sub_batches)
         _check_sub_batches(controller, self.min_sub_batches, self.world, statistics)

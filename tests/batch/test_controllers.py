@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bigbatch.batch import (
+    BatchWarmup,
     Constant,
     CriticalBatchRamp,
     DampedSimiGrad,
@@ -69,24 +70,30 @@ def test_simigrad_bounds_always_hold(low, span, similarities, target):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    noise=st.lists(st.one_of(st.floats(-10, 1e6), st.just(math.nan)), max_size=30),
+    steps=st.lists(
+        st.tuples(st.one_of(st.floats(-10, 1e3), st.just(math.nan)), st.floats(0, 1e6)),
+        max_size=30,
+    ),
     multiple=st.floats(0.1, 10),
 )
-def test_noise_scale_bounds_and_threshold(noise, multiple):
+def test_noise_scale_bounds_and_threshold(steps, multiple):
     c = NoiseScale(multiple=multiple, initial=64, min=16, max=4096)
     batch = 64
-    for n in noise:
-        new = c.next({"noise_scale": n}, batch, 0)
+    for signal, trace in steps:
+        new = c.next({"grad_sq_norm": signal, "trace": trace}, batch, 0)
         assert 16 <= new <= 4096
         assert new == batch or abs(new - batch) > 0.05 * batch
         batch = new
 
 
-def test_noise_scale_follows_kappa_times_b_simple():
-    c = NoiseScale(multiple=2.0, initial=64, min=16, max=4096)
-    assert c.next({"noise_scale": 500.0}, 64, 0) == 1000
-    assert c.next({"noise_scale": 510.0}, 1000, 0) == 1000  # a 2% move is not taken
-    assert c.next({"noise_scale": -3.0}, 1000, 0) == 1000
+def test_noise_scale_follows_kappa_times_the_smoothed_b_simple():
+    c = NoiseScale(multiple=2.0, initial=64, min=16, max=4096, window=4)
+    assert c.next({"grad_sq_norm": 2.0, "trace": 1000.0}, 64, 0) == 1000  # B_simple 500
+    # 510 on its own; its average with 500 moves the batch by 1%, which is not taken
+    assert c.next({"grad_sq_norm": 2.0, "trace": 1020.0}, 1000, 0) == 1000
+    assert c.estimate()["noise_scale"] == pytest.approx((0.75 * 1000 + 1020) / (0.75 * 2 + 2))
+    fresh = NoiseScale(multiple=2.0, initial=64, min=16, max=4096)
+    assert fresh.next({"grad_sq_norm": -3.0, "trace": 10.0}, 1000, 0) == 1000  # not yet known
 
 
 def test_constant_and_ramp():
@@ -118,6 +125,10 @@ def test_constant_and_ramp():
         (lambda: DampedSimiGrad(target=1.0), "target"),
         (lambda: DampedSimiGrad(integral=0), "integral"),
         (lambda: DampedSimiGrad(max_rate=-0.1), "max_rate"),
+        (lambda: BatchWarmup(multiple=0), "noise_multiple"),
+        (lambda: BatchWarmup(decay_power=-1), "decay_power"),
+        (lambda: BatchWarmup(clip=0), "clip"),
+        (lambda: BatchWarmup(factor=0.5), "factor"),
     ],
 )
 def test_bad_settings_are_named(make, message):
@@ -202,6 +213,70 @@ def test_ramp_is_monotone_and_bounded(values, multiple, factor):
         batch = new
 
 
+# ---------------------------------------------------------------- BatchWarmup
+
+
+def test_warmup_doubles_once_kappa_times_the_noise_scale_clears_the_next_size():
+    c = BatchWarmup(multiple=2.0, initial=64, min=16, max=4096, window=10)
+    batch, path = 64, [64]
+    for m in noisy_steps(300.0, 100):  # 2 x 300 = 600: 128, 256 and 512 clear it, 1024 not
+        batch = c.next(m, batch, 0)
+        path.append(batch)
+    assert sorted(set(path)) == [64, 128, 256, 512]
+    assert path == sorted(path)
+    # the window restarts after every change: half a window of new evidence between doublings
+    changes = [i for i in range(1, len(path)) if path[i] != path[i - 1]]
+    assert all(b - a >= 5 for a, b in itertools.pairwise(changes))
+
+
+def test_warmup_discounts_the_noise_scale_a_small_rate_raises():
+    # B_simple rises as the rate decays, in proportion (the iterate settles): 100 / rate.
+    # With decay_power 1 the estimate stays at 2 x 100 and the batch at 128; without the
+    # correction the rise looks like a growing critical batch and the batch follows it.
+    def run(power):
+        c = BatchWarmup(multiple=2.0, initial=128, max=16384, window=10, decay_power=power)
+        batch = 128
+        for i in range(400):
+            rate = 1.0 - i / 440
+            batch = c.next({"grad_sq_norm": rate, "trace": 100.0, "schedule": rate}, batch, 0)
+        return batch
+
+    assert run(1.0) == 128
+    assert run(0.0) >= 1024
+
+
+def test_warmup_one_outlier_step_does_not_grow_the_batch():
+    c = BatchWarmup(multiple=1.0, initial=64, max=4096, window=20)
+    batch = 64
+    steps = list(noisy_steps(40.0, 60, spread=0.2, seed=2))
+    steps[40] = {"grad_sq_norm": 1e-6, "trace": 1e6}  # one wild step: B_simple 1e12
+    for m in steps:
+        batch = c.next(m, batch, 0)
+    assert batch == 64
+
+
+def test_warmup_waits_out_a_rate_warm_up_and_logs_what_decides():
+    # a high noise scale at initialisation, while the schedule is still small, is discounted
+    c = BatchWarmup(multiple=1.0, initial=64, window=4)
+    batch = 64
+    for i, m in enumerate(noisy_steps(1000.0, 20)):
+        batch = c.next({**m, "schedule": (i + 1) / 200}, batch, 0)
+    assert batch == 64
+    logged = c.estimate()
+    assert logged["noise_scale_low"] <= logged["noise_scale"] <= logged["noise_scale_high"]
+    assert logged["critical_batch"] == pytest.approx(logged["noise_scale_low"] * 0.1)
+    batch = c.next({"grad_sq_norm": 1.0, "trace": 1000.0, "schedule": 1.0}, 64, 0)
+    assert batch == 128
+
+
+def test_controllers_print_their_settings():
+    assert repr(BatchWarmup(initial=32)).startswith("BatchWarmup(multiple=1.0, initial=32, ")
+    assert "multiple=6.0" in repr(CriticalBatchRamp())
+    assert repr(Constant(256)) == "Constant(256)"
+    assert repr(SimiGrad()).startswith("SimiGrad(target=0.333")
+    assert "0x" not in repr(DampedSimiGrad()) + repr(NoiseScale()) + repr(Ramp(64, 128, 10))
+
+
 # ---------------------------------------------------------------- DampedSimiGrad
 
 
@@ -242,8 +317,15 @@ def test_damped_grows_when_the_similarity_is_clearly_low_and_settles():
     [
         (lambda: DampedSimiGrad(initial=64), similarities(0.1, 120, seed=3)),
         (lambda: CriticalBatchRamp(initial=64), list(noisy_steps(2000.0, 80, spread=0.5, seed=1))),
+        (
+            lambda: BatchWarmup(initial=64),
+            [
+                {**m, "schedule": 1.0 - i / 200}
+                for i, m in enumerate(noisy_steps(2000.0, 80, spread=0.5, seed=1))
+            ],
+        ),
     ],
-    ids=["damped", "ramp"],
+    ids=["damped", "ramp", "warmup"],
 )
 def test_state_round_trip_resumes_mid_run(make, stream):
     batch, expected = 64, []
@@ -280,4 +362,5 @@ def test_damped_bounds_and_discrete_moves(values, target):
 def test_every_controller_declares_whether_it_reads_statistics():
     assert SimiGrad().needs_statistics and NoiseScale().needs_statistics
     assert CriticalBatchRamp().needs_statistics and DampedSimiGrad().needs_statistics
+    assert BatchWarmup().needs_statistics and not BatchWarmup().holds_lr
     assert not Constant(64).needs_statistics and not Ramp(64, 128, 10).needs_statistics

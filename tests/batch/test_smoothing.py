@@ -67,3 +67,25 @@ def test_state_round_trip():
     a.update(3.0, 7.0)
     b.update(3.0, 7.0)
     assert b.noise_scale() == a.noise_scale()
+
+
+def test_clipped_holds_a_value_within_z_spreads_and_reset_forgets():
+    v = SmoothedValue(window=10)
+    assert v.clipped(1e9, 3.0) == 1e9  # no spread yet: nothing to hold it to
+    for x in (1.0, 3.0) * 10:
+        v.update(x)
+    high = v.mean + 3.0 * v.spread
+    assert v.clipped(1e9, 3.0) == pytest.approx(high)
+    assert v.clipped(2.5, 3.0) == 2.5
+    v.reset()
+    assert v.count == 0 and math.isnan(v.mean)
+
+
+def test_noise_estimate_is_the_ratio_with_its_bounds():
+    n = SmoothedNoise(10)
+    for i in range(40):
+        n.update(1.0 + 0.1 * (-1) ** i, 50.0, clip=3.0)
+    logged = n.estimate(1.0)
+    assert logged["noise_scale"] == pytest.approx(n.noise_scale())
+    assert (logged["noise_scale_low"], logged["noise_scale_high"]) == n.bounds(1.0)
+    assert logged["noise_scale_low"] < 50 < logged["noise_scale_high"]

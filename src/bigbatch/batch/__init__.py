@@ -2,6 +2,7 @@
 
 from .controllers import (
     CONTROLLERS,
+    BatchWarmup,
     Constant,
     Controller,
     CriticalBatchRamp,
@@ -25,6 +26,7 @@ from .smoothing import SmoothedNoise, SmoothedValue
 __all__ = [
     "CONTROLLERS",
     "LR_RULES",
+    "BatchWarmup",
     "Constant",
     "Controller",
     "CriticalBatchRamp",

@@ -8,6 +8,10 @@ model, so all are tested without one.
 - :class:`SimiGrad` (Qin et al., NeurIPS 2021): hold the half-split gradient
   cosine at a target, growing the batch ×1.1 when it is below and shrinking
   ×0.9 when above (docs/algorithms.md, "Batch-size controllers").
+- :class:`BatchWarmup` (the default): start small and double the batch once
+  the critical batch, estimated from the noise scale corrected for the
+  decaying rate, has grown past the next size (Merrill et al. 2025's
+  batch-size warm-up), the rate following by the optimizer family's rule.
 - :class:`CriticalBatchRamp`: a monotone ramp that doubles the batch once
   ``κ · B_simple`` is confidently above the next size (the critical batch
   grows during training: McCandlish et al. 2018; Merrill et al. 2025).
@@ -36,12 +40,18 @@ from .smoothing import SmoothedNoise, SmoothedValue
 class Controller(Protocol):
     """``next(measured, batch_size, samples) -> batch_size``; plain-data state.
 
-    ``measured`` holds the step's statistics as floats (``similarity``,
-    ``grad_sq_norm``, ``trace``, ``noise_scale``, ...), ``samples`` the samples
-    trained on including this step. ``needs_statistics`` declares whether the
+    ``measured`` holds the step's statistics as floats (``similarity``, and
+    the step's unbiased ``grad_sq_norm`` and ``trace``), its rate multiplier
+    ``lr_factor`` and ``schedule``; ``samples`` the samples trained on
+    including this step. ``needs_statistics`` declares whether the
     controller reads them at all (a loop may then skip collecting them);
     ``holds_lr`` whether its batch follows the noise scale, so that the
     learning rate should not follow the batch (``bigbatch.batch.lr``).
+
+    A controller that decides on the noise scale also has ``estimate() ->
+    dict[str, float]``: the ``noise_scale`` it acts on, with its
+    ``noise_scale_low`` and ``noise_scale_high`` bounds (and whatever else
+    it compares), which the engine logs as the step's noise scale.
     """
 
     initial: int
@@ -128,6 +138,11 @@ class SimiGrad:
         self._recent = deque((float(s) for s in state["recent"]), maxlen=self.window)
         self._steps = int(state["steps"])
 
+    def __repr__(self) -> str:
+        return _settings(
+            self, "target", "initial", "min", "max", "window", "interval", "growth", "shrink"
+        )
+
 
 class CriticalBatchRamp:
     """Grow the batch by ``factor`` once ``multiple · B_simple`` is confidently above the next size.
@@ -207,9 +222,9 @@ class CriticalBatchRamp:
             return smaller
         return int(min(self.max, max(self.min, batch_size)))
 
-    def noise_scale_bounds(self) -> tuple[float, float]:
-        """The current plausible range of ``B_simple`` (for logging)."""
-        return self._noise.bounds(self.confidence)
+    def estimate(self) -> dict[str, float]:
+        """What decides, for logging: the smoothed ``B_simple`` and its bounds."""
+        return self._noise.estimate(self.confidence)
 
     def state_dict(self) -> dict[str, Any]:
         return {"noise": self._noise.state_dict(), "schedule": self._warming.last}
@@ -217,6 +232,114 @@ class CriticalBatchRamp:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._noise.load_state_dict(state["noise"])
         self._warming.last = float(state["schedule"])
+
+    def __repr__(self) -> str:
+        return _settings(
+            self, "multiple", "initial", "min", "max", "factor", "confidence", "window",
+            "warmup", "shrink",
+        )  # fmt: skip
+
+
+class BatchWarmup:
+    """Start small and double the batch once the measured critical batch has grown past it.
+
+    The batch-size warm-up of Merrill et al. 2025 ("Critical batch size
+    revisited", arXiv:2505.23971), who measure the critical batch of a
+    language model by branched training, find it small early and growing,
+    and double the batch when it has grown, with Adam's rate ×√2 per
+    doubling. Branched runs are too costly for every run, so this
+    controller estimates the critical batch from the noise scale
+    ``B_simple = tr Σ / |G|²`` (McCandlish et al. 2018) that every step
+    measures almost for free, and corrects it for the two ways it misleads:
+
+    - **It rises when the rate is small, without a larger batch helping.**
+      At a rate ``η`` a step loses ``η² tr(HΣ) / 2B`` to gradient noise
+      against its gain ``η |G|²`` (McCandlish et al. eq. 2.6), so the batch
+      beyond which the noise stops mattering scales with ``η B_simple``;
+      and where ``η`` is small (a warm-up, the end of a decay) the iterate
+      settles, ``|G|²`` falls and ``B_simple`` rises in proportion. The
+      controller compares ``multiple · B_simple · s^decay_power`` with the
+      next size, ``s`` the schedule's multiplier of the rate
+      (``measured["schedule"]``, 1 at the peak; 1 without a schedule).
+    - **One step's estimate is noisy** (``|G|²`` spreads 0.7–2× its mean on
+      the default task): numerator and denominator are averaged apart over
+      ``window`` steps (:class:`~bigbatch.batch.smoothing.SmoothedNoise`),
+      each new value winsorised at ``clip`` spreads so one outlier cannot
+      trigger a change, and the lower end of the interval at ``confidence``
+      standard errors must clear the next size.
+
+    After each change the average restarts (the estimates were taken at the
+    old batch and rate) and the next decision waits for ``window / 2`` new
+    steps. The batch never shrinks.
+
+    ``holds_lr`` is False: under ``lr_scaling="auto"`` the rate follows the
+    batch by the optimizer family's rule (``sqrt`` for Adam-type optimizers,
+    Merrill et al.'s ×√2 per doubling; ``linear`` for SGD- and LARS-type).
+    The defaults were chosen on ``mnist1d``, ``lm`` and ``text``
+    (docs/results.md).
+    """
+
+    needs_statistics = True
+    holds_lr = False
+
+    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
+        self,
+        multiple: float = 1.0,
+        initial: int = 64,
+        min: int = 16,
+        max: int = 16384,
+        *,
+        factor: float = 2.0,
+        confidence: float = 1.0,
+        window: int = 20,
+        decay_power: float = 1.0,
+        clip: float = 3.0,
+    ) -> None:
+        self.multiple = check_number("noise_multiple", multiple, low_open=True)
+        self.initial, self.min, self.max = batch_bounds(initial, min, max)
+        self.factor = check_number("factor", factor, low=1.0, low_open=True)
+        self.confidence = check_number("confidence", confidence)
+        self.window = positive_int("window", window)
+        self.decay_power = check_number("decay_power", decay_power)
+        self.clip = check_number("clip", clip, low_open=True)
+        self._noise = SmoothedNoise(self.window)
+        self._schedule = 1.0  # the last step's rate multiplier
+
+    def critical_batch(self) -> float:
+        """The estimate a change must clear: ``multiple · lower(B_simple) · s^decay_power``."""
+        lower, _ = self._noise.bounds(self.confidence)
+        return self.multiple * lower * self._schedule**self.decay_power
+
+    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
+        self._noise.update(
+            measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
+        )
+        schedule = measured.get("schedule", math.nan)
+        self._schedule = max(0.0, schedule) if math.isfinite(schedule) else 1.0
+        if self._noise.count < self.window / 2:  # two steps' spread is no error bar
+            return batch_size
+        bigger = min(self.max, math.ceil(batch_size * self.factor))
+        if bigger > batch_size and self.critical_batch() >= bigger:
+            self._noise.reset()
+            return bigger
+        return int(min(self.max, max(self.min, batch_size)))
+
+    def estimate(self) -> dict[str, float]:
+        """What decides, for logging: ``B_simple`` with its bounds, and the critical batch."""
+        return {**self._noise.estimate(self.confidence), "critical_batch": self.critical_batch()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"noise": self._noise.state_dict(), "schedule": self._schedule}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._noise.load_state_dict(state["noise"])
+        self._schedule = float(state["schedule"])
+
+    def __repr__(self) -> str:
+        return _settings(
+            self, "multiple", "initial", "min", "max", "factor", "confidence", "window",
+            "decay_power", "clip",
+        )  # fmt: skip
 
 
 class DampedSimiGrad:
@@ -327,6 +450,12 @@ class DampedSimiGrad:
         self._log_batch = float(state["log_batch"])
         self._warming.last = float(state["schedule"])
 
+    def __repr__(self) -> str:
+        return _settings(
+            self, "target", "initial", "min", "max", "window", "confidence", "dead_band",
+            "integral", "proportional", "max_rate", "min_change", "warmup",
+        )  # fmt: skip
+
 
 class _WarmUp:
     """Whether the learning rate is still warming up: before ``samples`` or while the
@@ -344,6 +473,12 @@ class _WarmUp:
         return samples < self.samples or rising
 
 
+def _settings(controller: object, *names: str) -> str:
+    """``Name(key=value, ...)``: a controller's settings, for logs and error messages."""
+    args = ", ".join(f"{name}={getattr(controller, name)!r}" for name in names)
+    return f"{type(controller).__name__}({args})"
+
+
 def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
@@ -351,9 +486,11 @@ def _logit(p: float) -> float:
 class NoiseScale:
     """``B = multiple · B_simple``, clamped, re-chosen when it moves by more than ``threshold``.
 
-    ``B_simple`` is the smoothed noise scale of the statistics; ``multiple``
-    (κ) 1 trains at the critical batch. Non-finite or non-positive estimates
-    (a noise-dominated start can give a negative |G|² estimate) keep the batch.
+    ``B_simple`` is the steps' ``|G|²`` and ``tr Σ`` averaged apart over
+    ``window`` steps (:class:`~bigbatch.batch.smoothing.SmoothedNoise`);
+    ``multiple`` (κ) 1 trains at the critical batch. A noise scale not yet
+    known (a noise-dominated start can give a negative ``|G|²`` average)
+    keeps the batch.
     """
 
     needs_statistics = True
@@ -367,13 +504,17 @@ class NoiseScale:
         max: int = 16384,
         *,
         threshold: float = 0.05,
+        window: int = 20,
     ) -> None:
         self.multiple = check_number("noise_multiple", multiple, low_open=True)
         self.initial, self.min, self.max = batch_bounds(initial, min, max)
         self.threshold = check_number("threshold", threshold)
+        self.window = positive_int("window", window)
+        self._noise = SmoothedNoise(self.window)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        noise = measured.get("noise_scale", math.nan)
+        self._noise.update(measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan))
+        noise = self._noise.noise_scale()
         if not math.isfinite(noise) or noise <= 0:
             return batch_size
         wanted = int(min(self.max, max(self.min, round(self.multiple * noise))))
@@ -381,11 +522,19 @@ class NoiseScale:
             return batch_size
         return wanted
 
+    def estimate(self) -> dict[str, float]:
+        """What decides, for logging: the smoothed ``B_simple`` (bounds at one standard error)."""
+        return self._noise.estimate(1.0)
+
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"noise": self._noise.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if "noise" in state:  # checkpoints before the controller smoothed for itself have none
+            self._noise.load_state_dict(state["noise"])
+
+    def __repr__(self) -> str:
+        return _settings(self, "multiple", "initial", "min", "max", "threshold", "window")
 
 
 class Constant:
@@ -405,6 +554,9 @@ class Constant:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def __repr__(self) -> str:
+        return f"Constant({self.initial})"
 
 
 class Ramp:
@@ -460,8 +612,14 @@ class Ramp:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def __repr__(self) -> str:
+        if self._table:
+            return f"Ramp(steps={self._table!r})"
+        return f"Ramp({self._start}, {self._end}, samples={self._samples})"
+
 
 CONTROLLERS = {
+    "batch_warmup": BatchWarmup,
     "simigrad": SimiGrad,
     "critical_ramp": CriticalBatchRamp,
     "damped_simigrad": DampedSimiGrad,

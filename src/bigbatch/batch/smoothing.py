@@ -61,13 +61,33 @@ class SmoothedValue:
         return self._sums["x"] / w if w > 0 else math.nan
 
     @property
-    def standard_error(self) -> float:
+    def spread(self) -> float:
+        """The weighted standard deviation of the values (inf with fewer than two)."""
         n = self.count
         if n <= 1.0:
             return math.inf
         mean = self.mean
-        variance = max(self._sums["xx"] / self._sums["w"] - mean * mean, 0.0) * n / (n - 1)
-        return math.sqrt(variance / n)
+        return math.sqrt(max(self._sums["xx"] / self._sums["w"] - mean * mean, 0.0) * n / (n - 1))
+
+    @property
+    def standard_error(self) -> float:
+        return self.spread / math.sqrt(self.count) if self.count > 1.0 else math.inf
+
+    def clipped(self, value: float, z: float) -> float:
+        """``value`` held within ``mean ± z`` spreads (unchanged while the spread is unknown).
+
+        Winsorising one step's estimate keeps a single outlier (a rare batch
+        whose gradient points far off) from moving the mean by more than
+        ``z`` spreads' worth of one sample's weight.
+        """
+        spread = self.spread
+        if not math.isfinite(value) or math.isinf(spread):
+            return value
+        return min(self.mean + z * spread, max(self.mean - z * spread, value))
+
+    def reset(self) -> None:
+        """Forget every value (after a change that makes the old ones stale)."""
+        self._sums = dict.fromkeys(_SUMS, 0.0)
 
     def interval(self, z: float) -> tuple[float, float]:
         """``mean ∓ z`` standard errors (``(-inf, inf)`` while unknown)."""
@@ -99,11 +119,20 @@ class SmoothedNoise:
         self.signal = SmoothedValue(window)
         self.trace = SmoothedValue(window)
 
-    def update(self, signal: float, trace: float) -> None:
-        """Add one step's ``|G|²`` and ``tr Σ`` estimates (skipped unless both are finite)."""
+    def update(self, signal: float, trace: float, clip: float | None = None) -> None:
+        """Add one step's ``|G|²`` and ``tr Σ`` estimates (skipped unless both are finite);
+        with ``clip``, each first held within ``clip`` spreads of its mean
+        (:meth:`SmoothedValue.clipped`)."""
         if math.isfinite(signal) and math.isfinite(trace):
+            if clip is not None:
+                signal, trace = self.signal.clipped(signal, clip), self.trace.clipped(trace, clip)
             self.signal.update(signal)
             self.trace.update(trace)
+
+    def reset(self) -> None:
+        """Forget every step (the measurements before a batch or rate change are stale)."""
+        self.signal.reset()
+        self.trace.reset()
 
     @property
     def count(self) -> float:
@@ -121,6 +150,11 @@ class SmoothedNoise:
         lower = t_low / s_high if t_low > 0 and 0 < s_high < math.inf else 0.0
         upper = t_high / s_low if s_low > 0 and t_high < math.inf else math.inf
         return lower, upper
+
+    def estimate(self, z: float) -> dict[str, float]:
+        """The logged form: ``noise_scale`` with its bounds at ``z`` (``_low``, ``_high``)."""
+        low, high = self.bounds(z)
+        return {"noise_scale": self.noise_scale(), "noise_scale_low": low, "noise_scale_high": high}
 
     def state_dict(self) -> dict[str, Any]:
         return {"signal": self.signal.state_dict(), "trace": self.trace.state_dict()}

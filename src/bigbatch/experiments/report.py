@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from ..batch.smoothing import SmoothedNoise
 from .analysis import fit_critical_batch, mean_std
 from .rundir import read_metrics
 from .sweep import ArmResult
@@ -35,31 +34,13 @@ def _series(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], li
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def smoothed_noise_scale(rows: list[dict[str, Any]], window: int = 20) -> list[float]:
-    """Per step, ``B_simple`` from the steps' ``|G|²`` and ``tr Σ`` averaged apart over
-    ``window`` steps (what the noise-following controllers act on); NaN where unknown."""
-    noise, out = SmoothedNoise(window), []
-    for r in rows:
-        noise.update(r.get("grad_sq_norm", math.nan), r.get("trace", math.nan))
-        out.append(noise.noise_scale())
-    return out
-
-
 def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     top.plot(*_series(rows, "step", "batch_size"), color="tab:blue", label="batch size")
-    if any("trace" in r for r in rows):
-        scale = smoothed_noise_scale(rows)
-        steps = [r["step"] for r, v in zip(rows, scale) if math.isfinite(v) and v > 0]
-        top.plot(
-            steps,
-            [v for v in scale if math.isfinite(v) and v > 0],
-            color="tab:gray",
-            lw=0.7,
-            label="noise scale B_simple (20-step average)",
-        )
-        top.legend(fontsize=8)
+    if any("noise_scale" in r for r in rows):
+        _plot_noise_scale(top, rows)
+    top.legend(fontsize=8)
     top.set_yscale("log")
     top.set_ylabel("samples")
     top.set_title(title)
@@ -93,6 +74,26 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out / "lr.png", dpi=100)
     plt.close(fig)
+
+
+def _plot_noise_scale(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """The logged noise scale (the estimate the controller decides on) and its bounds,
+    and the critical batch a controller compares with the next size, where it logs one."""
+    known = [
+        r for r in rows if math.isfinite(r.get("noise_scale", math.nan)) and r["noise_scale"] > 0
+    ]
+    steps = [r["step"] for r in known]
+    ax.plot(steps, [r["noise_scale"] for r in known], color="tab:gray", lw=0.7, label="B_simple")
+    if known and "noise_scale_low" in known[0]:
+        # an unknown bound (0 or inf) is drawn at the plot's edge, not stretching the axis
+        floor = min(r["noise_scale"] for r in known) / 10
+        top = max(r["noise_scale"] for r in known) * 10
+        low = [max(r["noise_scale_low"], floor) for r in known]
+        high = [min(r["noise_scale_high"], top) for r in known]
+        ax.fill_between(steps, low, high, color="tab:gray", alpha=0.2, lw=0, label="its bounds")
+    critical = [(r["step"], r["critical_batch"]) for r in rows if r.get("critical_batch", 0) > 0]
+    if critical:
+        ax.plot(*zip(*critical), color="tab:red", lw=0.7, label="critical batch (decides)")
 
 
 def _fmt(value: Any) -> str:
