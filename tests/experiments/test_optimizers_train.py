@@ -8,7 +8,9 @@ registered optimizer runs on ``digits``, the cheapest task; one optimizer of
 each family runs on the other tasks (the family's rate is what differs
 between tasks). ``mnist1d`` trains on a 4,000-sample draw of the dataset here
 (the full one takes half a minute to generate); ``lm`` is scored by its eval
-loss, chance being the uniform distribution over its 32 tokens.
+loss, chance being the uniform distribution over its 32 tokens. ``text`` is
+left out: its model and loss are ``lm``'s, and its sgd and lars rates are
+``lm``'s, not measured on text.
 """
 
 import copy

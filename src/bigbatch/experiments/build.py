@@ -8,7 +8,15 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from ..batch import Constant, CriticalBatchRamp, DampedSimiGrad, NoiseScale, Ramp, SimiGrad
+from ..batch import (
+    BatchWarmup,
+    Constant,
+    CriticalBatchRamp,
+    DampedSimiGrad,
+    NoiseScale,
+    Ramp,
+    SimiGrad,
+)
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import lr_factor, resolve_lr_rule, schedule_by_name
 from ..dist.compression import CompressionState, compression_hook
@@ -27,9 +35,15 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """Fill the keys left at 0 ("the task's default") from the task, and resolve the LR rule."""
     task = TASKS[config["task"]]
     config = dict(config)
+    if config["model.context"] and not task.context:
+        raise ConfigError(
+            f"model.context = {config['model.context']} is set, but the {task.name} task "
+            "has no sequences (lm and text do)"
+        )
     for key, value in (
         ("model.width", task.width),
         ("model.depth", task.depth),
+        ("model.context", task.context),
         ("max_samples", task.max_samples),
     ):
         if not config[key]:
@@ -51,27 +65,43 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+#: ``batch.noise_multiple = 0`` means each noise-following controller's own default κ
+_DEFAULT_MULTIPLE = {"batch_warmup": 1.0, "critical_ramp": 6.0, "noise_scale": 1.0}
+
+
 def make_controller(config: dict[str, Any]):
+    """The controller a config names, with its settings. The noise-following controllers
+    hold the batch while the rate warms up by watching the schedule multiplier, so the
+    sample budget is not theirs to know."""
     kind = config["batch.controller"]
     bounds = dict(initial=config["batch.initial"], min=config["batch.min"], max=config["batch.max"])
-    # the noise-following controllers hold the batch while the LR warms up: then the
-    # small rate, not the gradient noise, limits progress
-    warmup = int(config["schedule.warmup"] * config["max_samples"])
+    multiple = config["batch.noise_multiple"] or _DEFAULT_MULTIPLE.get(kind, 1.0)
+    window = config["batch.window"]
+    if kind == "batch_warmup":
+        return BatchWarmup(
+            multiple,
+            factor=config["batch.factor"],
+            confidence=config["batch.confidence"],
+            window=window,
+            decay_power=config["batch.decay_power"],
+            clip=config["batch.clip"],
+            **bounds,
+        )
     if kind == "simigrad":
-        return SimiGrad(target=config["batch.target"], window=config["batch.window"], **bounds)
+        return SimiGrad(target=config["batch.target"], window=window, **bounds)
     if kind == "critical_ramp":
         return CriticalBatchRamp(
-            config["batch.noise_multiple"],
+            multiple,
             factor=config["batch.factor"],
             confidence=config["batch.confidence"],
             shrink=config["batch.shrink"],
-            warmup=warmup,
+            window=window,
             **bounds,
         )
     if kind == "damped_simigrad":
-        return DampedSimiGrad(config["batch.target"], warmup=warmup, **bounds)
+        return DampedSimiGrad(config["batch.target"], window=window, **bounds)
     if kind == "noise_scale":
-        return NoiseScale(multiple=config["batch.noise_multiple"], **bounds)
+        return NoiseScale(multiple=multiple, window=window, **bounds)
     if kind == "constant":
         return Constant(config["batch.initial"])
     samples = config["batch.ramp_samples"] or config["max_samples"] // 2

@@ -68,6 +68,12 @@ def _keys() -> list[Key]:
         ),
         Key("model.depth", 0, "model depth (layers); 0: the task's default", low=0),
         Key(
+            "model.context",
+            0,
+            "sequence length of the sequence tasks (lm, text); 0: the task's default",
+            low=0,
+        ),
+        Key(
             "optimizer",
             "lamb",
             "optimizer name (bigbatch.optim.list_optimizers())",
@@ -129,14 +135,16 @@ def _keys() -> list[Key]:
         ),
         Key(
             "batch.controller",
-            "critical_ramp",
-            "how the batch size is chosen: critical_ramp (grow x factor when "
-            "noise_multiple * B_simple is confidently above the next size), damped_simigrad "
+            "batch_warmup",
+            "how the batch size is chosen: batch_warmup (start small, double once "
+            "noise_multiple * B_simple * schedule^decay_power is confidently above the "
+            "next size, the LR following by the family's rule), critical_ramp (double when "
+            "noise_multiple * B_simple is above the next size, LR held), damped_simigrad "
             "(hold the similarity batch.target, damped), simigrad (the published rule), "
             "noise_scale, constant, ramp",
             tuple(CONTROLLERS),
         ),
-        Key("batch.initial", 256, "first batch size (samples)", low=1),
+        Key("batch.initial", 64, "first batch size (samples)", low=1),
         Key("batch.min", 16, "smallest batch size", low=1),
         Key("batch.max", 16384, "largest batch size", low=1),
         Key(
@@ -148,23 +156,47 @@ def _keys() -> list[Key]:
             high=1,
         ),
         Key(
-            "batch.window", 20, "simigrad: similarities averaged per decision (SimiGrad: 20)", low=1
+            "batch.window",
+            20,
+            "steps of evidence averaged per decision (simigrad: similarities, SimiGrad's 20; "
+            "batch_warmup, critical_ramp, noise_scale: the noise scale's window)",
+            low=1,
         ),
         Key(
             "batch.noise_multiple",
-            6.0,
-            "kappa of critical_ramp (grow while kappa * B_simple is above the next size) "
-            "and noise_scale (B = kappa * B_simple)",
+            0.0,
+            "kappa of batch_warmup and critical_ramp (grow while kappa * B_simple is above "
+            "the next size) and noise_scale (B = kappa * B_simple); 0: the controller's "
+            "default (batch_warmup 1, critical_ramp 6, noise_scale 1)",
+            low=0,
+        ),
+        Key(
+            "batch.decay_power",
+            1.0,
+            "batch_warmup: the noise scale is weighed by the schedule's LR multiplier to this "
+            "power, so its rise where the rate is small (warm-up, decay) does not grow the "
+            "batch (0: off)",
+            low=0,
+        ),
+        Key(
+            "batch.clip",
+            3.0,
+            "batch_warmup: each step's |G|^2 and tr(Sigma) are held within this many spreads "
+            "of their averages (one outlier step cannot change the batch)",
             low=0,
             low_open=True,
         ),
         Key(
-            "batch.factor", 2.0, "critical_ramp: growth factor of each change", low=1, low_open=True
+            "batch.factor",
+            2.0,
+            "batch_warmup, critical_ramp: growth factor of each change",
+            low=1,
+            low_open=True,
         ),
         Key(
             "batch.confidence",
             1.0,
-            "critical_ramp: standard errors of evidence a change needs",
+            "batch_warmup, critical_ramp: standard errors of evidence a change needs",
             low=0,
         ),
         Key("batch.shrink", False, "critical_ramp: also shrink when the noise scale falls"),
@@ -178,8 +210,8 @@ def _keys() -> list[Key]:
             "batch.lr_scaling",
             "auto",
             "how the LR follows the batch relative to batch.base; auto: held (none) under "
-            "critical_ramp, damped_simigrad and noise_scale, else sqrt for Adam-type and "
-            "linear for SGD- and LARS-type optimizers",
+            "critical_ramp, damped_simigrad and noise_scale, else (batch_warmup, simigrad, "
+            "constant, ramp) sqrt for Adam-type and linear for SGD- and LARS-type optimizers",
             ("auto", *LR_RULES),
         ),
         Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),

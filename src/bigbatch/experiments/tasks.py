@@ -10,10 +10,14 @@
 - ``lm``: next-token prediction on a synthetic language, an order-1 Markov
   chain with a known entropy rate (the loss floor), by a small transformer
   that logs its maximum attention logit (what MERIT bounds).
+- ``text``: a byte-level GPT on real text: the Python sources of the
+  installed ``torch`` package, read at run time, a fixed tenth of the files
+  held out; validation loss in nats per byte.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -36,7 +40,8 @@ class Problem:
     model: nn.Module
     loss: Callable[[nn.Module, Any], Tensor]
     evaluate: Callable[[nn.Module], dict[str, float]]
-    info: dict[str, float] = field(default_factory=dict)
+    #: facts about the data a run's summary records (numbers, or a corpus hash)
+    info: dict[str, Any] = field(default_factory=dict)
     #: the same scores on the training set (for the generalization gap), if meaningful
     evaluate_train: Callable[[nn.Module], dict[str, float]] | None = None
 
@@ -70,6 +75,8 @@ class Task:
 
     #: the small batch the scaled rates are tuned at (``batch.base``)
     base_batch: int = 64
+    #: the sequence length of a sequence task (``model.context``); 0: the task has none
+    context: int = 0
 
     def lr(self, family: str, held: bool) -> float:
         """The task's rate for an optimizer family, under a held or a scaled LR rule."""
@@ -323,8 +330,13 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
+    """A pre-norm GPT: token and learned position embeddings, ``depth`` blocks of causal
+    attention (``heads`` heads) and a 4x MLP, a linear head over the vocabulary."""
+
     def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int = 4) -> None:
         super().__init__()
+        if width % heads:
+            raise ValueError(f"model.width = {width} is not a multiple of the {heads} heads")
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(context, width))
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
@@ -353,9 +365,8 @@ def markov_language(vocab: int = 32, alpha: float = 0.2, seed: int = 7) -> tuple
     return transition, float((stationary * entropy).sum())
 
 
-def build_lm(
-    config: dict[str, Any], sequences: int = 20_000, test: int = 1_000, context: int = 32
-) -> Problem:
+def build_lm(config: dict[str, Any], sequences: int = 20_000, test: int = 1_000) -> Problem:
+    context = config["model.context"]
     transition, floor = markov_language()
     gen = torch.Generator().manual_seed(11)
     total = sequences + test
@@ -369,34 +380,138 @@ def build_lm(
     torch.manual_seed(config["seed"])
     model = TinyTransformer(len(transition), context, config["model.width"], config["model.depth"])
 
-    def loss(model: nn.Module, batch: Any) -> Tensor:
-        xb, yb = batch
-        return nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
-
-    xt, yt = x[sequences:], y[sequences:]
-    test_data = OnDevice(xt, yt)
-
-    def evaluate(model: nn.Module) -> dict[str, float]:
-        xs, ys = test_data.on(model)
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            out = model(xs).float()
-            loss_value = nn.functional.cross_entropy(out.flatten(0, 1), ys.flatten())
-            accuracy = (out.argmax(-1) == ys).float().mean()
-            logit = torch.stack([b.attn.max_logit for b in model.blocks]).amax()  # type: ignore
-        model.train(was_training)
-        values = torch.stack([loss_value.double(), accuracy.double(), logit.double()]).tolist()
-        return dict(zip(("eval_loss", "eval_accuracy", "max_attention_logit"), values))
-
     rows = training_rows(config, sequences)
     return Problem(
         TensorDataset(x[:rows], y[:rows]),
-        (xt, yt),
+        (x[sequences:], y[sequences:]),
         model,
-        loss,
-        evaluate,
+        _next_token_loss,
+        _next_token_eval(x[sequences:], y[sequences:]),
         info={"loss_floor": floor},
+    )
+
+
+def _next_token_loss(model: nn.Module, batch: Any) -> Tensor:
+    """Mean cross-entropy per predicted token; a batch is ``(inputs, targets)`` or one
+    tensor of windows whose targets are the inputs shifted by one (stored as bytes)."""
+    if len(batch) == 1:
+        (windows,) = batch
+        batch = windows[:, :-1].long(), windows[:, 1:].long()
+    xb, yb = batch
+    return nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+
+
+def _next_token_eval(x: Tensor, y: Tensor, chunk_tokens: int = 65_536):
+    """Held-out cross-entropy per token (nats), next-token accuracy and the largest
+    attention logit, over about ``chunk_tokens`` tokens at a time (so a long context does
+    not hold every sequence's attention at once) with one host read."""
+    data = OnDevice(x, y)
+    chunk = max(1, chunk_tokens // x.shape[1])
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        xs, ys = data.on(model)
+        was_training = model.training
+        model.eval()
+        loss = torch.zeros((), dtype=torch.float64, device=xs.device)
+        correct = torch.zeros((), dtype=torch.float64, device=xs.device)
+        logit = torch.full((), -math.inf, device=xs.device)
+        with torch.no_grad():
+            for i in range(0, len(xs), chunk):
+                xb, yb = xs[i : i + chunk].long(), ys[i : i + chunk].long()
+                out = model(xb).float()
+                loss += nn.functional.cross_entropy(
+                    out.flatten(0, 1), yb.flatten(), reduction="sum"
+                )
+                correct += (out.argmax(-1) == yb).sum()
+                heads = torch.stack([b.attn.max_logit for b in model.blocks])  # type: ignore
+                logit = torch.maximum(logit, heads.amax().float())
+        model.train(was_training)
+        total, right, top = torch.stack([loss, correct, logit.double()]).tolist()
+        return {
+            "eval_loss": total / ys.numel(),
+            "eval_accuracy": right / ys.numel(),
+            "max_attention_logit": top,
+        }
+
+    return evaluate
+
+
+# ---------------------------------------------------------------- real text
+
+#: one file in ten is held out for validation, chosen by its path's hash (stable as files come
+#: and go between torch releases)
+HELD_OUT_SHARE = 10
+
+
+def _held_out(path: str) -> bool:
+    return int(hashlib.sha1(path.encode()).hexdigest(), 16) % HELD_OUT_SHARE == 0
+
+
+def text_corpus(root: Path | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The bytes of every ``*.py`` file under ``root`` (default: the installed ``torch``
+    package), in sorted path order, as ``(train, validation, info)``.
+
+    Files whose path hashes to the held-out share go to validation, so no file
+    is split between the two. Each file ends with a newline. ``info`` holds the
+    SHA-256 of the corpus (paths and contents), its size and the file counts:
+    a run's summary names the exact text it trained on.
+    """
+    root = Path(root) if root is not None else Path(torch.__file__).parent
+    digest = hashlib.sha256()
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        name = path.relative_to(root).as_posix()
+        content = path.read_bytes()
+        digest.update(name.encode() + b"\0" + content + b"\0")
+        parts[_held_out(name)].append(content if content.endswith(b"\n") else content + b"\n")
+    if not parts[False] or not parts[True]:
+        raise ValueError(f"no text to train and validate on: {str(root)!r} has too few .py files")
+    train, validation = (np.frombuffer(b"".join(parts[h]), dtype=np.uint8) for h in (False, True))
+    info = {
+        "corpus_sha256": digest.hexdigest(),
+        "corpus_bytes": int(train.size + validation.size),
+        "train_files": len(parts[False]),
+        "validation_files": len(parts[True]),
+    }
+    return train, validation, info
+
+
+def byte_windows(stream: np.ndarray, length: int, count: int | None = None) -> Tensor:
+    """Windows of ``length`` bytes from ``stream`` as a uint8 ``(n, length)`` tensor: every
+    ``length - 1`` bytes apart (each byte is predicted once), or ``count`` evenly spaced."""
+    last = stream.size - length
+    if last < 0:
+        raise ValueError(f"{stream.size} bytes hold no window of {length}")
+    if count is None:
+        starts = np.arange(0, last + 1, length - 1)
+    else:
+        starts = np.linspace(0, last, num=min(count, last + 1)).astype(np.int64)
+    # rows of a strided view: one copy of the windows, no index array of their size
+    return torch.from_numpy(np.lib.stride_tricks.sliding_window_view(stream, length)[starts])
+
+
+def build_text(config: dict[str, Any], validation_windows: int = 1_000) -> Problem:
+    """A byte-level GPT (:class:`TinyTransformer`, 256 tokens) on Python source text.
+
+    Training samples are windows of ``model.context + 1`` bytes; the input is
+    the first ``context`` bytes, the target each next byte. The validation set
+    is ``validation_windows`` windows spread evenly over the held-out files.
+    """
+    context = config["model.context"]
+    train, validation, info = text_corpus()
+    windows = byte_windows(train, context + 1)
+    held = byte_windows(validation, context + 1, validation_windows)
+    torch.manual_seed(config["seed"])
+    model = TinyTransformer(256, context, config["model.width"], config["model.depth"])
+    rows = training_rows(config, len(windows))
+    x, y = held[:, :-1], held[:, 1:]
+    return Problem(
+        TensorDataset(windows[:rows]),
+        (x, y),
+        model,
+        _next_token_loss,
+        _next_token_eval(x, y),
+        info=info,
     )
 
 
@@ -481,6 +596,21 @@ TASKS: dict[str, Task] = {
             width=64,
             depth=2,
             build=build_lm,
+            context=32,
+        ),
+        Task(
+            name="text",
+            summary="Python sources of the installed torch package, byte-level GPT",
+            size="~40 MB train / ~6 MB held-out files (torch's *.py), windows of 32 bytes",
+            expected="validation loss ~1.7 nats per byte at the default budget",
+            target=1.9,
+            target_metric="eval_loss",
+            lrs={"adam": 8e-3, "adam/held": 8e-3, "sgd": 0.079, "sgd/held": 0.316},
+            max_samples=150_000,
+            width=64,
+            depth=2,
+            build=build_text,
+            context=32,
         ),
     )
 }
