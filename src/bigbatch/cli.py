@@ -7,6 +7,7 @@
     bigbatch train --nproc 2                # 2 local processes (DDP, gloo on CPU)
     torchrun --nnodes 2 --nproc-per-node 8 ... -m bigbatch.cli train --out runs/big
     bigbatch compare --vary batch.target=0.2,0.5 --set max_samples=400000
+    bigbatch critical-batch --set task=text  # the critical batch along a run, by branching
     bigbatch report runs/mine
     bigbatch tasks
 
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
             epilog=help_text(),
         )
         p.add_argument("--config", metavar="FILE", help="TOML file of config keys")
+        p.add_argument("--task", metavar="NAME", help="the task (the same as --set task=NAME)")
         p.add_argument(
             "--set",
             metavar="KEY=VALUE",
@@ -106,6 +108,46 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
     compare.add_argument("--out", metavar="DIR", help="comparison directory (default: under runs/)")
 
+    critical = config_command(
+        "critical-batch",
+        "measure the critical batch along a small-batch run by branched training "
+        "(Merrill et al. 2025)",
+    )
+    critical.add_argument(
+        "--batches",
+        metavar="B1,B2,...",
+        default="",
+        help="branch batch sizes; the smallest is the base run's and the reference "
+        "(default: batch.initial and its doublings up to 32 times it)",
+    )
+    critical.add_argument(
+        "--points",
+        metavar="F1,F2,...",
+        default="0.1,0.25,0.5,0.75",
+        help="where branches start, as fractions of max_samples (default 0.1,0.25,0.5,0.75)",
+    )
+    critical.add_argument(
+        "--branch-samples",
+        type=int,
+        default=0,
+        help="samples each branch trains (default: 5%% of max_samples, whole steps of the "
+        "largest batch)",
+    )
+    critical.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.01,
+        help="how much higher than the reference a branch's eval loss may end and still count "
+        "(absolute, in the task's eval-loss units, e.g. nats; default 0.01)",
+    )
+    critical.add_argument(
+        "--lr-rule",
+        choices=("none", "sqrt", "linear"),
+        default="sqrt",
+        help="a branch's rate against the base batch's (default sqrt, Adam-type)",
+    )
+    critical.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
+
     report = commands.add_parser("report", help="re-render the report of a run or comparison")
     report.add_argument("dir", metavar="DIR")
     commands.add_parser("tasks", help="list the built-in tasks")
@@ -118,6 +160,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     layers = [load_toml(args.config)] if args.config else []
+    if args.task:
+        layers.append({"task": args.task})
     layers.append(dict(parse_assignment(a) for a in args.set))
     return layers
 
@@ -130,8 +174,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     if args.resume:
-        if args.config or args.set or args.out:
-            raise ConfigError("--resume takes its config from the run; drop --config/--set/--out")
+        if args.config or args.set or args.out or args.task:
+            raise ConfigError(
+                "--resume takes its config from the run; drop --config/--task/--set/--out"
+            )
         out = Path(args.resume)
         if not (out / "config.toml").is_file():
             raise ConfigError(f"{str(out)!r} is not a run directory (no config.toml)")
@@ -184,6 +230,7 @@ def _launch(args: argparse.Namespace, out: Path) -> int:
     command = ["train", "--resume", str(out)] if args.resume else ["train", "--out", str(out)]
     if not args.resume:
         command += ["--config", args.config] if args.config else []
+        command += ["--task", args.task] if args.task else []
         for assignment in args.set:
             command += ["--set", assignment]
     command += ["--quiet"] if args.quiet else []
@@ -221,6 +268,8 @@ def _compare(args: argparse.Namespace) -> None:
             k.removeprefix("compare."): v for k, v in table.items() if k.startswith("compare.")
         }
         layers.append({k: v for k, v in table.items() if not k.startswith("compare.")})
+    if args.task:
+        layers.append({"task": args.task})
     layers.append(dict(parse_assignment(a) for a in args.set))
     flags = {
         "vary": args.vary or None,
@@ -233,6 +282,38 @@ def _compare(args: argparse.Namespace) -> None:
     comparison = plan(resolve(*layers), **options)
     out = Path(args.out) if args.out else None
     print(f"comparison report: {run_comparison(comparison, out, quiet=args.quiet)}")
+
+
+def _numbers(flag: str, text: str, kind: type) -> list[Any]:
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+
+
+def _critical_batch(args: argparse.Namespace) -> None:
+    from .experiments.critical import measure
+    from .experiments.rundir import check_new_run_dir, new_run_dir
+
+    config = _config(args)
+    batches = _numbers("--batches", args.batches, int)
+    if not batches:
+        batches = [config["batch.initial"] * 2**k for k in range(6)]
+    points = _numbers("--points", args.points, float)
+    out = Path(args.out) if args.out else new_run_dir(task=f"critical-{config['task']}")
+    check_new_run_dir(out)
+    measured = measure(
+        config,
+        out,
+        batches=batches,
+        points=points,
+        branch_samples=args.branch_samples,
+        tolerance=args.tolerance,
+        lr_rule=args.lr_rule,
+        quiet=args.quiet,
+    )
+    print((out / "critical_batch.md").read_text())
+    print(f"{len(measured)} points measured; report: {out / 'critical_batch.md'}")
 
 
 def _tasks() -> None:
@@ -256,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         elif args.command == "compare":
             _compare(args)
+        elif args.command == "critical-batch":
+            _critical_batch(args)
         elif args.command == "report":
             from .experiments.report import render
 

@@ -1,0 +1,67 @@
+"""The critical batch measured by branching: the choice rule, exact branches, the command."""
+
+import json
+import math
+
+import pytest
+
+from bigbatch import cli
+from bigbatch.experiments import critical
+from bigbatch.experiments.build import build
+from bigbatch.experiments.config import ConfigError, resolve
+
+SMALL = {"task": "digits", "max_samples": 4000, "model.width": 16, "eval_every": 5, "threads": 1}
+
+
+def test_the_critical_batch_is_the_largest_within_the_tolerance():
+    losses = {16: 1.00, 32: 1.005, 64: 1.02, 128: 1.009}
+    assert critical.critical_batch(losses, 0.01) == 128  # not monotone: the largest passing
+    assert critical.critical_batch(losses, 0.005) == 32  # the edge itself passes
+    assert critical.critical_batch(losses, 0.0) == 16  # the reference always does
+    assert critical.critical_batch({16: 1.0, 32: math.nan}, 1.0) == 16  # a diverged branch fails
+
+
+@pytest.mark.parametrize(
+    "batches, points, message",
+    [
+        ([64], [0.5], "two or more distinct"),
+        ([0, 64], [0.5], "two or more distinct"),
+        ([32, 64], [1.5], r"fractions of the budget in \(0, 1\)"),
+    ],
+)
+def test_bad_options_are_named(batches, points, message):
+    with pytest.raises(ConfigError, match=message):
+        critical.check_options(batches, points, 0, 0.01)
+
+
+def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
+    config = resolve(SMALL)
+    points = critical.measure(
+        config, tmp_path, batches=[16, 32], points=[0.25], branch_samples=640, quiet=True
+    )
+    (point,) = points
+    # the same run trained straight through to the branch's end
+    plain = critical._config(config, 16, 16, "sqrt")
+    problem, loop, _ = build(plain)
+    for step in loop.steps(max_samples=point.samples + 640):
+        for batch in step.micro_batches():
+            step.backward(problem.loss(loop.model, batch))
+        step.apply()
+    assert point.losses[16] == pytest.approx(problem.evaluate(problem.model)["eval_loss"], abs=1e-6)
+    assert point.critical_batch in (16, 32) and math.isfinite(point.noise_scale)
+    saved = json.loads((tmp_path / "critical_batch.json").read_text())
+    assert saved["points"][0]["losses"]["16"] == point.losses[16]
+    assert (tmp_path / "critical_batch.png").is_file() and (tmp_path / "base.jsonl").is_file()
+
+
+def test_the_command_writes_its_report_and_refuses_bad_options(tmp_path, capsys):
+    out = tmp_path / "crit"
+    args = ["critical-batch", "--quiet", "--out", out]
+    for key, value in SMALL.items():
+        args += ["--set", f"{key}={value}"]
+    code = cli.main([str(a) for a in [*args, "--batches", "16,32", "--points", "0.5"]])
+    assert code == 0
+    assert "| 0.5 |" in (out / "critical_batch.md").read_text()
+    assert cli.main(["critical-batch", "--batches", "16,x", "--out", str(tmp_path / "x")]) == 2
+    assert "--batches takes comma-separated numbers" in capsys.readouterr().err
+    assert cli.main(["critical-batch", "--points", "2", "--out", str(tmp_path / "y")]) == 2
