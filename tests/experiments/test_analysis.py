@@ -38,3 +38,19 @@ def test_mean_std_skips_what_is_missing():
     assert mean_std([1.0, None, 3.0, float("nan")]) == (2.0, pytest.approx(math.sqrt(2)))
     assert mean_std([5.0]) == (5.0, 0.0)
     assert all(math.isnan(v) for v in mean_std([None]))
+
+
+def test_first_reaching_finds_the_first_row_past_a_value_either_way():
+    from bigbatch.experiments.analysis import first_reaching, targets_between
+
+    rows = [
+        {"step": 1, "samples": 64},  # a training row without an evaluation
+        {"step": 10, "samples": 640, "eval_loss": 2.0, "eval_accuracy": 0.5},
+        {"step": 20, "samples": 1280, "eval_loss": float("nan"), "eval_accuracy": 0.7},
+        {"step": 30, "samples": 2560, "eval_loss": 1.5, "eval_accuracy": 0.9},
+    ]
+    assert first_reaching(rows, 1.8, "eval_loss", True) == (30, 2560)
+    assert first_reaching(rows, 2.0, "eval_loss", True) == (10, 640)
+    assert first_reaching(rows, 0.7, "eval_accuracy", False) == (20, 1280)
+    assert first_reaching(rows, 1.0, "eval_loss", True) is None
+    assert targets_between(5.0, 1.0, [0.5, 1.0]) == [3.0, 1.0]

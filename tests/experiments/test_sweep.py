@@ -35,6 +35,25 @@ def test_a_repeated_sweep_reuses_its_finished_runs(trained, tmp_path):
     assert [r.runs for r in again] == [r.runs for r in first]
 
 
+def test_a_best_rate_at_the_grid_edge_widens_the_grid_until_it_is_inside(trained, tmp_path):
+    # the fake's best rate is 0.004: from a grid 0.00025-0.0005, three more points above
+    arms = [Arm("a", {"lr": 0.00025}, "a"), Arm("b", {"lr": 0.004}, "b")]
+    results = sweep(BASE, arms, tmp_path, multipliers=(1.0, 2.0), rank="final", widen=4)
+    a, b = results
+    assert a.lrs == pytest.approx([0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008])
+    assert a.lr == pytest.approx(0.004) and not a.at_edge
+    # the other arm's best (x1) was at the low end: one point below it, then inside
+    assert b.lrs == pytest.approx([0.002, 0.004, 0.008]) and b.lr == pytest.approx(0.004)
+    assert len(trained) == 6 + 3
+
+
+def test_widening_stops_at_its_cap_and_says_the_rate_is_at_the_edge(trained, tmp_path):
+    arms = [Arm("a", {"lr": 0.00025}, "a")]
+    (result,) = sweep(BASE, arms, tmp_path, multipliers=(1.0, 2.0), rank="final", widen=1)
+    assert result.lrs == pytest.approx([0.00025, 0.0005, 0.001])
+    assert result.at_edge and result.dirs == ["a-lr2-seed0"]
+
+
 def test_the_steps_rank_prefers_reaching_the_target_sooner():
     late = {"steps_to_target": 300, "best_accuracy": 0.99, "target_metric": "eval_accuracy"}
     soon = {"steps_to_target": 200, "best_accuracy": 0.95, "target_metric": "eval_accuracy"}

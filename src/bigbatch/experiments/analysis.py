@@ -43,3 +43,23 @@ def fit_critical_batch(points: Sequence[tuple[float, float]]) -> tuple[float, fl
     if floor <= 0:
         return 0.0, math.inf
     return float(floor), float(slope / floor)
+
+
+def first_reaching(
+    rows: Iterable[dict], value: float, key: str, lower_is_better: bool
+) -> tuple[int, int] | None:
+    """``(step, samples)`` of the first evaluation row whose ``key`` reaches ``value``
+    (at or below it for a loss, at or above for an accuracy); None if none does."""
+    for row in rows:
+        got = row.get(key)
+        if got is None or not math.isfinite(got):
+            continue
+        if (got <= value) if lower_is_better else (got >= value):
+            return int(row["step"]), int(row["samples"])
+    return None
+
+
+def targets_between(start: float, end: float, fractions: Sequence[float]) -> list[float]:
+    """The values ``fraction`` of the way from ``start`` (the initial metric) to ``end``
+    (the best static arm's final metric): targets that every task has, whatever its units."""
+    return [start + f * (end - start) for f in fractions]

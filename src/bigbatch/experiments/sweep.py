@@ -62,6 +62,11 @@ class ArmResult:
     def lr(self) -> float:
         return self.lrs[self.chosen]
 
+    @property
+    def at_edge(self) -> bool:
+        """Whether the chosen rate is an end of the grid (its optimum may lie beyond)."""
+        return self.chosen in (0, len(self.lrs) - 1) and len(self.lrs) > 1
+
     def values(self, key: str) -> list[Any]:
         """``key`` of each seed's summary (None where a summary lacks it)."""
         return [s.get(key) for s in self.runs]
@@ -150,7 +155,7 @@ def run_all(
         return list(pool.map(train_once, tasks))
 
 
-def sweep(
+def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     base: dict[str, Any],
     arms: Sequence[Arm],
     root: Path,
@@ -160,14 +165,19 @@ def sweep(
     rank: str = "best",
     jobs: int = 1,
     quiet: bool = True,
+    widen: int = 0,
 ) -> list[ArmResult]:
     """Train every arm on the rate grid, then its best rate on ``seeds`` seeds (module docstring).
 
     ``base`` is a config layer (any keys of the schema) under each arm's
     overrides; the seeds are ``base["seed"]`` (default 0) and the ones after
-    it. With ``jobs`` > 1 and ``threads`` unset, each run gets an equal share
-    of the cores. Raises :class:`ConfigError` before training if any config is
-    bad.
+    it. With ``widen`` > 0, an arm whose best rate lies at an end of the grid
+    trains one more rate beyond that end (the grid's outer ratio further),
+    up to ``widen`` times on each side, so that its best rate is inside the
+    grid it was tuned on (an arm still at an end after that is reported as
+    such by :attr:`ArmResult.at_edge`). With ``jobs`` > 1 and ``threads``
+    unset, each run gets an equal share of the cores. Raises
+    :class:`ConfigError` before training if any config is bad.
     """
     check_protocol(multipliers, seeds, rank, jobs)
     base = dict(base)
@@ -176,36 +186,62 @@ def sweep(
     first_seed = int(base.get("seed", 0))
     root = Path(root)
     rates = {arm.stem: arm_rate({**base, **arm.overrides}) for arm in arms}  # checks every config
+    grids = {arm.stem: {i: m for i, m in enumerate(multipliers)} for arm in arms}
 
     def job(arm: Arm, i: int, seed: int) -> tuple[dict[str, Any], str]:
-        config = {**base, **arm.overrides, "lr": rates[arm.stem] * multipliers[i], "seed": seed}
-        return config, f"{arm.stem}-lr{i}-seed{seed}"
+        lr = rates[arm.stem] * grids[arm.stem][i]
+        return {**base, **arm.overrides, "lr": lr, "seed": seed}, f"{arm.stem}-lr{i}-seed{seed}"
 
-    grid_jobs = [job(arm, i, first_seed) for arm in arms for i in range(len(multipliers))]
+    grid_jobs = [job(arm, i, first_seed) for arm in arms for i in grids[arm.stem]]
     done = dict(zip((name for _, name in grid_jobs), _run(grid_jobs, root, jobs, quiet)))
-    chosen = {}
-    for arm in arms:
-        scores = [RANKS[rank](done[job(arm, i, first_seed)[1]]) for i in range(len(multipliers))]
-        chosen[arm.stem] = min(range(len(multipliers)), key=scores.__getitem__)
+
+    def best(arm: Arm) -> int:
+        scores = {i: RANKS[rank](done[job(arm, i, first_seed)[1]]) for i in grids[arm.stem]}
+        return min(sorted(scores), key=scores.__getitem__)
+
+    for _ in range(widen):
+        extra = [
+            job(arm, i, first_seed)
+            for arm in arms
+            if (i := _beyond(grids[arm.stem], best(arm))) is not None
+        ]
+        if not extra:
+            break
+        done.update(zip((name for _, name in extra), _run(extra, root, jobs, quiet)))
+    chosen = {arm.stem: best(arm) for arm in arms}
     more = [job(arm, chosen[arm.stem], first_seed + k) for arm in arms for k in range(1, seeds)]
     done.update(zip((name for _, name in more), _run(more, root, jobs, quiet)))
 
     results = []
     for arm in arms:
+        order = sorted(grids[arm.stem])
         pick = chosen[arm.stem]
         names = [job(arm, pick, first_seed + k)[1] for k in range(seeds)]
         results.append(
             ArmResult(
                 name=arm.name,
                 overrides=dict(arm.overrides),
-                lrs=[rates[arm.stem] * m for m in multipliers],
-                chosen=pick,
-                grid=[done[job(arm, i, first_seed)[1]] for i in range(len(multipliers))],
+                lrs=[rates[arm.stem] * grids[arm.stem][i] for i in order],
+                chosen=order.index(pick),
+                grid=[done[job(arm, i, first_seed)[1]] for i in order],
                 runs=[done[n] for n in names],
                 dirs=names,
             )
         )
     return results
+
+
+def _beyond(grid: dict[int, float], best: int) -> int | None:
+    """Add the grid point past ``best`` if ``best`` is an end of ``grid`` (the ratio of
+    the two outer points further); return its index, or None when ``best`` is inside."""
+    low, high = min(grid), max(grid)
+    if len(grid) < 2 or low < best < high:
+        return None
+    if best == high:
+        grid[high + 1] = grid[high] * grid[high] / grid[high - 1]
+        return high + 1
+    grid[low - 1] = grid[low] * grid[low] / grid[low + 1]
+    return low - 1
 
 
 def _run(
