@@ -5,9 +5,10 @@
 Compared with an ordinary gradient-accumulation loop, the lines marked
 ``# bigbatch`` are the changes. Prints the batch size as the controller
 grows it (every 40 steps); runs in well under 2 minutes on 2 CPU cores. The
-controller is the default one (``bb.batch.CriticalBatchRamp``): the batch
-doubles whenever six times the smoothed noise scale is confidently above
-the next size, and the learning rate is held (``lr_scaling="auto"``).
+controller is the default one (``bb.batch.BatchWarmup``): the batch
+doubles whenever the smoothed noise scale, weighed by the schedule's rate
+multiplier, is confidently above the next size, and the learning rate
+follows LAMB's rule, ×√2 per doubling (``lr_scaling="auto"``).
 """
 
 import torch
@@ -35,7 +36,7 @@ def main() -> None:
         optimizer,
         train,
         max_micro_batch=512,
-        controller=bb.batch.CriticalBatchRamp(initial=256, max=8192),  # the default, spelled out
+        controller=bb.batch.BatchWarmup(initial=64, max=8192),  # the default, spelled out
         schedule=bb.schedules.warmup_cosine(total=1_500_000, warmup=50_000),
     )
     for step in loop.steps(max_samples=1_500_000):  # bigbatch

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch.controllers import Controller, CriticalBatchRamp
+from ..batch.controllers import BatchWarmup, Controller
 from ..batch.lr import Schedule
 from ..batch.sampler import GlobalBatchSampler
 from ..dist.world import World
@@ -46,7 +46,7 @@ class StepDriver:
             )
         self.sampler = sampler
         self.controller = (
-            controller if controller is not None else CriticalBatchRamp(initial=sampler.batch_size)
+            controller if controller is not None else BatchWarmup(initial=sampler.batch_size)
         )
         if self.controller.initial != sampler.batch_size:
             raise ValueError(

@@ -43,7 +43,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         sampler: the :class:`~bigbatch.batch.GlobalBatchSampler` of the train
             loader; its ``micro_batches`` must equal ``accumulate_grad_batches``.
         controller: chooses the next batch size (default
-            :class:`~bigbatch.batch.CriticalBatchRamp` from the sampler's batch);
+            :class:`~bigbatch.batch.BatchWarmup` from the sampler's batch);
             it must start at the sampler's batch size.
         lr_scaling: how the rate follows the batch (``bigbatch.batch.lr``;
             default ``auto``), relative to ``base_batch_size``.
