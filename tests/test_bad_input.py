@@ -73,7 +73,7 @@ def test_cli_existing_run_and_resume_options(existing_run, capsys):
     assert cli.main(["train", *SMALL, "--out", str(existing_run)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert cli.main(["train", "--resume", str(existing_run), "--set", "lr=1"]) == 2
-    assert "drop --config/--set/--out" in capsys.readouterr().err
+    assert "drop --config/--task/--set/--out" in capsys.readouterr().err
     assert snapshot(existing_run) == before
 
 

@@ -59,11 +59,16 @@ def test_train_writes_the_run_directory(tmp_path, capsys):
     assert {"step", "samples", "batch_size", "lr", "loss", "similarity", "noise_scale"} <= set(
         rows[0]
     )
+    # one noise scale: the estimate the default controller decides on, with its bounds
+    known = [r for r in rows if r["noise_scale_low"] > 0 < r["noise_scale"]]  # unknown: NaN, 0
+    assert known and "critical_batch" in known[-1]
+    assert all(r["noise_scale_low"] <= r["noise_scale"] <= r["noise_scale_high"] for r in known)
     assert any("eval_accuracy" in r and "eval_loss" in r for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == len(rows) and summary["samples"] == rows[-1]["samples"] >= 6000
     assert summary["avg_batch_size"] == pytest.approx(summary["samples"] / summary["steps"])
     assert summary["best_accuracy"] > 0.5
+    assert summary["controller"].startswith("BatchWarmup(multiple=1.0, initial=32, ")
     assert "best accuracy" in capsys.readouterr().out
     # an existing run is never overwritten
     before = (out / "metrics.jsonl").read_text()

@@ -173,6 +173,7 @@ def _write_summary(
         "device": str(next(problem.model.parameters()).device),
         "precision": config["precision"],
         "skipped_steps": loop.skipped_steps,
+        "controller": repr(loop.engine.controller),
         "batch_path_ratio": batch_path_ratio([r["batch_size"] for r in rows]),
         **target_summary(task, evals),
         **traffic,
