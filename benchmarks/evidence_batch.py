@@ -19,6 +19,8 @@ The protocol:
 - **Chosen by final quality**: each arm's rate is the one with the best
   final metric (eval loss; accuracy on mnist1d) on seed 0, then trained on
   ``--seeds`` seeds.
+- **Evaluation** every 640 samples on a static arm (every 10 steps on
+  batch 64), every 10 steps on an adaptive one.
 - **One budget and schedule**: the task's sample budget (or
   ``--max-samples``) and its cosine schedule in samples, for every arm.
 - **Targets**: 50, 75, 90, 95, 99 and 100% of the way from the initial
@@ -51,13 +53,21 @@ from bigbatch.experiments.sweep import Arm, ArmResult, sweep
 from bigbatch.experiments.tasks import TASKS, Task
 
 FRACTIONS = (0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+#: samples between evaluations of a static arm (batch 64 evaluates every 10 steps, like the
+#: adaptive arms at their start); evaluation costs a small batch as much as its training
+EVAL_SAMPLES = 640
 
 
 def make_arms(statics: list[int], extra: list[str]) -> list[Arm]:
     arms = [
         Arm(
             f"static {b}",
-            {"batch.controller": "constant", "batch.initial": b, "batch.lr_scaling": "none"},
+            {
+                "batch.controller": "constant",
+                "batch.initial": b,
+                "batch.lr_scaling": "none",
+                "eval_every": max(1, round(EVAL_SAMPLES / b)),
+            },
             f"static{b}",
         )
         for b in statics
@@ -248,7 +258,7 @@ def main() -> None:
     if args.arms is not None:
         arms = [a for a in arms if a.name.startswith(tuple(args.arms))]
     arms = [Arm(a.name, {**a.overrides, "lr": lrs[0]}, a.stem) for a in arms]
-    base = {"task": args.task, "eval_every": 10, "threads": 1}
+    base = {"task": args.task, "eval_every": 10, "threads": 1}  # static arms set their own
     base.update(parse_assignment(a) for a in args.set)
     if args.max_samples:
         base["max_samples"] = args.max_samples

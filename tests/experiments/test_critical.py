@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from bigbatch import cli
 from bigbatch.experiments import critical
@@ -35,10 +36,15 @@ def test_bad_options_are_named(batches, points, message):
 
 
 def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
-    config = resolve(SMALL)
-    points = critical.measure(
-        config, tmp_path, batches=[16, 32], points=[0.25], branch_samples=640, quiet=True
-    )
+    config = resolve({**SMALL, "threads": 1})
+    threads = torch.get_num_threads()
+    try:
+        points = critical.measure(
+            config, tmp_path, batches=[16, 32], points=[0.25], branch_samples=640, quiet=True
+        )
+        assert torch.get_num_threads() == 1  # the config's threads, as `bigbatch train`
+    finally:
+        torch.set_num_threads(threads)
     (point,) = points
     # the same run trained straight through to the branch's end
     plain = critical._config(config, 16, 16, "sqrt")

@@ -32,7 +32,7 @@ from typing import Any
 
 from .build import build, with_task_defaults
 from .config import ConfigError, resolve
-from .device import resolve_device, set_tf32, to_device
+from .device import resolve_device, set_tf32, set_threads, to_device
 from .tasks import Problem
 
 #: the rows of the base run averaged for the noise scale beside a point
@@ -110,6 +110,7 @@ def measure(
         branch_samples = math.ceil(0.05 * budget / batches[-1]) * batches[-1]
     device = resolve_device(base["device"])
     set_tf32(base["tf32"])
+    set_threads(base["threads"])
     out.mkdir(parents=True, exist_ok=True)
     marks = sorted(math.ceil(p * budget) for p in points)
     snapshots, rows = _train_base(base, device, marks, out, quiet)

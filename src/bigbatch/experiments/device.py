@@ -62,6 +62,15 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
+def set_threads(threads: int, local_processes: int = 1) -> None:
+    """``threads`` torch CPU threads per process (0: torch's default, or, under several
+    local processes, the cores shared among them)."""
+    if threads:
+        torch.set_num_threads(threads)
+    elif local_processes > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
+
+
 class Precision:
     """Autocast for the forward passes, and the ``GradScaler`` fp16 needs."""
 

@@ -24,14 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
 from .build import build, with_task_defaults
 from .config import ConfigError, to_toml
-from .device import resolve_device, set_tf32, to_device
+from .device import resolve_device, set_tf32, set_threads, to_device
 from .report import render_run
 from .rundir import CHECKPOINT, load_checkpoint, read_metrics, save_atomically
 from .summary import batch_path_ratio, target_summary, traffic_per_step
@@ -53,7 +52,8 @@ def train(
         raise ConfigError(str(err)) from None
     set_tf32(config["tf32"])
     world = init_from_env(device)
-    _set_threads(config["threads"], world)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size)) if world.distributed else 1
+    set_threads(config["threads"], local)
     problem, loop, precision = build(config, world, device)
     task = TASKS[config["task"]]
     writer = world.rank == 0
@@ -188,15 +188,6 @@ def _write_summary(
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     render_run(out)
     return summary
-
-
-def _set_threads(threads: int, world: World) -> None:
-    """``threads`` per process; under several local processes, the cores shared among them."""
-    if threads:
-        torch.set_num_threads(threads)
-    elif world.distributed:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def _progress(total: int, done: int, quiet: bool):
