@@ -8,7 +8,7 @@ import torch
 
 from bigbatch import cli
 from bigbatch.experiments import critical
-from bigbatch.experiments.build import build
+from bigbatch.experiments.build import build, make_controller, with_task_defaults
 from bigbatch.experiments.config import ConfigError, resolve
 
 SMALL = {"task": "digits", "max_samples": 4000, "model.width": 16, "eval_every": 5, "threads": 1}
@@ -36,7 +36,7 @@ def test_bad_options_are_named(batches, points, message):
 
 
 def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
-    config = resolve({**SMALL, "threads": 1})
+    config = resolve(SMALL)
     threads = torch.get_num_threads()
     try:
         points = critical.measure(
@@ -55,6 +55,15 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
         step.apply()
     assert point.losses[16] == pytest.approx(problem.evaluate(problem.model)["eval_loss"], abs=1e-6)
     assert point.critical_batch in (16, 32) and math.isfinite(point.noise_scale)
+    # beside it, what the default controller (BatchWarmup) would decide on, from the same steps
+    replay = make_controller(with_task_defaults(config))
+    for line in (tmp_path / "base.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        replay.next(row, replay.max, row["samples"])
+        if row["samples"] >= point.samples:
+            break
+    assert point.controller_estimate == pytest.approx(replay.critical_batch())
+    assert math.isfinite(point.controller_estimate)
     saved = json.loads((tmp_path / "critical_batch.json").read_text())
     assert saved["points"][0]["losses"]["16"] == point.losses[16]
     assert (tmp_path / "critical_batch.png").is_file() and (tmp_path / "base.jsonl").is_file()

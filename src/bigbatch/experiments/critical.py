@@ -14,8 +14,10 @@ and every branch (the smallest batch's included: it is the reference, and
 equals continuing the run) restores a snapshot exactly — model, optimizer,
 data order, random state and sample count, so the schedule continues — and
 trains ``branch_samples`` samples. Beside each measured point the report
-puts the noise scale that the base run logged there (the estimate the
-noise-following controllers decide on, with its bounds), so the two can be
+puts the noise scale that the base run logged there, with its bounds, and
+the estimate the config's controller would compare with the next size there
+(``BatchWarmup.critical_batch()``, from a copy of the controller that watches
+the base run's statistics without deciding anything), so the three can be
 compared.
 """
 
@@ -30,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .build import build, with_task_defaults
+from .build import build, make_controller, with_task_defaults
 from .config import ConfigError, resolve
 from .device import resolve_device, set_tf32, set_threads, to_device
 from .tasks import Problem
@@ -51,6 +53,9 @@ class Point:
     noise_scale: float
     noise_scale_low: float
     noise_scale_high: float
+    #: what the config's controller would compare with the next size at this point
+    #: (BatchWarmup's ``critical_batch()``); NaN for a controller without one
+    controller_estimate: float = math.nan
 
 
 def critical_batch(losses: dict[int, float], tolerance: float) -> int:
@@ -113,7 +118,10 @@ def measure(
     set_threads(base["threads"])
     out.mkdir(parents=True, exist_ok=True)
     marks = sorted(math.ceil(p * budget) for p in points)
-    snapshots, rows = _train_base(base, device, marks, out, quiet)
+    # the config's own controller watches the base run without deciding anything, so each
+    # point shows what it would have compared with the next size there
+    shadow = make_controller(with_task_defaults(config))
+    snapshots, rows = _train_base(base, device, marks, out, quiet, shadow)
     measured = []
     for fraction, snapshot in zip(sorted(points), snapshots):
         losses = {}
@@ -144,10 +152,17 @@ def _evaluate(problem: Problem) -> dict[str, float]:
 
 
 def _train_base(
-    config: dict[str, Any], device: Any, marks: list[int], out: Path, quiet: bool
+    config: dict[str, Any],
+    device: Any,
+    marks: list[int],
+    out: Path,
+    quiet: bool,
+    shadow: Any,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The small-batch run: its metrics rows (written to ``base.jsonl``) and a snapshot of
-    the loop at the first step past each mark."""
+    the loop at the first step past each mark. ``shadow``, a controller, sees every step's
+    statistics; where it has a ``critical_batch()`` estimate, each row logs it."""
+    watches = callable(getattr(shadow, "critical_batch", None))
     problem, loop, precision = build(config, None, device)
     snapshots, rows = [], []
     with (out / "base.jsonl").open("w") as log:
@@ -158,6 +173,11 @@ def _train_base(
                 step.backward(loss)
             step.apply()
             row = dict(step.metrics)
+            if watches:
+                # told it is at its largest batch already, it never proposes a change, so
+                # its average is never restarted
+                shadow.next(step.metrics, shadow.max, loop.samples)
+                row["controller_estimate"] = shadow.critical_batch()
             if loop.steps_taken % config["eval_every"] == 0:
                 row.update(_evaluate(problem))
             rows.append(row)
@@ -206,6 +226,7 @@ def _point(
         noise_scale=near("noise_scale"),
         noise_scale_low=near("noise_scale_low"),
         noise_scale_high=near("noise_scale_high"),
+        controller_estimate=before[-1].get("controller_estimate", math.nan) if before else math.nan,
     )
 
 
@@ -224,6 +245,7 @@ def _write(
         "branch_samples": branch_samples,
         "tolerance": tolerance,
         "lr_rule": lr_rule,
+        "controller": repr(make_controller(with_task_defaults(config))),
         "points": [asdict(p) for p in measured],
     }
     (out / "critical_batch.json").write_text(json.dumps(data, indent=2) + "\n")
@@ -238,13 +260,15 @@ def render(out: Path) -> str:
         "",
         f"Base run at batch {batches[0]}; branches of {data['branch_samples']:,} samples with "
         f"the {data['lr_rule']} rate rule; tolerance {data['tolerance']:g} in eval loss. "
-        "Each batch's column is its branch loss minus the reference (the base batch's).",
+        "Each batch's column is its branch loss minus the reference (the base batch's); "
+        "B_simple is the base run's 20-step noise scale, the controller's estimate what "
+        f"{data.get('controller', 'the controller')} would compare with the next size there.",
         "",
         "| fraction | samples | schedule | reference loss | critical batch "
-        + "| B_simple [low, high] | "
+        + "| B_simple [low, high] | controller's estimate | "
         + " | ".join(str(b) for b in batches)
         + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(batches),
+        "|---|---|---|---|---|---|---|" + "---|" * len(batches),
     ]
     for p in points:
         losses = {int(b): v for b, v in p["losses"].items()}
@@ -253,7 +277,8 @@ def render(out: Path) -> str:
         lines.append(
             f"| {p['fraction']:g} | {p['samples']:,} | {p['schedule']:.2f} | {reference:.4f} "
             f"| **{p['critical_batch']}** | {p['noise_scale']:.1f} "
-            f"[{p['noise_scale_low']:.1f}, {p['noise_scale_high']:.1f}] | {deltas} |"
+            f"[{p['noise_scale_low']:.1f}, {p['noise_scale_high']:.1f}] "
+            f"| {p.get('controller_estimate', math.nan):.1f} | {deltas} |"
         )
     lines += ["", "![critical batch](critical_batch.png)", ""]
     table = "\n".join(lines)
@@ -274,6 +299,9 @@ def _plot(out: Path, batches: list[int], points: list[dict[str, Any]]) -> None:
         samples, [p["critical_batch"] for p in points], "o-", label="critical batch (branching)"
     )
     ax.plot(samples, [p["noise_scale"] for p in points], "s--", color="tab:gray", label="B_simple")
+    estimates = [p.get("controller_estimate", math.nan) for p in points]
+    if any(math.isfinite(e) for e in estimates):
+        ax.plot(samples, estimates, "^:", color="tab:orange", label="the controller's estimate")
     ax.fill_between(
         samples,
         [max(p["noise_scale_low"], 1e-3) for p in points],
