@@ -602,10 +602,11 @@ TASKS: dict[str, Task] = {
             name="text",
             summary="Python sources of the installed torch package, byte-level GPT",
             size="~40 MB train / ~6 MB held-out files (torch's *.py), windows of 32 bytes",
-            expected="validation loss ~1.7 nats per byte at the default budget",
+            expected="validation loss ~1.53 nats per byte at the default budget",
             target=1.9,
             target_metric="eval_loss",
-            lrs={"adam": 8e-3, "adam/held": 8e-3, "sgd": 0.079, "sgd/held": 0.316},
+            # Adam-type rates measured by the evidence benchmark at batch 64 (docs/results.md)
+            lrs={"adam": 1.6e-2, "adam/held": 1.6e-2, "sgd": 0.079, "sgd/held": 0.316},
             max_samples=150_000,
             width=64,
             depth=2,
