@@ -33,6 +33,9 @@ from .experiments.config import (
 )
 from .experiments.sweep import RANKS
 
+#: what ``pip install bigbatch[cli]`` adds to the core (torch, numpy): the commands' needs
+CLI_EXTRA = ("matplotlib", "mnist1d", "tqdm", "tomli")
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -348,6 +351,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(str(err)) from None
         else:
             _tasks()
+    except ModuleNotFoundError as err:
+        if (err.name or "").partition(".")[0] not in CLI_EXTRA:
+            raise
+        print(
+            f"bigbatch: error: the command line needs the cli extra ({err.name} is not "
+            "installed): pip install 'bigbatch[cli]'",
+            file=sys.stderr,
+        )
+        return 2
     except ConfigError as err:
         rank = os.environ.get("RANK", "0")
         where = "" if rank == "0" else f" (rank {rank})"  # a failure of one rank only is seen

@@ -1,6 +1,8 @@
 """The bigbatch command end to end on small tasks."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -268,3 +270,22 @@ def test_vrgd_and_agvm_runs_report_the_generalization_gap(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     multipliers = {r["agvm/last"] for r in rows}
     assert len(multipliers) > 1  # μ moves once AGVM starts
+
+
+BLOCK_CLI_EXTRA = "import sys\nfor m in ('matplotlib', 'mnist1d', 'tqdm'): sys.modules[m] = None\n"
+
+
+def test_the_library_imports_without_the_cli_extra_and_the_command_names_it(tmp_path):
+    # the core install is torch and numpy: the library imports without the extra's
+    # packages, and a command that needs them says which extra to install, in one line
+    script = BLOCK_CLI_EXTRA + (
+        "import bigbatch, bigbatch.integrations._driver\n"
+        "from bigbatch import cli\n"
+        f"sys.exit(cli.main(['train', '--quiet', '--out', {str(tmp_path / 'run')!r}]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("bigbatch: error: the command line needs the cli extra")
+    assert "pip install 'bigbatch[cli]'" in done.stderr and done.stderr.count("\n") == 1
