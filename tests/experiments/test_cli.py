@@ -289,3 +289,12 @@ def test_the_library_imports_without_the_cli_extra_and_the_command_names_it(tmp_
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("bigbatch: error: the command line needs the cli extra")
     assert "pip install 'bigbatch[cli]'" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_without_a_toml_reader_the_command_names_the_extra(monkeypatch, capsys):
+    # Python 3.10 reads TOML with tomli, which comes with the cli extra
+    from bigbatch.experiments import config
+
+    monkeypatch.setattr(config, "tomllib", None)
+    assert cli.main(["train", "--set", "lr=0.1"]) == 2
+    assert "needs the cli extra (tomli is not installed)" in capsys.readouterr().err

@@ -18,8 +18,11 @@ from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+else:  # pragma: no cover - Python 3.10: the cli extra brings tomli
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
 
 
 from .._checks import batch_bounds
@@ -33,6 +36,15 @@ from ..optim.vrgd import NORMALIZERS
 from ..stats import SIMILARITY_MODES
 from .device import PRECISIONS
 from .tasks import TASKS
+
+
+def _toml() -> Any:
+    """The TOML reader; without it (Python 3.10 without the cli extra) the error the
+    command line turns into "install bigbatch[cli]"."""
+    if tomllib is None:
+        raise ModuleNotFoundError("No module named 'tomli'", name="tomli")
+    return tomllib
+
 
 #: config values of dist.compression beside the hook's methods
 COMPRESSION_CHOICES = ("none", *(m for m in METHODS if m != "none"), "topk-only", "powersgd")
@@ -316,10 +328,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    toml = _toml()
     try:
         with path.open("rb") as f:
-            return flatten(tomllib.load(f))
-    except tomllib.TOMLDecodeError as err:
+            return flatten(toml.load(f))
+    except toml.TOMLDecodeError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
 
 
@@ -328,9 +341,10 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set takes key=value, got {text!r}")
     key, raw = (part.strip() for part in text.split("=", 1))
+    toml = _toml()
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+        value = toml.loads(f"v = {raw}")["v"]
+    except toml.TOMLDecodeError:
         value = raw
     return key, value
 
