@@ -24,7 +24,7 @@ from ..dist.world import World
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, create_optimizer, get_optimizer_info, module_param_groups
 from .config import ConfigError
-from .device import Precision
+from .device import Precision, to_device
 from .tasks import TASKS, Problem
 
 #: config names of the compression methods that differ from the hook's
@@ -129,6 +129,16 @@ def build(
         return problem, _loop(config, problem, world, precision), precision
     except ValueError as err:  # settings the loop or an optimizer refuses
         raise ConfigError(str(err)) from None
+
+
+def train_step(step: Any, problem: Problem, loop: AdaptiveBatch, precision: Precision) -> None:
+    """One optimizer step of ``problem``: every micro-batch's loss on ``precision``'s device
+    under its autocast, backward through ``step`` (which scales and measures), the update."""
+    for batch in step.micro_batches():
+        with precision.autocast():
+            loss = problem.loss(loop.model, to_device(batch, precision.device))
+        step.backward(loss)
+    step.apply()
 
 
 def _loop(

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .build import build, make_controller, with_task_defaults
+from .build import build, make_controller, train_step, with_task_defaults
 from .config import ConfigError, resolve
-from .device import resolve_device, set_tf32, set_threads, to_device
+from .device import resolve_device, set_tf32, set_threads
 from .tasks import Problem
 
 #: the rows of the base run averaged for the noise scale beside a point
@@ -131,7 +131,7 @@ def measure(
             if not quiet:
                 print(f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}")
         measured.append(_point(fraction, snapshot, losses, tolerance, rows))
-        _write(out, config, batches, branch_samples, tolerance, lr_rule, measured)
+        _write(out, config, repr(shadow), batches, branch_samples, tolerance, lr_rule, measured)
     render(out)
     return measured
 
@@ -167,11 +167,7 @@ def _train_base(
     snapshots, rows = [], []
     with (out / "base.jsonl").open("w") as log:
         for step in loop.steps(max_samples=marks[-1]):
-            for batch in step.micro_batches():
-                with precision.autocast():
-                    loss = problem.loss(loop.model, to_device(batch, device))
-                step.backward(loss)
-            step.apply()
+            train_step(step, problem, loop, precision)
             row = dict(step.metrics)
             if watches:
                 # told it is at its largest batch already, it never proposes a change, so
@@ -195,11 +191,7 @@ def _branch(config: dict[str, Any], device: Any, snapshot: dict[str, Any], sampl
     loop.load_state_dict(copy.deepcopy(snapshot))
     loop.engine.batch_size = config["batch.initial"]
     for step in loop.steps(max_samples=loop.samples + samples):
-        for batch in step.micro_batches():
-            with precision.autocast():
-                loss = problem.loss(loop.model, to_device(batch, device))
-            step.backward(loss)
-        step.apply()
+        train_step(step, problem, loop, precision)
     return _evaluate(problem)["eval_loss"]
 
 
@@ -233,6 +225,7 @@ def _point(
 def _write(
     out: Path,
     config: dict[str, Any],
+    controller: str,
     batches: list[int],
     branch_samples: int,
     tolerance: float,
@@ -245,7 +238,7 @@ def _write(
         "branch_samples": branch_samples,
         "tolerance": tolerance,
         "lr_rule": lr_rule,
-        "controller": repr(make_controller(with_task_defaults(config))),
+        "controller": controller,
         "points": [asdict(p) for p in measured],
     }
     (out / "critical_batch.json").write_text(json.dumps(data, indent=2) + "\n")

@@ -28,9 +28,9 @@ from tqdm import tqdm
 
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
-from .build import build, with_task_defaults
+from .build import build, train_step, with_task_defaults
 from .config import ConfigError, to_toml
-from .device import resolve_device, set_tf32, set_threads, to_device
+from .device import resolve_device, set_tf32, set_threads
 from .report import render_run
 from .rundir import CHECKPOINT, load_checkpoint, read_metrics, save_atomically
 from .summary import batch_path_ratio, target_summary, traffic_per_step
@@ -66,11 +66,7 @@ def train(
     evaluation: dict[str, float] = {}
     with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
         for step in loop.steps(max_samples=config["max_samples"]):
-            for batch in step.micro_batches():
-                with precision.autocast():
-                    loss = problem.loss(loop.model, to_device(batch, device))
-                step.backward(loss)
-            step.apply()
+            train_step(step, problem, loop, precision)
             row = dict(step.metrics)
             last = loop.samples >= config["max_samples"]
             due = loop.steps_taken % config["eval_every"] == 0 or loop.steps_taken == 1
