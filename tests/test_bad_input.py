@@ -116,7 +116,7 @@ API_CASES = [
             model(), torch.optim.SGD(model().parameters(), lr=0.1), data(), min_sub_batches=1
         ),
         ValueError,
-        "min_sub_batches must be at least 2",
+        "must be at least 2 to measure",
     ),
     (
         lambda: bb.AdaptiveBatch(

@@ -3,6 +3,7 @@
 from . import batch, dist, optim, schedules, stats
 from .engine import StepEngine, StepResult
 from .loop import AdaptiveBatch, NonFiniteError, Step
+from .options import StepOptions
 
 __version__ = "0.1.0"
 
@@ -11,6 +12,7 @@ __all__ = [
     "NonFiniteError",
     "Step",
     "StepEngine",
+    "StepOptions",
     "StepResult",
     "__version__",
     "batch",

@@ -30,24 +30,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ._checks import choice, positive_int
+from ._checks import positive_int
 from ._tensors import norms
-from .batch.controllers import Controller
-from .batch.lr import LRScaling, Schedule, lr_factor, resolve_lr_rule
-from .batch.plan import LOSS_REDUCTIONS, StepPlan
+from .batch.controllers import BatchWarmup, Controller
+from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
+from .batch.plan import StepPlan
 from .batch.smoothing import SmoothedNoise
+from .dist import ddp, fsdp
 from .dist.fsdp import local
+from .dist.hooks import CommHook, is_lossless
 from .dist.world import World
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
+from .options import NONFINITE_POLICIES, StepOptions
 from .stats.collector import MicroBatchStatistics
 from .stats.result import GradientStats
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "StepEngine", "StepResult"]
-
-NONFINITE_POLICIES = ("skip", "raise")
+__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "StepEngine", "StepOptions", "StepResult"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -69,6 +70,10 @@ class StepResult:
 class StepEngine:
     """Per-step rules: loss weights, statistics, finiteness, LR around the step, next batch size.
 
+    :meth:`build` assembles an engine for a model (its world, statistics and comm
+    hooks): what the plain loop and every plugin call. The constructor takes the
+    parts already made.
+
     Args:
         optimizer: any ``torch.optim.Optimizer``; a
             :class:`~bigbatch.optim.StatisticsWrapper` (VRGD, AGVM) observes
@@ -76,41 +81,36 @@ class StepEngine:
         controller: chooses the next batch size (``bigbatch.batch``).
         collector: the statistics (``bigbatch.stats.MicroBatchStatistics``),
             None to collect none (only for controllers and rules that need none).
-        lr_scaling: how the rate follows the batch (``bigbatch.batch.lr``; ``auto``
-            by default).
-        base_batch_size: the batch the rate is tuned for (default: the
-            controller's first).
-        schedule: the rate multiplier as a function of samples seen.
-        nonfinite: ``"skip"`` or ``"raise"`` for a non-finite step (with a
-            ``GradScaler`` an overflow is the scaler's to skip).
         world: the data-parallel world (one process by default).
-        loss_reduction: ``"mean"`` if micro-batch losses are means, ``"sum"`` if sums.
         scaler: the loop's ``torch.amp.GradScaler``, if any.
+        options: the per-step rules (:class:`~bigbatch.StepOptions`); its fields may
+            also be given as keywords (``lr_scaling=``, ``schedule=``, ...).
     """
 
-    def __init__(  # noqa: PLR0913 - a step's rules have this many independent settings
+    def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         controller: Controller,
         *,
         collector: MicroBatchStatistics | None = None,
-        lr_scaling: str = "auto",
-        base_batch_size: int | None = None,
-        schedule: Schedule | None = None,
-        nonfinite: str = "skip",
         world: World | None = None,
-        loss_reduction: str = "mean",
         scaler: torch.amp.GradScaler | None = None,
+        options: StepOptions | None = None,
+        **keywords: Any,
     ) -> None:
+        self.options = StepOptions.of(options, **keywords)
         self.optimizer, self.controller, self.collector = optimizer, controller, collector
         self.world = world if world is not None else World()
-        self.lr_scaling = resolve_lr_rule(lr_scaling, controller, optimizer_family(optimizer))
-        self.base_batch_size = positive_int(
-            "base_batch_size", controller.initial if base_batch_size is None else base_batch_size
+        self.lr_scaling = resolve_lr_rule(
+            self.options.lr_scaling, controller, optimizer_family(optimizer)
         )
-        self.schedule = schedule
-        self.nonfinite = choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        self.loss_reduction = choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
+        base = self.options.base_batch_size
+        self.base_batch_size = positive_int(
+            "base_batch_size", controller.initial if base is None else base
+        )
+        self.schedule = self.options.schedule
+        self.nonfinite = self.options.nonfinite
+        self.loss_reduction = self.options.loss_reduction
         self.scaler = scaler
         needs = getattr(controller, "needs_statistics", True) or self.lr_scaling.startswith(
             "adascale"
@@ -134,7 +134,7 @@ class StepEngine:
         #: optimizer steps taken (skipped ones included) and samples trained on
         self.steps_taken = 0
         self.samples = 0
-        #: steps whose update was dropped for a non-finite gradient or loss
+        #: optimizer steps whose update was dropped for a non-finite gradient or loss
         self.skipped_steps = 0
         self._lr = LRScaling()
         #: the logged noise scale of a controller that has none of its own
@@ -142,6 +142,112 @@ class StepEngine:
         self._plan: StepPlan | None = None
         self._weights: list[float] = []
         self._loss: Tensor | None = None
+
+    @classmethod
+    def build(  # noqa: PLR0913 - what a run is made of, each a keyword
+        cls,
+        optimizer: torch.optim.Optimizer,
+        controller: Controller | None = None,
+        options: StepOptions | None = None,
+        *,
+        model: nn.Module | None = None,
+        sub_batches: int,
+        first_batch: int | None = None,
+        dataset_size: int | None = None,
+        comm_hook: tuple[Any, CommHook] | None = None,
+        registers_hooks: bool = True,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> StepEngine:
+        """The engine of a run: its world, statistics and comm hooks, checked together.
+
+        Every entry point builds its engine here (the plain loop, the Lightning
+        callback, the Hugging Face Trainer), so a rule about how the parts fit
+        is written once.
+
+        Args:
+            optimizer: the run's optimizer.
+            controller: chooses the batch sizes (default
+                :class:`~bigbatch.batch.BatchWarmup` from ``first_batch``, or 64).
+            options: the per-step rules.
+            model: the trained module, its ``DistributedDataParallel`` or an FSDP2
+                ``fully_shard`` model: its world (one process without one).
+            sub_batches: micro-batches per rank per optimizer step (the fewest, for a
+                loop that splits a batch into more when it must).
+            first_batch: the batch a sampler starts at; the controller must start there.
+            dataset_size: samples in a finite dataset (for the finite-population
+                correction; None for a stream or a batch counted in weight).
+            comm_hook: a DDP ``(state, hook)`` pair for the engine to register
+                (inside the two-group hook with ``similarity="split"``).
+            registers_hooks: False when a framework wraps the model in DDP and owns its
+                comm hook (Lightning, the Hugging Face Trainer): the hook it registered
+                is read from the model, and the measured two-group similarity, which
+                needs a hook of bigbatch's, is refused.
+            scaler: the loop's ``torch.amp.GradScaler``, if any.
+        """
+        options = options if options is not None else StepOptions()
+        world = World.of(model) if model is not None else World()
+        controller = resolve_controller(controller, first_batch)
+        _check_sub_batches(controller, positive_int("sub_batches", sub_batches), world, options)
+        gsnr = options.gsnr
+        if isinstance(optimizer, StatisticsWrapper):
+            gsnr = gsnr or "gsnr" in optimizer.requirements()
+            optimizer.check_sub_batches(sub_batches * world.size)
+        if comm_hook is not None and not (registers_hooks and world.distributed):
+            raise ValueError(
+                "comm_hook needs a DistributedDataParallel model on 2+ ranks that the loop "
+                "wraps (a framework registers its own hook)"
+            )
+        if not registers_hooks:
+            if world.distributed and options.similarity == "split":
+                raise ValueError(
+                    "similarity='split' under DDP needs bigbatch's comm hook, which a framework's "
+                    "DDP wrapper does not take: use 'scalar' or bigbatch.AdaptiveBatch"
+                )
+            comm_hook = ddp.registered_hook(model) if model is not None else None
+        collector = (
+            MicroBatchStatistics(
+                optimizer.param_groups,
+                ema_beta=options.ema_beta,
+                gsnr=gsnr,
+                dataset_size=dataset_size if options.finite_correction else None,
+                similarity=options.similarity,
+                world=world,
+                lossy_reduction=not is_lossless(comm_hook),
+                grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
+            )
+            if options.statistics
+            else None
+        )
+        if registers_hooks and model is not None:
+            ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
+        return cls(
+            optimizer, controller, collector=collector, world=world, scaler=scaler, options=options
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """What this engine was built to do, as plain data (equal for equal runs)."""
+        collector = self.collector
+        schedule = self.schedule
+        return {
+            **self.options.as_dict(),
+            "schedule": getattr(schedule, "__qualname__", repr(schedule)) if schedule else None,
+            "lr_scaling": self.lr_scaling,
+            "base_batch_size": self.base_batch_size,
+            "controller": repr(self.controller),
+            "world_size": self.world.size,
+            "sharded": self.world.sharded,
+            "scaler": self.scaler is not None,
+            "optimizer": type(self.optimizer).__name__,
+            "collector": None
+            if collector is None
+            else {
+                "similarity": collector.similarity,
+                "gsnr": collector.gsnr,
+                "ema_beta": collector.averages.beta,
+                "dataset_size": collector.dataset_size,
+                "lossy_reduction": collector.lossy_reduction,
+            },
+        }
 
     # ------------------------------------------------------------ the micro-batches
 
@@ -290,3 +396,33 @@ class StepEngine:
         self.batch_size = int(state["batch_size"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
+
+
+def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:
+    """The run's controller: the given one, which must start at ``first_batch`` when a
+    sampler fixes it, or :class:`BatchWarmup` from there (batch 64 without one)."""
+    if controller is None:
+        return BatchWarmup() if first_batch is None else BatchWarmup(initial=first_batch)
+    if first_batch is not None and controller.initial != first_batch:
+        raise ValueError(
+            f"the controller starts at batch {controller.initial} but the sampler at "
+            f"{first_batch}: give both the same first batch"
+        )
+    return controller
+
+
+def _check_sub_batches(
+    controller: Controller, sub_batches: int, world: World, options: StepOptions
+) -> None:
+    if sub_batches < 2 and options.statistics and not world.distributed:
+        raise ValueError(
+            "min_sub_batches (micro-batches per step) must be at least 2 to measure "
+            f"statistics on one process, got {sub_batches}"
+        )
+    smallest = sub_batches * world.size
+    if controller.min < smallest:
+        raise ValueError(
+            f"the controller's smallest batch ({controller.min}) is below "
+            f"min_sub_batches × ranks ({sub_batches} × {world.size}): "
+            "every sub-batch needs a sample"
+        )

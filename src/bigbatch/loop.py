@@ -27,17 +27,14 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, IterableDataset
 
 from ._checks import positive_int
-from .batch.controllers import BatchWarmup, Controller
-from .batch.lr import Schedule
+from .batch.controllers import Controller
 from .batch.plan import StepPlan, plan_step
 from .batch.source import make_source
 from .dist import ddp, fsdp
-from .dist.hooks import CommHook, is_lossless
-from .dist.world import World
+from .dist.hooks import CommHook
 from .engine import NonFiniteError, StepEngine, StepResult
-from .optim.wrapper import StatisticsWrapper
+from .options import StepOptions
 from .state import rng_state, set_rng_state
-from .stats.collector import MicroBatchStatistics
 from .stats.result import GradientStats
 
 __all__ = ["AdaptiveBatch", "NonFiniteError", "Step"]
@@ -151,31 +148,16 @@ class AdaptiveBatch:
             the next size).
         max_micro_batch: the largest micro-batch that fits in memory.
         min_sub_batches: the fewest micro-batches per step (≥ 2; default 4).
-        lr_scaling: how the rate follows the batch relative to
-            ``base_batch_size``: ``none``, ``linear``, ``sqrt``, ``adascale``,
-            ``adascale-sqrt`` or ``auto`` (default: held under a controller
-            that follows the noise, else by optimizer family; ``bigbatch.batch.lr``).
-            A step's rate is ``lr × rule(B / base) × schedule(samples)``, set just
-            before the optimizer step and restored after it.
-        base_batch_size: the batch ``lr`` is tuned for (default: the controller's first).
-        schedule: the rate multiplier as a function of samples seen (``bigbatch.schedules``).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`): how the
+            rate follows the batch (``lr_scaling``, ``base_batch_size``,
+            ``schedule``), which statistics to collect (``statistics``,
+            ``gsnr``, ``similarity``, ``ema_beta``, ``finite_correction``),
+            ``loss_reduction`` and what a non-finite step does (``nonfinite``).
+            Each may also be given as a keyword (``**step_options``).
         scaler: a ``torch.amp.GradScaler`` to scale losses and step through.
-        statistics: collect the gradient statistics (the adaptive controllers
-            and the AdaScale rules need them).
-        gsnr: also collect the element-wise gradient SNR (VRGD asks by itself).
-        similarity: ``"split"`` (measured) or ``"scalar"`` (from the noise
-            scalars); default split on one process, scalar under DDP.
         comm_hook: a DDP communication hook as torch's ``(state, hook)`` pair;
             registered by the loop (inside the two-group hook with
             ``similarity="split"``), its state saved with the loop's.
-        ema_beta: smoothing of the statistics' noise-scale averages.
-        finite_correction: correct the noise for batches that are a large
-            fraction of a map-style dataset (sampling without replacement).
-        loss_reduction: ``"mean"`` (micro-batch mean losses) or ``"sum"``.
-        nonfinite: a step with a NaN/Inf gradient or loss is dropped and
-            counted (``"skip"``) or raises :class:`NonFiniteError` (``"raise"``)
-            before anything learns from it; with a ``GradScaler`` an overflow
-            is the scaler's to skip.
         weight_fn: count the batch in weight (e.g. tokens): sample ``i`` weighs
             ``weight_fn(i)``.
         seed, shuffle: the sampler's permutation.
@@ -195,76 +177,43 @@ class AdaptiveBatch:
         dataset: Dataset | IterableDataset,
         *,
         controller: Controller | None = None,
+        options: StepOptions | None = None,
         max_micro_batch: int = 256,
         min_sub_batches: int = 4,
-        lr_scaling: str = "auto",
-        base_batch_size: int | None = None,
-        schedule: Schedule | None = None,
         scaler: torch.amp.GradScaler | None = None,
-        statistics: bool = True,
-        gsnr: bool = False,
-        similarity: str | None = None,
         comm_hook: tuple[Any, CommHook] | None = None,
-        ema_beta: float = 0.99,
-        finite_correction: bool = True,
-        loss_reduction: str = "mean",
-        nonfinite: str = "skip",
         weight_fn: Callable[[int], int] | None = None,
         seed: int = 0,
         shuffle: bool = True,
         loader_options: dict[str, Any] | None = None,
+        **step_options: Any,
     ) -> None:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.world = World.of(model)
-        controller = controller if controller is not None else BatchWarmup()
         self.max_micro_batch = positive_int("max_micro_batch", max_micro_batch)
         self.min_sub_batches = positive_int("min_sub_batches", min_sub_batches)
-        _check_sub_batches(controller, self.min_sub_batches, self.world, statistics)
-        options = dict(loader_options or {})
-        options["persistent_workers"] = (
-            options.get("persistent_workers", False) and options.get("num_workers", 0) > 0
+        loader = dict(loader_options or {})
+        loader["persistent_workers"] = (
+            loader.get("persistent_workers", False) and loader.get("num_workers", 0) > 0
         )
         self.source = make_source(
-            dataset, shuffle=shuffle, seed=seed, weight_fn=weight_fn, loader_options=options
+            dataset, shuffle=shuffle, seed=seed, weight_fn=weight_fn, loader_options=loader
         )
-        if isinstance(optimizer, StatisticsWrapper):
-            gsnr = gsnr or "gsnr" in optimizer.requirements()
-            optimizer.check_sub_batches(self.min_sub_batches * self.world.size)
-        if comm_hook is not None and not self.world.distributed:
-            raise ValueError("comm_hook needs a DistributedDataParallel model on 2+ ranks")
         self.comm_hook = comm_hook
-        finite_size = self.source.dataset_size if finite_correction and not weight_fn else None
-        #: the statistics collector (None with ``statistics=False``)
-        self.collector = (
-            MicroBatchStatistics(
-                optimizer.param_groups,
-                ema_beta=ema_beta,
-                gsnr=gsnr,
-                dataset_size=finite_size,
-                similarity=similarity,
-                world=self.world,
-                lossy_reduction=not is_lossless(comm_hook),
-                grad_sources=fsdp.unsharded_parameters(model) if self.world.sharded else None,
-            )
-            if statistics
-            else None
-        )
-        ddp.register(
-            model, comm_hook, self.collector.two_groups if self.collector is not None else None
-        )
         #: the per-step rules: statistics, learning rate, controller, counters
-        self.engine = StepEngine(
+        self.engine = StepEngine.build(
             optimizer,
             controller,
-            collector=self.collector,
-            lr_scaling=lr_scaling,
-            base_batch_size=base_batch_size,
-            schedule=schedule,
-            nonfinite=nonfinite,
-            world=self.world,
-            loss_reduction=loss_reduction,
+            StepOptions.of(options, **step_options),
+            model=model,
+            sub_batches=self.min_sub_batches,
+            # a batch counted in weight is not a fraction of the dataset's samples
+            dataset_size=None if weight_fn else self.source.dataset_size,
+            comm_hook=comm_hook,
             scaler=scaler,
         )
+        self.world = self.engine.world
+        #: the statistics collector (None with ``statistics=False``)
+        self.collector = self.engine.collector
 
     # ------------------------------------------------------------ what the engine counts
 
@@ -379,19 +328,3 @@ class AdaptiveBatch:
         saved = state["rng"]
         set_rng_state(saved[self.world.rank % len(saved)])
         ddp.load_hook_state_dict(self.comm_hook, state.get("comm_hook"), self.world)
-
-
-def _check_sub_batches(
-    controller: Controller, min_sub_batches: int, world: World, statistics: bool
-) -> None:
-    if min_sub_batches < 2 and statistics and not world.distributed:
-        raise ValueError(
-            f"min_sub_batches must be at least 2 to measure statistics, got {min_sub_batches}"
-        )
-    smallest = min_sub_batches * world.size
-    if controller.min < smallest:
-        raise ValueError(
-            f"the controller's smallest batch ({controller.min}) is below "
-            f"min_sub_batches × ranks ({min_sub_batches} × {world.size}): "
-            "every sub-batch needs a sample"
-        )

@@ -614,3 +614,43 @@ def cli_build(strategy: str, steps: int) -> dict:
         "losses": losses,
         "accuracy": evaluation["eval_accuracy"],
     }
+
+
+def engines_built_by_the_loop_and_a_plugin() -> dict:
+    """The loop registers a lossy comm hook itself; a framework registered the same hook on
+    its own DDP model: ``StepEngine.build`` must make the same engine of both (the plugin
+    reads the hook from the model), and refuse the measured split under the framework's."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from bigbatch import StepEngine, StepOptions
+
+    hook = (None, default_hooks.fp16_compress_hook)  # lossy: the noise stays within each rank
+    options = StepOptions(lr_scaling="none", similarity="scalar")
+    loop_model = DDP(make_model())
+    loop = AdaptiveBatch(
+        loop_model,
+        torch.optim.SGD(param_groups(loop_model), lr=0.05),
+        regression_data(),
+        min_sub_batches=2,
+        comm_hook=hook,
+        options=options,
+    )
+    framework_model = DDP(make_model())
+    framework_model.register_comm_hook(*hook)
+
+    def build(options: StepOptions) -> StepEngine:
+        return StepEngine.build(
+            torch.optim.SGD(param_groups(framework_model), lr=0.05),
+            options=options,
+            model=framework_model,
+            sub_batches=2,
+            dataset_size=len(regression_data()),
+            registers_hooks=False,
+        )
+
+    try:
+        build(StepOptions(similarity="split"))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return {"loop": loop.engine.describe(), "plugin": build(options).describe(), "refused": refused}

@@ -165,3 +165,10 @@ def test_every_rank_runs_the_same_number_of_micro_batches(cluster2, batch, max_m
 def test_with_a_comm_hook_the_noise_is_estimated_within_each_rank(cluster):
     result = cluster.run(programs.within_rank_statistics, 10 * cluster.world_size + 3)[0]
     assert result["got"] == pytest.approx(result["expected"], rel=1e-5)
+
+
+def test_a_plugin_builds_the_loops_engine_from_a_framework_wrapped_model(cluster2):
+    result = cluster2.run(programs.engines_built_by_the_loop_and_a_plugin)[0]
+    assert result["plugin"] == result["loop"]
+    assert result["plugin"]["collector"]["lossy_reduction"] is True  # the framework's hook
+    assert "similarity='split' under DDP" in result["refused"]

@@ -67,10 +67,26 @@ CASES = {
     "agvm": dict(optimizer="agvm", lr_scaling="sqrt"),
     "nan-skip": dict(optimizer="sgd", lr_scaling="linear", nan=True),
     "nan-raise": dict(optimizer="sgd", lr_scaling="linear", nan=True, nonfinite="raise"),
+    # every option away from its default, handed over as one StepOptions record
+    "options": dict(
+        optimizer="sgd",
+        record=bb.StepOptions(
+            lr_scaling="sqrt",
+            base_batch_size=32,
+            schedule=bb.schedules.warmup_cosine(BUDGET, BUDGET // 10),
+            similarity="scalar",
+            ema_beta=0.9,
+            finite_correction=False,
+            nonfinite="raise",
+        ),
+    ),
 }
 
 
 def options(case):
+    """The case's step options, as every entry point takes them."""
+    if "record" in case:
+        return dict(options=case["record"])
     return dict(lr_scaling=case["lr_scaling"], nonfinite=case.get("nonfinite", "skip"))
 
 
@@ -96,7 +112,7 @@ def run_loop(case):
             history.append(step.metrics)
     except bb.NonFiniteError:
         pass
-    return net, history, loop.collector
+    return net, history, loop.engine
 
 
 class LightningModule(pl.LightningModule):
@@ -134,7 +150,7 @@ def run_lightning(case):
         warnings.simplefilter("ignore")
         with contextlib.suppress(bb.NonFiniteError):
             trainer.fit(module, DataLoader(TensorDataset(data.x, data.y), batch_sampler=sampler))
-    return module.model, callback.history, callback.driver.engine.collector
+    return module.model, callback.history, callback.driver.engine
 
 
 class Poison(transformers.TrainerCallback):
@@ -173,7 +189,7 @@ def run_hf(case, tmp_path):
         warnings.simplefilter("ignore")
         with contextlib.suppress(bb.NonFiniteError):
             trainer.train()
-    return net, trainer.bigbatch.history, trainer.bigbatch.driver.engine.collector
+    return net, trainer.bigbatch.history, trainer.bigbatch.driver.engine
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -184,7 +200,7 @@ def test_loop_lightning_and_hf_decide_and_train_identically(name, tmp_path):
         "lightning": run_lightning(case),
         "hf": run_hf(case, tmp_path),
     }
-    _, reference, _ = runs["loop"]
+    _, reference, built = runs["loop"]
     sizes = [m["batch_size"] for m in reference]
     if case.get("nonfinite") != "raise":
         assert len(set(sizes)) > 1, "the batch must change for the comparison to mean anything"
@@ -195,7 +211,9 @@ def test_loop_lightning_and_hf_decide_and_train_identically(name, tmp_path):
         else:
             assert skipped[POISONED] == 1.0 and sum(skipped) == 1.0
     for framework in ("lightning", "hf"):
-        net, history, collector = runs[framework]
+        net, history, engine = runs[framework]
+        # built from the same options by StepEngine.build: the same engine, field by field
+        assert engine.describe() == built.describe(), framework
         assert [m["batch_size"] for m in history] == sizes, framework
         assert [m["next_batch_size"] for m in history] == [m["next_batch_size"] for m in reference]
         assert [m["lr"] for m in history] == pytest.approx([m["lr"] for m in reference], rel=1e-6)
@@ -206,7 +224,7 @@ def test_loop_lightning_and_hf_decide_and_train_identically(name, tmp_path):
             keys = [k for k in reference[-1] if k.startswith("agvm/")]
             assert keys and all(history[-1][k] == pytest.approx(reference[-1][k]) for k in keys)
         if case["optimizer"] == "vrgd":
-            assert collector.provides() == frozenset({"gsnr"})
+            assert engine.collector.provides() == frozenset({"gsnr"})
         for a, b in zip(net.net.parameters(), runs["loop"][0].net.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
             assert torch.isfinite(a).all()

@@ -12,7 +12,14 @@ from .fsdp import accumulate, is_fully_sharded
 from .hooks import CommHook, TwoGroupCosine, two_group_cosine_hook
 from .world import World
 
-__all__ = ["accumulating", "hook_state_dict", "load_hook_state_dict", "register", "unwrap"]
+__all__ = [
+    "accumulating",
+    "hook_state_dict",
+    "load_hook_state_dict",
+    "register",
+    "registered_hook",
+    "unwrap",
+]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -58,6 +65,23 @@ def register(
             "the model has a comm hook already; pass yours as comm_hook=(state, hook) so it "
             f"can be composed with bigbatch's ({err})"
         ) from None
+
+
+def registered_hook(model: nn.Module) -> tuple[Any, CommHook] | None:
+    """The ``(state, hook)`` pair a framework registered on a DDP model, if any.
+
+    Read so that a plugin's statistics know whether the reduced gradient is
+    compressed (PowerSGD, fp16 hooks: ``hooks.is_lossless``). DDP keeps the
+    hooks it was given in ``_comm_hooks`` as ``(hook, state)`` pairs; a torch
+    without that list reports none.
+    """
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
+    hooks = getattr(model, "_comm_hooks", None) or []
+    if not hooks:
+        return None
+    hook, state = hooks[-1]
+    return state, hook
 
 
 def hook_state_dict(comm_hook: tuple[Any, CommHook] | None, world: World) -> list | None:

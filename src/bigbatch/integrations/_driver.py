@@ -15,52 +15,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch.controllers import BatchWarmup, Controller
-from ..batch.lr import Schedule
+from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
-from ..dist.world import World
-from ..engine import StepEngine, StepResult
-from ..optim.wrapper import StatisticsWrapper
-from ..stats.collector import MicroBatchStatistics
+from ..engine import StepEngine, StepResult, resolve_controller
+from ..options import StepOptions
 
 
 class StepDriver:
-    """The engine of one plugin, built when the framework hands over its optimizer."""
+    """The engine of one plugin, built by :meth:`StepEngine.build` when the framework hands
+    over its optimizer (and, under DDP, the model it wrapped).
 
-    def __init__(  # noqa: PLR0913 - the engine's options, as keywords
+    Args:
+        sampler: the train loader's :class:`~bigbatch.batch.GlobalBatchSampler`.
+        controller: chooses the batch sizes; it must start at the sampler's batch
+            (default :class:`~bigbatch.batch.BatchWarmup` from there).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`), also accepted
+            as keywords.
+    """
+
+    def __init__(
         self,
         sampler: GlobalBatchSampler,
-        controller: Controller | None,
-        *,
-        lr_scaling: str = "auto",
-        base_batch_size: int | None = None,
-        schedule: Schedule | None = None,
-        similarity: str | None = None,
-        ema_beta: float = 0.99,
-        gsnr: bool = False,
-        nonfinite: str = "skip",
+        controller: Controller | None = None,
+        options: StepOptions | None = None,
+        **step_options: Any,
     ) -> None:
         if not isinstance(sampler, GlobalBatchSampler):
             raise TypeError(
                 f"sampler must be a bigbatch GlobalBatchSampler, got {type(sampler).__name__}"
             )
         self.sampler = sampler
-        self.controller = (
-            controller if controller is not None else BatchWarmup(initial=sampler.batch_size)
-        )
-        if self.controller.initial != sampler.batch_size:
-            raise ValueError(
-                f"the controller starts at batch {self.controller.initial} but the sampler at "
-                f"{sampler.batch_size}: give both the same first batch"
-            )
+        self.options = StepOptions.of(options, **step_options)
+        self.controller = resolve_controller(controller, sampler.batch_size)
         sampler.min_batch_size = max(sampler.min_batch_size, self.controller.min)
-        self.options = dict(
-            lr_scaling=lr_scaling,
-            base_batch_size=base_batch_size,
-            schedule=schedule,
-            nonfinite=nonfinite,
-        )
-        self.similarity, self.ema_beta, self.gsnr = similarity, ema_beta, gsnr
         self.engine: StepEngine | None = None
         #: one dict per optimizer step: batch_size, similarity, noise_scale, lr_factor, loss, ...
         self.history: list[dict[str, float]] = []
@@ -68,24 +55,15 @@ class StepDriver:
         self._pending: dict[str, Any] | None = None
 
     def attach(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
-        """Build the statistics and the engine over ``optimizer`` (``model``: the DDP model)."""
-        world = World.of(model) if model is not None else World()
-        if world.distributed and self.similarity == "split":
-            raise ValueError("similarity='split' under DDP needs AdaptiveBatch; use 'scalar'")
-        gsnr = self.gsnr
-        if isinstance(optimizer, StatisticsWrapper):
-            gsnr = gsnr or "gsnr" in optimizer.requirements()
-            optimizer.check_sub_batches(self.sampler.micro_batches * world.size)
-        collector = MicroBatchStatistics(
-            optimizer.param_groups,
-            ema_beta=self.ema_beta,
-            gsnr=gsnr,
-            similarity=self.similarity,
-            world=world,
+        """Build the engine over ``optimizer`` (``model``: the framework's DDP model)."""
+        self.engine = StepEngine.build(
+            optimizer,
+            self.controller,
+            self.options,
+            model=model,
+            sub_batches=self.sampler.micro_batches,
             dataset_size=self.sampler.dataset_size,
-        )
-        self.engine = StepEngine(
-            optimizer, self.controller, collector=collector, world=world, **self.options
+            registers_hooks=False,  # the framework wraps the model and owns its comm hook
         )
         if self._pending is not None:
             self.engine.load_state_dict(self._pending)

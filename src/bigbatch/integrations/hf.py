@@ -30,7 +30,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from typing import Any
@@ -39,8 +38,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..batch.controllers import Controller
-from ..batch.lr import Schedule
 from ..batch.sampler import GlobalBatchSampler
+from ..options import StepOptions
 from ._driver import DriverView, StepDriver
 
 __all__ = ["AdaptiveBatchCallback", "AdaptiveBatchTrainer"]
@@ -55,30 +54,15 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
     cannot take from the Trainer (the loader, the moment before clipping).
     """
 
-    def __init__(  # noqa: PLR0913 - the engine's options, as keywords
+    def __init__(
         self,
         sampler: GlobalBatchSampler,
         controller: Controller | None = None,
         *,
-        lr_scaling: str = "auto",
-        base_batch_size: int | None = None,
-        schedule: Schedule | None = None,
-        similarity: str | None = None,
-        ema_beta: float = 0.99,
-        gsnr: bool = False,
-        nonfinite: str = "skip",
+        options: StepOptions | None = None,
+        **step_options: Any,
     ) -> None:
-        self.driver = StepDriver(
-            sampler,
-            controller,
-            lr_scaling=lr_scaling,
-            base_batch_size=base_batch_size,
-            schedule=schedule,
-            similarity=similarity,
-            ema_beta=ema_beta,
-            gsnr=gsnr,
-            nonfinite=nonfinite,
-        )
+        self.driver = StepDriver(sampler, controller, options, **step_options)
         self.sampler = sampler
         #: each micro-batch's loss multiplier this step, as the Trainer applies it
         self.loss_weights: list[float] | None = None
@@ -128,14 +112,21 @@ class AdaptiveBatchTrainer(Trainer):
     Takes the Trainer's arguments plus ``sampler`` (a
     :class:`~bigbatch.batch.GlobalBatchSampler` over ``train_dataset`` whose
     ``micro_batches`` equals ``gradient_accumulation_steps`` and which has a
-    ``max_samples`` budget) and the options of :class:`AdaptiveBatchCallback`.
+    ``max_samples`` budget), ``controller`` and the per-step rules
+    (``options``, a :class:`~bigbatch.StepOptions`, or its fields as keywords);
+    every other argument is the Trainer's.
     """
 
-    def __init__(self, *args: Any, sampler: GlobalBatchSampler, **kwargs: Any) -> None:
-        # the callback's own keywords; every other argument is the Trainer's
-        names = list(inspect.signature(AdaptiveBatchCallback).parameters)[1:]
-        options = {k: kwargs.pop(k) for k in names if k in kwargs}
-        self.bigbatch = AdaptiveBatchCallback(sampler, **options)
+    def __init__(
+        self,
+        *args: Any,
+        sampler: GlobalBatchSampler,
+        controller: Controller | None = None,
+        options: StepOptions | None = None,
+        **kwargs: Any,
+    ) -> None:
+        step_options = StepOptions.pop_from(kwargs)
+        self.bigbatch = AdaptiveBatchCallback(sampler, controller, options=options, **step_options)
         super().__init__(*args, **kwargs)
         if sampler.max_samples is None:
             raise ValueError("the sampler needs max_samples: the budget is in samples")

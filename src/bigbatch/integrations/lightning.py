@@ -29,8 +29,8 @@ import lightning.pytorch as pl
 import torch
 
 from ..batch.controllers import Controller
-from ..batch.lr import Schedule
 from ..batch.sampler import GlobalBatchSampler
+from ..options import StepOptions
 from ._driver import DriverView, StepDriver
 
 __all__ = ["AdaptiveBatchCallback"]
@@ -45,18 +45,12 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         controller: chooses the next batch size (default
             :class:`~bigbatch.batch.BatchWarmup` from the sampler's batch);
             it must start at the sampler's batch size.
-        lr_scaling: how the rate follows the batch (``bigbatch.batch.lr``;
-            default ``auto``), relative to ``base_batch_size``.
-        base_batch_size: the batch the optimizer's LR is tuned for (default:
-            the controller's first batch size).
-        schedule: LR multiplier as a function of samples seen.
-        similarity: ``"split"`` or ``"scalar"`` (default ``"split"`` on one
-            process, ``"scalar"`` under DDP; ``"split"`` needs one process).
-        ema_beta: smoothing of the noise-scale estimates.
-        gsnr: collect the element-wise GSNR (VRGD asks for it by itself).
-        nonfinite: ``"skip"`` (a step with a NaN/Inf gradient or loss changes
-            nothing: its gradients are dropped before the optimizer step) or
-            ``"raise"`` (:class:`bigbatch.NonFiniteError` stops training).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`: ``lr_scaling``,
+            ``base_batch_size``, ``schedule``, ``statistics``, ``gsnr``, ``similarity``,
+            ``ema_beta``, ``finite_correction``, ``nonfinite``), as one record or as
+            keywords. ``similarity="split"`` needs one process; a skipped non-finite
+            step drops its gradients before the optimizer step.
+        log: log the metrics with Lightning's logger as ``bigbatch/<name>``.
 
     A VRGD or AGVM optimizer (``bigbatch.optim``) observes every step's
     statistics as under :class:`bigbatch.AdaptiveBatch`: the per-step rules
@@ -67,31 +61,16 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
     ``bigbatch/<name>``.
     """
 
-    def __init__(  # noqa: PLR0913 - the engine's options, as keywords
+    def __init__(
         self,
         sampler: GlobalBatchSampler,
         controller: Controller | None = None,
         *,
-        lr_scaling: str = "auto",
-        base_batch_size: int | None = None,
-        schedule: Schedule | None = None,
-        similarity: str | None = None,
-        ema_beta: float = 0.99,
-        gsnr: bool = False,
-        nonfinite: str = "skip",
+        options: StepOptions | None = None,
         log: bool = True,
+        **step_options: Any,
     ) -> None:
-        self.driver = StepDriver(
-            sampler,
-            controller,
-            lr_scaling=lr_scaling,
-            base_batch_size=base_batch_size,
-            schedule=schedule,
-            similarity=similarity,
-            ema_beta=ema_beta,
-            gsnr=gsnr,
-            nonfinite=nonfinite,
-        )
+        self.driver = StepDriver(sampler, controller, options, **step_options)
         self.sampler = sampler
         self.log = log
 

@@ -99,7 +99,7 @@ class VRGD(StatisticsWrapper):
                 f"heavy-tailed (the paper uses {ADVISED_SUB_BATCHES} or more); consider "
                 "min_sub_batches=8 or normalizer='median'",
                 FewSubBatchesWarning,
-                stacklevel=3,
+                stacklevel=4,  # the caller of AdaptiveBatch (through StepEngine.build)
             )
 
     def ratios(self, gsnr: list[Tensor]) -> list[Tensor]:

@@ -1,0 +1,111 @@
+"""Every per-step option of a run, in one frozen, validated record.
+
+The plain loop (:class:`~bigbatch.AdaptiveBatch`), the Lightning callback and
+the Hugging Face Trainer take the same options, as keywords or as one
+:class:`StepOptions`; :meth:`bigbatch.StepEngine.build` turns them into an
+engine. Each option is documented once, here, and checked once, when the
+record is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._checks import check_flag, check_number, choice, positive_int
+from .batch.lr import LR_RULES, Schedule
+from .batch.plan import LOSS_REDUCTIONS
+from .stats.halves import SIMILARITY_MODES
+
+__all__ = ["NONFINITE_POLICIES", "StepOptions"]
+
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """The per-step rules of a run: how the rate follows the batch, which statistics to
+    collect, what a non-finite step does.
+
+    Everything a run needs besides its objects (model, optimizer, controller,
+    data) and its loop's own settings (micro-batch sizes, sampler seed).
+    """
+
+    #: how the rate follows the batch relative to ``base_batch_size``: ``none``,
+    #: ``linear``, ``sqrt``, ``adascale``, ``adascale-sqrt`` or ``auto`` (held under a
+    #: controller that follows the noise, else by optimizer family; ``bigbatch.batch.lr``).
+    #: A step's rate is ``lr × rule(B / base) × schedule(samples)``, set just before the
+    #: optimizer step and restored after it.
+    lr_scaling: str = "auto"
+    #: the batch the optimizer's rate is tuned for (None: the controller's first batch)
+    base_batch_size: int | None = None
+    #: the rate multiplier as a function of samples seen (``bigbatch.schedules``)
+    schedule: Schedule | None = None
+    #: collect the gradient statistics (the adaptive controllers, the AdaScale rules,
+    #: VRGD and AGVM need them)
+    statistics: bool = True
+    #: also collect the element-wise gradient SNR (a VRGD optimizer asks by itself)
+    gsnr: bool = False
+    #: ``"split"`` (the cosine of two halves, measured) or ``"scalar"`` (from the noise
+    #: scalars); None: split on one process, scalar under DDP and FSDP2
+    similarity: str | None = None
+    #: smoothing of the statistics' noise-scale averages (gpt-neox: 0.99)
+    ema_beta: float = 0.99
+    #: correct the noise for batches that are a large fraction of a finite dataset
+    #: (sampling without replacement)
+    finite_correction: bool = True
+    #: ``"mean"`` if the micro-batch losses are means, ``"sum"`` if sums (the plain loop's)
+    loss_reduction: str = "mean"
+    #: a step with a NaN/Inf gradient or loss is dropped and counted (``"skip"``) or
+    #: raises :class:`bigbatch.NonFiniteError` (``"raise"``) before anything learns from
+    #: it; with a ``GradScaler`` an overflow is the scaler's to skip
+    nonfinite: str = "skip"
+
+    def __post_init__(self) -> None:
+        choice("lr_scaling", self.lr_scaling, (*LR_RULES, "auto"))
+        if self.base_batch_size is not None:
+            positive_int("base_batch_size", self.base_batch_size)
+        if self.schedule is not None and not callable(self.schedule):
+            raise ValueError(f"schedule must be a function of samples, got {self.schedule!r}")
+        check_flag("statistics", self.statistics)
+        check_flag("gsnr", self.gsnr)
+        if self.similarity is not None:
+            choice("similarity", self.similarity, SIMILARITY_MODES)
+        check_number("ema_beta", self.ema_beta, high=1.0, high_open=True)
+        check_flag("finite_correction", self.finite_correction)
+        choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
+        choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options' keyword names."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, options: StepOptions | None = None, **keywords: Any) -> StepOptions:
+        """``options`` (default: all defaults) with ``keywords`` replacing fields.
+
+        What every entry point calls with its ``options=`` and ``**keywords``;
+        an unknown keyword is one ``TypeError`` that names it and the known ones.
+        """
+        unknown = sorted(set(keywords) - set(cls.names()))
+        if unknown:
+            raise TypeError(
+                f"unknown option {', '.join(map(repr, unknown))}; the step options are "
+                f"{', '.join(cls.names())}"
+            )
+        base = options if options is not None else cls()
+        if not isinstance(base, StepOptions):
+            raise TypeError(f"options must be a StepOptions, got {type(base).__name__}")
+        return dataclasses.replace(base, **keywords) if keywords else base
+
+    @classmethod
+    def pop_from(cls, keywords: dict[str, Any]) -> dict[str, Any]:
+        """Remove the step options from ``keywords`` and return them (for a class such as the
+        Hugging Face Trainer whose other keywords belong to someone else)."""
+        return {name: keywords.pop(name) for name in cls.names() if name in keywords}
+
+    def as_dict(self) -> Mapping[str, Any]:
+        return {name: getattr(self, name) for name in self.names()}
