@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .experiments.arms import RANKS
 from .experiments.config import (
     ConfigError,
     help_text,
@@ -31,7 +32,6 @@ from .experiments.config import (
     parse_assignment,
     resolve,
 )
-from .experiments.sweep import RANKS
 
 #: what ``pip install bigbatch[cli]`` adds to the core (torch, numpy): the commands' needs
 CLI_EXTRA = ("matplotlib", "mnist1d", "tqdm", "tomli")

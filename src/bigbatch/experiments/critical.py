@@ -35,6 +35,7 @@ from typing import Any
 from .build import build, make_controller, train_step, with_task_defaults
 from .config import ConfigError, resolve
 from .device import resolve_device, set_tf32, set_threads
+from .plots import pyplot
 from .tasks import Problem
 
 #: the rows of the base run averaged for the noise scale beside a point
@@ -281,9 +282,7 @@ def render(out: Path) -> str:
 
 
 def _plot(out: Path, batches: list[int], points: list[dict[str, Any]]) -> None:
-    from .report import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for b in batches:
         ax.axhline(b, color="0.85", lw=0.6, zorder=0)

@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from .analysis import fit_critical_batch, mean_std
+from .arms import ArmResult
+from .plots import pyplot
 from .rundir import read_metrics
-from .sweep import ArmResult
 
 PLOTS = {
     "batch_similarity.png": "batch size, noise scale and similarity vs step",
@@ -20,22 +21,13 @@ PLOTS = {
 }
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _series(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
     pairs = [(r[x], r[y]) for r in rows if y in r and r[y] is not None and math.isfinite(r[y])]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     top.plot(*_series(rows, "step", "batch_size"), color="tab:blue", label="batch size")
     if any("noise_scale" in r for r in rows):
@@ -220,7 +212,7 @@ def render_comparison(root: Path) -> Path:
 
 
 def _plot_curves(root: Path, arms: list[ArmResult], key: str, score: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm in arms:
         rows = read_metrics(root / arm.dirs[0])
@@ -238,7 +230,7 @@ def _plot_curves(root: Path, arms: list[ArmResult], key: str, score: str) -> Non
 
 
 def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool, score: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     best = "best_eval_loss" if loss else "best_accuracy"
     points = [(mean_std(a.values("avg_batch_size"))[0], mean_std(a.values(best))[0]) for a in arms]
@@ -335,7 +327,7 @@ def _plot_by_axis(
     loss: bool,
     score: str,
 ) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     best = "best_eval_loss" if loss else "best_accuracy"
     for label, members in curves.items():

@@ -42,7 +42,7 @@ def check_impl(impl: str) -> str:
                 "impl='fused' needs Triton, which ships with CUDA builds of PyTorch; "
                 "use impl='foreach'"
             ) from None
-        from ._fused import interpreted
+        from ._fused import interpreted  # imports Triton, which only impl="fused" needs
 
         if not torch.cuda.is_available() and not interpreted():
             raise ValueError(
@@ -114,12 +114,6 @@ def check_lr(value: Any) -> float | Tensor:
         check_number("lr", float(value))  # read once, at construction, never in step()
         return value
     return check_number("lr", value)
-
-
-def trust_ratio(w_norm: Tensor, u_norm: Tensor, ratio: Tensor) -> Tensor:
-    """``ratio`` where both norms are positive, else 1 (the convention of apex, timm, optax)."""
-    one = torch.ones_like(ratio)
-    return torch.where(w_norm > 0, torch.where(u_norm > 0, ratio, one), one)
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -411,7 +405,7 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         self, foreach: Callable, lists: Sequence[list[Tensor]], kwargs: dict[str, Any]
     ) -> None:
         """The Triton update of one bucket; what its kernels do not take runs through foreach."""
-        from . import _fused
+        from . import _fused  # imports Triton, which only impl="fused" needs
 
         _fused.check_device(lists[0][0].device)
         accepts = getattr(_fused, self.fused_accepts) if self.fused_accepts else None

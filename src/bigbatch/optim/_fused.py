@@ -47,6 +47,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .._tensors import norms
+from ._trust import lars_ratio
+
 #: dtypes the kernels read and write; others take the foreach update
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: elements per program of the element-wise kernels
@@ -514,15 +517,12 @@ def lars_fused(
 ) -> None:
     """The step of :func:`~bigbatch.optim.lars.lars_reference`: torch's multi-tensor
     norms of ``p`` and ``g`` (one read of each), the ratios, then one kernel."""
-    from .._tensors import norms
-    from .lars import _lars_ratio
-
     device = params[0].device
     check_device(device)
     adapt = weight_decay != 0 or always_adapt
     ratios = None
     if adapt:
-        ratios = _lars_ratio(
+        ratios = lars_ratio(
             torch.stack(norms(params)).float(),
             torch.stack(norms(grads)).float(),
             lr=lr,

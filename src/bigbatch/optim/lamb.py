@@ -23,9 +23,9 @@ from ._base import (
     add_scaled,
     check_adam_group,
     global_grad_norm,
-    trust_ratio,
 )
 from ._shards import Shards
+from ._trust import trust_ratio
 
 __all__ = ["LAMB", "lamb_foreach", "lamb_reference"]
 

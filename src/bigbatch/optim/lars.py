@@ -16,27 +16,11 @@ from torch import Tensor
 from .._checks import check_flag, check_number
 from .._tensors import norm_dtype, norms
 from . import _blocks
-from ._base import BigBatchOptimizer, check_lr, trust_ratio
+from ._base import BigBatchOptimizer, check_lr
 from ._shards import Shards
+from ._trust import lars_ratio
 
 __all__ = ["LARS", "lars_foreach", "lars_reference"]
-
-
-def _lars_ratio(
-    w_norm: Tensor,
-    g_norm: Tensor,
-    *,
-    lr: float | Tensor,
-    weight_decay: float,
-    trust_coefficient: float,
-    eps: float,
-    trust_clip: bool,
-) -> Tensor:
-    ratio = trust_coefficient * w_norm / (g_norm + w_norm * weight_decay + eps)
-    ratio = trust_ratio(w_norm, g_norm, ratio)
-    if trust_clip:  # LARC: the adapted rate never exceeds the global one
-        ratio = (ratio / lr).clamp(max=1.0)
-    return ratio
 
 
 def lars_reference(
@@ -63,7 +47,7 @@ def lars_reference(
     """
     for i, (p, g) in enumerate(zip(params, grads)):
         if weight_decay != 0 or always_adapt:
-            ratio = _lars_ratio(
+            ratio = lars_ratio(
                 torch.linalg.vector_norm(p, dtype=norm_dtype(p)),
                 torch.linalg.vector_norm(g, dtype=norm_dtype(g)),
                 lr=lr,
@@ -112,7 +96,7 @@ def lars_foreach(
         w_norm, g_norm = torch.stack(norms(params)), torch.stack(norms(grads))
         if shards is not None:
             w_norm, g_norm = shards.norms(w_norm, g_norm)
-        ratios = _lars_ratio(
+        ratios = lars_ratio(
             w_norm,
             g_norm,
             lr=lr,

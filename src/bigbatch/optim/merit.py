@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from . import _blocks
-from ._base import BigBatchOptimizer, check_adam_group, trust_ratio
+from ._base import BigBatchOptimizer, check_adam_group
 from ._shards import Shards
+from ._trust import trust_ratio
 
 __all__ = ["MERIT", "merit_foreach", "merit_ratio", "merit_reference"]
 
