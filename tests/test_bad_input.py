@@ -44,7 +44,7 @@ CLI_CASES = [
     (["train", "--set", "batch.tagret=0.4"], "'batch.tagret'"),
     (["train", "--set", "threads=-2"], "threads must be >= 0, got -2"),
     (["train", "--set", "seed=1.5"], "seed must be a whole number, got 1.5"),
-    (["train", "--set", "agvm=maybe"], "maybe"),
+    (["train", "--set", "agvm.enabled=maybe"], "maybe"),
     (["train", "--set", "dist.ratio=0"], "dist.ratio must be > 0"),
     (["train", "--set", "dist.compression=zip"], "'zip'"),
     (["train", "--set", "nonfinite=ignore"], "'ignore'"),

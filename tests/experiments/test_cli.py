@@ -131,7 +131,7 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch):
             ],
             "at least 4 sub-batches per step",
         ),
-        (["train", "--set", "agvm_rule=yolo"], "agvm_rule = 'yolo' is not one of"),
+        (["train", "--set", "agvm.rule=yolo"], "agvm.rule = 'yolo' is not one of"),
         (["train", "--set", "vrgd.gamma=0"], "vrgd.gamma must be > 0"),
         (["train", "--nproc", "0"], "--nproc must be at least 1"),
     ],
@@ -261,8 +261,8 @@ def test_teacher_task_trains(tmp_path):
 
 def test_vrgd_and_agvm_runs_report_the_generalization_gap(tmp_path):
     out = tmp_path / "vr"
-    args = ["--set", "optimizer=vr-lamb", "--set", "min_sub_batches=8", "--set", "agvm=true"]
-    assert run_cli("train", *SMALL, *args, "--set", "agvm_start=5", "--out", out) == 0
+    args = ["--set", "optimizer=vr-lamb", "--set", "min_sub_batches=8", "--set", "agvm.enabled=true"]
+    assert run_cli("train", *SMALL, *args, "--set", "agvm.start=5", "--out", out) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best_accuracy"] > 0.5
     gap = summary["final_train_accuracy"] - summary["final_accuracy"]

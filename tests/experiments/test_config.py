@@ -53,3 +53,44 @@ def test_the_cli_docs_list_every_key_as_the_help_does():
     docs = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
     listing = docs.split("## Config keys", 1)[1].split("```")[1].strip("\n")
     assert listing == help_text()
+
+
+@pytest.mark.parametrize(
+    "name", ["batch_warmup", "simigrad", "critical_ramp", "damped_simigrad", "noise_scale"]
+)
+def test_a_config_left_at_its_defaults_builds_the_librarys_default_controller(name):
+    """One default per knob: the command line's controller is the class's own default."""
+    from bigbatch.batch.controllers import CONTROLLERS
+    from bigbatch.experiments.build import make_controller, with_task_defaults
+
+    config = with_task_defaults(resolve({"batch.controller": name}))
+    assert repr(make_controller(config)) == repr(CONTROLLERS[name]())
+
+
+def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_default():
+    from bigbatch.experiments.build import make_controller, with_task_defaults
+
+    warmup = with_task_defaults(resolve({"batch.controller": "batch_warmup"}))
+    ramp = with_task_defaults(resolve({"batch.controller": "critical_ramp"}))
+    assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (1.0, 6.0)
+    chosen = with_task_defaults(
+        resolve({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
+    )
+    assert make_controller(chosen).multiple == 3.0
+
+
+def test_every_declared_key_names_an_argument_of_its_component():
+    import inspect
+
+    from bigbatch.batch.controllers import CONTROLLERS
+    from bigbatch.optim import AGVM, VRGD
+
+    for component in (*CONTROLLERS.values(), AGVM, VRGD):
+        parameters = inspect.signature(component).parameters
+        assert all(knob.param in parameters for knob in component.CONFIG.values()), component
+
+
+def test_an_old_key_name_still_works_and_warns_with_the_new_one():
+    with pytest.warns(FutureWarning, match="'agvm_interval' is now 'agvm.interval'"):
+        config = resolve({"agvm_interval": 7, "agvm": True})
+    assert config["agvm.interval"] == 7 and config["agvm.enabled"] is True

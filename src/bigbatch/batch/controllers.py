@@ -31,10 +31,34 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from .._checks import batch_bounds, check_flag, check_number, positive_int, whole_number
+from ..knobs import Knob
 from .smoothing import SmoothedNoise, SmoothedValue
+
+# The config keys (``batch.<key>``) each controller takes, as data: the defaults are the
+# constructors' own (bigbatch.knobs).
+_BOUNDS = {
+    "initial": Knob("initial", "first batch size (samples)", low=1),
+    "min": Knob("min", "smallest batch size", low=1),
+    "max": Knob("max", "largest batch size", low=1),
+}
+_WINDOW = Knob("window", "steps of evidence averaged per decision", low=1)
+_MULTIPLE = Knob(
+    "multiple",
+    "kappa: the batch follows kappa * B_simple (the critical batch at 1)",
+    low=0,
+    low_open=True,
+)
+_FACTOR = Knob("factor", "growth factor of each change", low=1, low_open=True)
+_CONFIDENCE = Knob("confidence", "standard errors of evidence a change needs", low=0)
+_TARGET = Knob(
+    "target",
+    "similarity s* held (B settles near 2 B_simple s*/(1-s*); 1/3: the critical batch)",
+    low=-1,
+    high=1,
+)
 
 
 class Controller(Protocol):
@@ -93,6 +117,7 @@ class SimiGrad:
 
     needs_statistics = True
     holds_lr = False
+    CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "target": _TARGET, "window": _WINDOW}
 
     def __init__(
         self,
@@ -178,17 +203,26 @@ class CriticalBatchRamp:
     limits progress, so the batch is held while the schedule rises (and for
     ``warmup`` samples, for a warm-up the controller cannot see).
 
-    The defaults (κ = 6, from batch 256, ×2) were chosen on MNIST-1D and the
-    ``lm`` task only (docs/results.md, the evidence benchmark: κ = 4, 6 and 8).
+    κ = 6 and ×2 were chosen on MNIST-1D and the ``lm`` task only, from batch 256
+    (docs/results.md, the evidence benchmark: κ = 4, 6 and 8); the first batch
+    is 64, as for every controller.
     """
 
     needs_statistics = True
     holds_lr = True
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        **_BOUNDS,
+        "noise_multiple": _MULTIPLE,
+        "factor": _FACTOR,
+        "confidence": _CONFIDENCE,
+        "window": _WINDOW,
+        "shrink": Knob("shrink", "also shrink when the noise scale falls"),
+    }
 
     def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
         self,
         multiple: float = 6.0,
-        initial: int = 256,
+        initial: int = 64,
         min: int = 16,
         max: int = 16384,
         *,
@@ -281,6 +315,26 @@ class BatchWarmup:
 
     needs_statistics = True
     holds_lr = False
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        **_BOUNDS,
+        "noise_multiple": _MULTIPLE,
+        "factor": _FACTOR,
+        "confidence": _CONFIDENCE,
+        "window": _WINDOW,
+        "decay_power": Knob(
+            "decay_power",
+            "the noise scale is weighed by the schedule's LR multiplier to this power, so its "
+            "rise where the rate is small (warm-up, decay) does not grow the batch (0: off)",
+            low=0,
+        ),
+        "clip": Knob(
+            "clip",
+            "each step's |G|^2 and tr(Sigma) are held within this many spreads of their "
+            "averages (one outlier step cannot change the batch)",
+            low=0,
+            low_open=True,
+        ),
+    }
 
     def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
         self,
@@ -373,6 +427,7 @@ class DampedSimiGrad:
 
     needs_statistics = True
     holds_lr = True
+    CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "target": _TARGET, "window": _WINDOW}
 
     def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
         self,
@@ -495,6 +550,7 @@ class NoiseScale:
 
     needs_statistics = True
     holds_lr = True
+    CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "noise_multiple": _MULTIPLE, "window": _WINDOW}
 
     def __init__(
         self,
@@ -542,6 +598,9 @@ class Constant:
 
     needs_statistics = False
     holds_lr = False
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        "initial": Knob("batch_size", "first batch size (samples)", low=1)
+    }
 
     def __init__(self, batch_size: int) -> None:
         self.initial = self.min = self.max = positive_int("batch_size", batch_size)
@@ -569,6 +628,16 @@ class Ramp:
 
     needs_statistics = False
     holds_lr = False
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        "initial": Knob("start", "first batch size (samples)", low=1),
+        "max": Knob("end", "largest batch size", low=1),
+        "ramp_samples": Knob(
+            "samples",
+            "samples over which the batch grows from initial to max; 0: half of max_samples",
+            low=0,
+            unset=0,
+        ),
+    }
 
     def __init__(
         self,

@@ -8,22 +8,13 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from ..batch import (
-    BatchWarmup,
-    Constant,
-    CriticalBatchRamp,
-    DampedSimiGrad,
-    NoiseScale,
-    Ramp,
-    SimiGrad,
-)
-from ..batch.controllers import CONTROLLERS
+from ..batch.controllers import CONTROLLERS, Controller
 from ..batch.lr import lr_factor, resolve_lr_rule, schedule_by_name
 from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
 from ..loop import AdaptiveBatch
-from ..optim import AGVM, create_optimizer, get_optimizer_info, module_param_groups
-from .config import ConfigError
+from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
+from .config import ConfigError, fill_component_defaults
 from .device import Precision, to_device
 from .tasks import TASKS, Problem
 
@@ -50,6 +41,10 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
             config[key] = value
     if not config["batch.base"]:
         config["batch.base"] = config["batch.initial"]
+    kind = config["batch.controller"]
+    fill_component_defaults(config, "batch.", kind, CONTROLLERS[kind].CONFIG)
+    if kind == "ramp" and not config["batch.ramp_samples"]:
+        config["batch.ramp_samples"] = config["max_samples"] // 2
     family = get_optimizer_info(config["optimizer"]).family
     controller = CONTROLLERS[config["batch.controller"]]
     config["batch.lr_scaling"] = resolve_lr_rule(config["batch.lr_scaling"], controller, family)
@@ -65,47 +60,18 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-#: ``batch.noise_multiple = 0`` means each noise-following controller's own default κ
-_DEFAULT_MULTIPLE = {"batch_warmup": 1.0, "critical_ramp": 6.0, "noise_scale": 1.0}
+def make_controller(config: dict[str, Any]) -> Controller:
+    """The controller a config names, built from the keys it declares (its ``CONFIG``),
+    after :func:`with_task_defaults` has filled in its own defaults. The noise-following
+    controllers hold the batch while the rate warms up by watching the schedule
+    multiplier, so the sample budget is not theirs to know."""
+    cls = CONTROLLERS[config["batch.controller"]]
+    return cls(**_declared(config, "batch.", cls.CONFIG))
 
 
-def make_controller(config: dict[str, Any]):
-    """The controller a config names, with its settings. The noise-following controllers
-    hold the batch while the rate warms up by watching the schedule multiplier, so the
-    sample budget is not theirs to know."""
-    kind = config["batch.controller"]
-    bounds = dict(initial=config["batch.initial"], min=config["batch.min"], max=config["batch.max"])
-    multiple = config["batch.noise_multiple"] or _DEFAULT_MULTIPLE.get(kind, 1.0)
-    window = config["batch.window"]
-    if kind == "batch_warmup":
-        return BatchWarmup(
-            multiple,
-            factor=config["batch.factor"],
-            confidence=config["batch.confidence"],
-            window=window,
-            decay_power=config["batch.decay_power"],
-            clip=config["batch.clip"],
-            **bounds,
-        )
-    if kind == "simigrad":
-        return SimiGrad(target=config["batch.target"], window=window, **bounds)
-    if kind == "critical_ramp":
-        return CriticalBatchRamp(
-            multiple,
-            factor=config["batch.factor"],
-            confidence=config["batch.confidence"],
-            shrink=config["batch.shrink"],
-            window=window,
-            **bounds,
-        )
-    if kind == "damped_simigrad":
-        return DampedSimiGrad(config["batch.target"], window=window, **bounds)
-    if kind == "noise_scale":
-        return NoiseScale(multiple=multiple, window=window, **bounds)
-    if kind == "constant":
-        return Constant(config["batch.initial"])
-    samples = config["batch.ramp_samples"] or config["max_samples"] // 2
-    return Ramp(config["batch.initial"], config["batch.max"], samples=samples)
+def _declared(config: dict[str, Any], prefix: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """A component's arguments from the config keys it declares."""
+    return {knob.param: config[f"{prefix}{key}"] for key, knob in knobs.items()}
 
 
 def make_schedule(config: dict[str, Any]):
@@ -149,7 +115,7 @@ def _loop(
     if "impl" in accepted:
         options["impl"] = config["optimizer_impl"]
     if "gamma" in accepted:  # the vr-* optimizers
-        options.update(gamma=config["vrgd.gamma"], normalizer=config["vrgd.normalizer"])
+        options.update(_declared(config, "vrgd.", VRGD.CONFIG))
     sharded = world is not None and world.distributed and config["dist.strategy"] == "fsdp"
     if sharded:  # before the optimizer is built: fully_shard replaces the parameters
         if config["dist.compression"] != "none":
@@ -159,16 +125,11 @@ def _loop(
             )
         shard_model(problem.model, precision.device)
     params: Any = problem.model
-    if config["agvm"]:
-        params = module_param_groups(problem.model, config["weight_decay"], config["agvm_rule"])
+    if config["agvm.enabled"]:
+        params = module_param_groups(problem.model, config["weight_decay"], config["agvm.rule"])
     optimizer = create_optimizer(params, config["optimizer"], **options)
-    if config["agvm"]:
-        optimizer = AGVM(
-            optimizer,
-            interval=config["agvm_interval"],
-            start=config["agvm_start"],
-            momentum=config["agvm_momentum"],
-        )
+    if config["agvm.enabled"]:
+        optimizer = AGVM(optimizer, **_declared(config, "agvm.", AGVM.CONFIG))
     model: nn.Module = problem.model
     hook = None
     if world is not None and world.distributed and not sharded:

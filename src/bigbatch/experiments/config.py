@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +30,10 @@ from .._checks import batch_bounds
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
 from ..dist.compression import COMPRESSORS, METHODS
-from ..engine import NONFINITE_POLICIES
-from ..optim import IMPLS, list_optimizers
-from ..optim.agvm import RULE_NAMES
-from ..optim.vrgd import NORMALIZERS
+from ..knobs import NO_DEFAULT, Knob, signature_defaults
+from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
+from ..optim.agvm import GROUPS_CONFIG
+from ..options import NONFINITE_POLICIES
 from ..stats import SIMILARITY_MODES
 from .device import PRECISIONS
 from .tasks import TASKS
@@ -56,6 +57,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Key:
+    """One config key: its default, meaning and allowed values."""
+
     name: str
     default: Any
     help: str
@@ -63,13 +66,78 @@ class Key:
     low: float | None = None
     high: float | None = None
     low_open: bool = False
+    #: each component's own default where the components sharing the key differ (the key's
+    #: ``default`` then means "the chosen component's own")
+    owners: Mapping[str, Any] | None = None
 
     @property
     def kind(self) -> type:
         return type(self.default) if self.default is not None else float
 
 
+#: old key names, still accepted with a warning
+RENAMED = {
+    "agvm": "agvm.enabled",
+    "agvm_rule": "agvm.rule",
+    "agvm_interval": "agvm.interval",
+    "agvm_start": "agvm.start",
+    "agvm_momentum": "agvm.momentum",
+}
+
+
+def component_keys(
+    prefix: str, components: Mapping[str, tuple[Any, Mapping[str, Knob]]], what: str
+) -> list[Key]:
+    """The keys that components declare (``bigbatch.knobs``), each once.
+
+    A key several components take has their common default; where their
+    defaults differ, its default is 0 ("the chosen {what}'s own"), the owners'
+    values listed in its help. A key only some take names them in its help.
+    """
+    uses: dict[str, list[tuple[str, Knob, Any]]] = {}
+    for name, (component, knobs) in components.items():
+        defaults = signature_defaults(component, knobs)
+        for key, knob in knobs.items():
+            uses.setdefault(key, []).append((name, knob, defaults[key]))
+    keys = []
+    for key, used in uses.items():
+        knob = used[0][1]
+        given = {n: d for n, _, d in used if d is not None and d is not NO_DEFAULT}
+        names = [n for n, _, _ in used]
+        # which components take it, where only a few of many do
+        few = len(components) > 2 and len(names) <= len(components) / 2
+        scope = f"{', '.join(names)}: " if few else ""
+        low, low_open, owners = knob.low, knob.low_open, None
+        default = next(iter(given.values()))
+        if len(set(given.values())) > 1:
+            owners = given
+            default = type(default)(0)
+            low, low_open = min(low if low is not None else 0, 0), False
+            own = ", ".join(f"{n} {v}" for n, v in given.items())
+            note = f"; 0: the {what}'s own ({own})"
+        else:
+            note = ""
+        keys.append(
+            Key(
+                f"{prefix}{key}",
+                default,
+                f"{scope}{knob.help}{note}",
+                knob.choices,
+                low,
+                knob.high,
+                low_open,
+                owners,
+            )
+        )
+    return keys
+
+
 def _keys() -> list[Key]:
+    return [*_run_keys(), *_batch_keys(), *_dist_keys(), *_optimizer_keys()]
+
+
+def _run_keys() -> list[Key]:
+    """The task, the model's size, the optimizer's name and rate, the budget, the machine."""
     return [
         Key("task", "mnist1d", "the task to train (see `bigbatch tasks`)", tuple(TASKS)),
         Key(
@@ -145,6 +213,13 @@ def _keys() -> list[Key]:
             "a step with a NaN/Inf gradient or loss: skip its update (counted) or stop the run",
             NONFINITE_POLICIES,
         ),
+    ]
+
+
+def _batch_keys() -> list[Key]:
+    """How the batch size is chosen and how the rate follows it."""
+    controllers = {name: (cls, cls.CONFIG) for name, cls in CONTROLLERS.items()}
+    return [
         Key(
             "batch.controller",
             "batch_warmup",
@@ -156,68 +231,7 @@ def _keys() -> list[Key]:
             "noise_scale, constant, ramp",
             tuple(CONTROLLERS),
         ),
-        Key("batch.initial", 64, "first batch size (samples)", low=1),
-        Key("batch.min", 16, "smallest batch size", low=1),
-        Key("batch.max", 16384, "largest batch size", low=1),
-        Key(
-            "batch.target",
-            1 / 3,
-            "similarity s* held by simigrad and damped_simigrad (B settles near "
-            "2 B_simple s*/(1-s*); 1/3: the critical batch)",
-            low=-1,
-            high=1,
-        ),
-        Key(
-            "batch.window",
-            20,
-            "steps of evidence averaged per decision (simigrad: similarities, SimiGrad's 20; "
-            "batch_warmup, critical_ramp, noise_scale: the noise scale's window)",
-            low=1,
-        ),
-        Key(
-            "batch.noise_multiple",
-            0.0,
-            "kappa of batch_warmup and critical_ramp (grow while kappa * B_simple is above "
-            "the next size) and noise_scale (B = kappa * B_simple); 0: the controller's "
-            "default (batch_warmup 1, critical_ramp 6, noise_scale 1)",
-            low=0,
-        ),
-        Key(
-            "batch.decay_power",
-            1.0,
-            "batch_warmup: the noise scale is weighed by the schedule's LR multiplier to this "
-            "power, so its rise where the rate is small (warm-up, decay) does not grow the "
-            "batch (0: off)",
-            low=0,
-        ),
-        Key(
-            "batch.clip",
-            3.0,
-            "batch_warmup: each step's |G|^2 and tr(Sigma) are held within this many spreads "
-            "of their averages (one outlier step cannot change the batch)",
-            low=0,
-            low_open=True,
-        ),
-        Key(
-            "batch.factor",
-            2.0,
-            "batch_warmup, critical_ramp: growth factor of each change",
-            low=1,
-            low_open=True,
-        ),
-        Key(
-            "batch.confidence",
-            1.0,
-            "batch_warmup, critical_ramp: standard errors of evidence a change needs",
-            low=0,
-        ),
-        Key("batch.shrink", False, "critical_ramp: also shrink when the noise scale falls"),
-        Key(
-            "batch.ramp_samples",
-            0,
-            "ramp: samples over which the batch grows from initial to max",
-            low=0,
-        ),
+        *component_keys("batch.", controllers, "controller"),
         Key(
             "batch.lr_scaling",
             "auto",
@@ -237,6 +251,12 @@ def _keys() -> list[Key]:
         ),
         Key("schedule.kind", "cosine", "LR schedule over samples", SCHEDULES),
         Key("schedule.warmup", 0.05, "warm-up, as a fraction of max_samples", low=0, high=1),
+    ]
+
+
+def _dist_keys() -> list[Key]:
+    """How --nproc 2+ processes share the model and its gradient traffic."""
+    return [
         Key(
             "dist.strategy",
             "ddp",
@@ -272,30 +292,23 @@ def _keys() -> list[Key]:
             low_open=True,
         ),
         Key("dist.warmup", 10, "steps of uncompressed all-reduce before compressing", low=1),
+    ]
+
+
+def _optimizer_keys() -> list[Key]:
+    """The VRGD forms' and AGVM's settings, as their classes declare them."""
+    return [
+        *component_keys("vrgd.", {"vr-*": (VRGD, VRGD.CONFIG)}, "optimizer"),
         Key(
-            "vrgd.gamma",
-            0.1,
-            "vr-* optimizers: lower clip of the GSNR ratio",
-            low=0,
-            high=1,
-            low_open=True,
+            "agvm.enabled",
+            False,
+            "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)",
         ),
-        Key(
-            "vrgd.normalizer",
-            "mean",
-            "vr-* optimizers: per-tensor GSNR normaliser",
-            NORMALIZERS,
+        *component_keys(
+            "agvm.",
+            {"agvm": (AGVM, AGVM.CONFIG), "groups": (module_param_groups, GROUPS_CONFIG)},
+            "AGVM",
         ),
-        Key("agvm", False, "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)"),
-        Key(
-            "agvm_rule",
-            "ends",
-            "AGVM module groups: top-level children, first/body/last, or by name",
-            RULE_NAMES,
-        ),
-        Key("agvm_interval", 5, "AGVM: steps between multiplier updates", low=1),
-        Key("agvm_start", 50, "AGVM: steps before the first update (paper: 500)", low=0),
-        Key("agvm_momentum", 0.97, "AGVM: momentum of the multipliers", low=0, high=0.999),
     ]
 
 
@@ -394,6 +407,7 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
     config = defaults()
     for layer in layers:
         for name, value in layer.items():
+            name = _current_name(name)
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -410,6 +424,28 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
             f"({config['min_sub_batches']}): every sub-batch needs a sample"
         )
     return config
+
+
+def _current_name(name: str) -> str:
+    """A key's current name; an old one is accepted with a warning naming the new one."""
+    if name in RENAMED:
+        warnings.warn(
+            f"config key {name!r} is now {RENAMED[name]!r}; the old name will be removed",
+            FutureWarning,
+            stacklevel=4,
+        )
+        return RENAMED[name]
+    return name
+
+
+def fill_component_defaults(config: dict[str, Any], prefix: str, name: str, knobs) -> None:
+    """Replace each "0: the component's own" value of ``name``'s keys by that component's
+    default, so a run's saved config says what it ran with."""
+    known = schema()
+    for key in knobs:
+        entry = known[f"{prefix}{key}"]
+        if entry.owners is not None and config[entry.name] == entry.default:
+            config[entry.name] = entry.owners.get(name, entry.default)
 
 
 def to_toml(config: Mapping[str, Any]) -> str:

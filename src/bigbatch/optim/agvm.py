@@ -17,13 +17,14 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from .._checks import check_number, positive_int, whole_number
 from ..batch.lr import scaled_lr
+from ..knobs import Knob
 from ..stats.result import GradientStats
 from .param_groups import param_groups
 from .wrapper import StatisticsWrapper
@@ -151,6 +152,16 @@ def module_param_groups(
     return out
 
 
+#: the config key (``agvm.rule``) of :func:`module_param_groups` (bigbatch.knobs)
+GROUPS_CONFIG = {
+    "rule": Knob(
+        "rule",
+        "AGVM module groups: top-level children, first/body/last, or by name",
+        choices=RULE_NAMES,
+    )
+}
+
+
 class AGVM(StatisticsWrapper):
     """Scale each module group's learning rate by its gradient-variance multiplier μ (AGVM).
 
@@ -165,6 +176,14 @@ class AGVM(StatisticsWrapper):
         momentum: m of μ's moving average (default 0.97).
         bounds: the clamp of the variance ratio before the square root ((0.5, 10)).
     """
+
+    #: the config keys (``agvm.<key>``) a run may set (bigbatch.knobs)
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        "interval": Knob("interval", "steps between multiplier updates", low=1),
+        # the paper's 500 steps are for ImageNet-length runs; the built-in tasks take 1-3k
+        "start": Knob("start", "steps before the first update (paper: 500)", low=0, run_default=50),
+        "momentum": Knob("momentum", "momentum of the multipliers", low=0, high=0.999),
+    }
 
     def __init__(
         self,

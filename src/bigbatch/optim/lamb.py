@@ -219,6 +219,9 @@ class LAMB(BigBatchOptimizer):
         >>> opt = LAMB(param_groups(model, weight_decay=0.01), lr=2e-3)
     """
 
+    #: how its rate follows the batch (``bigbatch.optim.FAMILIES``)
+    family: ClassVar[str] = "adam"
+
     fused_update: ClassVar[str] = "lamb_fused"
 
     # Inductor would store u (a new parameter-sized buffer every step, paid in

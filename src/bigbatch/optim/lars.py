@@ -159,6 +159,9 @@ class LARS(BigBatchOptimizer):
     parameter's device, in its dtype (float32 for float16/bfloat16 parameters).
     """
 
+    #: how its rate follows the batch (``bigbatch.optim.FAMILIES``)
+    family: ClassVar[str] = "lars"
+
     fused_update: ClassVar[str] = "lars_fused"
 
     def __init__(

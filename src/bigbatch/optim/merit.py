@@ -235,6 +235,9 @@ class MERIT(BigBatchOptimizer):
     (float32 for float16/bfloat16 parameters).
     """
 
+    #: how its rate follows the batch (``bigbatch.optim.FAMILIES``)
+    family: ClassVar[str] = "adam"
+
     fused_update: ClassVar[str] = "merit_fused"
     fused_accepts: ClassVar[str | None] = "merit_supports"
 

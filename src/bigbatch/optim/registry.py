@@ -56,10 +56,22 @@ class OptimizerInfo:
         return inspect.signature(self.factory)
 
 
-def _info(
-    name: str, family: str, factory: Callable, paper: str, summary: str, **defaults: Any
-) -> OptimizerInfo:
-    assert family in FAMILIES, family
+#: the families of torch's own optimizers; bigbatch's declare theirs (``family``)
+_TORCH_FAMILIES = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+
+
+def class_family(cls: type) -> str | None:
+    """The family of an optimizer class: its own ``family``, or torch's table's."""
+    own = getattr(cls, "family", None)
+    if own is not None:
+        return own
+    return next((f for base, f in _TORCH_FAMILIES.items() if issubclass(cls, base)), None)
+
+
+def _info(name: str, factory: Callable, paper: str, summary: str, **defaults: Any) -> OptimizerInfo:
+    """A registry record; its family is the family of the class ``factory`` builds."""
+    family = class_family(getattr(factory, "builds", factory))
+    assert family in FAMILIES, (name, family)
     return OptimizerInfo(name, factory, paper, summary, family, MappingProxyType(defaults))
 
 
@@ -72,14 +84,18 @@ def with_vrgd(base: Callable[..., torch.optim.Optimizer], gsnr_momentum: float) 
         return VRGD(base(params, **kwargs), **{"gsnr_momentum": gsnr_momentum, **vr})
 
     signature = inspect.signature(base)
+    vr = inspect.signature(VRGD).parameters  # VRGD's own defaults, not copies
     extra = [
-        inspect.Parameter("gamma", inspect.Parameter.KEYWORD_ONLY, default=0.1),
-        inspect.Parameter("normalizer", inspect.Parameter.KEYWORD_ONLY, default="mean"),
-        inspect.Parameter("gsnr_momentum", inspect.Parameter.KEYWORD_ONLY, default=gsnr_momentum),
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=vr[name].default)
+        for name in ("gamma", "normalizer")
     ]
+    extra.append(
+        inspect.Parameter("gsnr_momentum", inspect.Parameter.KEYWORD_ONLY, default=gsnr_momentum)
+    )
     own = [q for q in signature.parameters.values() if q.kind != inspect.Parameter.VAR_KEYWORD]
     factory.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
     factory.__name__ = f"vr_{getattr(base, '__name__', 'optimizer').lower()}"
+    factory.builds = base  # type: ignore[attr-defined] - its family is the base's
     return factory
 
 
@@ -99,14 +115,12 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
         for info in (
             _info(
                 "lamb",
-                "adam",
                 LAMB,
                 _LAMB,
                 "Adam with layer-wise trust ratio (apex FusedLAMB / timm Lamb)",
             ),
             _info(
                 "lambc",
-                "adam",
                 LAMB,
                 _LAMB,
                 "LAMB with the trust ratio clipped at 1",
@@ -114,7 +128,6 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
             ),
             _info(
                 "nvlamb",
-                "adam",
                 LAMB,
                 _LAMB,
                 "LAMB adapting every group, decayed or not",
@@ -122,14 +135,12 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
             ),
             _info(
                 "lars",
-                "lars",
                 LARS,
                 _LARS,
                 "SGD with momentum and layer-wise trust ratio (timm Lars)",
             ),
             _info(
                 "larc",
-                "lars",
                 LARS,
                 _LARS,
                 "LARS with LARC clipping min(ratio/lr, 1)",
@@ -137,14 +148,12 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
             ),
             _info(
                 "merit",
-                "adam",
                 MERIT,
                 "Luo et al. 2025, MERIT: Maximum-normalized Element-wise Ratio for Language "
                 "Model Large-batch Training, ICML 2025",
                 "Adam with max-norm element-wise trust ratios, update clipped to [-1, 1]",
             ),
             _info(
-                "sgd",
                 "sgd",
                 torch.optim.SGD,
                 "Robbins & Monro 1951; momentum: Polyak 1964",
@@ -153,21 +162,18 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
             ),
             _info(
                 "adamw",
-                "adam",
                 torch.optim.AdamW,
                 "Loshchilov & Hutter 2019, Decoupled Weight Decay Regularization, arXiv:1711.05101",
                 "torch.optim.AdamW",
             ),
             _info(
                 "vr-sgd",
-                "sgd",
                 with_vrgd(torch.optim.SGD, 0.0),
                 _VRGD,
                 "SGD on the GSNR-scaled gradient",
             ),
             _info(
                 "vr-momentum",
-                "sgd",
                 with_vrgd(torch.optim.SGD, 0.0),
                 _VRGD,
                 "momentum SGD (0.9) on the GSNR-scaled gradient",
@@ -175,17 +181,13 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
             ),
             _info(
                 "vr-adam",
-                "adam",
                 with_vrgd(torch.optim.AdamW, 0.9),
                 _VRGD,
                 "AdamW on the GSNR-scaled gradient, momentum 0.9 on the ratio",
             ),
-            _info(
-                "vr-lars", "lars", with_vrgd(LARS, 0.0), _VRGD, "LARS on the GSNR-scaled gradient"
-            ),
+            _info("vr-lars", with_vrgd(LARS, 0.0), _VRGD, "LARS on the GSNR-scaled gradient"),
             _info(
                 "vr-lamb",
-                "adam",
                 with_vrgd(LAMB, 0.9),
                 _VRGD,
                 "LAMB on the GSNR-scaled gradient, momentum 0.9 on the ratio",
@@ -199,14 +201,7 @@ def optimizer_family(optimizer: torch.optim.Optimizer) -> str | None:
     """The family of a built optimizer (looking inside statistics wrappers), None if unknown."""
     while isinstance(optimizer, StatisticsWrapper):
         optimizer = optimizer.base
-    for kind, family in (
-        ((LAMB, MERIT, torch.optim.Adam, torch.optim.AdamW), "adam"),
-        ((LARS,), "lars"),
-        ((torch.optim.SGD,), "sgd"),
-    ):
-        if isinstance(optimizer, kind):
-            return family
-    return None
+    return class_family(type(optimizer))
 
 
 def list_optimizers() -> list[str]:

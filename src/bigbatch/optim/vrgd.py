@@ -12,13 +12,14 @@ gradients disagree are damped, the consistent ones pass unchanged
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from .._checks import check_number, choice
 from ..dist.fsdp import local, shard_like
+from ..knobs import Knob
 from ..stats.result import GradientStats
 from .wrapper import StatisticsWrapper
 
@@ -59,6 +60,16 @@ class VRGD(StatisticsWrapper):
         optimizer = VRGD(LAMB(param_groups(model, 0.01), lr=2e-3), gamma=0.1, gsnr_momentum=0.9)
         loop = bb.AdaptiveBatch(model, optimizer, data, min_sub_batches=8)
     """
+
+    #: the config keys (``vrgd.<key>``) of the vr-* optimizers (bigbatch.knobs)
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        "gamma": Knob(
+            "gamma", "vr-* optimizers: lower clip of the GSNR ratio", low=0, low_open=True, high=1
+        ),
+        "normalizer": Knob(
+            "normalizer", "vr-* optimizers: per-tensor GSNR normaliser", choices=NORMALIZERS
+        ),
+    }
 
     needs = frozenset({"gsnr"})
 
