@@ -30,17 +30,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ._checks import positive_int
 from ._tensors import norms
-from .batch.controllers import BatchWarmup, Controller
+from .assembly import assemble, describe_collector
+from .batch.controllers import Controller
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
 from .batch.plan import StepPlan
 from .batch.smoothing import SmoothedNoise
-from .dist import ddp, fsdp
 from .dist.fsdp import local
-from .dist.hooks import CommHook, is_lossless
 from .dist.world import World
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
@@ -144,89 +143,36 @@ class StepEngine:
         self._loss: Tensor | None = None
 
     @classmethod
-    def build(  # noqa: PLR0913 - what a run is made of, each a keyword
+    def build(
         cls,
         optimizer: torch.optim.Optimizer,
         controller: Controller | None = None,
         options: StepOptions | None = None,
         *,
-        model: nn.Module | None = None,
-        sub_batches: int,
-        first_batch: int | None = None,
-        dataset_size: int | None = None,
-        comm_hook: tuple[Any, CommHook] | None = None,
-        registers_hooks: bool = True,
         scaler: torch.amp.GradScaler | None = None,
+        **run: Any,
     ) -> StepEngine:
-        """The engine of a run: its world, statistics and comm hooks, checked together.
+        """The engine of a run, its world, statistics and comm hooks made and checked together
+        by :func:`bigbatch.assembly.assemble` (``run``: its keywords ``model``,
+        ``sub_batches``, ``first_batch``, ``dataset_size``, ``comm_hook``,
+        ``registers_hooks``).
 
         Every entry point builds its engine here (the plain loop, the Lightning
         callback, the Hugging Face Trainer), so a rule about how the parts fit
         is written once.
-
-        Args:
-            optimizer: the run's optimizer.
-            controller: chooses the batch sizes (default
-                :class:`~bigbatch.batch.BatchWarmup` from ``first_batch``, or 64).
-            options: the per-step rules.
-            model: the trained module, its ``DistributedDataParallel`` or an FSDP2
-                ``fully_shard`` model: its world (one process without one).
-            sub_batches: micro-batches per rank per optimizer step (the fewest, for a
-                loop that splits a batch into more when it must).
-            first_batch: the batch a sampler starts at; the controller must start there.
-            dataset_size: samples in a finite dataset (for the finite-population
-                correction; None for a stream or a batch counted in weight).
-            comm_hook: a DDP ``(state, hook)`` pair for the engine to register
-                (inside the two-group hook with ``similarity="split"``).
-            registers_hooks: False when a framework wraps the model in DDP and owns its
-                comm hook (Lightning, the Hugging Face Trainer): the hook it registered
-                is read from the model, and the measured two-group similarity, which
-                needs a hook of bigbatch's, is refused.
-            scaler: the loop's ``torch.amp.GradScaler``, if any.
         """
-        options = options if options is not None else StepOptions()
-        world = World.of(model) if model is not None else World()
-        controller = resolve_controller(controller, first_batch)
-        _check_sub_batches(controller, positive_int("sub_batches", sub_batches), world, options)
-        gsnr = options.gsnr
-        if isinstance(optimizer, StatisticsWrapper):
-            gsnr = gsnr or "gsnr" in optimizer.requirements()
-            optimizer.check_sub_batches(sub_batches * world.size)
-        if comm_hook is not None and not (registers_hooks and world.distributed):
-            raise ValueError(
-                "comm_hook needs a DistributedDataParallel model on 2+ ranks that the loop "
-                "wraps (a framework registers its own hook)"
-            )
-        if not registers_hooks:
-            if world.distributed and options.similarity == "split":
-                raise ValueError(
-                    "similarity='split' under DDP needs bigbatch's comm hook, which a framework's "
-                    "DDP wrapper does not take: use 'scalar' or bigbatch.AdaptiveBatch"
-                )
-            comm_hook = ddp.registered_hook(model) if model is not None else None
-        collector = (
-            MicroBatchStatistics(
-                optimizer.param_groups,
-                ema_beta=options.ema_beta,
-                gsnr=gsnr,
-                dataset_size=dataset_size if options.finite_correction else None,
-                similarity=options.similarity,
-                world=world,
-                lossy_reduction=not is_lossless(comm_hook),
-                grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
-            )
-            if options.statistics
-            else None
-        )
-        if registers_hooks and model is not None:
-            ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
+        parts = assemble(optimizer, controller, options, **run)
         return cls(
-            optimizer, controller, collector=collector, world=world, scaler=scaler, options=options
+            optimizer,
+            parts.controller,
+            collector=parts.collector,
+            world=parts.world,
+            scaler=scaler,
+            options=parts.options,
         )
 
     def describe(self) -> dict[str, Any]:
         """What this engine was built to do, as plain data (equal for equal runs)."""
-        collector = self.collector
         schedule = self.schedule
         return {
             **self.options.as_dict(),
@@ -238,15 +184,7 @@ class StepEngine:
             "sharded": self.world.sharded,
             "scaler": self.scaler is not None,
             "optimizer": type(self.optimizer).__name__,
-            "collector": None
-            if collector is None
-            else {
-                "similarity": collector.similarity,
-                "gsnr": collector.gsnr,
-                "ema_beta": collector.averages.beta,
-                "dataset_size": collector.dataset_size,
-                "lossy_reduction": collector.lossy_reduction,
-            },
+            "collector": describe_collector(self.collector),
         }
 
     # ------------------------------------------------------------ the micro-batches
@@ -396,33 +334,3 @@ class StepEngine:
         self.batch_size = int(state["batch_size"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
-
-
-def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:
-    """The run's controller: the given one, which must start at ``first_batch`` when a
-    sampler fixes it, or :class:`BatchWarmup` from there (batch 64 without one)."""
-    if controller is None:
-        return BatchWarmup() if first_batch is None else BatchWarmup(initial=first_batch)
-    if first_batch is not None and controller.initial != first_batch:
-        raise ValueError(
-            f"the controller starts at batch {controller.initial} but the sampler at "
-            f"{first_batch}: give both the same first batch"
-        )
-    return controller
-
-
-def _check_sub_batches(
-    controller: Controller, sub_batches: int, world: World, options: StepOptions
-) -> None:
-    if sub_batches < 2 and options.statistics and not world.distributed:
-        raise ValueError(
-            "min_sub_batches (micro-batches per step) must be at least 2 to measure "
-            f"statistics on one process, got {sub_batches}"
-        )
-    smallest = sub_batches * world.size
-    if controller.min < smallest:
-        raise ValueError(
-            f"the controller's smallest batch ({controller.min}) is below "
-            f"min_sub_batches × ranks ({sub_batches} × {world.size}): "
-            "every sub-batch needs a sample"
-        )

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..assembly import resolve_controller
 from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
-from ..engine import StepEngine, StepResult, resolve_controller
+from ..engine import StepEngine, StepResult
 from ..options import StepOptions
 
 

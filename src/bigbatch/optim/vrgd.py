@@ -110,7 +110,7 @@ class VRGD(StatisticsWrapper):
                 f"heavy-tailed (the paper uses {ADVISED_SUB_BATCHES} or more); consider "
                 "min_sub_batches=8 or normalizer='median'",
                 FewSubBatchesWarning,
-                stacklevel=4,  # the caller of AdaptiveBatch (through StepEngine.build)
+                stacklevel=5,  # the caller of AdaptiveBatch (through StepEngine.build, assemble)
             )
 
     def ratios(self, gsnr: list[Tensor]) -> list[Tensor]:

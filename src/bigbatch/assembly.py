@@ -1,0 +1,152 @@
+"""How the parts of a run fit together: its world, statistics and comm hooks, checked once.
+
+:meth:`bigbatch.StepEngine.build` calls :func:`assemble`, and the plain loop,
+the Lightning callback and the Hugging Face Trainer call that, so a rule
+about how a model, an optimizer, a controller and the options fit (a VRGD
+needs the GSNR, a lossy comm hook makes the noise estimates rank-local, a
+framework's DDP wrapper takes no two-group hook) is written here only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._checks import positive_int
+from .batch.controllers import BatchWarmup, Controller
+from .dist import ddp, fsdp
+from .dist.hooks import CommHook, is_lossless
+from .dist.world import World
+from .optim.wrapper import StatisticsWrapper
+from .options import StepOptions
+from .stats.collector import MicroBatchStatistics
+
+__all__ = ["Parts", "assemble", "describe_collector", "resolve_controller"]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What :func:`assemble` made: the engine's constructor arguments."""
+
+    controller: Controller
+    collector: MicroBatchStatistics | None
+    world: World
+    options: StepOptions
+
+
+def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
+    optimizer: torch.optim.Optimizer,
+    controller: Controller | None = None,
+    options: StepOptions | None = None,
+    *,
+    model: nn.Module | None = None,
+    sub_batches: int,
+    first_batch: int | None = None,
+    dataset_size: int | None = None,
+    comm_hook: tuple[Any, CommHook] | None = None,
+    registers_hooks: bool = True,
+) -> Parts:
+    """The parts of a run's engine, checked together; the model's hooks registered.
+
+    Args:
+        optimizer: the run's optimizer.
+        controller: chooses the batch sizes (default
+            :class:`~bigbatch.batch.BatchWarmup` from ``first_batch``, or 64).
+        options: the per-step rules.
+        model: the trained module, its ``DistributedDataParallel`` or an FSDP2
+            ``fully_shard`` model: its world (one process without one).
+        sub_batches: micro-batches per rank per optimizer step (the fewest, for a
+            loop that splits a batch into more when it must).
+        first_batch: the batch a sampler starts at; the controller must start there.
+        dataset_size: samples in a finite dataset (for the finite-population
+            correction; None for a stream or a batch counted in weight).
+        comm_hook: a DDP ``(state, hook)`` pair for the engine to register
+            (inside the two-group hook with ``similarity="split"``).
+        registers_hooks: False when a framework wraps the model in DDP and owns its
+            comm hook (Lightning, the Hugging Face Trainer): the hook it registered
+            is read from the model, and the measured two-group similarity, which
+            needs a hook of bigbatch's, is refused.
+    """
+    options = options if options is not None else StepOptions()
+    world = World.of(model) if model is not None else World()
+    controller = resolve_controller(controller, first_batch)
+    _check_sub_batches(controller, positive_int("sub_batches", sub_batches), world, options)
+    gsnr = options.gsnr
+    if isinstance(optimizer, StatisticsWrapper):
+        gsnr = gsnr or "gsnr" in optimizer.requirements()
+        optimizer.check_sub_batches(sub_batches * world.size)
+    if comm_hook is not None and not (registers_hooks and world.distributed):
+        raise ValueError(
+            "comm_hook needs a DistributedDataParallel model on 2+ ranks that the loop "
+            "wraps (a framework registers its own hook)"
+        )
+    if not registers_hooks:
+        if world.distributed and options.similarity == "split":
+            raise ValueError(
+                "similarity='split' under DDP needs bigbatch's comm hook, which a framework's "
+                "DDP wrapper does not take: use 'scalar' or bigbatch.AdaptiveBatch"
+            )
+        comm_hook = ddp.registered_hook(model) if model is not None else None
+    collector = (
+        MicroBatchStatistics(
+            optimizer.param_groups,
+            ema_beta=options.ema_beta,
+            gsnr=gsnr,
+            dataset_size=dataset_size if options.finite_correction else None,
+            similarity=options.similarity,
+            world=world,
+            lossy_reduction=not is_lossless(comm_hook),
+            grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
+        )
+        if options.statistics
+        else None
+    )
+    if registers_hooks and model is not None:
+        ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
+    return Parts(controller, collector, world, options)
+
+
+def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:
+    """The run's controller: the given one, which must start at ``first_batch`` when a
+    sampler fixes it, or :class:`BatchWarmup` from there (batch 64 without one)."""
+    if controller is None:
+        return BatchWarmup() if first_batch is None else BatchWarmup(initial=first_batch)
+    if first_batch is not None and controller.initial != first_batch:
+        raise ValueError(
+            f"the controller starts at batch {controller.initial} but the sampler at "
+            f"{first_batch}: give both the same first batch"
+        )
+    return controller
+
+
+def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any] | None:
+    """A collector's settings as plain data (None without statistics)."""
+    if collector is None:
+        return None
+    return {
+        "similarity": collector.similarity,
+        "gsnr": collector.gsnr,
+        "ema_beta": collector.averages.beta,
+        "dataset_size": collector.dataset_size,
+        "lossy_reduction": collector.lossy_reduction,
+    }
+
+
+def _check_sub_batches(
+    controller: Controller, sub_batches: int, world: World, options: StepOptions
+) -> None:
+    if sub_batches < 2 and options.statistics and not world.distributed:
+        raise ValueError(
+            "min_sub_batches (micro-batches per step) must be at least 2 to measure "
+            f"statistics on one process, got {sub_batches}"
+        )
+    smallest = sub_batches * world.size
+    if controller.min < smallest:
+        raise ValueError(
+            f"the controller's smallest batch ({controller.min}) is below "
+            f"min_sub_batches × ranks ({sub_batches} × {world.size}): "
+            "every sub-batch needs a sample"
+        )
