@@ -71,7 +71,7 @@ def test_a_restore_the_framework_never_called_does_not_compound():
 
 
 def test_counters_and_the_controller_decision():
-    ramp = bb.batch.Ramp(steps=[(0, 16), (32, 32)])
+    ramp = bb.batch.Ramp(points=[(0, 16), (32, 32)])
     model, opt, engine = setup(ramp, lr_scaling="none")
     first = run_step(model, engine)
     engine.after_optimizer_step(first)

@@ -126,7 +126,7 @@ def test_iterable_dataset_resumes_where_it_stopped():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        controller = bb.batch.Ramp(steps=[(0, 32), (64, 48)])
+        controller = bb.batch.Ramp(points=[(0, 32), (64, 48)])
         return model, bb.AdaptiveBatch(model, opt, Stream(), controller=controller)
 
     def drawn(loop, model, steps):

@@ -43,28 +43,51 @@ def _parser() -> argparse.ArgumentParser:
         description="Adaptive batching and large-batch optimizers for PyTorch.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-
-    def config_command(name: str, summary: str) -> argparse.ArgumentParser:
-        """A subcommand taking a config: --config, --set, --quiet; its --help lists every key."""
-        p = commands.add_parser(
-            name,
-            help=summary,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-            epilog=help_text(),
+    _train_arguments(_config_command(commands, "train", "train one run and write its directory"))
+    _compare_arguments(
+        _config_command(
+            commands,
+            "compare",
+            "train a grid of runs, each at its best rate of a grid, and write one comparison "
+            "report",
         )
-        p.add_argument("--config", metavar="FILE", help="TOML file of config keys")
-        p.add_argument("--task", metavar="NAME", help="the task (the same as --set task=NAME)")
-        p.add_argument(
-            "--set",
-            metavar="KEY=VALUE",
-            action="append",
-            default=[],
-            help="override one config key (repeatable), e.g. --set batch.target=0.5",
+    )
+    _critical_arguments(
+        _config_command(
+            commands,
+            "critical-batch",
+            "measure the critical batch along a small-batch run by branched training "
+            "(Merrill et al. 2025)",
         )
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
-        return p
+    )
+    report = commands.add_parser("report", help="re-render the report of a run or comparison")
+    report.add_argument("dir", metavar="DIR")
+    commands.add_parser("tasks", help="list the built-in tasks")
+    return parser
 
-    train = config_command("train", "train one run and write its directory")
+
+def _config_command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand taking a config: --config, --set, --quiet; its --help lists every key."""
+    p = commands.add_parser(
+        name,
+        help=summary,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=help_text(),
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file of config keys")
+    p.add_argument("--task", metavar="NAME", help="the task (the same as --set task=NAME)")
+    p.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one config key (repeatable), e.g. --set batch.target=0.5",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _train_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--out",
         metavar="DIR",
@@ -82,10 +105,8 @@ def _parser() -> argparse.ArgumentParser:
         "a run may resume with another N",
     )
 
-    compare = config_command(
-        "compare",
-        "train a grid of runs, each at its best rate of a grid, and write one comparison report",
-    )
+
+def _compare_arguments(compare: argparse.ArgumentParser) -> None:
     compare.add_argument(
         "--vary",
         metavar="KEY=V1,V2,...",
@@ -111,11 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
     compare.add_argument("--out", metavar="DIR", help="comparison directory (default: under runs/)")
 
-    critical = config_command(
-        "critical-batch",
-        "measure the critical batch along a small-batch run by branched training "
-        "(Merrill et al. 2025)",
-    )
+
+def _critical_arguments(critical: argparse.ArgumentParser) -> None:
     critical.add_argument(
         "--batches",
         metavar="B1,B2,...",
@@ -150,11 +168,6 @@ def _parser() -> argparse.ArgumentParser:
         help="a branch's rate against the base batch's (default sqrt, Adam-type)",
     )
     critical.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
-
-    report = commands.add_parser("report", help="re-render the report of a run or comparison")
-    report.add_argument("dir", metavar="DIR")
-    commands.add_parser("tasks", help="list the built-in tasks")
-    return parser
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:

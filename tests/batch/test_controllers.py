@@ -4,7 +4,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bigbatch.batch import (
@@ -76,6 +76,7 @@ def test_simigrad_bounds_always_hold(low, span, similarities, target):
     ),
     multiple=st.floats(0.1, 10),
 )
+@example(steps=[(2.191466537066174e-303, 39396.0)], multiple=10.0)  # κ · B_simple is inf
 def test_noise_scale_bounds_and_threshold(steps, multiple):
     c = NoiseScale(multiple=multiple, initial=64, min=16, max=4096)
     batch = 64
@@ -102,7 +103,7 @@ def test_constant_and_ramp():
     assert (ramp.initial, ramp.min, ramp.max) == (64, 64, 1024)
     assert ramp.next({}, 64, 500) == 544
     assert ramp.next({}, 64, 5000) == 1024
-    table = Ramp(steps=[(0, 128), (1000, 256), (5000, 512)])
+    table = Ramp(points=[(0, 128), (1000, 256), (5000, 512)])
     assert [table.next({}, 0, s) for s in (0, 999, 1000, 4999, 10**6)] == [128, 128, 256, 256, 512]
 
 
@@ -116,7 +117,7 @@ def test_constant_and_ramp():
         (lambda: SimiGrad(growth=0.9), "growth"),
         (lambda: NoiseScale(multiple=0), "noise_multiple"),
         (lambda: Constant(-4), "batch_size"),
-        (lambda: Ramp(steps=[(10, 64)]), "start at sample 0"),
+        (lambda: Ramp(points=[(10, 64)]), "start at sample 0"),
         (lambda: Ramp(64), "needs start, end and samples"),
         (lambda: CriticalBatchRamp(multiple=-1), "noise_multiple"),
         (lambda: CriticalBatchRamp(factor=1.0), "factor"),
@@ -364,3 +365,9 @@ def test_every_controller_declares_whether_it_reads_statistics():
     assert CriticalBatchRamp().needs_statistics and DampedSimiGrad().needs_statistics
     assert BatchWarmup().needs_statistics and not BatchWarmup().holds_lr
     assert not Constant(64).needs_statistics and not Ramp(64, 128, 10).needs_statistics
+
+
+def test_a_ramps_old_steps_keyword_still_works_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="Ramp\\(points=...\\)"):
+        old = Ramp(steps=[(0, 64), (100, 128)])
+    assert repr(old) == repr(Ramp(points=[(0, 64), (100, 128)]))

@@ -261,7 +261,14 @@ def test_teacher_task_trains(tmp_path):
 
 def test_vrgd_and_agvm_runs_report_the_generalization_gap(tmp_path):
     out = tmp_path / "vr"
-    args = ["--set", "optimizer=vr-lamb", "--set", "min_sub_batches=8", "--set", "agvm.enabled=true"]
+    args = [
+        "--set",
+        "optimizer=vr-lamb",
+        "--set",
+        "min_sub_batches=8",
+        "--set",
+        "agvm.enabled=true",
+    ]
     assert run_cli("train", *SMALL, *args, "--set", "agvm.start=5", "--out", out) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["best_accuracy"] > 0.5

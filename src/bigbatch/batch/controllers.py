@@ -29,6 +29,7 @@ instead, is in ``docs/algorithms.md`` ("Batch-size controllers").
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
@@ -573,7 +574,8 @@ class NoiseScale:
         noise = self._noise.noise_scale()
         if not math.isfinite(noise) or noise <= 0:
             return batch_size
-        wanted = int(min(self.max, max(self.min, round(self.multiple * noise))))
+        # clamped before rounding: a noise scale near the float limit times κ is inf
+        wanted = round(min(self.max, max(self.min, self.multiple * noise)))
         if abs(wanted - batch_size) <= self.threshold * batch_size:
             return batch_size
         return wanted
@@ -619,11 +621,13 @@ class Constant:
 
 
 class Ramp:
-    """A batch that follows the samples seen: a linear ramp, or a step list.
+    """A batch that follows the samples seen: a linear ramp, or a table of points.
 
     ``Ramp(start, end, samples=N)`` grows linearly from ``start`` to ``end`` over
-    the first ``N`` samples; ``Ramp(steps=[(0, 256), (100_000, 1024)])`` uses the
-    batch of the last entry whose sample count has been reached.
+    the first ``N`` samples; ``Ramp(points=[(0, 256), (100_000, 1024)])`` uses the
+    batch of the last point whose sample count has been reached. (``steps=``, its
+    name before 0.2, still works with a ``DeprecationWarning``: in bigbatch a step
+    is an optimizer step.)
     """
 
     needs_statistics = False
@@ -645,18 +649,24 @@ class Ramp:
         end: int | None = None,
         samples: int | None = None,
         *,
+        points: Sequence[tuple[int, int]] | None = None,
         steps: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         if steps is not None:
+            warnings.warn(
+                "Ramp(steps=...) is now Ramp(points=...)", DeprecationWarning, stacklevel=2
+            )
+            points = steps if points is None else points
+        if points is not None:
             if start is not None or end is not None or samples is not None:
-                raise ValueError("give either start/end/samples or steps, not both")
-            table = sorted((int(s), positive_int("batch in steps", b)) for s, b in steps)
+                raise ValueError("give either start/end/samples or points, not both")
+            table = sorted((int(s), positive_int("batch in points", b)) for s, b in points)
             if not table or table[0][0] != 0:
-                raise ValueError(f"steps must start at sample 0, got {list(steps)!r}")
+                raise ValueError(f"points must start at sample 0, got {list(points)!r}")
             self._table = table
         else:
             if start is None or end is None or samples is None:
-                raise ValueError("Ramp needs start, end and samples (or steps=[...])")
+                raise ValueError("Ramp needs start, end and samples (or points=[...])")
             positive_int("start", start)
             positive_int("end", end)
             positive_int("samples", samples)
@@ -683,7 +693,7 @@ class Ramp:
 
     def __repr__(self) -> str:
         if self._table:
-            return f"Ramp(steps={self._table!r})"
+            return f"Ramp(points={self._table!r})"
         return f"Ramp({self._start}, {self._end}, samples={self._samples})"
 
 

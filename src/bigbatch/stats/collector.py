@@ -179,35 +179,17 @@ class MicroBatchStatistics:
         (default ``W b_i / B``); loops that weight them ``1/k`` (Lightning, the
         Hugging Face Trainer) pass theirs, and the sub-batch gradients stay exact.
         """
-        local = [int(s) for s in sizes]
-        every = [[int(s) for s in r] for r in rank_sizes] if rank_sizes is not None else [local]
-        if len(every) != self.world.size:
-            raise ValueError(f"rank_sizes has {len(every)} entries for {self.world.size} ranks")
-        if every[self.world.rank] != local:
-            raise ValueError(
-                f"rank {self.world.rank}'s entry of rank_sizes {every[self.world.rank]} "
-                f"differs from its sizes {local}"
-            )
-        if sum(len(r) for r in every) < 2:
-            raise ValueError(
-                f"statistics need at least 2 sub-batches (at least 2 micro-batches on one "
-                f"process), got sizes {every}"
-            )
-        total = sum(sum(r) for r in every)
-        if loss_weights is None:
-            loss_weights = default_loss_weights(local, total, self.world.size)
-        if len(loss_weights) != len(local) or not all(w > 0 for w in loss_weights):
-            raise ValueError(
-                f"loss_weights must be {len(local)} positive numbers, got {list(loss_weights)}"
-            )
-        batches = SubBatches(local, every, [float(w) for w in loss_weights], self.world)
+        batches = _sub_batches(sizes, rank_sizes, loss_weights, self.world)
         self.halves.begin(batches)
         self.noise.begin(batches)
         if self.gsnr_part is not None:
             self.gsnr_part.begin(batches)
         self._batches = batches
         self._sub_sq = torch.zeros(
-            len(local), self.layout.num_groups, device=self.layout.device, dtype=torch.float64
+            len(batches.sizes),
+            self.layout.num_groups,
+            device=self.layout.device,
+            dtype=torch.float64,
         )
 
     def before_backward(self, index: int) -> None:
@@ -307,6 +289,38 @@ class MicroBatchStatistics:
         # |increment / l_i|²: the micro-batch's mean gradient (a Python scalar: no copy)
         sq = sq * (1.0 / batches.loss_weights[index] ** 2)
         sub_sq[index].index_add_(0, self.layout.owners(present), sq)
+
+
+def _sub_batches(
+    sizes: Sequence[int],
+    rank_sizes: Sequence[Sequence[int]] | None,
+    loss_weights: Sequence[float] | None,
+    world: World,
+) -> SubBatches:
+    """A step's sub-batches, checked: every rank's sizes, this rank's among them, at least
+    two in all, one positive loss weight per micro-batch of this rank."""
+    local = [int(s) for s in sizes]
+    every = [[int(s) for s in r] for r in rank_sizes] if rank_sizes is not None else [local]
+    if len(every) != world.size:
+        raise ValueError(f"rank_sizes has {len(every)} entries for {world.size} ranks")
+    if every[world.rank] != local:
+        raise ValueError(
+            f"rank {world.rank}'s entry of rank_sizes {every[world.rank]} "
+            f"differs from its sizes {local}"
+        )
+    if sum(len(r) for r in every) < 2:
+        raise ValueError(
+            f"statistics need at least 2 sub-batches (at least 2 micro-batches on one "
+            f"process), got sizes {every}"
+        )
+    total = sum(sum(r) for r in every)
+    if loss_weights is None:
+        loss_weights = default_loss_weights(local, total, world.size)
+    if len(loss_weights) != len(local) or not all(w > 0 for w in loss_weights):
+        raise ValueError(
+            f"loss_weights must be {len(local)} positive numbers, got {list(loss_weights)}"
+        )
+    return SubBatches(local, every, [float(w) for w in loss_weights], world)
 
 
 def _squared(scale: Tensor | float | None) -> Tensor | float:
