@@ -73,7 +73,7 @@ def test_optimizers_train_the_task_at_their_familys_rate(
     if task_name == "mnist1d":  # a small draw, generated into a fresh cache
         monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path))
         draw = tasks.mnist1d_arrays
-        monkeypatch.setattr(tasks, "mnist1d_arrays", lambda: draw(samples=4_000))
+        monkeypatch.setattr(tasks.data, "mnist1d_arrays", lambda: draw(samples=4_000))
     torch.manual_seed(0)
     config = with_task_defaults(resolve({"task": task_name, "device": "cpu"}))
     problem = TASKS[task_name].build(config)

@@ -66,7 +66,7 @@ def test_text_corpus_is_deterministic_and_holds_whole_files_out(tmp_path):
     again = tasks.text_corpus(tmp_path)
     assert np.array_equal(train, again[0]) and np.array_equal(validation, again[1])
     assert info == again[2]
-    held = sorted(n for n in files if tasks._held_out(n))
+    held = sorted(n for n in files if tasks.data.held_out(n))
     assert info["validation_files"] == len(held) and 0 < len(held) < 15  # about a tenth
     assert info["train_files"] + info["validation_files"] == 60
     # whole files, in sorted order, on the side their path hashes to
@@ -119,7 +119,7 @@ def test_text_build_is_deterministic_and_holds_out_a_tenth_of_the_files():
     assert 0.07 < shares < 0.13
     root = Path(torch.__file__).parent
     names = [p.relative_to(root).as_posix() for p in root.rglob("*.py")]
-    held = {n for n in names if tasks._held_out(n)}
+    held = {n for n in names if tasks.data.held_out(n)}
     assert first.info["validation_files"] == len(held)
     assert first.info["train_files"] == len(set(names) - held)  # no file on both sides
 

@@ -1,0 +1,117 @@
+"""The built-in tasks' data, made on this machine: MNIST-1D (cached), a Markov language,
+the installed torch package's Python sources as bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BIGBATCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bigbatch"
+    )
+    return Path(root)
+
+
+def training_rows(config: dict[str, Any], available: int) -> int:
+    """How many of a task's ``available`` training samples a run uses: the first
+    ``train_samples`` (a smaller training set opens a generalization gap), or all."""
+    wanted = config.get("train_samples", 0) or available
+    if wanted > available:
+        raise ValueError(
+            f"train_samples = {wanted} is more than the task's {available:,} training samples"
+        )
+    return wanted
+
+
+def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarray]:
+    """MNIST-1D with the package's default settings, built once and cached as .npz.
+
+    The package keeps 80% of ``samples`` for training and 20% for the test set.
+    """
+    path = cache_dir() / f"mnist1d-{samples}-seed{seed}.npz"
+    if path.is_file():
+        with np.load(path) as data:
+            return {k: data[k] for k in data.files}
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.num_samples, args.seed = samples, seed
+    data = make_dataset(args)
+    arrays = {k: np.asarray(data[k]) for k in ("x", "y", "x_test", "y_test")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+    return arrays
+
+
+def markov_language(vocab: int = 32, alpha: float = 0.2, seed: int = 7) -> tuple[Tensor, float]:
+    """A random order-1 Markov chain and its entropy rate in nats (the loss floor)."""
+    rows = np.random.default_rng(seed).dirichlet(np.full(vocab, alpha), size=vocab)
+    transition = torch.tensor(rows, dtype=torch.float64).clamp(min=1e-12)
+    transition /= transition.sum(1, keepdim=True)
+    stationary = torch.full((vocab,), 1.0 / vocab, dtype=torch.float64)
+    for _ in range(1000):
+        stationary = stationary @ transition
+    entropy = -(transition * transition.log()).sum(1)
+    return transition, float((stationary * entropy).sum())
+
+
+#: one file in ten is held out for validation, chosen by its path's hash (stable as files come
+#: and go between torch releases)
+HELD_OUT_SHARE = 10
+
+
+def held_out(path: str) -> bool:
+    return int(hashlib.sha1(path.encode()).hexdigest(), 16) % HELD_OUT_SHARE == 0
+
+
+def text_corpus(root: Path | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The bytes of every ``*.py`` file under ``root`` (default: the installed ``torch``
+    package), in sorted path order, as ``(train, validation, info)``.
+
+    Files whose path hashes to the held-out share go to validation, so no file
+    is split between the two. Each file ends with a newline. ``info`` holds the
+    SHA-256 of the corpus (paths and contents), its size and the file counts:
+    a run's summary names the exact text it trained on.
+    """
+    root = Path(root) if root is not None else Path(torch.__file__).parent
+    digest = hashlib.sha256()
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        name = path.relative_to(root).as_posix()
+        content = path.read_bytes()
+        digest.update(name.encode() + b"\0" + content + b"\0")
+        parts[held_out(name)].append(content if content.endswith(b"\n") else content + b"\n")
+    if not parts[False] or not parts[True]:
+        raise ValueError(f"no text to train and validate on: {str(root)!r} has too few .py files")
+    train, validation = (np.frombuffer(b"".join(parts[h]), dtype=np.uint8) for h in (False, True))
+    info = {
+        "corpus_sha256": digest.hexdigest(),
+        "corpus_bytes": int(train.size + validation.size),
+        "train_files": len(parts[False]),
+        "validation_files": len(parts[True]),
+    }
+    return train, validation, info
+
+
+def byte_windows(stream: np.ndarray, length: int, count: int | None = None) -> Tensor:
+    """Windows of ``length`` bytes from ``stream`` as a uint8 ``(n, length)`` tensor: every
+    ``length - 1`` bytes apart (each byte is predicted once), or ``count`` evenly spaced."""
+    last = stream.size - length
+    if last < 0:
+        raise ValueError(f"{stream.size} bytes hold no window of {length}")
+    if count is None:
+        starts = np.arange(0, last + 1, length - 1)
+    else:
+        starts = np.linspace(0, last, num=min(count, last + 1)).astype(np.int64)
+    # rows of a strided view: one copy of the windows, no index array of their size
+    return torch.from_numpy(np.lib.stride_tricks.sliding_window_view(stream, length)[starts])

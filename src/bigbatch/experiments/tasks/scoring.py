@@ -1,0 +1,94 @@
+"""How a task's model is scored: training losses and held-out evaluations, one host read each."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+class OnDevice:
+    """Evaluation tensors, copied to the model's device once (CPU: no copy)."""
+
+    def __init__(self, *tensors: Tensor) -> None:
+        self._tensors = tensors
+        self._copies: dict[torch.device, tuple[Tensor, ...]] = {}
+
+    def on(self, model: nn.Module) -> tuple[Tensor, ...]:
+        device = next(model.parameters()).device
+        if device not in self._copies:
+            self._copies[device] = tuple(t.to(device) for t in self._tensors)
+        return self._copies[device]
+
+
+def classification_eval(x: Tensor, y: Tensor, chunk: int = 4096):
+    data = OnDevice(x, y)
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        xs, ys = data.on(model)
+        was_training = model.training
+        model.eval()
+        loss = torch.zeros((), dtype=torch.float64, device=xs.device)
+        correct = torch.zeros((), dtype=torch.int64, device=xs.device)
+        with torch.no_grad():
+            for i in range(0, len(xs), chunk):
+                out = model(xs[i : i + chunk]).float()
+                loss += nn.functional.cross_entropy(out, ys[i : i + chunk], reduction="sum")
+                correct += (out.argmax(-1) == ys[i : i + chunk]).sum()
+        model.train(was_training)
+        total, right = torch.stack([loss, correct.double()]).tolist()  # one read
+        return {"eval_loss": total / len(xs), "eval_accuracy": right / len(xs)}
+
+    return evaluate
+
+
+def classification_loss(model: nn.Module, batch: Any) -> Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def next_token_loss(model: nn.Module, batch: Any) -> Tensor:
+    """Mean cross-entropy per predicted token; a batch is ``(inputs, targets)`` or one
+    tensor of windows whose targets are the inputs shifted by one (stored as bytes)."""
+    if len(batch) == 1:
+        (windows,) = batch
+        batch = windows[:, :-1].long(), windows[:, 1:].long()
+    xb, yb = batch
+    return nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
+
+
+def next_token_eval(x: Tensor, y: Tensor, chunk_tokens: int = 65_536):
+    """Held-out cross-entropy per token (nats), next-token accuracy and the largest
+    attention logit, over about ``chunk_tokens`` tokens at a time (so a long context does
+    not hold every sequence's attention at once) with one host read."""
+    data = OnDevice(x, y)
+    chunk = max(1, chunk_tokens // x.shape[1])
+
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        xs, ys = data.on(model)
+        was_training = model.training
+        model.eval()
+        loss = torch.zeros((), dtype=torch.float64, device=xs.device)
+        correct = torch.zeros((), dtype=torch.float64, device=xs.device)
+        logit = torch.full((), -math.inf, device=xs.device)
+        with torch.no_grad():
+            for i in range(0, len(xs), chunk):
+                xb, yb = xs[i : i + chunk].long(), ys[i : i + chunk].long()
+                out = model(xb).float()
+                loss += nn.functional.cross_entropy(
+                    out.flatten(0, 1), yb.flatten(), reduction="sum"
+                )
+                correct += (out.argmax(-1) == yb).sum()
+                heads = torch.stack([b.attn.max_logit for b in model.blocks])  # type: ignore
+                logit = torch.maximum(logit, heads.amax().float())
+        model.train(was_training)
+        total, right, top = torch.stack([loss, correct, logit.double()]).tolist()
+        return {
+            "eval_loss": total / ys.numel(),
+            "eval_accuracy": right / ys.numel(),
+            "max_attention_logit": top,
+        }
+
+    return evaluate
