@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -27,6 +26,7 @@ from torch.utils.data import TensorDataset
 
 import bigbatch as bb
 from bigbatch.experiments.tasks import TinyTransformer, markov_language
+from bigbatch.testing import host_syncs
 
 ARMS = ("off", "on", "on + gsnr")
 
@@ -69,20 +69,13 @@ def timed_step(model, loop, device: torch.device) -> tuple[float, int]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     began = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if cuda:
-            torch.cuda.set_sync_debug_mode(1)
-        try:
-            for x, y in step.micro_batches():
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                logits = model(x)
-                step.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
-            step.apply()
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(0)
-    syncs = sum("called a synchronizing" in str(w.message) for w in caught)
+    with host_syncs(device) as counted:
+        for x, y in step.micro_batches():
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits = model(x)
+            step.backward(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        step.apply()
+    syncs = counted.count
     if cuda:
         end.record()
         torch.cuda.synchronize()

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from bigbatch.optim import LAMB, LARS, MERIT, _blocks
+from bigbatch.testing import host_syncs
 
 # Arrays of parameter size a step must read or write at the least.
 FLOOR_ARRAYS = {
@@ -108,21 +109,13 @@ def median_step_ms(
     return statistics.median(timed(optimizer.step, device) for _ in range(repeat)) * 1e3
 
 
-def host_syncs(fn: Callable[[], object], device: str) -> int | None:
+def count_host_syncs(fn: Callable[[], object], device: str) -> int | None:
     """Host synchronisations ``fn`` makes on a GPU (sync debug mode); None on the CPU."""
     if not device.startswith("cuda"):
         return None
-    import warnings
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode(1)
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("called a synchronizing" in str(w.message) for w in caught)
+    with host_syncs(device) as syncs:
+        fn()
+    return syncs.count
 
 
 def inplace_mul_bandwidth(
@@ -266,7 +259,7 @@ def run_table(args: argparse.Namespace) -> None:
         # state creation and, for impl="compiled", compilation
         first = timed(optimizer.step, args.device)
         ms = median_step_ms(optimizer, args.warmup, args.repeat, args.device)
-        syncs = host_syncs(optimizer.step, args.device)
+        syncs = count_host_syncs(optimizer.step, args.device)
         results[label] = ms
         rows.append((family, label, anchor, ms, floor, first, syncs))
         del optimizer

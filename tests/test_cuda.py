@@ -5,7 +5,6 @@ CPU elsewhere in the suite, this file adds what only a GPU can show.
 """
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 import bigbatch as bb
 from bigbatch import cli
+from bigbatch.testing import host_syncs
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"
@@ -75,21 +75,10 @@ def test_statistics_match_the_slow_computation_on_cuda():
 
 
 def count_syncs(fn):
-    """Host synchronisations ``fn`` makes, as torch's sync debug mode reports them.
-
-    Only the warnings that name a synchronizing operation count: the first
-    switch into the mode also warns that it is a prototype ("... does not yet
-    detect all synchronizing operations"), which is no sync.
-    """
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode(1)
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("called a synchronizing" in str(w.message) for w in caught)
+    """Host synchronisations ``fn`` makes (``bigbatch.testing.host_syncs``)."""
+    with host_syncs() as syncs:
+        fn()
+    return syncs.count
 
 
 @pytest.mark.parametrize("micro_batches, gsnr", [(2, False), (8, False), (8, True)])

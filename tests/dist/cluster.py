@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import Any
 
+from bigbatch.testing import free_port, init_gloo
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -23,21 +25,8 @@ import torch.multiprocessing as mp
 TIMEOUT = 300  # seconds a program may take before the pool is declared hung
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(rank: int, world_size: int, port: int, inbox: mp.Queue, outbox: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_gloo(rank, world_size, port, timeout_s=120)
     while True:
         job = inbox.get()
         if job is None:
@@ -57,7 +46,7 @@ class Cluster:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._outbox = ctx.Queue()
         self._procs = [
