@@ -7,7 +7,8 @@ visible: these tests wrap the reading methods of ``torch.Tensor`` and count
 them during a step (the batch drawn, micro-batches loaded, forward, backward,
 statistics, optimizer step, next batch size). The contract: exactly one per
 step, with statistics (the batch decision, which carries the loss and the
-finiteness check) or without. ``tests/test_cuda.py`` checks the same on a GPU
+finiteness check) or without; two with fp16's ``GradScaler``, whose ``step``
+reads its overflow flag. ``tests/test_cuda.py`` checks the same on a GPU
 with ``torch.cuda.set_sync_debug_mode``.
 
 Reads made by the host-side data pipeline are not counted: the sampler's
@@ -55,7 +56,7 @@ def _in_data_pipeline() -> bool:
     return any("torch/utils/data" in f or f.endswith("bigbatch/batch/sampler.py") for f in files)
 
 
-def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd"):
+def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd", scaler=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
     gen = torch.Generator().manual_seed(0)
@@ -79,6 +80,7 @@ def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd"):
         min_sub_batches=micro_batches,
         statistics=statistics,
         gsnr=gsnr,
+        scaler=scaler,
     )
     return model, loop
 
@@ -114,6 +116,14 @@ def test_one_read_per_step_with_vrgd():
 def test_one_read_per_step_without_statistics(micro_batches):
     model, loop = make_loop(micro_batches, statistics=False)
     assert reads_per_step(model, loop) == [["tolist"]] * 4
+
+
+def test_a_grad_scaler_adds_its_own_read_of_the_overflow_flag():
+    """fp16's GradScaler: the engine's one read, then ``GradScaler.step`` reads whether any
+    gradient overflowed (``found_inf.item()``) to decide whether to step: two per step, as
+    the README says."""
+    model, loop = make_loop(4, scaler=torch.amp.GradScaler("cpu"))
+    assert reads_per_step(model, loop) == [["tolist", "item"]] * 4
 
 
 def test_the_counter_sees_a_read():
