@@ -8,8 +8,8 @@ them during a step (the batch drawn, micro-batches loaded, forward, backward,
 statistics, optimizer step, next batch size). The contract: exactly one per
 step, with statistics (the batch decision, which carries the loss and the
 finiteness check) or without; two with fp16's ``GradScaler``, whose ``step``
-reads its overflow flag. ``tests/test_cuda.py`` checks the same on a GPU
-with ``torch.cuda.set_sync_debug_mode``.
+reads its overflow flag. The ``cuda``-marked test at the end checks the
+same on a GPU with ``torch.cuda.set_sync_debug_mode``.
 
 Reads made by the host-side data pipeline are not counted: the sampler's
 permutation and the ``DataLoader``'s worker seed are CPU tensors wherever the
@@ -25,6 +25,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import bigbatch as bb
+
+from .common import count_syncs
+
+#: where the ``cuda``-marked test runs (skipped without a GPU)
+DEVICE = "cuda"
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")
 
@@ -130,3 +135,32 @@ def test_the_counter_sees_a_read():
     with counting_reads() as reads:
         torch.ones(2).sum().item()
     assert reads == ["item"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("micro_batches, gsnr", [(2, False), (8, False), (8, True)])
+def test_one_host_sync_per_step_on_cuda(micro_batches, gsnr):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4)).to(DEVICE)
+    data = TensorDataset(torch.randn(8192, 32), torch.randint(0, 4, (8192,)))
+    loop = bb.AdaptiveBatch(
+        model,
+        bb.optim.LAMB(model.parameters(), lr=1e-3),
+        data,
+        controller=bb.batch.CriticalBatchRamp(8.0, initial=32 * micro_batches, window=2),
+        max_micro_batch=32,
+        min_sub_batches=micro_batches,
+        gsnr=gsnr,
+        loader_options={"pin_memory": True},
+    )
+    steps = loop.steps(max_steps=6)
+
+    def one_step():
+        step = next(steps)
+        for x, y in step.micro_batches():
+            x, y = x.to(DEVICE, non_blocking=True), y.to(DEVICE, non_blocking=True)
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        step.apply()
+
+    one_step()  # the first step creates state
+    assert [count_syncs(one_step) for _ in range(4)] == [1, 1, 1, 1]

@@ -11,7 +11,7 @@ from bigbatch import cli
 from bigbatch.loop import AdaptiveBatch
 
 # the CPU: these runs are compared bitwise, and --nproc 2 uses two gloo ranks even where a
-# GPU exists (tests/test_cuda.py trains on the GPU)
+# GPU exists (tests/experiments/test_device.py trains on the GPU)
 SMALL = [
     "--quiet",
     "--set",

@@ -1,8 +1,13 @@
-"""``device = "auto"``: which device a process trains on, with and without GPUs."""
+"""``device = "auto"``: which device a process trains on, with and without GPUs; and the
+command line training on a real GPU (``cuda``-marked: skipped without one)."""
+
+import json
 
 import pytest
 import torch
 
+import bigbatch as bb
+from bigbatch import cli
 from bigbatch.experiments.device import resolve_device
 
 
@@ -42,3 +47,52 @@ def test_a_named_gpu_that_is_not_there_is_one_clear_error(gpus):
     gpus(1)
     with pytest.raises(ValueError, match=r"device = 'cuda:3' but this machine has 1 GPU"):
         resolve_device("cuda:3")
+
+
+# ---------------------------------------------------------------- on a CUDA GPU
+
+
+def run(tmp_path, name, *settings):
+    out = tmp_path / name
+    args = ["train", "--quiet", "--set", "task=digits", "--set", "max_samples=20000"]
+    for setting in settings:
+        args += ["--set", setting]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    return out, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_train_on_cuda_in_each_precision(tmp_path, precision):
+    _, summary = run(tmp_path, precision, f"precision={precision}")
+    assert summary["device"].startswith("cuda") and summary["precision"] == precision
+    assert summary["best_accuracy"] > 0.7
+
+
+@pytest.mark.cuda
+def test_auto_picks_the_gpu_and_a_killed_cuda_run_resumes(tmp_path, monkeypatch):
+    straight, summary = run(tmp_path, "straight", "checkpoint_every=5")
+    assert summary["device"].startswith("cuda")
+
+    real_step = bb.AdaptiveBatch._optimizer_step
+
+    def crash_after_12(self):
+        if self.steps_taken == 12:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    killed = tmp_path / "killed"
+    monkeypatch.setattr(bb.AdaptiveBatch, "_optimizer_step", crash_after_12)
+    args = ["train", "--quiet", "--set", "task=digits", "--set", "max_samples=20000"]
+    assert cli.main([*args, "--set", "checkpoint_every=5", "--out", str(killed)]) == 130
+    monkeypatch.setattr(bb.AdaptiveBatch, "_optimizer_step", real_step)
+    assert cli.main(["train", "--quiet", "--resume", str(killed)]) == 0
+
+    def rows(out):
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    a, b = rows(straight), rows(killed)
+    # GPU reductions may add in another order (atomics): the same path, to float tolerance
+    assert [r["batch_size"] for r in a] == [r["batch_size"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4)

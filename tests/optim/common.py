@@ -38,6 +38,13 @@ class TinyNet(nn.Module):
         return self.head(self.norm(h)).mean(1)
 
 
+def gpt_like_params(seed=0, dtype=torch.float32, device="cuda"):
+    """Tensors shaped like a small GPT's parameters (matrices, vectors, a 3-D tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64, 32), (32,), (128, 32), (32, 128), (32,), (3, 8, 5)]
+    return [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+
+
 def make_model(seed: int = 0) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet()

@@ -14,6 +14,8 @@ from torch import nn
 
 import bigbatch as bb
 
+from .common import gpt_like_params
+
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,3 +122,22 @@ def test_merit_leaves_tensors_of_more_than_two_dimensions_to_foreach():
     conv = torch.zeros(4, 3, 3, 3)
     assert not _fused.merit_supports(conv)
     assert _fused.merit_supports(torch.zeros(5, 4)) and _fused.merit_supports(torch.zeros(5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["lamb", "lars", "merit"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_low_precision_matches_foreach_on_cuda(name, dtype):
+    """Both compute in float32 and round into the parameter once per step (to nearest)."""
+    results = {}
+    for impl in ("foreach", "fused"):
+        params = [nn.Parameter(p) for p in gpt_like_params(dtype=dtype)]
+        opt = bb.optim.create_optimizer(params, name, lr=1e-3, impl=impl)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(DEVICE, dtype)
+            opt.step()
+        results[impl] = [p.detach().float().cpu() for p in params]
+    for a, b in zip(results["foreach"], results["fused"]):
+        torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-3)

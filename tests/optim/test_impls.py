@@ -5,11 +5,17 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.utils import counters
 
+import bigbatch as bb
 from bigbatch.optim import LAMB, LARS, MERIT, ImplFallbackWarning, _base
 
-from .common import batches, flat, make_model, rel_err, split_groups, train
+from ..common import count_syncs
+from .common import batches, flat, gpt_like_params, make_model, rel_err, split_groups, train
+
+#: where the ``cuda``-marked tests at the end run (skipped without a GPU)
+DEVICE = "cuda"
 
 FACTORIES = {
     "lamb": lambda params, **kw: LAMB(params, lr=0.01, **kw),
@@ -334,3 +340,59 @@ def test_numpy_scalars_are_numbers_and_infinities_are_not():
     with pytest.raises(ValueError, match=r"lr.*inf"):
         LAMB([p], lr=float("inf"))
     assert LAMB([p], max_grad_norm=float("inf")).max_grad_norm == float("inf")
+
+
+# ---------------------------------------------------------------- on a CUDA GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["lamb", "lambc", "nvlamb", "lars", "larc", "merit"])
+@pytest.mark.parametrize("impl", ["foreach", "compiled", "fused"])
+def test_optimizers_match_the_reference_on_cuda(name, impl):
+    results = {}
+    for which in ("reference", impl):
+        params = [nn.Parameter(p.clone()) for p in gpt_like_params()]
+        groups = [
+            {"params": params[:4], "weight_decay": 0.01},
+            {"params": params[4:], "weight_decay": 0.0},
+        ]
+        opt = bb.optim.create_optimizer(groups, name, lr=1e-2, impl=which)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(50):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            opt.step()
+        results[which] = [p.detach().cpu() for p in params]
+    for a, b in zip(results["reference"], results[impl]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["reference", "foreach", "compiled", "fused"])
+@pytest.mark.parametrize("name", ["lamb", "lars", "merit"])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_no_host_sync_inside_optimizer_step_on_cuda(name, impl, tensor_lr):
+    params = [nn.Parameter(p) for p in gpt_like_params()]
+    lr = torch.tensor(1e-2, device=DEVICE) if tensor_lr else 1e-2
+    opt = bb.optim.create_optimizer(params, name, lr=lr, impl=impl)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # the first step creates the state (and compiles)
+    assert count_syncs(opt.step) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["lamb", "lars", "merit"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_low_precision_parameters_keep_float32_state_on_cuda(name, dtype, impl):
+    params = [nn.Parameter(p) for p in gpt_like_params(dtype=dtype)]
+    opt = bb.optim.create_optimizer(params, name, lr=1e-3, impl=impl)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in params:
+        assert p.dtype == dtype
+        for value in opt.state[p].values():
+            if value.is_floating_point() and value.dim() > 0:
+                assert value.dtype == torch.float32

@@ -4,42 +4,13 @@ import pytest
 import torch
 from torch import nn
 
+import bigbatch as bb
 from bigbatch.stats import MicroBatchStatistics, noise_components
 
+from .common import collect, make_problem, micro_batches, slow_gradients
 
-def make_problem(seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    x, y = torch.randn(23, 6), torch.randint(0, 3, (23,))
-    return model, x, y
-
-
-def micro_batches(x, y, sizes):
-    start = 0
-    for b in sizes:
-        yield x[start : start + b], y[start : start + b]
-        start += b
-
-
-def slow_gradients(model, x, y, sizes):
-    """Each micro-batch's mean gradient, flattened, by a separate backward."""
-    grads = []
-    for xb, yb in micro_batches(x, y, sizes):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
-    model.zero_grad()
-    return grads
-
-
-def collect(model, x, y, sizes, stats, loss_scale=1.0):
-    stats.begin(sizes)
-    total = sum(sizes)
-    for i, (xb, yb) in enumerate(micro_batches(x, y, sizes)):
-        stats.before_backward(i)
-        loss = nn.functional.cross_entropy(model(xb), yb) * len(xb) / total
-        (loss * loss_scale).backward()
-    return stats.finish(loss_scale=torch.tensor(loss_scale))
+#: where the ``cuda``-marked test runs (skipped without a GPU)
+DEVICE = "cuda"
 
 
 @pytest.mark.parametrize("sizes", [[6, 6, 6, 5], [5, 5, 4, 5, 4]])
@@ -90,20 +61,6 @@ def test_loss_scale_is_divided_out():
     )
     for name in ("similarity", "grad_sq_norm", "trace", "noise_scale"):
         assert getattr(scaled, name).item() == pytest.approx(getattr(plain, name).item(), rel=1e-4)
-
-
-def test_gsnr_is_mean_squared_over_variance_of_micro_batch_gradients():
-    sizes = [6, 6, 6, 5]
-    model, x, y = make_problem()
-    per_batch = torch.stack(slow_gradients(model, x, y, sizes))
-    weights = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
-    mean = (weights[:, None] * per_batch).sum(0)
-    variance = (weights[:, None] * (per_batch - mean) ** 2).sum(0)
-    got = collect(model, x, y, sizes, MicroBatchStatistics([list(model.parameters())], gsnr=True))
-    flat = torch.cat([r.flatten() for r in got.gsnr]).double()
-    expected = mean.square() / (variance + 1e-30)
-    finite = variance > 1e-12
-    torch.testing.assert_close(flat[finite], expected[finite], rtol=2e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("gsnr", [False, True])
@@ -184,3 +141,32 @@ def test_equal_loss_weights_as_framework_loops_use():
     with pytest.raises(ValueError, match="loss_weights must be 4 positive numbers"):
         stats.begin(sizes, loss_weights=[1, 1])
     stats.close()
+
+
+@pytest.mark.cuda
+def test_statistics_match_the_slow_computation_on_cuda():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(DEVICE)
+    x, y = torch.randn(24, 6, device=DEVICE), torch.randint(0, 3, (24,), device=DEVICE)
+    sizes = [6, 6, 6, 6]
+    grads = []
+    for i in range(4):
+        model.zero_grad()
+        part = slice(6 * i, 6 * i + 6)
+        nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
+    model.zero_grad()
+    expected = bb.stats.noise_components(
+        torch.stack([g.square().sum() for g in grads]),
+        sizes,
+        torch.stack(grads).mean(0).square().sum(),
+    )
+    stats = bb.stats.MicroBatchStatistics([list(model.parameters())])
+    stats.begin(sizes)
+    for i in range(4):
+        stats.before_backward(i)
+        part = slice(6 * i, 6 * i + 6)
+        (nn.functional.cross_entropy(model(x[part]), y[part]) / 4).backward()
+    got = stats.finish()
+    torch.testing.assert_close(got.grad_sq_norm.double(), expected[0], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got.trace.double(), expected[1], rtol=1e-4, atol=1e-7)

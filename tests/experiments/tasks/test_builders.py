@@ -1,0 +1,69 @@
+"""Each task's build: its training samples, its held-out files, its context."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigbatch.experiments import tasks
+from bigbatch.experiments.build import build
+from bigbatch.experiments.config import ConfigError, resolve
+
+from .common import text_config
+
+
+@pytest.mark.parametrize("name", ["digits", "teacher"])
+def test_train_samples_keeps_the_first_samples_and_scores_the_gap_on_them(name):
+    config = resolve({"task": name, "train_samples": 300})
+    config = {**config, "model.width": 8, "model.depth": 1}
+    problem = tasks.TASKS[name].build(config)
+    full = tasks.TASKS[name].build({**config, "train_samples": 0})
+    assert len(problem.train) == 300
+    assert all(torch.equal(a, b) for a, b in zip(problem.train[:300], full.train[:300]))
+    assert all(torch.equal(a, b) for a, b in zip(problem.test, full.test))  # the same test set
+    if problem.evaluate_train is not None:  # train accuracy over exactly the kept samples
+        model = problem.model
+        x, y = problem.train.tensors
+        expected = (model(x).argmax(1) == y).float().mean().item()
+        assert problem.evaluate_train(model)["eval_accuracy"] == pytest.approx(expected)
+
+
+def test_more_train_samples_than_the_task_has_is_one_error():
+    config = resolve({"task": "digits", "train_samples": 5000})
+    with pytest.raises(ConfigError, match=r"train_samples = 5000 is more than the task's 1,437"):
+        build(config)
+
+
+def test_text_build_is_deterministic_and_holds_out_a_tenth_of_the_files():
+    config = text_config()
+    first, second = tasks.TASKS["text"].build(config), tasks.TASKS["text"].build(config)
+    assert torch.equal(first.train.tensors[0], second.train.tensors[0])
+    assert all(torch.equal(a, b) for a, b in zip(first.test, second.test))
+    assert first.info == second.info
+    digest = first.info["corpus_sha256"]
+    assert isinstance(digest, str) and len(digest) == 64
+    shares = first.info["validation_files"] / (
+        first.info["train_files"] + first.info["validation_files"]
+    )
+    assert 0.07 < shares < 0.13
+    root = Path(torch.__file__).parent
+    names = [p.relative_to(root).as_posix() for p in root.rglob("*.py")]
+    held = {n for n in names if tasks.data.held_out(n)}
+    assert first.info["validation_files"] == len(held)
+    assert first.info["train_files"] == len(set(names) - held)  # no file on both sides
+
+
+def test_lm_honours_model_context_too():
+    from bigbatch.experiments.build import with_task_defaults
+
+    config = with_task_defaults(resolve({"task": "lm", "model.context": 8, "model.width": 16}))
+    problem = tasks.TASKS["lm"].build(config)
+    assert problem.train[0][0].shape == (8,) and problem.test[0].shape == (1000, 8)
+
+
+def test_a_context_on_a_task_without_sequences_is_one_error():
+    from bigbatch.experiments.build import with_task_defaults
+
+    config = resolve({"task": "mnist1d", "model.context": 16})
+    with pytest.raises(ConfigError, match=r"model.context = 16 .* mnist1d task has no sequences"):
+        with_task_defaults(config)

@@ -1,0 +1,60 @@
+"""The tasks' data: MNIST-1D (cached), the Markov language, the text corpus and its windows."""
+
+import numpy as np
+import pytest
+import torch
+
+from bigbatch.experiments import tasks
+
+
+def test_mnist1d_is_generated_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path))
+    # 2,000 samples: the task's 50,000 take half a minute to generate on two cores
+    first = tasks.mnist1d_arrays(samples=2_000)
+    assert first["x"].shape == (1_600, 40) and first["x_test"].shape == (400, 40)
+    assert sorted(np.unique(first["y"])) == list(range(10))
+    assert len(list(tmp_path.glob("mnist1d-*.npz"))) == 1
+    again = tasks.mnist1d_arrays(samples=2_000)
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def test_markov_language_entropy_is_the_loss_floor():
+    transition, floor = tasks.markov_language(vocab=4, alpha=1.0, seed=0)
+    rows = transition.sum(1)
+    assert np.allclose(rows.numpy(), 1.0)
+    assert 0 < floor < np.log(4)
+
+
+def _source_tree(root, files):
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_text_corpus_is_deterministic_and_holds_whole_files_out(tmp_path):
+    files = {f"pkg/mod{i:03d}.py": f"x = {i}\n" * (i % 7 + 1) for i in range(60)}
+    _source_tree(tmp_path, files)
+    train, validation, info = tasks.text_corpus(tmp_path)
+    again = tasks.text_corpus(tmp_path)
+    assert np.array_equal(train, again[0]) and np.array_equal(validation, again[1])
+    assert info == again[2]
+    held = sorted(n for n in files if tasks.data.held_out(n))
+    assert info["validation_files"] == len(held) and 0 < len(held) < 15  # about a tenth
+    assert info["train_files"] + info["validation_files"] == 60
+    # whole files, in sorted order, on the side their path hashes to
+    assert validation.tobytes() == "".join(files[n] for n in held).encode()
+    assert info["corpus_bytes"] == train.size + validation.size
+    (tmp_path / "pkg/mod000.py").write_text("changed\n")
+    assert tasks.text_corpus(tmp_path)[2]["corpus_sha256"] != info["corpus_sha256"]
+
+
+def test_byte_windows_predict_every_byte_once_or_spread_evenly():
+    stream = np.arange(20, dtype=np.uint8)
+    every = tasks.byte_windows(stream, 5)
+    assert every.dtype == torch.uint8 and every.shape == (4, 5)
+    assert every[1].tolist() == [4, 5, 6, 7, 8]  # windows overlap by the one byte they predict
+    spread = tasks.byte_windows(stream, 5, count=3)
+    assert [w[0].item() for w in spread] == [0, 7, 15]
+    with pytest.raises(ValueError, match="hold no window"):
+        tasks.byte_windows(stream[:3], 5)

@@ -1,0 +1,77 @@
+"""The half-split terms ``(|g_A|², |g_B|², <g_A, g_B>)`` per group: measured from the
+micro-batches of one process, and expected from the noise scalars."""
+
+import pytest
+import torch
+
+from bigbatch._tensors import norms
+from bigbatch.stats.halves import FromNoiseScalars, SplitMicroBatches
+from bigbatch.stats.layout import ParamLayout
+
+from .common import backward_micro_batches, sub_batches
+
+SIZES = [3, 5, 2, 6, 4]  # half A: the first two micro-batches (8 samples), half B: 12
+
+
+def per_group(values):
+    """Per-parameter values summed per group: the first two parameters, then the third."""
+    return torch.stack([values[0] + values[1], values[2]])
+
+
+def test_split_micro_batches_measures_each_half_per_group():
+    params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(5, requires_grad=True)]
+    params.append(torch.zeros(2, requires_grad=True))
+    layout = ParamLayout([params[:2], params[2:]])
+    batches = sub_batches(SIZES)
+    halves = SplitMicroBatches(layout)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):  # the second step reuses the first one's buffer
+        for p in params:
+            p.grad = None
+        increments = [[torch.randn(p.shape, generator=gen) for p in params] for _ in SIZES]
+        halves.begin(batches)
+        backward_micro_batches(
+            params, increments, batches, before=lambda i: halves.before_backward(i, batches)
+        )
+        grads = layout.grads()
+        sq_full = layout.per_group(norms(grads), square=True)
+        got = halves.read(grads, sq_full, None, None, batches)
+        a = [sum(step[j] for step in increments[:2]).double() for j in range(3)]
+        b = [sum(step[j] for step in increments[2:]).double() for j in range(3)]
+        expected = (
+            per_group([x.square().sum() for x in a]),
+            per_group([x.square().sum() for x in b]),
+            per_group([(x * y).sum() for x, y in zip(a, b)]),
+        )
+        for value, want in zip(got, expected):
+            torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6)
+    assert halves.memory() == 4 * sum(p.numel() for p in params)  # one copy of the gradient
+
+
+def test_split_micro_batches_needs_two_and_the_half_way_announcement():
+    halves = SplitMicroBatches(ParamLayout([[torch.zeros(3, requires_grad=True)]]))
+    with pytest.raises(ValueError, match="at least 2 micro-batches"):
+        halves.begin(sub_batches([8]))
+    batches = sub_batches([4, 4])
+    halves.begin(batches)
+    halves.before_backward(0, batches)  # micro-batch 1 (half B) never announced
+    grads = [torch.ones(3)]
+    with pytest.raises(RuntimeError, match="never announced"):
+        halves.read(grads, torch.tensor([3.0]), None, None, batches)
+
+
+@pytest.mark.parametrize("dataset_size", [None, 100])
+def test_from_noise_scalars_gives_the_expected_terms_of_the_first_micro_batches(dataset_size):
+    signal = torch.tensor([2.0, 0.5], dtype=torch.float64)
+    trace = torch.tensor([30.0, 4.0], dtype=torch.float64)
+    got = FromNoiseScalars(dataset_size).read([], None, signal, trace, sub_batches(SIZES))
+    if dataset_size is None:  # E|g_X|² = |G|² + trΣ / B_X, E<g_A, g_B> = |G|²
+        expected = (signal + trace / 8, signal + trace / 12, signal)
+    else:  # without replacement from 100: trΣ (N - B_X) / (B_X (N - 1)), cross -trΣ / (N - 1)
+        expected = (
+            signal + trace * 92 / (8 * 99),
+            signal + trace * 88 / (12 * 99),
+            signal - trace / 99,
+        )
+    for value, want in zip(got, expected):
+        torch.testing.assert_close(value, want)

@@ -1,0 +1,105 @@
+"""``(|G|², tr Σ)`` per group from the step's sub-batch norms, and their moving averages."""
+
+import pytest
+import torch
+
+from bigbatch.dist.world import World
+from bigbatch.stats.estimators import noise_from_mean
+from bigbatch.stats.layout import ParamLayout
+from bigbatch.stats.noise import NoiseAverages, PerRankNoise, ReducedNoise
+
+from .common import backward_micro_batches, sub_batches
+
+
+def f64(values):
+    """A float64 tensor: a scalar, or one value per group."""
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "dataset_size, signal, trace",
+    [
+        # b = 4, B = 12: h = 1/4, φ(B) = 1/12; trΣ = (L - T) / (1/6), |G|² = (h T - φ L) / (1/6)
+        (None, f64([0.3, 0.4]), f64([10.8, 2.4])),
+        # from 24 samples without replacement: h = 5/23, φ(B) = 1/23
+        (24, f64([0.75, 0.5]), f64([10.35, 2.3])),
+    ],
+)
+def test_reduced_noise_on_one_process_is_the_closed_form(dataset_size, signal, trace):
+    batches = sub_batches([4, 4, 4])
+    noise = ReducedNoise(World(), dataset_size)
+    loss = torch.tensor(0.7, dtype=torch.float64)
+    # L = mean_i |g_i|² = (3, 1) per group; T = |g|² = (1.2, 0.6), under a loss scale of 2
+    got = noise.reduce(f64([9.0, 3.0]), f64([1.2, 0.6]) * 4, loss, 4.0, batches)
+    torch.testing.assert_close(got[0], signal)
+    torch.testing.assert_close(got[1], trace)
+    assert got[2] is loss and noise.traffic() == 0
+
+
+def test_per_rank_noise_takes_the_local_total_at_the_last_micro_batch():
+    params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(5, requires_grad=True)]
+    layout = ParamLayout([params[:1], params[1:]])
+    batches = sub_batches([2, 3, 5])
+    noise = PerRankNoise(layout, lambda: batches, World(), None)
+    scale = 8.0  # a loss scale: on the increments, divided out by reduce
+    gen = torch.Generator().manual_seed(0)
+    means = [[torch.randn(p.shape, generator=gen) for p in params] for _ in batches.sizes]
+    weights = batches.loss_weights
+    increments = [[scale * w * g for g in step] for w, step in zip(weights, means)]
+    noise.begin(batches)
+    backward_micro_batches(params, increments, batches)
+    sub_sq = torch.stack([sum(step[j].double().square().sum() for step in means) for j in (0, 1)])
+    full = [sum(w * step[j].double() for w, step in zip(weights, means)) for j in (0, 1)]
+    loss = torch.tensor(0.5, dtype=torch.float64)
+    lossy = f64([1e9, 1e9])  # |g|² of the lossy reduction: not trusted, not used
+    signal, trace, got_loss = noise.reduce(sub_sq, lossy, loss, scale**2, batches)
+    expected = noise_from_mean(sub_sq / 3, [2, 3, 5], torch.stack([g.square().sum() for g in full]))
+    torch.testing.assert_close(signal, expected[0], rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(trace, expected[1], rtol=1e-5, atol=1e-8)
+    assert got_loss.item() == 0.5
+
+
+def test_per_rank_noise_needs_two_micro_batches_on_every_rank():
+    layout = ParamLayout([[torch.zeros(3, requires_grad=True)]])
+    noise = PerRankNoise(layout, lambda: None, World(), None)
+    with pytest.raises(ValueError, match="every rank needs 2\\+ micro-batches"):
+        noise.begin(sub_batches([8]))
+
+
+def test_averages_are_bias_corrected():
+    beta = 0.9
+    averages = NoiseAverages(beta, torch.device("cpu"))
+    # a constant is its own corrected average from the first step on
+    for _ in range(3):
+        signal, trace = averages.update(f64(2.0), f64(5.0))
+        assert signal.item() == pytest.approx(2.0) and trace.item() == pytest.approx(5.0)
+    fresh = NoiseAverages(beta, torch.device("cpu"))
+    fresh.update(f64(1.0), f64(4.0))
+    signal, trace = fresh.update(f64(3.0), f64(0.0))
+    # ((1 - β) β x1 + (1 - β) x2) / (1 - β²) = (β x1 + x2) / (1 + β)
+    assert signal.item() == pytest.approx((beta * 1 + 3) / (1 + beta))
+    assert trace.item() == pytest.approx(beta * 4 / (1 + beta))
+
+
+def test_averages_skip_a_non_finite_step_and_round_trip_their_state():
+    averages = NoiseAverages(0.5, torch.device("cpu"))
+    averages.update(f64(2.0), f64(6.0))
+    signal, trace = averages.update(f64(float("nan")), f64(float("inf")))
+    assert torch.isfinite(signal) and torch.isfinite(trace)
+    other = NoiseAverages(0.5, torch.device("cpu"))
+    other.load_state_dict(averages.state_dict())
+    for a, b in zip(averages.update(f64(1.0), f64(1.0)), other.update(f64(1.0), f64(1.0))):
+        assert a.item() == b.item()
+
+
+@pytest.mark.parametrize("beta", [-0.1, 1.0, 1.5])
+def test_ema_beta_must_be_in_zero_one(beta):
+    with pytest.raises(ValueError, match=r"ema_beta must be in \[0, 1\)"):
+        NoiseAverages(beta, torch.device("cpu"))
+
+
+def test_ema_beta_zero_is_the_last_step():
+    averages = NoiseAverages(0.0, torch.device("cpu"))
+    averages.update(f64(1.0), f64(1.0))
+    signal, trace = averages.update(f64(3.0), f64(7.0))
+    assert (signal.item(), trace.item()) == (3.0, 7.0)

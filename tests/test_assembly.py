@@ -1,0 +1,72 @@
+"""How a run's parts fit together on one process: the controller, the statistics, the checks."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import bigbatch as bb
+from bigbatch.assembly import assemble, describe_collector, resolve_controller
+from bigbatch.dist.world import World
+from bigbatch.options import StepOptions
+
+
+def make_optimizer():
+    return torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1)
+
+
+def test_the_default_controller_warms_up_from_the_first_batch():
+    parts = assemble(make_optimizer(), sub_batches=2)
+    assert isinstance(parts.controller, bb.batch.BatchWarmup) and parts.controller.initial == 64
+    assert parts.world == World() and parts.options == StepOptions()
+    started = assemble(make_optimizer(), sub_batches=2, first_batch=128)
+    assert started.controller.initial == 128
+
+
+def test_a_controller_must_start_at_the_samplers_first_batch():
+    controller = bb.batch.BatchWarmup(initial=32)
+    assert resolve_controller(controller, None) is controller
+    assert resolve_controller(controller, 32) is controller
+    with pytest.raises(ValueError, match="starts at batch 32 but the sampler at 64"):
+        resolve_controller(controller, 64)
+
+
+def test_statistics_on_one_process_need_two_sub_batches():
+    with pytest.raises(ValueError, match=r"min_sub_batches .* must be at least 2"):
+        assemble(make_optimizer(), sub_batches=1)
+    parts = assemble(make_optimizer(), options=StepOptions(statistics=False), sub_batches=1)
+    assert parts.collector is None and describe_collector(parts.collector) is None
+
+
+def test_the_controllers_smallest_batch_must_hold_every_sub_batch():
+    with pytest.raises(ValueError, match=r"smallest batch \(8\) is below min_sub_batches"):
+        assemble(make_optimizer(), bb.batch.Constant(8), sub_batches=16)
+    assemble(make_optimizer(), bb.batch.Constant(16), sub_batches=16)
+
+
+def test_a_vrgd_optimizer_turns_the_gsnr_on():
+    plain = assemble(make_optimizer(), sub_batches=8)
+    assert not plain.collector.gsnr and "gsnr" not in plain.collector.provides()
+    parts = assemble(bb.optim.VRGD(make_optimizer()), sub_batches=8)
+    assert parts.collector.gsnr and "gsnr" in parts.collector.provides()
+
+
+def test_describe_collector_lists_its_settings():
+    options = StepOptions(ema_beta=0.9, similarity="scalar")
+    parts = assemble(make_optimizer(), options=options, sub_batches=4, dataset_size=1000)
+    assert describe_collector(parts.collector) == {
+        "similarity": "scalar",
+        "gsnr": False,
+        "ema_beta": 0.9,
+        "dataset_size": 1000,
+        "lossy_reduction": False,
+    }
+    uncorrected = StepOptions(finite_correction=False)
+    parts = assemble(make_optimizer(), options=uncorrected, sub_batches=4, dataset_size=1000)
+    assert describe_collector(parts.collector)["dataset_size"] is None
+
+
+def test_a_comm_hook_needs_ranks():
+    hook = (None, default_hooks.allreduce_hook)
+    with pytest.raises(ValueError, match="comm_hook needs a DistributedDataParallel model"):
+        assemble(make_optimizer(), model=nn.Linear(4, 3), sub_batches=2, comm_hook=hook)
