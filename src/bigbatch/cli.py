@@ -11,15 +11,16 @@
     bigbatch report runs/mine
     bigbatch tasks
 
-User errors print one line on stderr and exit with code 2; a run stopped by a
-non-finite gradient (``nonfinite = "raise"``) exits with code 3.
+Every failure is one line on stderr with an exit code: 2 a config or
+environment error, 3 training stopped on non-finite steps, 4 a training
+process or collective failed, 128 + N stopped by signal N after a checkpoint
+(docs/cli.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from .experiments.config import (
     parse_assignment,
     resolve,
 )
+from .experiments.launch import COLLECTIVE_FAILED, WorkerFailedError, report_to_launcher
+from .experiments.signals import Stopped
 
 #: what ``pip install bigbatch[cli]`` adds to the core (torch, numpy): the commands' needs
 CLI_EXTRA = ("matplotlib", "mnist1d", "tqdm", "tomli")
@@ -43,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Adaptive batching and large-batch optimizers for PyTorch.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    _train_arguments(_config_command(commands, "train", "train one run and write its directory"))
+    _train_arguments(
+        _config_command(commands, "train", "train one run and write its directory", TRAIN_NOTES)
+    )
     _compare_arguments(
         _config_command(
             commands,
@@ -66,11 +71,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
+TRAIN_NOTES = """\
+Train one run into its directory, locked for the run (a second writer exits 2).
+SIGTERM or Ctrl-C finishes the current optimizer step, writes a checkpoint and
+exits 143 or 130 (a second signal exits at once); --resume DIR continues it.
+Exit codes: 0 done; 2 config or environment (one line); 3 training stopped
+(non-finite steps); 4 a training process or collective failed (dist.timeout);
+130/143 stopped by a signal after a checkpoint. Details: docs/cli.md."""
+
+
+def _config_command(
+    commands: Any, name: str, summary: str, notes: str | None = None
+) -> argparse.ArgumentParser:
     """A subcommand taking a config: --config, --set, --quiet; its --help lists every key."""
     p = commands.add_parser(
         name,
         help=summary,
+        description=notes or summary,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=help_text(),
     )
@@ -101,7 +118,7 @@ def _train_arguments(train: argparse.ArgumentParser) -> None:
         metavar="N",
         type=int,
         default=1,
-        help="train data-parallel in N local processes (torch.distributed.run, DDP); "
+        help="train data-parallel in N local processes (torch's elastic agent, DDP); "
         "a run may resume with another N",
     )
 
@@ -183,8 +200,8 @@ def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .dist.world import init_from_env
-    from .experiments.rundir import check_new_run_dir, new_run_dir, read_config
+    from .experiments.launch import launch
+    from .experiments.rundir import new_run_dir, read_config
     from .experiments.runner import train
 
     if args.nproc < 1:
@@ -201,73 +218,32 @@ def _train(args: argparse.Namespace) -> int:
     else:
         config = _config(args)
         out = Path(args.out) if args.out else None
-    launching = args.nproc > 1 and "LOCAL_RANK" not in os.environ
-    # the device decides the backend (NCCL for GPUs, one per rank; gloo for the CPU)
-    world = None if launching else init_from_env(_device(config))
-    if launching:
-        if not args.resume:
-            out = out or new_run_dir(task=config["task"])
-            check_new_run_dir(out)
-        return _launch(args, out)
-    assert world is not None
-    # rank 0 chooses and checks the directory; every rank learns the outcome
-    problem = None
-    if world.rank == 0 and not args.resume:
-        try:
-            out = out or new_run_dir(task=config["task"])
-            check_new_run_dir(out)
-        except ConfigError as err:
-            problem = str(err)
-    out, problem = world.broadcast_object((str(out), problem))
-    if problem:
-        raise ConfigError(problem)
-    summary = train(config, Path(out), resume=bool(args.resume), quiet=args.quiet)
-    if world.rank == 0:
-        _print_summary(Path(out), summary)
-    if world.distributed:  # after success only: a failed rank is stopped by the launcher
-        import torch.distributed as dist
-
-        dist.barrier()  # gloo aborts a rank that tears down while a peer still talks
-        dist.destroy_process_group()
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        out = out or new_run_dir(task=config["task"])
+        return launch(args.nproc, out, _rank_arguments(args, out), resume=bool(args.resume))
+    summary = train(config, out, resume=bool(args.resume), quiet=args.quiet)
+    if os.environ.get("RANK", "0") == "0":
+        _print_summary(Path(summary["run_dir"]), summary)
     return 0
 
 
-def _device(config: dict[str, Any]):
-    from .experiments.device import resolve_device
-
-    try:
-        return resolve_device(config["device"])
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _launch(args: argparse.Namespace, out: Path) -> int:
-    """Run this ``train`` in ``args.nproc`` local processes with torch's own launcher."""
+def _rank_arguments(args: argparse.Namespace, out: Path) -> list[str]:
+    """The ``train`` command each of ``--nproc`` ranks runs."""
     command = ["train", "--resume", str(out)] if args.resume else ["train", "--out", str(out)]
     if not args.resume:
         command += ["--config", args.config] if args.config else []
         command += ["--task", args.task] if args.task else []
         for assignment in args.set:
             command += ["--set", assignment]
-    command += ["--quiet"] if args.quiet else []
-    env = dict(os.environ)
-    # one share of the cores per process (and no launcher warning about it)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launcher += [f"--nproc-per-node={args.nproc}", "-m", "bigbatch.cli", *command]
-    code = subprocess.call(launcher, env=env)
-    if code != 0:
-        raise ConfigError(
-            f"the {args.nproc} training processes failed (exit code {code}); see their output above"
-        )
-    return 0
+    return command + (["--quiet"] if args.quiet else [])
 
 
 def _print_summary(out: Path, summary: dict[str, Any]) -> None:
     print(
         f"{out}: best accuracy {summary['best_accuracy']:.4f}, "
         f"final {summary['final_accuracy']:.4f}, "
-        f"{summary['steps']} steps, {summary['samples']} samples, average batch "
+        f"{summary['steps']} steps ({summary['skipped_steps']} skipped), "
+        f"{summary['samples']} samples, average batch "
         f"{summary['avg_batch_size']:.0f}, {summary['wall_seconds']:.0f} s; "
         f"{summary['target_note']}; report: {out / 'report.md'}"
     )
@@ -346,49 +322,99 @@ def _tasks() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    """The command; its exit code (docs/cli.md: 0 done, 2 config or environment, 3 training
+    stopped, 4 a training process or collective failed, 128 + N stopped by signal N)."""
+    args = _parser().parse_args(argv)
     try:
-        if args.command == "train":
-            return _train(args)
-        elif args.command == "compare":
-            _compare(args)
-        elif args.command == "critical-batch":
-            _critical_batch(args)
-        elif args.command == "report":
-            from .experiments.report import render
-
-            try:
-                print(render(Path(args.dir)))
-            except FileNotFoundError as err:
-                raise ConfigError(str(err)) from None
-        else:
-            _tasks()
-    except ModuleNotFoundError as err:
-        if (err.name or "").partition(".")[0] not in CLI_EXTRA:
+        return _run(args)
+    except BaseException as err:
+        code = _reported(err)
+        if code is None:  # not an ordinary failure: a bug, whose traceback helps
             raise
-        print(
-            f"bigbatch: error: the command line needs the cli extra ({err.name} is not "
-            "installed): pip install 'bigbatch[cli]'",
-            file=sys.stderr,
-        )
-        return 2
-    except ConfigError as err:
-        rank = os.environ.get("RANK", "0")
-        where = "" if rank == "0" else f" (rank {rank})"  # a failure of one rank only is seen
-        print(f"bigbatch: error{where}: {err}", file=sys.stderr)
-        return 2
-    except FloatingPointError as err:  # bigbatch.NonFiniteError with nonfinite = "raise"
-        print(f"bigbatch: training stopped: {err}", file=sys.stderr)
-        return 3
-    except KeyboardInterrupt:
-        print("bigbatch: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `bigbatch tasks | head`: the reader left; nothing to report
+        return code
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        return _train(args)
+    if args.command == "compare":
+        _compare(args)
+    elif args.command == "critical-batch":
+        _critical_batch(args)
+    elif args.command == "report":
+        from .experiments.report import render
+
+        try:
+            print(render(Path(args.dir)))
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from None
+    else:
+        _tasks()
+    return 0
+
+
+def _reported(err: BaseException) -> int | None:
+    """Report an ordinary failure in one line on stderr and return its exit code; None for
+    anything else."""
+    if isinstance(err, BrokenPipeError):  # `bigbatch tasks | head`: the reader left
         # point stdout at devnull so the interpreter's final flush cannot fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    return 0
+    if isinstance(err, ModuleNotFoundError):
+        if (err.name or "").partition(".")[0] not in CLI_EXTRA:
+            return None
+        _error(
+            f"the command line needs the cli extra ({err.name} is not installed): "
+            "pip install 'bigbatch[cli]'"
+        )
+        return 2
+    if isinstance(err, ConfigError):
+        _error(err)
+        return 2
+    if isinstance(err, OSError):  # a file the command reads or writes: its path and cause
+        _error(f"{err.filename or 'a file'}: {err.strerror or err}")
+        return 2
+    if isinstance(err, Stopped):  # a signal, after a checkpoint
+        if os.environ.get("RANK", "0") == "0":
+            print(f"bigbatch: {err}", file=sys.stderr)
+        return err.code
+    if isinstance(err, WorkerFailedError):  # the ranks' lines, gathered into one
+        print(err if str(err).startswith("bigbatch: ") else f"bigbatch: error: {err}",
+              file=sys.stderr)  # fmt: skip
+        return err.code
+    if isinstance(err, FloatingPointError):  # non-finite under "raise", or too many skipped
+        _error(err, "training stopped")
+        return 3
+    if isinstance(err, KeyboardInterrupt):
+        print("bigbatch: interrupted", file=sys.stderr)
+        return 130
+    if _collective_failure(err):
+        _error(f"a collective failed or timed out: {_first_line(err)}")
+        return COLLECTIVE_FAILED
+    return None
+
+
+def _error(message: object, prefix: str = "error") -> None:
+    """One line on stderr, or, in a rank of ``bigbatch train --nproc N``, to its launcher
+    (which prints one line for all ranks)."""
+    if report_to_launcher(f"bigbatch: {prefix}: {message}"):
+        return
+    rank = os.environ.get("RANK", "0")
+    where = "" if rank == "0" else f" (rank {rank})"  # a failure of one rank only is seen
+    print(f"bigbatch: {prefix}{where}: {message}", file=sys.stderr)
+
+
+def _collective_failure(err: BaseException) -> bool:
+    """A process-group error: a peer died, or stopped answering for dist.timeout."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and "gloo" in str(err).lower()
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 if __name__ == "__main__":  # pragma: no cover

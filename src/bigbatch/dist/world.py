@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,11 @@ class World:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def barrier(self) -> None:
+        """Wait for every rank (nothing on one process)."""
+        if self.distributed:
+            dist.barrier(group=self.group)
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank."""
         if not self.distributed:
@@ -85,12 +91,14 @@ def _sharding(model: nn.Module) -> str | None:
     return None
 
 
-def init_from_env(device: torch.device | None = None) -> World:
+def init_from_env(device: torch.device | None = None, timeout: float | None = None) -> World:
     """Join the process group that ``torchrun`` describes in the environment, if any.
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) this initialises the default process
     group, NCCL for CUDA devices and gloo otherwise, and returns its world; a
-    plain ``python`` run returns one process.
+    plain ``python`` run returns one process. ``timeout`` (seconds) bounds every
+    collective: a rank that stops answering ends the others' waits with an error
+    then, instead of torch's default (30 minutes for gloo).
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
@@ -99,5 +107,6 @@ def init_from_env(device: torch.device | None = None) -> World:
         cuda = device is not None and device.type == "cuda"
         if cuda:  # NCCL's object collectives use the current device: one GPU per rank
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=limit)
     return World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)

@@ -90,11 +90,33 @@ def build(
     except ValueError as err:  # a setting the task cannot meet (train_samples)
         raise ConfigError(str(err)) from None
     problem.model.to(device)
+    config = fit_batches_to_data(config, problem)
     try:
         precision = Precision(config["precision"], device)
         return problem, _loop(config, problem, world, precision), precision
     except ValueError as err:  # settings the loop or an optimizer refuses
         raise ConfigError(str(err)) from None
+
+
+def fit_batches_to_data(config: dict[str, Any], problem: Problem) -> dict[str, Any]:
+    """The config with ``batch.max`` lowered to the training set's size where it is larger
+    (noted in ``problem.info``); a first or smallest batch larger than the training set
+    is a :class:`ConfigError`. A batch larger than the data would repeat samples within
+    a step, and the noise estimates' finite-population correction assumes it does not."""
+    try:
+        size = len(problem.train)  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset: no size to fit to
+        return config
+    for key in ("batch.initial", "batch.min"):
+        if config[key] > size:
+            raise ConfigError(
+                f"{key} = {config[key]} is larger than the training set ({size:,} samples"
+                f"{', train_samples' if config.get('train_samples') else ''})"
+            )
+    if config["batch.max"] <= size:
+        return config
+    problem.info["batch_max_lowered_from"] = config["batch.max"]  # in the summary and report
+    return {**config, "batch.max": size}
 
 
 def train_step(step: Any, problem: Problem, loop: AdaptiveBatch, precision: Precision) -> None:

@@ -213,6 +213,15 @@ def _run_keys() -> list[Key]:
             "a step with a NaN/Inf gradient or loss: skip its update (counted) or stop the run",
             NONFINITE_POLICIES,
         ),
+        Key(
+            "skip_limit",
+            0.25,
+            "the largest share of optimizer steps a run may skip for a non-finite gradient "
+            "or loss; past it (after 20 steps) the run checkpoints and stops with exit code 3 "
+            "(1: never)",
+            low=0,
+            high=1,
+        ),
     ]
 
 
@@ -292,6 +301,14 @@ def _dist_keys() -> list[Key]:
             low_open=True,
         ),
         Key("dist.warmup", 10, "steps of uncompressed all-reduce before compressing", low=1),
+        Key(
+            "dist.timeout",
+            300.0,
+            "seconds a process waits in a collective before the run ends with an error "
+            "naming the processes that stopped answering (torch's default is 30 minutes)",
+            low=0,
+            low_open=True,
+        ),
     ]
 
 

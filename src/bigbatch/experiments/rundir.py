@@ -1,7 +1,9 @@
-"""Run directories on disk: naming, atomic checkpoints, and reading a run back."""
+"""Run directories on disk: naming, one writer at a time, atomic checkpoints, reading back."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -14,6 +16,16 @@ import torch
 from .config import ConfigError, load_toml, resolve
 
 CHECKPOINT = "checkpoint.pt"
+#: the lock file of a run directory (held by the process that writes the run)
+LOCK = ".lock"
+#: the log of ``bigbatch train --nproc N``'s launcher (torch's elastic agent)
+LAUNCHER_LOG = "launcher.log"
+#: files a new run directory may already hold: its lock and its launcher's log
+BOOKKEEPING = frozenset({LOCK, LAUNCHER_LOG})
+#: set by ``bigbatch train --nproc N`` for its ranks: the run directory its launcher has locked
+LOCK_HELD = "BIGBATCH_LOCK_HELD"
+#: a run needs room for this many checkpoints (the new one is written beside the old)
+CHECKPOINTS_OF_ROOM = 2
 
 
 def new_run_dir(root: str | Path = "runs", task: str = "run") -> Path:
@@ -27,11 +39,114 @@ def new_run_dir(root: str | Path = "runs", task: str = "run") -> Path:
 
 
 def check_new_run_dir(path: Path) -> None:
-    if path.exists() and (path.is_file() or any(path.iterdir())):
+    """A one-line error if ``path`` cannot become a new run (it holds one, or a file)."""
+    if path.exists() and (path.is_file() or any(p.name not in BOOKKEEPING for p in path.iterdir())):
         raise ConfigError(
             f"--out {str(path)!r} already exists and is not empty; "
             "runs are never overwritten (use --resume to continue one)"
         )
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held by the process that writes the run.
+
+    ``fcntl.flock`` on ``<dir>/.lock``: the kernel drops it when the holder
+    exits, however it exits, so a killed run never leaves a stale lock. The
+    holder's pid is written in the file for the error a second writer gets.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._file: Any = None
+
+    def acquire(self) -> RunLock:
+        file = _open_for_writing(self.path / LOCK, "a+")
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            file.close()
+            raise ConfigError(
+                f"run directory {str(self.path)!r} is in use by process {holder} (another "
+                "bigbatch train or --resume writes it); wait for it or stop it"
+            ) from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        self._file = file
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing drops the flock
+            self._file = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_new_run_dir(path: Path) -> RunLock:
+    """Create ``path`` (or take an empty one) and lock it, as one step: of two runs started
+    on one ``--out`` at once, one gets it and the other a one-line error."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where the directory, or one of its parents, should be
+        raise ConfigError(f"--out {str(path)!r} cannot be created: a file is in its way") from None
+    except OSError as err:
+        raise ConfigError(f"--out {str(path)!r} cannot be created: {_reason(err)}") from None
+    if not path.is_dir():
+        raise ConfigError(f"--out {str(path)!r} is not a directory")
+    lock = RunLock(path).acquire()
+    try:
+        check_new_run_dir(path)  # under the lock: nobody else can be filling it now
+    except ConfigError:
+        lock.release()
+        raise
+    return lock
+
+
+def discard_if_unused(out: Path) -> None:
+    """Remove a new run directory that a failure left holding only its bookkeeping (the
+    lock, a launcher's log), so the same ``--out`` works again at once."""
+    if out.is_dir() and {p.name for p in out.iterdir()} <= BOOKKEEPING:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def check_room(path: Path, need: int) -> None:
+    """A one-line error if the file system of ``path`` has less than ``need`` bytes free."""
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise ConfigError(
+            f"{str(path)!r} has {free / 2**20:.1f} MiB free; the run needs about "
+            f"{need / 2**20:.1f} MiB ({CHECKPOINTS_OF_ROOM} checkpoints)"
+        )
+
+
+def _open_for_writing(path: Path, mode: str) -> Any:
+    try:
+        return open(path, mode)
+    except OSError as err:
+        raise ConfigError(f"cannot write {str(path)!r}: {_reason(err)}") from None
+
+
+def _reason(err: OSError) -> str:
+    """An OSError as a short cause: "permission denied", "no space left on device"."""
+    if err.errno is not None:
+        return os.strerror(err.errno).lower()
+    return str(err)
+
+
+def disk_error(err: OSError, path: Path | str | None = None) -> ConfigError:
+    """An OSError while a run writes, as the one-line error the command prints."""
+    where = str(path if path is not None else err.filename or "the run directory")
+    hint = "; free some space and resume" if err.errno == errno.ENOSPC else ""
+    return ConfigError(f"writing {where!r} failed: {_reason(err)}{hint}")
 
 
 def previous(path: Path) -> Path:
@@ -47,10 +162,16 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
     predecessor.
     """
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        tmp.unlink(missing_ok=True)  # the last complete checkpoint stays as it was
+        if isinstance(err, OSError):
+            raise disk_error(err, path) from None
+        raise ConfigError(f"writing {str(path)!r} failed: {err}") from None
     if keep_previous and path.exists():
         # a link, then a rename: checkpoint.pt exists at every moment
         staged = path.with_name(f".{previous(path).name}.tmp")

@@ -17,6 +17,7 @@ directory, every rank loads the checkpoint on resume.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from ..dist.world import World, init_from_env
@@ -32,18 +35,37 @@ from .build import build, train_step, with_task_defaults
 from .config import ConfigError, to_toml
 from .device import resolve_device, set_tf32, set_threads
 from .report import render_run
-from .rundir import CHECKPOINT, load_checkpoint, read_metrics, save_atomically
+from .rundir import (
+    CHECKPOINT,
+    CHECKPOINTS_OF_ROOM,
+    LOCK_HELD,
+    RunLock,
+    check_new_run_dir,
+    check_room,
+    claim_new_run_dir,
+    discard_if_unused,
+    disk_error,
+    load_checkpoint,
+    new_run_dir,
+    read_metrics,
+    save_atomically,
+)
+from .signals import Stopped, StopRequest, watch_launcher
 from .summary import batch_path_ratio, target_summary, traffic_per_step
 from .tasks import TASKS, Problem, Task
 
 
 def train(
-    config: dict[str, Any], out: Path, *, resume: bool = False, quiet: bool = False
+    config: dict[str, Any], out: Path | None, *, resume: bool = False, quiet: bool = False
 ) -> dict[str, Any]:
-    """Train one run into ``out`` (new, or resumed from its checkpoint); return the summary.
+    """Train one run into ``out`` (new, or resumed from its checkpoint; None: a new
+    directory under ``runs/``); return the summary (``run_dir`` names the directory).
 
     Under ``torchrun`` call it on every rank with the same arguments; rank 0
-    writes ``out`` and returns the summary, the other ranks return it too.
+    locks and writes ``out`` and returns the summary, the other ranks return it
+    too. A second writer on ``out`` gets a :class:`ConfigError` before anything
+    is built. SIGTERM or SIGINT stops the run after the current optimizer step
+    with a checkpoint (:class:`~bigbatch.experiments.signals.Stopped`).
     """
     config = with_task_defaults(config)
     try:
@@ -51,12 +73,80 @@ def train(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     set_tf32(config["tf32"])
-    world = init_from_env(device)
+    world = init_from_env(device, timeout=config["dist.timeout"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size)) if world.distributed else 1
     set_threads(config["threads"], local)
+    out, lock = _claim(out, resume, world, config["task"])
+    try:
+        with StopRequest(world, config["dist.timeout"]) as stop:
+            watch_launcher()
+            summary = _train(config, out, resume, quiet, world, device, stop)
+    except OSError as err:  # a full disk, a directory made read-only midway: one line
+        raise disk_error(err, err.filename or out) from None
+    except BaseException:
+        if lock is not None and not resume:
+            discard_if_unused(out)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+    if world.distributed:  # after success only: a failed rank is stopped by its launcher
+        _leave(world)
+    return summary
+
+
+def _leave(world: World) -> None:
+    """Tear the process group down in order: what uses it first, then the group.
+
+    The DDP model, its reducer and a comm hook's state hold the process group and
+    may hold its pending work; left to the interpreter's exit, they can be
+    destroyed after the group, from a gloo thread, and the process aborts
+    ("terminate called without an active exception"). The run's objects are gone
+    once ``_train`` returns, save for reference cycles: collect those first.
+    """
+    gc.collect()
+    world.barrier()  # gloo aborts a rank that tears down while a peer still talks
+    dist.destroy_process_group()
+
+
+def _claim(out: Path | None, resume: bool, world: World, task: str) -> tuple[Path, RunLock | None]:
+    """Rank 0 names (``out`` None: a new one under ``runs/``) and locks the run directory,
+    creating a new one in the same step; every rank learns the directory and whether
+    that worked. Under ``bigbatch train --nproc N`` the launcher holds the lock."""
+    lock, problem = None, None
+    if world.rank == 0:
+        out = Path(out) if out is not None else new_run_dir(task=task)
+        try:
+            held_by_launcher = os.environ.get(LOCK_HELD) == str(out.resolve())
+            if held_by_launcher:
+                if not resume:
+                    check_new_run_dir(out)
+            elif resume:
+                lock = RunLock(out).acquire()
+            else:
+                lock = claim_new_run_dir(out)
+        except ConfigError as err:
+            problem = str(err)
+    name, problem = world.broadcast_object((str(out), problem))
+    if problem:
+        raise ConfigError(problem)
+    return Path(name), lock
+
+
+def _train(
+    config: dict[str, Any],
+    out: Path,
+    resume: bool,
+    quiet: bool,
+    world: World,
+    device: Any,
+    stop: StopRequest,
+) -> dict[str, Any]:
     problem, loop, precision = build(config, world, device)
     task = TASKS[config["task"]]
     writer = world.rank == 0
+    if writer:
+        _preflight(out, loop)
     # under FSDP2 a forward is a collective (it gathers the parameters): every rank evaluates
     evaluates = writer or loop.world.sharded
     state = _open_run(out, config, loop, resume, writer)
@@ -78,14 +168,17 @@ def train(
             state["metrics_lines"] += 1
             if log is not None:
                 log.write(json.dumps(row) + "\n")
-            if loop.steps_taken % config["checkpoint_every"] == 0 or last:
-                _checkpoint(out, loop, state, log)
+            halt = _halt(stop, loop, config["skip_limit"], out)
+            if loop.steps_taken % config["checkpoint_every"] == 0 or last or halt:
+                _checkpoint(out, loop, state, writer, log)
             if bar is not None:
                 _show(bar, step.batch_size, loop.steps_taken, row, evaluation)
+            if halt is not None:
+                _close(bar)
+                raise halt
             if last:  # the budget is spent (the loop ends by itself) or the target reached
                 break
-    if bar is not None:
-        bar.close()
+    _close(bar)
     train_evaluation = None
     if evaluates and problem.evaluate_train is not None:
         train_evaluation = problem.evaluate_train(problem.model)
@@ -94,6 +187,53 @@ def train(
         summary = _write_summary(out, config, loop, state, problem, traffic, train_evaluation)
     # the other ranks wait for the summary so no rank returns before the run is complete
     return world.broadcast_object(summary if writer else None)
+
+
+#: a run is judged on its skipped share only after this many optimizer steps
+SKIP_GRACE_STEPS = 20
+
+
+class TooManySkippedError(FloatingPointError):
+    """More than ``skip_limit`` of a run's optimizer steps were skipped as non-finite."""
+
+    def __init__(self, skipped: int, steps: int, limit: float) -> None:
+        super().__init__(
+            f"{skipped} of {steps} optimizer steps were skipped for a non-finite gradient or "
+            f"loss, more than skip_limit = {limit:g} of them (a lower lr, or "
+            "--set skip_limit=1 to train on regardless); the checkpoint is kept"
+        )
+
+
+def _halt(stop: StopRequest, loop: AdaptiveBatch, limit: float, out: Path) -> Exception | None:
+    """Why the run must stop after this step (a signal, too many skipped steps), if it must;
+    the same on every rank."""
+    signum = stop.agreed()
+    if signum:
+        return Stopped(signum, loop.steps_taken, str(out))
+    steps, skipped = loop.steps_taken, loop.skipped_steps  # identical on every rank
+    if limit < 1 and steps >= SKIP_GRACE_STEPS and skipped > limit * steps:
+        return TooManySkippedError(skipped, steps, limit)
+    return None
+
+
+def _preflight(out: Path, loop: AdaptiveBatch) -> None:
+    """What can be checked before the first step: room for two checkpoints."""
+    check_room(out, CHECKPOINTS_OF_ROOM * checkpoint_bytes(loop))
+
+
+def checkpoint_bytes(loop: AdaptiveBatch) -> int:
+    """About what one checkpoint takes: the parameters and every tensor of the optimizer's
+    state (read off the live objects; the data position and counters are small)."""
+    tensors = [p for group in loop.optimizer.param_groups for p in group["params"]]
+    tensors += [
+        t for state in loop.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors) + 2**20
+
+
+def _close(bar: Any) -> None:
+    if bar is not None:
+        bar.close()
 
 
 def _open_run(
@@ -111,10 +251,13 @@ def _open_run(
                 metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists() else []
             )
             metrics_path.write_text("".join(lines[: state["metrics_lines"]]))
-    elif writer:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(config))
-        metrics_path.write_text("")
+    else:
+        if writer:  # the directory was made and locked by _claim (or the launcher)
+            (out / "config.toml").write_text(to_toml(config))
+            metrics_path.write_text("")
+        # a run is resumable from its first moment: a kill before the first periodic
+        # checkpoint must not leave a directory that neither resumes nor can be reused
+        _checkpoint(out, loop, state, writer)
     return state
 
 
@@ -123,10 +266,13 @@ def _reached(world: World, task: Task, evaluation: dict[str, float]) -> bool:
     return world.broadcast_object(world.rank == 0 and task.reached(evaluation))
 
 
-def _checkpoint(out: Path, loop: AdaptiveBatch, state: dict[str, Any], log: Any) -> None:
+def _checkpoint(
+    out: Path, loop: AdaptiveBatch, state: dict[str, Any], writer: bool, log: Any = None
+) -> None:
     loop_state = loop.state_dict()  # a collective under DDP: every rank calls it
-    if log is not None:  # the writer
-        log.flush()
+    if writer:
+        if log is not None:
+            log.flush()  # the metrics the checkpoint counts are on disk before it
         save_atomically({"loop": loop_state, "run": dict(state)}, out / CHECKPOINT, True)
 
 
@@ -157,6 +303,7 @@ def _write_summary(
     evals = [r for r in rows if "eval_accuracy" in r]
     summary = {
         "task": config["task"],
+        "run_dir": str(out),
         "final_accuracy": evals[-1]["eval_accuracy"] if evals else math.nan,
         "best_accuracy": max((r["eval_accuracy"] for r in evals), default=math.nan),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else math.nan,
@@ -181,9 +328,23 @@ def _write_summary(
         summary["generalization_gap"] = train_accuracy - summary["final_accuracy"]
     if evals and "max_attention_logit" in evals[-1]:
         summary["max_attention_logit"] = max(r["max_attention_logit"] for r in evals)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    strict = strict_json(summary)
+    (out / "summary.json").write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
     render_run(out)
     return summary
+
+
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with every non-finite number as None and the value named beside it under
+    ``<key>_why`` (strict JSON has no NaN or Infinity)."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key] = None
+            out[f"{key}_why"] = f"not a finite number ({value})"
+        else:
+            out[key] = value
+    return out
 
 
 def _progress(total: int, done: int, quiet: bool):

@@ -1,0 +1,180 @@
+"""``bigbatch train --nproc N``: N local training processes under torch's elastic agent,
+run inside the command's own process.
+
+What this buys over starting ``torchrun`` as a child:
+
+- a SIGTERM or Ctrl-C reaches the agent itself, which forwards it once to
+  every rank and waits for them (each finishes its optimizer step and the
+  ranks write one checkpoint together: ``experiments/signals.py``), so no
+  process outlives the command; a rank whose launcher is killed outright
+  notices (it watches its parent) and stops the same way;
+- the launcher takes the run directory's lock and holds it for its ranks;
+- the agent's own log goes to ``<run>/launcher.log``, and a failed run is one
+  line naming the ranks that failed and the ones that stopped answering.
+
+Exit codes: 0 done, 2 a config or environment error, 3 training stopped (a
+non-finite step under ``nonfinite = "raise"``, or more than ``skip_limit``
+steps skipped), 4 a training process failed or a collective timed out,
+128 + N stopped by signal N after a checkpoint (130 Ctrl-C, 143 SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .rundir import LAUNCHER_LOG, LOCK_HELD, RunLock, claim_new_run_dir, discard_if_unused
+from .signals import LAUNCHER_PID
+
+__all__ = ["COLLECTIVE_FAILED", "WORKER_FAILED", "WorkerFailedError", "launch"]
+
+#: exit code of a run whose training process failed
+WORKER_FAILED = 4
+#: exit code of a rank whose collective failed or timed out (a peer died or stopped answering)
+COLLECTIVE_FAILED = 4
+
+
+class WorkerFailedError(Exception):
+    """Training processes failed; the message says which and how, ``code`` is the exit code."""
+
+    def __init__(self, line: str, code: int = WORKER_FAILED) -> None:
+        super().__init__(line)
+        self.code = code
+
+
+def launch(nproc: int, out: Path, arguments: Sequence[str], *, resume: bool) -> int:
+    """Run ``python -m bigbatch.cli train <arguments>`` in ``nproc`` local processes that
+    train ``out`` together; return the exit code (0, or 128 + a forwarding signal)."""
+    lock = RunLock(out).acquire() if resume else claim_new_run_dir(out)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+    )
+    environment = {
+        LOCK_HELD: str(out.resolve()),
+        LAUNCHER_PID: str(os.getpid()),
+        # one share of the cores per process (and no launcher warning about it)
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+        or str(max(1, (os.cpu_count() or 1) // nproc)),
+    }
+    try:
+        with _environment(environment), _agent_log(out / LAUNCHER_LOG):
+            elastic_launch(config, entrypoint=sys.executable)("-m", "bigbatch.cli", *arguments)
+    except SignalException as err:  # the ranks checkpointed and said so
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        code, line = _report(err, nproc, out)
+        if not resume:
+            discard_if_unused(out)
+        raise WorkerFailedError(line, code) from None
+    finally:
+        lock.release()
+    return 0
+
+
+def _report(err: ChildFailedError, nproc: int, out: Path) -> tuple[int, str]:
+    """The exit code and the one line for a launch whose ranks failed.
+
+    A rank reports its own one-line error in the error file the agent gave it
+    (``report_to_launcher``). The same error from every rank (a config error, too
+    many skipped steps) is that line with its code; anything else names each failed
+    rank, and the ranks that stopped answering while the others' collectives timed
+    out, with code 4.
+    """
+    failures = dict(sorted(err.failures.items()))
+    reported = {_own_line(f) for f in failures.values()}
+    codes = {f.exitcode for f in failures.values()}
+    if len(failures) == nproc and len(reported) == 1 and None not in reported and len(codes) == 1:
+        return codes.pop(), reported.pop()  # type: ignore[return-value]
+    timed_out = [r for r, f in failures.items() if f.exitcode == COLLECTIVE_FAILED]
+    parts = []
+    for rank, failure in failures.items():
+        if failure.exitcode < 0:
+            how = f"killed by {failure.signal_name()}"
+            if timed_out and failure.signal_name() == "SIGKILL":
+                how = "stopped answering (killed by SIGKILL)"
+        else:
+            how = _cause(_own_line(failure) or f"exit code {failure.exitcode}")
+        parts.append(f"rank {rank}: {how}")
+    if timed_out:
+        parts += [f"rank {r}: stopped answering" for r in range(nproc) if r not in failures]
+    return WORKER_FAILED, (
+        f"{len(failures)} of {nproc} training processes failed ({'; '.join(parts)}); "
+        f"the launcher's log: {out / LAUNCHER_LOG}"
+    )
+
+
+def _own_line(failure: Any) -> str | None:
+    """The line a rank wrote with :func:`report_to_launcher`, if it wrote one."""
+    data = failure.error_file_data or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    return message if isinstance(message, str) and data.get("bigbatch") else None
+
+
+def _cause(line: str) -> str:
+    """A rank's line without the command's prefix, to sit inside the launcher's line."""
+    return line.removeprefix("bigbatch: ").removeprefix("error: ")
+
+
+def report_to_launcher(message: str) -> bool:
+    """Hand a rank's one-line error to its ``bigbatch train --nproc N`` launcher (through the
+    error file torch's agent reads), instead of printing it beside every other rank's;
+    False when this process has no such launcher."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not (path and os.environ.get(LAUNCHER_PID)):
+        return False
+    record = {"message": message, "timestamp": int(time.time()), "bigbatch": True}
+    Path(path).write_text(json.dumps(record))
+    return True
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the ranks to inherit, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _agent_log(path: Path) -> Iterator[None]:
+    """torch's elastic agent logs to ``path`` instead of the console (where its warnings
+    and tracebacks would bury the one line that matters)."""
+    logger = logging.getLogger("torch.distributed")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # torch gives this logger a console handler of its own and no propagation: swap it
+    saved = logger.handlers[:], logger.propagate, logger.level
+    logger.handlers = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        handler.close()
+        logger.handlers, logger.propagate, _ = saved
+        logger.setLevel(saved[2])

@@ -1,0 +1,110 @@
+"""Stopping a run cleanly on a signal: finish the optimizer step, checkpoint, say so, exit.
+
+A cluster scheduler ends a job with SIGTERM (and a grace period), a terminal
+with SIGINT. :class:`StopRequest` turns the first of either into a request
+the training loop reads between optimizer steps; the loop then writes a
+checkpoint and raises :class:`Stopped`, which the command line turns into
+one line and the conventional exit code (128 + the signal's number). A
+second signal exits at once, as an impatient operator expects.
+
+Under data parallelism every rank must stop after the same step (the
+checkpoint is a collective): :meth:`StopRequest.agreed` takes the largest
+request over the ranks, a one-integer all-reduce on a gloo group (host
+memory, so it never waits for a GPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..dist.world import World
+
+__all__ = ["LAUNCHER_PID", "STOP_SIGNALS", "StopRequest", "Stopped", "watch_launcher"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: set by ``bigbatch train --nproc N`` for its ranks: the launcher's pid, watched by each rank
+LAUNCHER_PID = "BIGBATCH_LAUNCHER_PID"
+
+
+class Stopped(Exception):  # noqa: N818 - a stop on request, not an error
+    """The run stopped on a signal after a checkpoint; ``code`` is the exit code."""
+
+    def __init__(self, signum: int, step: int, out: str) -> None:
+        self.signum, self.step, self.out = signum, step, out
+        self.code = 128 + signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}; resume with --resume {out}"
+        )
+
+
+class StopRequest:
+    """The first SIGTERM or SIGINT while the block runs, as a request (``signum``).
+
+    Installed only in the main thread (Python delivers signals there); elsewhere
+    it never fires and the default handlers stay.
+    """
+
+    def __init__(self, world: World | None = None, timeout: float | None = None) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._group: Any = None
+        if world is not None and world.distributed:
+            # host-memory agreement beside an NCCL group (a gloo group of the same ranks),
+            # bounded like the run's other collectives (a new group's default is 30 minutes)
+            limit = datetime.timedelta(seconds=timeout) if timeout is not None else None
+            self._group = dist.new_group(backend="gloo", timeout=limit)
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # the second signal: at once, as if unhandled
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+
+    def agreed(self) -> int | None:
+        """The signal any rank received (the largest number), the same on every rank."""
+        if self._group is None:
+            return self.signum
+        flag = torch.tensor([self.signum or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item()) or None
+
+
+def watch_launcher(interval: float = 1.0) -> None:
+    """When this rank's launcher (``bigbatch train --nproc N``) disappears, even killed with
+    SIGKILL, send this process SIGTERM: it checkpoints and exits instead of training on
+    as an orphan."""
+    pid = os.environ.get(LAUNCHER_PID)
+    if not pid:
+        return
+
+    def watch() -> None:
+        while _alive(int(pid)):
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="bigbatch-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    # a rank whose launcher died is handed to another parent (init or a subreaper)
+    return os.getppid() == pid

@@ -1,0 +1,208 @@
+"""Faults an operator, a scheduler or a disk injects into ``bigbatch train``.
+
+Each probe ends the same way or it fails: nothing lost (a resumed run equals
+an uninterrupted one), no process left behind, one line on stderr and the
+documented exit code (docs/cli.md). Marked ``faults``; they run with the rest
+of the suite.
+"""
+
+import errno
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from bigbatch import cli
+from bigbatch.experiments import rundir
+
+from .test_cli import rows
+from .test_cli_distributed import SMALL, alive, bigbatch, process_tree
+
+pytestmark = pytest.mark.faults
+
+
+def wait_for_rows(run, count, process, timeout=120):
+    """Wait until ``run`` has logged ``count`` optimizer steps (past a periodic checkpoint)."""
+    deadline = time.monotonic() + timeout
+    path = run / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= count):
+        assert process.poll() is None, "the run ended before the fault"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def one_line(stderr):
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def finish(process, timeout=120):
+    _, stderr = process.communicate(timeout=timeout)
+    return process.returncode, stderr
+
+
+def test_two_runs_started_on_one_out_train_one_and_refuse_the_other(tmp_path):
+    out = tmp_path / "same"
+    args = [*SMALL, "--set", "max_samples=12000", "--out", out]
+    first = bigbatch("train", *args, "--set", "seed=0", wait=False, capture=True)
+    second = bigbatch("train", *args, "--set", "seed=1", wait=False, capture=True)
+    results = sorted([finish(first), finish(second)])
+    assert [code for code, _ in results] == [0, 2]
+    refused = one_line(results[1][1])
+    assert "in use by process" in refused or "already exists" in refused
+    steps = [r["step"] for r in rows(out)]
+    assert steps == list(range(1, len(steps) + 1))  # one writer: no step twice
+
+
+SIGNALLED = [*SMALL, "--set", "max_samples=16000"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run the signalled ones must equal once resumed."""
+    out = tmp_path_factory.mktemp("faults") / "straight"
+    assert bigbatch("train", *SIGNALLED, "--out", out).returncode == 0
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
+    tmp_path, straight, sig
+):
+    args = SIGNALLED
+    stopped = tmp_path / "stopped"
+    process = bigbatch("train", *args, "--out", stopped, wait=False, capture=True)
+    wait_for_rows(stopped, 12, process)
+    second = bigbatch("train", "--quiet", "--resume", stopped)  # while the first still writes
+    assert second.returncode == 2 and f"in use by process {process.pid}" in second.stderr
+    os.kill(process.pid, sig)
+    code, stderr = finish(process)
+    assert code == 128 + sig
+    line = one_line(stderr)
+    assert f"stopped by {signal.Signals(sig).name} at step" in line and "--resume" in line
+    resumed = bigbatch("train", "--quiet", "--resume", stopped)
+    assert resumed.returncode == 0, resumed.stderr
+    assert rows(stopped) == rows(straight)
+    a = torch.load(stopped / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    b = torch.load(straight / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_to_a_two_process_launcher_stops_every_rank_after_a_checkpoint(tmp_path):
+    run = tmp_path / "two"
+    args = [*SMALL, "--set", "max_samples=20000", "--nproc", 2, "--out", run]
+    process = bigbatch("train", *args, wait=False, capture=True)
+    wait_for_rows(run, 12, process)
+    tree = process_tree(process.pid)
+    assert len(tree) == 3  # the launcher and its two ranks
+    os.kill(process.pid, signal.SIGTERM)
+    code, stderr = finish(process)
+    assert code == 143, stderr
+    assert "stopped by SIGTERM at step" in one_line(stderr)
+    assert not any(alive(pid) for pid in tree)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)["run"]
+    assert state["metrics_lines"] == len(rows(run))  # the checkpoint is of the last step
+    resumed = bigbatch("train", "--quiet", "--resume", run, "--nproc", 2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run / "summary.json").read_text())["samples"] >= 20000
+
+
+def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
+    # the other rank's collective fails after dist.timeout (3 s); torch's agent then gives the
+    # stopped rank a fixed 30 s to exit before SIGKILL
+    run = tmp_path / "hung"
+    args = [*SMALL, "--set", "max_samples=400000", "--set", "dist.timeout=3", "--nproc", 2]
+    process = bigbatch("train", *args, "--out", run, wait=False, capture=True)
+    wait_for_rows(run, 8, process)
+    tree = process_tree(process.pid)
+    os.kill(tree[-1], signal.SIGSTOP)  # a rank stops, as a hung GPU or a paused VM would
+    began = time.monotonic()
+    code, stderr = finish(process, timeout=90)
+    assert code == 4 and time.monotonic() - began < 60
+    line = one_line(stderr)
+    assert "stopped answering" in line and "launcher.log" in line
+    assert not any(alive(pid) for pid in tree)
+
+
+def run_cli(*args):
+    return cli.main([str(a) for a in args])
+
+
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert run_cli("train", *SMALL, "--out", blocker / "run") == 2
+    assert "cannot be created: not a directory" in one_line(capsys.readouterr().err)
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "mkdir", refuse)  # a read-only file system
+    assert run_cli("train", *SMALL, "--out", tmp_path / "ro" / "run") == 2
+    assert "cannot be created: permission denied" in one_line(capsys.readouterr().err)
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+    args = [*SMALL, "--set", "max_samples=12000"]
+    straight, full = tmp_path / "straight", tmp_path / "full"
+    assert run_cli("train", *args, "--out", straight) == 0
+    save, calls = torch.save, []
+
+    def save_until_full(obj, f):
+        calls.append(1)
+        if len(calls) == 3:  # the third checkpoint: half written, then the disk is full
+            f.write(b"x" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, f)
+
+    monkeypatch.setattr(rundir.torch, "save", save_until_full)
+    capsys.readouterr()
+    assert run_cli("train", *args, "--out", full) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "no space left on device" in line and "checkpoint.pt" in line
+    assert not list(full.glob(".*.tmp"))  # the half-written file is gone
+    kept = torch.load(full / "checkpoint.pt", weights_only=True)  # the last complete one
+    assert kept["run"]["metrics_lines"] == 5
+    monkeypatch.setattr(rundir.torch, "save", save)  # room again
+    assert run_cli("train", "--quiet", "--resume", full) == 0
+    assert rows(full) == rows(straight)
+
+
+def test_a_disk_without_room_for_two_checkpoints_is_refused_up_front(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000}))
+    assert run_cli("train", *SMALL, "--out", tmp_path / "run") == 2
+    assert "MiB free; the run needs about" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()  # nothing left that would block the same --out
+
+
+def test_a_training_set_smaller_than_the_first_batch_is_one_line(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert run_cli("train", *SMALL, "--set", "train_samples=20", "--out", out) == 2
+    assert "is larger than the training set (20 samples" in one_line(capsys.readouterr().err)
+    assert not out.exists()
+    small = [*SMALL, "--set", "train_samples=100", "--set", "max_samples=3000"]
+    assert run_cli("train", *small, "--out", out) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["batch_max_lowered_from"] == 16384
+    assert max(r["batch_size"] for r in rows(out)) <= 100
+
+
+def test_a_run_of_non_finite_steps_stops_with_code_3_and_summaries_are_strict_json(
+    tmp_path, capsys
+):
+    broken = [*SMALL, "--set", "lr=1e6", "--set", "max_samples=20000"]
+    assert run_cli("train", *broken, "--out", tmp_path / "stopped") == 3
+    line = one_line(capsys.readouterr().err)
+    assert "optimizer steps were skipped" in line and "skip_limit" in line
+    assert (tmp_path / "stopped" / "checkpoint.pt").is_file()
+    allowed = tmp_path / "allowed"
+    assert run_cli("train", *broken, "--set", "skip_limit=1", "--out", allowed) == 0
+    assert "skipped)" in capsys.readouterr().out  # the console's last line counts them
+    text = (allowed / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert summary["skipped_steps"] > 0
+    assert summary["final_eval_loss"] is None and "nan" in summary["final_eval_loss_why"]
