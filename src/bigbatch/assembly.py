@@ -24,7 +24,14 @@ from .optim.wrapper import StatisticsWrapper
 from .options import StepOptions
 from .stats.collector import MicroBatchStatistics
 
-__all__ = ["Parts", "assemble", "describe_collector", "resolve_controller"]
+__all__ = [
+    "Parts",
+    "assemble",
+    "check_statistics",
+    "describe",
+    "describe_collector",
+    "resolve_controller",
+]
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,47 @@ def resolve_controller(controller: Controller | None, first_batch: int | None) -
             f"{first_batch}: give both the same first batch"
         )
     return controller
+
+
+def check_statistics(
+    optimizer: torch.optim.Optimizer,
+    controller: Controller,
+    collector: MicroBatchStatistics | None,
+    lr_scaling: str,
+) -> None:
+    """One error if the controller, the rate rule or a statistics-reading optimizer needs
+    statistics the collector does not gather."""
+    needs = getattr(controller, "needs_statistics", True) or lr_scaling.startswith("adascale")
+    if needs and collector is None:
+        raise ValueError(
+            f"{type(controller).__name__} with lr_scaling={lr_scaling!r} needs statistics=True"
+        )
+    if isinstance(optimizer, StatisticsWrapper) and collector is None:
+        raise ValueError(f"{type(optimizer).__name__} needs statistics=True")
+    if isinstance(optimizer, StatisticsWrapper) and collector is not None:
+        missing = optimizer.requirements() - collector.provides()
+        if missing:
+            raise ValueError(
+                f"{type(optimizer).__name__} needs {', '.join(sorted(missing))} collected "
+                "(MicroBatchStatistics(gsnr=True))"
+            )
+
+
+def describe(engine: Any) -> dict[str, Any]:
+    """A :class:`~bigbatch.StepEngine`'s settings as plain data (``StepEngine.describe``)."""
+    schedule = engine.schedule
+    return {
+        **engine.options.as_dict(),
+        "schedule": getattr(schedule, "__qualname__", repr(schedule)) if schedule else None,
+        "lr_scaling": engine.lr_scaling,
+        "base_batch_size": engine.base_batch_size,
+        "controller": repr(engine.controller),
+        "world_size": engine.world.size,
+        "sharded": engine.world.sharded,
+        "scaler": engine.scaler is not None,
+        "optimizer": type(engine.optimizer).__name__,
+        "collector": describe_collector(engine.collector),
+    }
 
 
 def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ._checks import positive_int
 from ._tensors import norms
-from .assembly import assemble, describe_collector
+from .assembly import assemble, check_statistics, describe
 from .batch.controllers import Controller
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
 from .batch.plan import StepPlan
@@ -111,23 +111,7 @@ class StepEngine:
         self.nonfinite = self.options.nonfinite
         self.loss_reduction = self.options.loss_reduction
         self.scaler = scaler
-        needs = getattr(controller, "needs_statistics", True) or self.lr_scaling.startswith(
-            "adascale"
-        )
-        if needs and collector is None:
-            raise ValueError(
-                f"{type(controller).__name__} with lr_scaling={self.lr_scaling!r} needs "
-                "statistics=True"
-            )
-        if isinstance(optimizer, StatisticsWrapper) and collector is None:
-            raise ValueError(f"{type(optimizer).__name__} needs statistics=True")
-        if isinstance(optimizer, StatisticsWrapper) and collector is not None:
-            missing = optimizer.requirements() - collector.provides()
-            if missing:
-                raise ValueError(
-                    f"{type(optimizer).__name__} needs {', '.join(sorted(missing))} collected "
-                    "(MicroBatchStatistics(gsnr=True))"
-                )
+        check_statistics(optimizer, controller, collector, self.lr_scaling)
         #: the batch size of the next step
         self.batch_size = controller.initial
         #: optimizer steps taken (skipped ones included) and samples trained on
@@ -173,19 +157,7 @@ class StepEngine:
 
     def describe(self) -> dict[str, Any]:
         """What this engine was built to do, as plain data (equal for equal runs)."""
-        schedule = self.schedule
-        return {
-            **self.options.as_dict(),
-            "schedule": getattr(schedule, "__qualname__", repr(schedule)) if schedule else None,
-            "lr_scaling": self.lr_scaling,
-            "base_batch_size": self.base_batch_size,
-            "controller": repr(self.controller),
-            "world_size": self.world.size,
-            "sharded": self.world.sharded,
-            "scaler": self.scaler is not None,
-            "optimizer": type(self.optimizer).__name__,
-            "collector": describe_collector(self.collector),
-        }
+        return describe(self)
 
     # ------------------------------------------------------------ the micro-batches
 

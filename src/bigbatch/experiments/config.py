@@ -133,11 +133,11 @@ def component_keys(
 
 
 def _keys() -> list[Key]:
-    return [*_run_keys(), *_batch_keys(), *_dist_keys(), *_optimizer_keys()]
+    return [*_run_keys(), *_machine_keys(), *_batch_keys(), *_dist_keys(), *_optimizer_keys()]
 
 
 def _run_keys() -> list[Key]:
-    """The task, the model's size, the optimizer's name and rate, the budget, the machine."""
+    """The task, the model's size, the optimizer's name and rate, the budget."""
     return [
         Key("task", "mnist1d", "the task to train (see `bigbatch tasks`)", tuple(TASKS)),
         Key(
@@ -188,6 +188,13 @@ def _run_keys() -> list[Key]:
             "end the run at the first evaluation that reaches the task's target (for "
             "steps-to-target studies; the schedule still spans max_samples)",
         ),
+    ]
+
+
+def _machine_keys() -> list[Key]:
+    """How a run uses its machine: micro-batches, evaluation, checkpoints, device, precision,
+    non-finite steps."""
+    return [
         Key("max_micro_batch", 1024, "largest micro-batch per forward/backward", low=1),
         Key("min_sub_batches", 4, "fewest micro-batches per step (statistics need >= 2)", low=2),
         Key("eval_every", 25, "evaluate on the test set every this many steps", low=1),
