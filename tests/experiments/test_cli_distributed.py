@@ -108,29 +108,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_killed_two_process_run_resumes_with_two_or_one(tmp_path):
-    args = [*SMALL, "--set", "max_samples=15000", "--nproc", 2]
-    straight = tmp_path / "straight"
-    assert bigbatch("train", *args, "--out", straight).returncode == 0
-
-    killed = tmp_path / "killed"
-    kill_after_first_checkpoint(killed, *args)
-    assert not (killed / "summary.json").exists()
-    again = tmp_path / "again"
-    subprocess.run(["cp", "-r", str(killed), str(again)], check=True)
-
-    result = bigbatch("train", "--quiet", "--resume", killed, "--nproc", 2)
-    assert result.returncode == 0, result.stderr
-    assert rows(killed) == rows(straight)
-
-    # another number of processes continues the run (not bitwise)
-    result = bigbatch("train", "--quiet", "--resume", again)
-    assert result.returncode == 0, result.stderr
-    summary = json.loads((again / "summary.json").read_text())
-    assert summary["samples"] >= 15000 and summary["processes"] == 1
-    assert summary["best_accuracy"] > 0.8
-
-
 def test_compressed_two_process_run_reports_its_traffic(tmp_path):
     out = tmp_path / "ef"
     compression = ["--set", "dist.compression=ef", "--set", "dist.ratio=0.1", "--nproc", 2]

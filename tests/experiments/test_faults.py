@@ -6,10 +6,14 @@ documented exit code (docs/cli.md). Marked ``faults``; they run with the rest
 of the suite.
 """
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +21,7 @@ import torch
 
 from bigbatch import cli
 from bigbatch.experiments import rundir
+from bigbatch.testing import free_port
 
 from .test_cli import rows
 from .test_cli_distributed import SMALL, alive, bigbatch, process_tree
@@ -126,6 +131,79 @@ def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
     line = one_line(stderr)
     assert "stopped answering" in line and "launcher.log" in line
     assert not any(alive(pid) for pid in tree)
+
+
+def two_nodes(run, *args, timeout_s=120):
+    """Two torchrun agents on this machine, one rank each, meeting by c10d rendezvous: the
+    command docs/distributed.md gives for a cluster (``--nnodes 2``), on localhost."""
+    endpoint = f"localhost:{free_port()}"
+    agents = []
+    for _ in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        command += ["--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+        command += ["--rdzv-endpoint", endpoint, "--rdzv-id", run.name]
+        command += ["-m", "bigbatch.cli", "train", *map(str, args)]
+        agents.append(
+            subprocess.Popen(
+                command,
+                start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        )
+    return agents
+
+
+def kill_tree(process):
+    tree = process_tree(process.pid)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    return tree
+
+
+NODES = [*SMALL, "--set", "max_samples=8000"]
+
+
+def test_two_simulated_nodes_train_like_one_and_resume_after_both_agents_die(tmp_path):
+    one = tmp_path / "one-node"
+    assert bigbatch("train", *NODES, "--nproc", 2, "--out", one).returncode == 0
+    run = tmp_path / "two-nodes"
+    agents = two_nodes(run, *NODES, "--out", run)
+    while not (run / "checkpoint.prev.pt").exists():  # a periodic checkpoint is written
+        assert all(a.poll() is None for a in agents), [a.communicate() for a in agents]
+        time.sleep(0.02)
+    trees = [kill_tree(a) for a in agents]  # both machines lost
+    assert not any(alive(pid) for tree in trees for pid in tree)
+    again = tmp_path / "again"
+    shutil.copytree(run, again)
+    agents = two_nodes(run, "--quiet", "--resume", run)
+    assert [a.wait(timeout=120) for a in agents] == [0, 0], [a.communicate() for a in agents]
+    assert rows(run) == rows(one)  # two nodes of one rank each are one node of two ranks
+    # another number of processes continues the run (correctly, not bitwise)
+    result = bigbatch("train", "--quiet", "--resume", again)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((again / "summary.json").read_text())
+    assert summary["samples"] >= 8000 and summary["processes"] == 1
+
+
+def test_when_one_simulated_node_dies_the_other_ends_with_one_line(tmp_path):
+    run = tmp_path / "lost"
+    args = [*SMALL, "--set", "max_samples=400000", "--set", "dist.timeout=5", "--out", run]
+    agents = two_nodes(run, *args)
+    while not (run / "checkpoint.prev.pt").exists():
+        assert all(a.poll() is None for a in agents), [a.communicate() for a in agents]
+        time.sleep(0.02)
+    kill_tree(agents[1])  # one machine lost
+    survivor = agents[0]
+    began = time.monotonic()
+    _, stderr = survivor.communicate(timeout=120)
+    assert survivor.returncode != 0 and time.monotonic() - began < 60
+    ours = [line for line in stderr.splitlines() if line.startswith("bigbatch: ")]
+    assert len(ours) == 1 and "a collective failed or timed out" in ours[0], stderr
 
 
 def run_cli(*args):
