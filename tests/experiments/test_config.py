@@ -83,9 +83,10 @@ def test_every_declared_key_names_an_argument_of_its_component():
     import inspect
 
     from bigbatch.batch.controllers import CONTROLLERS
+    from bigbatch.dist.compression import CompressionState
     from bigbatch.optim import AGVM, VRGD
 
-    for component in (*CONTROLLERS.values(), AGVM, VRGD):
+    for component in (*CONTROLLERS.values(), AGVM, VRGD, CompressionState):
         parameters = inspect.signature(component).parameters
         assert all(knob.param in parameters for knob in component.CONFIG.values()), component
 

@@ -21,12 +21,13 @@ gradients in autograd hooks, before DDP hands buckets to this hook.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..knobs import Knob
 from .._checks import choice, whole_number
 from . import error_control
 from .error_control import METHODS, SHARED_ESTIMATE
@@ -95,6 +96,16 @@ class CompressionState:
     hand the pair to ``AdaptiveBatch(comm_hook=(state, compression_hook))``);
     save ``state_dict()`` with the checkpoint.
     """
+
+    #: the config keys (``dist.<key>``) a run may set (bigbatch.knobs); the method's η is two
+    #: keys there, one per meaning (see ``DEFAULT_ETA``)
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        "compressor": Knob("compressor", "what dist.compression sends", choices=COMPRESSORS),
+        "ratio": Knob(
+            "ratio", "fraction of each gradient bucket sent", low=0, high=1, low_open=True
+        ),
+        "warmup": Knob("warmup", "steps of uncompressed all-reduce before compressing", low=1),
+    }
 
     def __init__(
         self,

@@ -168,11 +168,9 @@ def _loop(
             state = CompressionState(
                 model,  # type: ignore[arg-type]
                 method,
-                config["dist.compressor"],
-                config["dist.ratio"],
                 eta=config["dist.sgdm_eta" if method == "ef21-sgdm" else "dist.eta"],
-                warmup=config["dist.warmup"],
                 seed=config["seed"],
+                **_declared(config, "dist.", CompressionState.CONFIG),
             )
             hook = (state, compression_hook)
     elif config["dist.compression"] != "none":

@@ -26,10 +26,12 @@ else:  # pragma: no cover - Python 3.10: the cli extra brings tomli
         tomllib = None
 
 
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
 from .._checks import batch_bounds
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
-from ..dist.compression import COMPRESSORS, METHODS
+from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..knobs import NO_DEFAULT, Knob, signature_defaults
 from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
 from ..optim.agvm import GROUPS_CONFIG
@@ -46,6 +48,13 @@ def _toml() -> Any:
         raise ModuleNotFoundError("No module named 'tomli'", name="tomli")
     return tomllib
 
+
+#: the config key of torch's PowerSGD hook (its state's own default rank)
+POWERSGD_CONFIG = {
+    "powersgd_rank": Knob(
+        "matrix_approximation_rank", "PowerSGD's matrix approximation rank", low=1
+    )
+}
 
 #: config values of dist.compression beside the hook's methods
 COMPRESSION_CHOICES = ("none", *(m for m in METHODS if m != "none"), "topk-only", "powersgd")
@@ -288,26 +297,24 @@ def _dist_keys() -> list[Key]:
             "powersgd: torch's PowerSGD hook (rank dist.powersgd_rank)",
             COMPRESSION_CHOICES,
         ),
-        Key("dist.powersgd_rank", 1, "PowerSGD's matrix approximation rank", low=1),
-        Key("dist.compressor", "topk", "what dist.compression sends", COMPRESSORS),
-        Key(
-            "dist.ratio",
-            0.01,
-            "fraction of each gradient bucket sent",
-            low=0,
-            high=1,
-            low_open=True,
+        *component_keys(
+            "dist.", {"compression": (CompressionState, CompressionState.CONFIG)}, "method"
         ),
-        Key("dist.eta", 0.1, "EControl's feedback strength η (0: EF21)", low=0),
+        Key(
+            "dist.eta",
+            DEFAULT_ETA["econtrol"],
+            "EControl's feedback strength η (0: EF21)",
+            low=0,
+        ),
         Key(
             "dist.sgdm_eta",
-            0.1,
+            DEFAULT_ETA["ef21-sgdm"],
             "EF21-SGDM's η: weight of the new gradient in each rank's moving average (1: EF21)",
             low=0,
             high=1,
             low_open=True,
         ),
-        Key("dist.warmup", 10, "steps of uncompressed all-reduce before compressing", low=1),
+        *component_keys("dist.", {"powersgd": (PowerSGDState, POWERSGD_CONFIG)}, "hook"),
         Key(
             "dist.timeout",
             300.0,
