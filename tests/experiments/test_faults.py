@@ -165,7 +165,9 @@ def kill_tree(process):
     return tree
 
 
-NODES = [*SMALL, "--set", "max_samples=8000"]
+# one thread everywhere: --nproc gives each rank a share of the cores, torchrun leaves that to
+# OMP_NUM_THREADS, and another thread count sums in another order
+NODES = [*SMALL, "--set", "max_samples=8000", "--set", "threads=1"]
 
 
 def test_two_simulated_nodes_train_like_one_and_resume_after_both_agents_die(tmp_path):
