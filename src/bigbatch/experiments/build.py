@@ -46,8 +46,9 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     if kind == "ramp" and not config["batch.ramp_samples"]:
         config["batch.ramp_samples"] = config["max_samples"] // 2
     family = get_optimizer_info(config["optimizer"]).family
-    controller = CONTROLLERS[config["batch.controller"]]
-    config["batch.lr_scaling"] = resolve_lr_rule(config["batch.lr_scaling"], controller, family)
+    config["batch.lr_scaling"] = resolve_lr_rule(
+        config["batch.lr_scaling"], CONTROLLERS[kind], family
+    )
     if not config["lr"]:
         held = config["batch.lr_scaling"] == "none"
         # a scaled rate is measured at the task's small batch: carry it to batch.base

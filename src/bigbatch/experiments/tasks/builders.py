@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from . import data as datasets
@@ -15,14 +16,11 @@ from .problem import Problem
 from .scoring import classification_eval, classification_loss, next_token_eval, next_token_loss
 
 
-def build_mnist1d(config: dict[str, Any]) -> Problem:
-    data = datasets.mnist1d_arrays()
-    x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"], dtype=torch.long)
-    x, y = x[: datasets.training_rows(config, len(x))], y[: datasets.training_rows(config, len(y))]
-    xt = torch.tensor(data["x_test"], dtype=torch.float32)
-    yt = torch.tensor(data["y_test"], dtype=torch.long)
-    torch.manual_seed(config["seed"])
-    model = Conv1dNet(config["model.width"], config["model.depth"])
+def classification_problem(
+    x: Tensor, y: Tensor, xt: Tensor, yt: Tensor, model: nn.Module
+) -> Problem:
+    """A classification task's problem: train on ``(x, y)``, score on ``(xt, yt)`` and, for
+    the generalization gap, on the training set too."""
     return Problem(
         TensorDataset(x, y),
         (xt, yt),
@@ -31,6 +29,17 @@ def build_mnist1d(config: dict[str, Any]) -> Problem:
         classification_eval(xt, yt),
         evaluate_train=classification_eval(x, y),
     )
+
+
+def build_mnist1d(config: dict[str, Any]) -> Problem:
+    data = datasets.mnist1d_arrays()
+    x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"], dtype=torch.long)
+    rows = datasets.training_rows(config, len(x))
+    xt = torch.tensor(data["x_test"], dtype=torch.float32)
+    yt = torch.tensor(data["y_test"], dtype=torch.long)
+    torch.manual_seed(config["seed"])
+    model = Conv1dNet(config["model.width"], config["model.depth"])
+    return classification_problem(x[:rows], y[:rows], xt, yt, model)
 
 
 def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 10_000) -> Problem:
@@ -60,14 +69,7 @@ def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 1
     model = mlp(dims, width, depth, classes)
     xt, yt = x[n_train:], y[n_train:]
     rows = datasets.training_rows(config, n_train)
-    return Problem(
-        TensorDataset(x[:rows], y[:rows]),
-        (xt, yt),
-        model,
-        classification_loss,
-        classification_eval(xt, yt),
-        evaluate_train=classification_eval(x[:rows], y[:rows]),
-    )
+    return classification_problem(x[:rows], y[:rows], xt, yt, model)
 
 
 def build_digits(config: dict[str, Any]) -> Problem:
@@ -87,14 +89,7 @@ def build_digits(config: dict[str, Any]) -> Problem:
     model = mlp(64, config["model.width"], config["model.depth"], 10)
     xt, yt = x[split:], y[split:]
     rows = datasets.training_rows(config, split)
-    return Problem(
-        TensorDataset(x[:rows], y[:rows]),
-        (xt, yt),
-        model,
-        classification_loss,
-        classification_eval(xt, yt),
-        evaluate_train=classification_eval(x[:rows], y[:rows]),
-    )
+    return classification_problem(x[:rows], y[:rows], xt, yt, model)
 
 
 def build_lm(config: dict[str, Any], sequences: int = 20_000, test: int = 1_000) -> Problem:

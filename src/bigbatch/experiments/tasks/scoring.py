@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,21 +25,30 @@ class OnDevice:
         return self._copies[device]
 
 
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode without gradients, then back in the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def classification_eval(x: Tensor, y: Tensor, chunk: int = 4096):
     data = OnDevice(x, y)
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         xs, ys = data.on(model)
-        was_training = model.training
-        model.eval()
         loss = torch.zeros((), dtype=torch.float64, device=xs.device)
         correct = torch.zeros((), dtype=torch.int64, device=xs.device)
-        with torch.no_grad():
+        with evaluating(model):
             for i in range(0, len(xs), chunk):
                 out = model(xs[i : i + chunk]).float()
                 loss += nn.functional.cross_entropy(out, ys[i : i + chunk], reduction="sum")
                 correct += (out.argmax(-1) == ys[i : i + chunk]).sum()
-        model.train(was_training)
         total, right = torch.stack([loss, correct.double()]).tolist()  # one read
         return {"eval_loss": total / len(xs), "eval_accuracy": right / len(xs)}
 
@@ -68,12 +79,10 @@ def next_token_eval(x: Tensor, y: Tensor, chunk_tokens: int = 65_536):
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         xs, ys = data.on(model)
-        was_training = model.training
-        model.eval()
         loss = torch.zeros((), dtype=torch.float64, device=xs.device)
         correct = torch.zeros((), dtype=torch.float64, device=xs.device)
         logit = torch.full((), -math.inf, device=xs.device)
-        with torch.no_grad():
+        with evaluating(model):
             for i in range(0, len(xs), chunk):
                 xb, yb = xs[i : i + chunk].long(), ys[i : i + chunk].long()
                 out = model(xb).float()
@@ -83,7 +92,6 @@ def next_token_eval(x: Tensor, y: Tensor, chunk_tokens: int = 65_536):
                 correct += (out.argmax(-1) == yb).sum()
                 heads = torch.stack([b.attn.max_logit for b in model.blocks])  # type: ignore
                 logit = torch.maximum(logit, heads.amax().float())
-        model.train(was_training)
         total, right, top = torch.stack([loss, correct, logit.double()]).tolist()
         return {
             "eval_loss": total / ys.numel(),
