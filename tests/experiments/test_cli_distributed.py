@@ -75,29 +75,50 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def kill_after_first_checkpoint(run, *args, periodic=True):
-    """SIGKILL the run and every process it started, as a lost machine would, once it has
-    written a periodic checkpoint (or, ``periodic=False``, the one before its first step).
+def wait_for_checkpoint(run, processes, periodic=True, timeout=120):
+    """Wait until ``run`` holds a periodic checkpoint (``periodic=False``: the one written
+    before the first step) while every one of ``processes`` still runs."""
+    deadline = time.monotonic() + timeout
+    # checkpoint.pt is written before the first step; .prev appears with the first periodic one
+    while not (run / ("checkpoint.prev.pt" if periodic else "checkpoint.pt")).exists():
+        assert all(p.poll() is None for p in processes), "a run ended before its checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def kill_tree(process) -> list[int]:
+    """SIGKILL ``process`` and every process it started, as a lost machine would.
 
     torch's launcher starts each rank in a session of its own, so killing the
     command's process group alone would leave the ranks training (and writing
     checkpoints) on their own.
     """
-    process = bigbatch("train", *args, "--out", run, wait=False)
-    deadline = time.monotonic() + 120
-    # checkpoint.pt is written before the first step; .prev appears with the first periodic one
-    while not (run / ("checkpoint.prev.pt" if periodic else "checkpoint.pt")).exists():
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
     tree = process_tree(process.pid)
     for pid in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     process.wait()
+    return tree
+
+
+def kill_after_first_checkpoint(run, *args, periodic=True):
+    """Start a run and kill it and everything it started once it has written a periodic
+    checkpoint (or, ``periodic=False``, the one before its first step)."""
+    process = bigbatch("train", *args, "--out", run, wait=False)
+    wait_for_checkpoint(run, [process], periodic)
+    tree = kill_tree(process)
+    deadline = time.monotonic() + 60
     while any(alive(pid) for pid in tree[1:]):
-        assert time.monotonic() < deadline + 60
+        assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def assert_same_run(run, reference):
+    """``run`` logged the same steps as ``reference`` and ended with bitwise-equal weights."""
+    assert rows(run) == rows(reference)
+    a = torch.load(run / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    b = torch.load(reference / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def alive(pid: int) -> bool:
@@ -130,7 +151,4 @@ def test_a_run_sigkilled_before_its_first_step_resumes_to_the_same_result(tmp_pa
     assert not (killed / "summary.json").exists()
     result = bigbatch("train", "--quiet", "--resume", killed)
     assert result.returncode == 0, result.stderr
-    assert rows(killed) == rows(straight)
-    a = torch.load(killed / "checkpoint.pt", weights_only=True)["loop"]["model"]
-    b = torch.load(straight / "checkpoint.pt", weights_only=True)["loop"]["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(killed, straight)

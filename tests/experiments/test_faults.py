@@ -6,7 +6,6 @@ documented exit code (docs/cli.md). Marked ``faults``; they run with the rest
 of the suite.
 """
 
-import contextlib
 import errno
 import json
 import os
@@ -24,7 +23,15 @@ from bigbatch.experiments import rundir
 from bigbatch.testing import free_port
 
 from .test_cli import rows
-from .test_cli_distributed import SMALL, alive, bigbatch, process_tree
+from .test_cli_distributed import (
+    SMALL,
+    alive,
+    assert_same_run,
+    bigbatch,
+    kill_tree,
+    process_tree,
+    wait_for_checkpoint,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -91,10 +98,7 @@ def test_a_signal_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
     assert f"stopped by {signal.Signals(sig).name} at step" in line and "--resume" in line
     resumed = bigbatch("train", "--quiet", "--resume", stopped)
     assert resumed.returncode == 0, resumed.stderr
-    assert rows(stopped) == rows(straight)
-    a = torch.load(stopped / "checkpoint.pt", weights_only=True)["loop"]["model"]
-    b = torch.load(straight / "checkpoint.pt", weights_only=True)["loop"]["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(stopped, straight)
 
 
 def test_sigterm_to_a_two_process_launcher_stops_every_rank_after_a_checkpoint(tmp_path):
@@ -156,15 +160,6 @@ def two_nodes(run, *args, timeout_s=120):
     return agents
 
 
-def kill_tree(process):
-    tree = process_tree(process.pid)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    process.wait()
-    return tree
-
-
 # one thread everywhere: --nproc gives each rank a share of the cores, torchrun leaves that to
 # OMP_NUM_THREADS, and another thread count sums in another order
 NODES = [*SMALL, "--set", "max_samples=8000", "--set", "threads=1"]
@@ -175,9 +170,7 @@ def test_two_simulated_nodes_train_like_one_and_resume_after_both_agents_die(tmp
     assert bigbatch("train", *NODES, "--nproc", 2, "--out", one).returncode == 0
     run = tmp_path / "two-nodes"
     agents = two_nodes(run, *NODES, "--out", run)
-    while not (run / "checkpoint.prev.pt").exists():  # a periodic checkpoint is written
-        assert all(a.poll() is None for a in agents), [a.communicate() for a in agents]
-        time.sleep(0.02)
+    wait_for_checkpoint(run, agents)
     trees = [kill_tree(a) for a in agents]  # both machines lost
     assert not any(alive(pid) for tree in trees for pid in tree)
     again = tmp_path / "again"
@@ -196,9 +189,7 @@ def test_when_one_simulated_node_dies_the_other_ends_with_one_line(tmp_path):
     run = tmp_path / "lost"
     args = [*SMALL, "--set", "max_samples=400000", "--set", "dist.timeout=5", "--out", run]
     agents = two_nodes(run, *args)
-    while not (run / "checkpoint.prev.pt").exists():
-        assert all(a.poll() is None for a in agents), [a.communicate() for a in agents]
-        time.sleep(0.02)
+    wait_for_checkpoint(run, agents)
     kill_tree(agents[1])  # one machine lost
     survivor = agents[0]
     began = time.monotonic()
