@@ -78,3 +78,33 @@ def test_bad_options_stop_before_any_run(trained, tmp_path, options, message):
     with pytest.raises(ConfigError, match=r"batch\.intial"):
         sweep(BASE, [Arm("a", {"batch.intial": 3}, "a")], tmp_path)
     assert trained == []
+
+
+def test_a_rate_that_diverges_ranks_last_and_leaves_a_summary(trained, tmp_path, monkeypatch):
+    from bigbatch.experiments import runner
+
+    from .fake_runs import fake_train
+
+    def train(config, out, **options):
+        if config["lr"] > 0.005:  # past stability: the runner stops on skipped steps
+            raise runner.TooManySkippedError(30, 40, 0.25)
+        return fake_train(config, out, **options)
+
+    monkeypatch.setattr(runner, "train", train)
+    (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path, multipliers=(1.0, 2.0))
+    assert result.lr == pytest.approx(0.004)
+    diverged = result.grid[1]
+    assert "30 of 40 optimizer steps were skipped" in diverged["diverged"]
+    assert metric(diverged) != metric(diverged)  # NaN: no score
+    assert (tmp_path / "a-lr1-seed0" / "summary.json").is_file()  # reused, not retrained
+
+
+def test_the_skipped_steps_error_crosses_a_process_boundary():
+    """A sweep's workers send it back pickled; it must come back whole."""
+    import pickle
+
+    from bigbatch.experiments.runner import TooManySkippedError
+
+    err = pickle.loads(pickle.dumps(TooManySkippedError(30, 40, 0.25)))
+    assert (err.skipped, err.steps, err.limit) == (30, 40, 0.25)
+    assert "30 of 40" in str(err)

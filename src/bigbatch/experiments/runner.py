@@ -197,11 +197,16 @@ class TooManySkippedError(FloatingPointError):
     """More than ``skip_limit`` of a run's optimizer steps were skipped as non-finite."""
 
     def __init__(self, skipped: int, steps: int, limit: float) -> None:
+        self.skipped, self.steps, self.limit = skipped, steps, limit
         super().__init__(
             f"{skipped} of {steps} optimizer steps were skipped for a non-finite gradient or "
             f"loss, more than skip_limit = {limit:g} of them (a lower lr, or "
             "--set skip_limit=1 to train on regardless); the checkpoint is kept"
         )
+
+    def __reduce__(self) -> tuple:
+        # rebuilt from its fields when it crosses a process boundary (a sweep's workers)
+        return type(self), (self.skipped, self.steps, self.limit)
 
 
 def _halt(stop: StopRequest, loop: AdaptiveBatch, limit: float, out: Path) -> Exception | None:

@@ -33,6 +33,7 @@ from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
 from .build import with_task_defaults
 from .config import ConfigError, resolve
+from .tasks import TASKS
 
 __all__ = ["RANKS", "Arm", "ArmResult", "arm_rate", "check_protocol", "metric", "run_all", "sweep"]
 
@@ -65,7 +66,31 @@ def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
         shutil.rmtree(path)
     if not quiet:
         print(f"[{path.name}] lr {config['lr']:.4g}, seed {config['seed']}", flush=True)
-    return runner.train(resolve(config), path, quiet=quiet)
+    try:
+        return runner.train(resolve(config), path, quiet=quiet)
+    except runner.TooManySkippedError as err:
+        # a rate past stability is a result of the grid, not a failure of the sweep
+        summary = diverged_summary(config, path, str(err))
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+
+def diverged_summary(config: dict[str, Any], path: Path, why: str) -> dict[str, Any]:
+    """The summary of a run stopped for non-finite steps: every score missing (it ranks
+    last, :data:`RANKS`), ``diverged`` saying why."""
+    task = TASKS[config["task"]]
+    scores = {f"{w}_{m}": None for w in ("best", "final") for m in ("accuracy", "eval_loss")}
+    return {
+        "task": task.name,
+        "run_dir": str(path),
+        "target_metric": task.target_metric,
+        "target": task.target,
+        "target_reached": False,
+        "steps_to_target": None,
+        "diverged": why,
+        **scores,
+    }
 
 
 def run_all(
