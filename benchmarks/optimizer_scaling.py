@@ -48,7 +48,7 @@ def arms(task_name: str, optimizers, multiples) -> list[Arm]:
     task = TASKS[task_name]
     out = []
     for name in optimizers:
-        rate = task.lr(get_optimizer_info(name).family, held=False)
+        rate = task.lr(name, get_optimizer_info(name).family, held=False)
         for multiple in multiples:
             batch = task.base_batch * multiple
             overrides = {

@@ -43,7 +43,7 @@ def arms(bases: list[str], multiples: list[int], gammas: tuple[float, ...]) -> l
     task = TASKS["mnist1d"]
     out = []
     for base in bases:
-        rate = task.lr(get_optimizer_info(base).family, held=False)
+        rate = task.lr(base, get_optimizer_info(base).family, held=False)
         for multiple in multiples:
             batch = task.base_batch * multiple
             common = {"batch.initial": batch, "lr": rate}

@@ -51,5 +51,10 @@ def test_schedules_in_samples():
     assert f(5000) == pytest.approx(0.1)
     g = schedules.warmup_linear(total=1000, warmup=0)
     assert g(500) == pytest.approx(0.5)
+    # the LARS paper's polynomial decay, power 2, after the warm-up
+    p = schedules.warmup_poly(total=1100, warmup=100)
+    assert p(99) == pytest.approx(1.0)
+    assert p(600) == pytest.approx(0.25)
+    assert p(1100) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="warmup"):
         schedules.warmup_cosine(total=10, warmup=20)

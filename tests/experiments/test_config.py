@@ -1,6 +1,14 @@
 import pytest
 
-from bigbatch.experiments.config import ConfigError, defaults, parse_assignment, resolve, to_toml
+from bigbatch.experiments.config import (
+    ConfigError,
+    _toml,
+    defaults,
+    flatten,
+    parse_assignment,
+    resolve,
+    to_toml,
+)
 
 
 def test_defaults_resolve_and_round_trip_through_toml(tmp_path):
@@ -95,3 +103,36 @@ def test_an_old_key_name_still_works_and_warns_with_the_new_one():
     with pytest.warns(FutureWarning, match="'agvm_interval' is now 'agvm.interval'"):
         config = resolve({"agvm_interval": 7, "agvm": True})
     assert config["agvm.interval"] == 7 and config["agvm.enabled"] is True
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb", "vr-sgd"])
+def test_keys_left_at_auto_take_the_optimizers_recipe(name):
+    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.optim import RECIPES
+
+    config = with_task_defaults(resolve({"optimizer": name}))
+    recipe = RECIPES[name]
+    assert config["weight_decay"] == recipe.weight_decay
+    assert config["schedule.kind"] == recipe.schedule
+    assert config["schedule.warmup"] == recipe.warmup
+    assert config["vrgd.gamma"] == recipe.options.get("gamma", "auto")
+    # the saved config reads back as the same run
+    saved = flatten(_toml().loads(to_toml(config)))
+    assert with_task_defaults(resolve(saved)) == config
+
+
+def test_a_key_set_by_the_user_wins_over_the_recipe():
+    from bigbatch.experiments.build import with_task_defaults
+
+    config = with_task_defaults(
+        resolve({"optimizer": "lars", "weight_decay": 0.0, "schedule.kind": "poly"})
+    )
+    assert (config["weight_decay"], config["schedule.kind"]) == (0.0, "poly")
+
+
+@pytest.mark.parametrize("key", ["weight_decay", "schedule.warmup", "vrgd.gamma"])
+def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key):
+    with pytest.raises(ConfigError, match=f"{key} must be a number or 'auto', got 'lots'"):
+        resolve({key: "lots"})
+    with pytest.raises(ConfigError, match=f"{key} must be >"):
+        resolve({key: -1})

@@ -138,7 +138,7 @@ def test_every_variant_trains_in_adaptive_batch(name):
     x = torch.randn(2048, 8)
     y = (x @ torch.randn(8, 3)).argmax(1)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
-    lr = {"vr-sgd": 0.5, "vr-momentum": 0.1, "vr-adam": 1e-2, "vr-lars": 0.5, "vr-lamb": 1e-2}
+    lr = {"vr-sgd": 0.5, "vr-momentum": 0.1, "vr-adam": 1e-2, "vr-lars": 10.0, "vr-lamb": 1e-2}
     optimizer = create_optimizer(model, name, lr=lr[name])
     loop = bb.AdaptiveBatch(
         model,

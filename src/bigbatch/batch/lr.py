@@ -191,20 +191,29 @@ def warmup_linear(total: int, warmup: int = 0, final: float = 0.0) -> Schedule:
     return _warmup_then(total, warmup, lambda t: 1 - (1 - final) * t)
 
 
+def warmup_poly(total: int, warmup: int = 0, power: float = 2.0) -> Schedule:
+    """Linear warm-up over ``warmup`` samples, then ``(1 - t)^power`` to 0 at ``total``:
+    the LARS paper's and MLPerf ResNet-50's polynomial decay (power 2)."""
+    return _warmup_then(total, warmup, lambda t: (1 - t) ** power)
+
+
 def constant(samples: int) -> float:
     """The schedule that leaves the learning rate alone."""
     return 1.0
 
 
 #: the schedules a config names (``schedule.kind``): warm-up then decay, or none
-SCHEDULES = ("cosine", "linear", "constant")
+SCHEDULES = ("cosine", "linear", "poly", "constant")
 
 
 def schedule_by_name(kind: str, total: int, warmup: int) -> Schedule:
-    """``warmup_cosine`` / ``warmup_linear`` over ``total`` samples, or the constant schedule."""
+    """``warmup_cosine`` / ``warmup_linear`` / ``warmup_poly`` (power 2) over ``total``
+    samples, or the constant schedule."""
     choice("schedule", kind, SCHEDULES)
     if kind == "cosine":
         return warmup_cosine(total, warmup)
     if kind == "linear":
         return warmup_linear(total, warmup)
+    if kind == "poly":
+        return warmup_poly(total, warmup)
     return constant

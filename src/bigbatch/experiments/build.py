@@ -14,7 +14,7 @@ from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
-from .config import ConfigError, fill_component_defaults
+from .config import AUTO, ConfigError, fill_component_defaults
 from .device import Precision, to_device
 from .tasks import TASKS, Problem
 
@@ -23,9 +23,10 @@ _METHOD = {"topk-only": "none"}
 
 
 def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    """Fill the keys left at 0 ("the task's default") from the task, and resolve the LR rule."""
+    """Fill the keys left at 0 ("the task's default") from the task and those left at
+    ``"auto"`` from the optimizer's recipe, and resolve the LR rule."""
     task = TASKS[config["task"]]
-    config = dict(config)
+    config = with_recipe(config)
     if config["model.context"] and not task.context:
         raise ConfigError(
             f"model.context = {config['model.context']} is set, but the {task.name} task "
@@ -52,12 +53,28 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     if not config["lr"]:
         held = config["batch.lr_scaling"] == "none"
         # a scaled rate is measured at the task's small batch: carry it to batch.base
-        base_rate = task.lr(family, held)
+        base_rate = task.lr(config["optimizer"], family, held)
         if not held:
             base_rate *= lr_factor(
                 config["batch.lr_scaling"], config["batch.base"], task.base_batch
             )
         config["lr"] = base_rate
+    return config
+
+
+def with_recipe(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the keys left at ``"auto"`` taken from its optimizer's recipe
+    (``bigbatch.optim.RECIPES``); γ only for the VRGD forms, which take it."""
+    recipe = get_optimizer_info(config["optimizer"]).recipe
+    config = dict(config)
+    for key, value in (
+        ("weight_decay", recipe.weight_decay),
+        ("schedule.kind", recipe.schedule),
+        ("schedule.warmup", recipe.warmup),
+        ("vrgd.gamma", recipe.options.get("gamma", AUTO)),
+    ):
+        if config[key] == AUTO:
+            config[key] = value
     return config
 
 

@@ -78,10 +78,24 @@ class Key:
     #: each component's own default where the components sharing the key differ (the key's
     #: ``default`` then means "the chosen component's own")
     owners: Mapping[str, Any] | None = None
+    #: a number key whose default is :data:`AUTO`: the optimizer's recipe fills it
+    #: (``bigbatch.optim.RECIPES``)
+    from_recipe: bool = False
 
     @property
     def kind(self) -> type:
+        if self.from_recipe:
+            return float
         return type(self.default) if self.default is not None else float
+
+
+#: the value of a key that the chosen optimizer's recipe fills in
+AUTO = "auto"
+
+
+def recipe_key(name: str, help: str, **bounds: Any) -> Key:
+    """A number key that defaults to the optimizer's recipe (:data:`AUTO`)."""
+    return Key(name, AUTO, f"{help}; auto: the optimizer's recipe", from_recipe=True, **bounds)
 
 
 #: old key names, still accepted with a warning
@@ -181,7 +195,12 @@ def _run_keys() -> list[Key]:
             "family and LR rule (see `bigbatch tasks`)",
             low=0,
         ),
-        Key("weight_decay", 0.01, "weight decay (not on biases and norms)", low=0),
+        recipe_key(
+            "weight_decay",
+            "weight decay, not on biases and norms (coupled for SGD and LARS, decoupled for "
+            "AdamW and LAMB)",
+            low=0,
+        ),
         Key("seed", 0, "seed for model initialisation and data order", low=0),
         Key("max_samples", 0, "training budget in samples; 0: the task's default", low=0),
         Key(
@@ -274,8 +293,13 @@ def _batch_keys() -> list[Key]:
             "one process, scalar under DDP",
             ("auto", *SIMILARITY_MODES),
         ),
-        Key("schedule.kind", "cosine", "LR schedule over samples", SCHEDULES),
-        Key("schedule.warmup", 0.05, "warm-up, as a fraction of max_samples", low=0, high=1),
+        Key(
+            "schedule.kind",
+            AUTO,
+            "LR decay over samples after the warm-up; auto: the optimizer's recipe",
+            (AUTO, *SCHEDULES),
+        ),
+        recipe_key("schedule.warmup", "linear warm-up, a fraction of max_samples", low=0, high=1),
     ]
 
 
@@ -327,9 +351,15 @@ def _dist_keys() -> list[Key]:
 
 
 def _optimizer_keys() -> list[Key]:
-    """The VRGD forms' and AGVM's settings, as their classes declare them."""
+    """The VRGD forms' and AGVM's settings, as their classes declare them; the VRGD
+    forms' γ is part of their recipes."""
+    vrgd = {k: v for k, v in VRGD.CONFIG.items() if k != "gamma"}
+    gamma = VRGD.CONFIG["gamma"]
     return [
-        *component_keys("vrgd.", {"vr-*": (VRGD, VRGD.CONFIG)}, "optimizer"),
+        recipe_key(
+            "vrgd.gamma", gamma.help, low=gamma.low, low_open=gamma.low_open, high=gamma.high
+        ),
+        *component_keys("vrgd.", {"vr-*": (VRGD, vrgd)}, "optimizer"),
         Key(
             "agvm.enabled",
             False,
@@ -396,6 +426,8 @@ def parse_assignment(text: str) -> tuple[str, Any]:
 def _check_kind(key: Key, value: Any) -> Any:
     """``value`` as the key's type (bool, whole number, finite number or one of the choices)."""
     kind = key.kind
+    if key.from_recipe and isinstance(value, str):
+        raise ConfigError(f"{key.name} must be a number or {AUTO!r}, got {value!r}")
     if kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key.name} must be true or false, got {value!r}")
@@ -420,6 +452,8 @@ def _check_kind(key: Key, value: Any) -> Any:
 
 
 def _check(key: Key, value: Any) -> Any:
+    if key.from_recipe and value == AUTO:
+        return value
     value = _check_kind(key, value)
     if key.kind is bool or key.kind is str:
         return value

@@ -9,7 +9,9 @@
 - :func:`param_groups` for weight-decay groups, :func:`module_param_groups`
   for AGVM's module groups;
 - :func:`create_optimizer` / :func:`list_optimizers`, which also name torch's
-  ``sgd`` and ``adamw`` so every experiment can name its optimizer.
+  ``sgd``, ``plain-sgd`` and ``adamw`` so every experiment can name its optimizer;
+- :data:`RECIPES`: what each name trains with unasked (weight decay, warm-up,
+  decay, momentum, trust coefficient, γ).
 """
 
 from ._base import IMPLS, ImplFallbackWarning
@@ -18,6 +20,7 @@ from .lamb import LAMB
 from .lars import LARS
 from .merit import MERIT
 from .param_groups import param_groups
+from .recipes import RECIPES, Recipe
 from .registry import (
     FAMILIES,
     OPTIMIZERS,
@@ -39,10 +42,12 @@ __all__ = [
     "MERIT",
     "MODULE_RULES",
     "OPTIMIZERS",
+    "RECIPES",
     "VRGD",
     "FewSubBatchesWarning",
     "ImplFallbackWarning",
     "OptimizerInfo",
+    "Recipe",
     "StatisticsWrapper",
     "create_optimizer",
     "get_optimizer_info",

@@ -20,6 +20,7 @@ from .lamb import LAMB
 from .lars import LARS
 from .merit import MERIT
 from .param_groups import param_groups
+from .recipes import RECIPES, Recipe
 from .vrgd import VRGD
 from .wrapper import StatisticsWrapper
 
@@ -50,7 +51,13 @@ class OptimizerInfo:
     paper: str
     summary: str
     family: str
+    #: the settings that define this name (LARC is LARS with ``trust_clip``)
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def recipe(self) -> Recipe:
+        """What it trains with unasked: weight decay, warm-up, decay, settings (``RECIPES``)."""
+        return RECIPES[self.name]
 
     def signature(self) -> inspect.Signature:
         return inspect.signature(self.factory)
@@ -72,6 +79,7 @@ def _info(name: str, factory: Callable, paper: str, summary: str, **defaults: An
     """A registry record; its family is the family of the class ``factory`` builds."""
     family = class_family(getattr(factory, "builds", factory))
     assert family in FAMILIES, (name, family)
+    assert name in RECIPES, f"{name} has no recipe"
     return OptimizerInfo(name, factory, paper, summary, family, MappingProxyType(defaults))
 
 
@@ -161,6 +169,12 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
                 momentum=0.9,
             ),
             _info(
+                "plain-sgd",
+                torch.optim.SGD,
+                "Robbins & Monro 1951",
+                "torch.optim.SGD without momentum: the base of the VRGD paper's VR-SGD",
+            ),
+            _info(
                 "adamw",
                 torch.optim.AdamW,
                 "Loshchilov & Hutter 2019, Decoupled Weight Decay Regularization, arXiv:1711.05101",
@@ -170,7 +184,7 @@ OPTIMIZERS: Mapping[str, OptimizerInfo] = MappingProxyType(
                 "vr-sgd",
                 with_vrgd(torch.optim.SGD, 0.0),
                 _VRGD,
-                "SGD on the GSNR-scaled gradient",
+                "the paper's VR-SGD: plain SGD (no momentum) on the GSNR-scaled gradient",
             ),
             _info(
                 "vr-momentum",
@@ -232,9 +246,11 @@ def create_optimizer(
 
     Given an ``nn.Module``, parameters are split by :func:`param_groups` (no
     weight decay for biases, norms and ``no_decay`` patterns) with the
-    optimizer's weight decay (``kwargs`` or its default); given parameters or
-    param groups, they are used as they are. ``kwargs`` override the
-    registry's settings; an argument the optimizer does not take is a
+    optimizer's weight decay (``kwargs`` or its recipe's); given parameters or
+    param groups, they are used as they are (a group without ``weight_decay``
+    gets the recipe's). The optimizer's recipe (:data:`RECIPES`: weight decay,
+    momentum, trust coefficient, VRGD's γ) fills what ``kwargs`` leave out;
+    ``kwargs`` override it. An argument the optimizer does not take is a
     ``ValueError`` naming it.
 
     Example:
@@ -248,13 +264,20 @@ def create_optimizer(
             close = difflib.get_close_matches(key, accepted, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"optimizer {info.name!r} takes no argument {key!r}{hint}")
-    options = {**info.defaults, **kwargs}
+    recipe = info.recipe
+    options = {
+        "weight_decay": recipe.weight_decay,
+        **recipe.options,
+        **info.defaults,
+        **kwargs,
+    }
     lr = signature.parameters.get("lr")
     if "lr" not in options and lr is not None and lr.default is inspect.Parameter.empty:
         raise ValueError(f"optimizer {info.name!r} needs a learning rate: pass lr=...")
     if isinstance(model_or_params, nn.Module):
-        decay = options.get("weight_decay", signature.parameters["weight_decay"].default)
-        params: Any = param_groups(model_or_params, float(decay), no_decay=no_decay)
+        params: Any = param_groups(
+            model_or_params, float(options["weight_decay"]), no_decay=no_decay
+        )
     else:
         params = model_or_params
     return info.factory(params, **options)

@@ -40,11 +40,12 @@ class Task:
     size: str
     expected: str
     target: float
-    #: measured learning rates: ``lrs[family]`` at ``base_batch`` under the family's
-    #: batch rule (``bigbatch.batch.lr.FAMILY_RULES``), ``lrs[family + "/held"]`` for
-    #: controllers that hold the rate while the batch follows the noise. The adam rates
-    #: come from the evidence grids, the sgd and lars ones from benchmarks/family_lrs.py
-    #: (docs/results.md, "Learning rate per optimizer family")
+    #: measured learning rates at ``base_batch`` under the optimizer's batch rule
+    #: (``bigbatch.batch.lr.FAMILY_RULES``), keyed by optimizer name (``"lars"``,
+    #: ``"vr-sgd"``) or, for the optimizers not measured by name, by family (``"adam"``,
+    #: ``"sgd"``, ``"lars"``); ``key + "/held"`` for controllers that hold the rate while
+    #: the batch follows the noise. Measured by the evidence grids and
+    #: benchmarks/recipes.py (docs/results.md, "Recipes")
     lrs: Mapping[str, float]
     max_samples: int
     width: int
@@ -57,12 +58,14 @@ class Task:
     #: the sequence length of a sequence task (``model.context``); 0: the task has none
     context: int = 0
 
-    def lr(self, family: str, held: bool) -> float:
-        """The task's rate for an optimizer family, under a held or a scaled LR rule."""
-        key = f"{family}/held" if held else family
-        if key not in self.lrs:  # not measured for this family: the Adam-type rate
-            key = "adam/held" if held else "adam"
-        return self.lrs[key]
+    def lr(self, optimizer: str, family: str, held: bool) -> float:
+        """The task's rate for ``optimizer`` (of ``family``) under a held or a scaled LR
+        rule: its own measured rate, else its family's, else the Adam-type rate."""
+        suffix = "/held" if held else ""
+        for key in (optimizer, family, "adam"):
+            if key + suffix in self.lrs:
+                return self.lrs[key + suffix]
+        raise KeyError(f"the {self.name} task has no rate for {optimizer!r}")
 
     def reached(self, evaluation: dict[str, float]) -> bool:
         """Whether an evaluation row meets the target."""

@@ -1,0 +1,147 @@
+"""Every optimizer at its default recipe against the best of its own rate grid (issue 40).
+
+    python benchmarks/recipes.py --out runs/recipes --jobs 2
+    python benchmarks/recipes.py --tasks digits --settings b256 --optimizers lars sgd
+    python benchmarks/recipes.py --tasks mnist1d --settings x16 x64 --optimizers sgd lars larc lamb
+
+For each task, optimizer and setting — ``b256`` (constant batch 256),
+``x16`` / ``x64`` (constant batch 16 and 64 times that: 4096, 16384) and
+``default`` (the default controller, batch_warmup from 64) — one arm trains
+at the task's default budget with everything at the optimizer's recipe
+(``bigbatch.optim.RECIPES``): its rate is the task's measured rate carried
+by the optimizer's batch rule, the same ×1 point a user gets with
+``--set optimizer=NAME``. The arm's grid is that rate times ×0.5, ×1, ×2
+(``x16``/``x64``: ×1/16 to ×1, since the linear rule's 16× and 64× are
+where the SGD-type rates stop being stable), widened by ×2 steps up to
+``--widen`` times until its best rate is inside it; the best is chosen by
+the final score (accuracy; ``lm``/``text``: eval loss) and rerun on
+``--seeds`` seeds. Runs already in ``--out`` are reused, so a killed
+benchmark continues where it stopped.
+
+Prints, and writes as ``recipes.md`` and ``recipes.json``: per cell the
+default's final score (seed 0), the best rate's final score (mean ± std over
+the seeds), the gap, and whether the default is within the goal (1 point;
+0.02 nats on ``lm``/``text``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from bigbatch.experiments.analysis import mean_std
+from bigbatch.experiments.sweep import Arm, ArmResult, arm_rate, metric, sweep
+
+SETTINGS = {
+    "b256": {"batch.controller": "constant", "batch.initial": 256},
+    "x16": {"batch.controller": "constant", "batch.initial": 4096, "batch.max": 4096},
+    "x64": {"batch.controller": "constant", "batch.initial": 16384, "batch.max": 16384},
+    "default": {},
+}
+#: the rate grid around each arm's default rate, per setting
+GRIDS = {
+    "b256": (0.5, 1.0, 2.0),
+    "default": (0.5, 1.0, 2.0),
+    "x16": (0.0625, 0.25, 1.0),
+    "x64": (0.0625, 0.25, 1.0),
+}
+#: how far below the best a default may end: 1 point of accuracy, 0.02 nats of loss
+TOLERANCE = {"accuracy": 0.01, "loss": 0.02}
+
+
+def cell_arms(optimizers: list[str], setting: str) -> list[Arm]:
+    return [
+        Arm(f"{name} {setting}", {"optimizer": name, **SETTINGS[setting]}, f"{name}-{setting}")
+        for name in optimizers
+    ]
+
+
+def row(task: str, setting: str, result: ArmResult, default_lr: float) -> dict:
+    """One cell: the default rate's final score (seed 0) beside the best rate's seeds."""
+    at_default = min(
+        range(len(result.lrs)), key=lambda i: abs(math.log(result.lrs[i] / default_lr))
+    )
+    default = metric(result.grid[at_default], "final")
+    finals = [metric(s, "final") for s in result.runs]
+    mean, std = mean_std(finals)
+    loss = result.runs[0].get("target_metric", "").endswith("loss")
+    best_seed0 = finals[0]
+    gap = (default - best_seed0) if loss else (best_seed0 - default)
+    return {
+        "task": task,
+        "optimizer": result.overrides["optimizer"],
+        "setting": setting,
+        "default_lr": default_lr,
+        "default_final": default,
+        "best_lr": result.lr,
+        "best_final_mean": mean,
+        "best_final_std": std,
+        "seeds": len(finals),
+        "gap": gap,
+        "within": gap <= TOLERANCE["loss" if loss else "accuracy"] + 1e-12,
+        "at_edge": result.at_edge,
+        "grid": {f"{lr:.4g}": metric(s, "final") for lr, s in zip(result.lrs, result.grid)},
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| task | optimizer | setting | default lr | default final | best lr | best final "
+        "(seeds) | gap | within |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        edge = " (edge)" if r["at_edge"] else ""
+        lines.append(
+            f"| {r['task']} | {r['optimizer']} | {r['setting']} | {r['default_lr']:.4g} | "
+            f"{r['default_final']:.4f} | {r['best_lr']:.4g}{edge} | "
+            f"{r['best_final_mean']:.4f} ± {r['best_final_std']:.4f} ({r['seeds']}) | "
+            f"{r['gap']:+.4f} | {'yes' if r['within'] else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from bigbatch.optim import list_optimizers
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/recipes")
+    parser.add_argument("--tasks", nargs="+", default=["mnist1d", "digits"])
+    parser.add_argument("--optimizers", nargs="+", default=list_optimizers())
+    parser.add_argument("--settings", nargs="+", default=["b256", "default"], choices=SETTINGS)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--widen", type=int, default=2)
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (1 thread each)")
+    args = parser.parse_args()
+
+    root = Path(args.out)
+    rows = []
+    for task in args.tasks:
+        for setting in args.settings:
+            multipliers = GRIDS[setting]
+            arms = cell_arms(args.optimizers, setting)
+            results = sweep(
+                {"task": task},
+                arms,
+                root / task,
+                multipliers=multipliers,
+                seeds=args.seeds,
+                rank="final",
+                jobs=args.jobs,
+                widen=args.widen,
+            )
+            rows += [
+                row(task, setting, r, arm_rate({"task": task, **arm.overrides}))
+                for arm, r in zip(arms, results)
+            ]
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "recipes.json").write_text(json.dumps(rows, indent=1))
+            (root / "recipes.md").write_text(table(rows) + "\n")
+            print(table(rows[-len(results) :]), flush=True)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
