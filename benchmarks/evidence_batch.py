@@ -252,7 +252,7 @@ def main() -> None:
         args.max_samples = args.max_samples or task.max_samples // 10
     root = Path(args.out or f"runs/evidence-{args.task}{'-quick' if args.quick else ''}")
     root.mkdir(parents=True, exist_ok=True)
-    rate = task.lr("lamb", "adam", held=False)
+    rate = task.lr("lamb", held=False)
     lrs = args.lrs or ([rate, 2 * rate] if args.quick else [rate / 2, rate, 2 * rate, 4 * rate])
     arms = make_arms(args.static, args.arm)
     if args.arms is not None:

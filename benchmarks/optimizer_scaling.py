@@ -43,12 +43,11 @@ GRID = (0.5, 1.0, 2.0)
 def arms(task_name: str, optimizers, multiples) -> list[Arm]:
     """Each (optimizer, batch) arm: the family's rate at the small batch, carried by its rule."""
     from bigbatch.experiments.tasks import TASKS
-    from bigbatch.optim import get_optimizer_info
 
     task = TASKS[task_name]
     out = []
     for name in optimizers:
-        rate = task.lr(name, get_optimizer_info(name).family, held=False)
+        rate = task.lr(name, held=False)
         for multiple in multiples:
             batch = task.base_batch * multiple
             overrides = {

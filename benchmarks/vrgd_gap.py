@@ -38,12 +38,11 @@ MULTIPLES = (16, 64)
 
 def arms(bases: list[str], multiples: list[int], gammas: tuple[float, ...]) -> list[Arm]:
     from bigbatch.experiments.tasks import TASKS
-    from bigbatch.optim import get_optimizer_info
 
     task = TASKS["mnist1d"]
     out = []
     for base in bases:
-        rate = task.lr(base, get_optimizer_info(base).family, held=False)
+        rate = task.lr(base, held=False)
         for multiple in multiples:
             batch = task.base_batch * multiple
             common = {"batch.initial": batch, "lr": rate}

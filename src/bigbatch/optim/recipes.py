@@ -19,7 +19,7 @@ take, or torch's ``LambdaLR`` multiplier in steps).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -81,6 +81,12 @@ _LARS = _recipe(
 #: claim 3) found no better one
 _GAMMA = 0.1
 
+
+def _vrgd(base: Recipe) -> Recipe:
+    """A VRGD form's recipe: its base optimizer's, plus the GSNR clip γ."""
+    return replace(base, options=MappingProxyType({**base.options, "gamma": _GAMMA}))
+
+
 #: the recipe of every registered optimizer, by name
 RECIPES: Mapping[str, Recipe] = MappingProxyType(
     {
@@ -93,10 +99,10 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
         "plain-sgd": _SGD,
         "lars": _LARS,
         "larc": _LARS,
-        "vr-adam": _recipe(0.01, _ADAM.evidence, gamma=_GAMMA),
-        "vr-lamb": _recipe(0.01, _ADAM.evidence, gamma=_GAMMA),
-        "vr-sgd": _recipe(5e-4, _SGD.evidence, gamma=_GAMMA),
-        "vr-momentum": _recipe(5e-4, _SGD.evidence, gamma=_GAMMA),
-        "vr-lars": _recipe(5e-4, _LARS.evidence, trust_coefficient=0.001, gamma=_GAMMA),
+        "vr-adam": _vrgd(_ADAM),
+        "vr-lamb": _vrgd(_ADAM),
+        "vr-sgd": _vrgd(_SGD),
+        "vr-momentum": _vrgd(_SGD),
+        "vr-lars": _vrgd(_LARS),
     }
 )

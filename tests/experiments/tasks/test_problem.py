@@ -23,21 +23,21 @@ def make_task(**fields):
 
 def test_a_family_without_a_measured_rate_takes_the_adam_one():
     task = make_task()
-    assert (task.lr("sgd", "sgd", held=False), task.lr("sgd", "sgd", held=True)) == (0.1, 0.4)
-    assert (task.lr("lars", "lars", held=False), task.lr("lars", "lars", held=True)) == (1e-3, 4e-3)
+    assert (task.lr("sgd", held=False), task.lr("sgd", held=True)) == (0.1, 0.4)
+    assert (task.lr("lars", held=False), task.lr("lars", held=True)) == (1e-3, 4e-3)
 
 
 def test_an_optimizer_measured_by_name_takes_its_own_rate_before_its_familys():
     task = make_task(lrs={"adam": 1e-3, "sgd": 0.1, "vr-sgd": 1.0, "vr-sgd/held": 4.0})
-    assert task.lr("vr-sgd", "sgd", held=False) == 1.0
-    assert task.lr("vr-sgd", "sgd", held=True) == 4.0
-    assert task.lr("vr-momentum", "sgd", held=False) == 0.1  # the family's
+    assert task.lr("vr-sgd", held=False) == 1.0
+    assert task.lr("vr-sgd", held=True) == 4.0
+    assert task.lr("vr-momentum", held=False) == 0.1  # the family's
 
 
 def test_a_task_without_an_adam_rate_names_the_optimizer_it_cannot_serve():
     task = make_task(lrs={"sgd": 0.1})
     with pytest.raises(KeyError, match="no rate for 'lamb'"):
-        task.lr("lamb", "adam", held=False)
+        task.lr("lamb", held=False)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from ...optim import get_optimizer_info
+
 
 @dataclass
 class Problem:
@@ -58,9 +60,11 @@ class Task:
     #: the sequence length of a sequence task (``model.context``); 0: the task has none
     context: int = 0
 
-    def lr(self, optimizer: str, family: str, held: bool) -> float:
-        """The task's rate for ``optimizer`` (of ``family``) under a held or a scaled LR
-        rule: its own measured rate, else its family's, else the Adam-type rate."""
+    def lr(self, optimizer: str, held: bool) -> float:
+        """The task's rate for ``optimizer`` under a held or a scaled LR rule: its own
+        measured rate, else its family's (``bigbatch.optim.FAMILIES``), else the Adam-type
+        rate."""
+        family = get_optimizer_info(optimizer).family
         suffix = "/held" if held else ""
         for key in (optimizer, family, "adam"):
             if key + suffix in self.lrs:
