@@ -14,6 +14,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.config import to_toml
+
 S_MIN = 100
 
 
@@ -24,6 +27,7 @@ def critical_batch(width: int) -> float:
 def fake_train(config: dict[str, Any], out: Path, *, resume: bool = False, quiet: bool = False):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(to_toml(with_task_defaults(config)))  # as the runner does
     batch = config["batch.initial"]
     width = config["model.width"] or 32
     accuracy = 0.98 - 0.01 * math.log(config["lr"] / 0.004) ** 2 - 0.001 * config["seed"]

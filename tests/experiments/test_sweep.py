@@ -35,6 +35,17 @@ def test_a_repeated_sweep_reuses_its_finished_runs(trained, tmp_path):
     assert [r.runs for r in again] == [r.runs for r in first]
 
 
+def test_a_finished_run_of_another_config_is_refused_not_reused(trained, tmp_path):
+    # the same run name ("a-lr0-seed0") after the arm's rate changed: another run
+    sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path)
+    with pytest.raises(ConfigError, match=r"a-lr0-seed0.*lr = 0\.004 there, 0\.002 now"):
+        sweep(BASE, [Arm("a", {"lr": 0.002}, "a")], tmp_path)
+    # the thread count changes float sums, not the question: the run is reused
+    count = len(trained)
+    sweep({**BASE, "threads": 2}, [Arm("a", {"lr": 0.004}, "a")], tmp_path)
+    assert len(trained) == count
+
+
 def test_a_best_rate_at_the_grid_edge_widens_the_grid_until_it_is_inside(trained, tmp_path):
     # the fake's best rate is 0.004: from a grid 0.00025-0.0005, three more points above
     arms = [Arm("a", {"lr": 0.00025}, "a"), Arm("b", {"lr": 0.004}, "b")]
