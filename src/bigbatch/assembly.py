@@ -25,6 +25,7 @@ from .options import StepOptions
 from .stats.collector import MicroBatchStatistics
 
 __all__ = [
+    "FrameworkStep",
     "Parts",
     "assemble",
     "check_statistics",
@@ -32,6 +33,22 @@ __all__ = [
     "describe_collector",
     "resolve_controller",
 ]
+
+
+@dataclass(frozen=True)
+class FrameworkStep:
+    """A framework whose optimizer step reduces the gradients (DeepSpeed): the statistics
+    cannot read a reduced ``.grad`` before it, so each rank estimates the noise from its
+    own micro-batches and the estimates are averaged (one all-reduce of scalars).
+
+    ``param_groups`` are the model's parameters (the framework's optimizer may hold flat
+    partitions instead); ``grad_accumulates`` says whether ``.grad`` keeps this rank's
+    earlier micro-batches until the step (False under ZeRO-2).
+    """
+
+    world: World
+    param_groups: list[list[torch.Tensor]]
+    grad_accumulates: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     dataset_size: int | None = None,
     comm_hook: tuple[Any, CommHook] | None = None,
     registers_hooks: bool = True,
+    framework: FrameworkStep | None = None,
 ) -> Parts:
     """The parts of a run's engine, checked together; the model's hooks registered.
 
@@ -76,9 +94,15 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             comm hook (Lightning, the Hugging Face Trainer): the hook it registered
             is read from the model, and the measured two-group similarity, which
             needs a hook of bigbatch's, is refused.
+        framework: a framework that reduces the gradients inside its own optimizer
+            step (DeepSpeed): its world, the parameters whose gradients the
+            statistics read, and whether ``.grad`` keeps the micro-batches.
     """
     options = options if options is not None else StepOptions()
-    world = World.of(model) if model is not None else World()
+    if framework is not None:
+        world = framework.world
+    else:
+        world = World.of(model) if model is not None else World()
     controller = resolve_controller(controller, first_batch)
     _check_sub_batches(controller, positive_int("sub_batches", sub_batches), world, options)
     gsnr = options.gsnr
@@ -97,16 +121,23 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
                 "DDP wrapper does not take: use 'scalar' or bigbatch.AdaptiveBatch"
             )
         comm_hook = ddp.registered_hook(model) if model is not None else None
+    if framework is not None and options.similarity == "split":
+        raise ValueError(
+            "similarity='split' needs the micro-batch gradients in .grad or bigbatch's comm "
+            "hook; a framework that reduces inside its own step gives neither: use 'scalar'"
+        )
     collector = (
         MicroBatchStatistics(
-            optimizer.param_groups,
+            optimizer.param_groups if framework is None else framework.param_groups,
             ema_beta=options.ema_beta,
             gsnr=gsnr,
             dataset_size=dataset_size if options.finite_correction else None,
-            similarity=options.similarity,
+            similarity="scalar" if framework is not None else options.similarity,
             world=world,
-            lossy_reduction=not is_lossless(comm_hook),
+            # the gradients are reduced only inside the framework's step: each rank's own
+            lossy_reduction=framework is not None or not is_lossless(comm_hook),
             grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
+            grad_accumulates=framework is None or framework.grad_accumulates,
         )
         if options.statistics
         else None

@@ -108,8 +108,7 @@ class Step:
         engine.before_backward(index)
         loss = loss * engine.loss_weight(index)
         engine.add_loss(loss)
-        scaler = self._loop.scaler
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        self._loop._backward(loss)
         self._backwards += 1
 
     def apply(self) -> None:
@@ -200,20 +199,33 @@ class AdaptiveBatch:
         )
         self.comm_hook = comm_hook
         #: the per-step rules: statistics, learning rate, controller, counters
-        self.engine = StepEngine.build(
-            optimizer,
+        self.engine = self._build_engine(
             controller,
             StepOptions.of(options, **step_options),
-            model=model,
-            sub_batches=self.min_sub_batches,
             # a batch counted in weight is not a fraction of the dataset's samples
             dataset_size=None if weight_fn else self.source.dataset_size,
-            comm_hook=comm_hook,
-            scaler=scaler,
         )
         self.world = self.engine.world
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
+
+    def _build_engine(
+        self, controller: Controller | None, options: StepOptions, dataset_size: int | None
+    ) -> StepEngine:
+        return StepEngine.build(
+            self.optimizer,
+            controller,
+            options,
+            model=self.model,
+            sub_batches=self.min_sub_batches,
+            dataset_size=dataset_size,
+            comm_hook=self.comm_hook,
+            scaler=self.scaler,
+        )
+
+    def _backward(self, loss: Tensor) -> None:
+        """Backpropagate a weighted micro-batch loss (a framework's engine may do it)."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     # ------------------------------------------------------------ what the engine counts
 

@@ -89,9 +89,14 @@ class MicroBatchStatistics:
         grad_sources: under FSDP2, each sharded parameter's unsharded tensor
             (``bigbatch.dist.fsdp.unsharded_parameters``), where the
             micro-batch gradients are read before the reduce-scatter.
+        grad_accumulates: ``.grad`` holds this rank's earlier micro-batches when the
+            last one's backward runs. False where the framework reduces and frees
+            each micro-batch's gradient (DeepSpeed ZeRO-2): the rank-local noise
+            estimate (``lossy_reduction``) then keeps that sum itself, one
+            gradient-sized buffer during the step's backward passes.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - where the gradients come from, each a keyword
         self,
         param_groups: Sequence[Sequence[Tensor] | dict],
         *,
@@ -102,6 +107,7 @@ class MicroBatchStatistics:
         world: World | None = None,
         lossy_reduction: bool = False,
         grad_sources: dict[int, Tensor] | None = None,
+        grad_accumulates: bool = True,
     ) -> None:
         self.world = world if world is not None else World()
         self.similarity = choice(
@@ -117,7 +123,13 @@ class MicroBatchStatistics:
                 "under FSDP2 the similarity is the scalar one: similarity='split' and lossy "
                 "comm hooks need a DDP model"
             )
-        self.lossy_reduction = lossy_reduction and self.world.distributed
+        if not grad_accumulates and not lossy_reduction:
+            raise ValueError(
+                "grad_accumulates=False needs the rank-local noise estimate "
+                "(lossy_reduction=True): no reduced gradient is kept either"
+            )
+        # on one process the rank's own estimate is the estimate, unless only it sees the sum
+        self.lossy_reduction = lossy_reduction and (self.world.distributed or not grad_accumulates)
         self._batches: SubBatches | None = None
         current = self._current_batches
         # the three parts, each chosen once
@@ -128,7 +140,7 @@ class MicroBatchStatistics:
         else:
             self.halves = SplitMicroBatches(self.layout)
         self.noise = (
-            PerRankNoise(self.layout, current, self.world, dataset_size)
+            PerRankNoise(self.layout, current, self.world, dataset_size, grad_accumulates)
             if self.lossy_reduction
             else ReducedNoise(self.world, dataset_size)
         )

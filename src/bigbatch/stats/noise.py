@@ -74,11 +74,16 @@ class PerRankNoise:
         current: Callable[[], SubBatches | None],
         world: World,
         dataset_size: int | None,
+        grad_accumulates: bool = True,
     ) -> None:
         self.layout, self._current = layout, current
         self.world, self.dataset_size = world, dataset_size
+        self.grad_accumulates = grad_accumulates
         self.bytes = 0
         self._local_sq: Tensor | None = None  # |this rank's accumulated gradient|² per group
+        # this rank's earlier micro-batches, where .grad does not keep them (ZeRO-2 reduces
+        # and frees each micro-batch's gradient): dropped at the step's last micro-batch
+        self._sums: dict[int, Tensor] = {}
         self.handles = [
             p.register_hook(functools.partial(self._local_total, i))
             for i, p in enumerate(layout.params)
@@ -93,19 +98,32 @@ class PerRankNoise:
         self._local_sq = torch.zeros(
             self.layout.num_groups, device=self.layout.device, dtype=torch.float64
         )
+        self._sums = {}
 
     def _local_total(self, param_index: int, increment: Tensor) -> None:
-        """At the last micro-batch: ``|.grad + increment|²``, this rank's accumulated gradient.
+        """At the last micro-batch: ``|earlier + increment|²``, this rank's accumulated gradient.
 
         A tensor hook fires before its own increment is added, so ``.grad``
-        holds the earlier micro-batches (accumulated under ``no_sync``).
+        holds the earlier micro-batches (accumulated under ``no_sync``), or,
+        where ``.grad`` does not accumulate, this part's own sum does.
         """
         batches = self._current()
-        if batches is None or not batches.last or self._local_sq is None:
+        if batches is None or self._local_sq is None:
             return
-        p = self.layout.params[param_index]
-        total = increment if p.grad is None else p.grad + increment
+        earlier = (
+            self.layout.params[param_index].grad
+            if self.grad_accumulates
+            else self._sums.get(param_index)
+        )
+        if not batches.last:
+            if not self.grad_accumulates:
+                self._sums[param_index] = (
+                    increment.detach().clone() if earlier is None else earlier.add_(increment)
+                )
+            return
+        total = increment if earlier is None else earlier + increment
         self._local_sq[self.layout.group_of(param_index)] += norms([total])[0].double().square()
+        self._sums.pop(param_index, None)
 
     def reduce(
         self,
