@@ -12,7 +12,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from plain_loop import teacher_student
+from plain_loop import progress, teacher_student
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,13 +41,8 @@ def main() -> None:
         for x, y in step.micro_batches():
             step.backward(nn.functional.cross_entropy(ddp(x), y))
         step.apply()
-        m = step.metrics
         if rank0 and step.index % 40 == 0:
-            print(
-                f"step {m['step']:5d}  samples {m['samples']:8d}  batch {m['batch_size']:5d} -> "
-                f"{m['next_batch_size']:5d}  similarity {m['similarity']:+.3f}  "
-                f"loss {m['loss']:.3f}  lr {m['lr']:.2e}"
-            )
+            print(progress(step.metrics))
     if rank0:
         with torch.no_grad():
             x, y = data.tensors[0][test.indices], data.tensors[1][test.indices]

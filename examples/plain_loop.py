@@ -25,6 +25,15 @@ def teacher_student(n: int = 50_000, d: int = 32, classes: int = 10, seed: int =
     return TensorDataset(x, (x @ torch.randn(d, classes, generator=gen)).argmax(1))
 
 
+def progress(m: dict) -> str:
+    """One line of a step's metrics (the examples print one every 40 steps)."""
+    return (
+        f"step {m['step']:5d}  samples {m['samples']:8d}  batch {m['batch_size']:5d} -> "
+        f"{m['next_batch_size']:5d}  similarity {m['similarity']:+.3f}  "
+        f"B_simple {m['noise_scale']:8.1f}  loss {m['loss']:.3f}  lr {m['lr']:.2e}"
+    )
+
+
 def main() -> None:
     torch.manual_seed(0)
     data = teacher_student(n=55_000)
@@ -43,13 +52,8 @@ def main() -> None:
         for x, y in step.micro_batches():  # bigbatch
             step.backward(nn.functional.cross_entropy(model(x), y))  # bigbatch
         step.apply()  # bigbatch
-        m = step.metrics
         if step.index % 40 == 0:
-            print(
-                f"step {m['step']:5d}  samples {m['samples']:8d}  batch {m['batch_size']:5d} -> "
-                f"{m['next_batch_size']:5d}  similarity {m['similarity']:+.3f}  "
-                f"B_simple {m['noise_scale']:8.1f}  lr {m['lr']:.2e}"
-            )
+            print(progress(step.metrics))
     with torch.no_grad():
         x, y = data.tensors[0][test.indices], data.tensors[1][test.indices]
         accuracy = (model(x).argmax(1) == y).float().mean().item()

@@ -1,0 +1,311 @@
+"""Adaptive batching inside a DeepSpeed engine (ZeRO stages 0, 1 and 2).
+
+DeepSpeed owns the model wrapper, the optimizer step and the gradient
+reduction; the training loop stays yours. :class:`AdaptiveBatchDeepSpeed` is
+:class:`bigbatch.AdaptiveBatch` with DeepSpeed's engine in place of the model
+and the optimizer: each step draws the global batch the controller chose,
+cuts this rank's shard into micro-batches of at most
+``train_micro_batch_size_per_gpu`` samples, and ends the step itself::
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": 16,
+        "managed_gradient_accumulation": False,   # the step ends where bigbatch says
+        "zero_optimization": {"stage": 2},
+    })
+    loop = AdaptiveBatchDeepSpeed(engine, train_set, schedule=warmup_cosine(...))
+    for step in loop.steps(max_samples=2_000_000):
+        for x, y in step.micro_batches():
+            step.backward(loss_fn(engine(x), y))   # engine.backward, loss weighted
+        step.apply()                               # LR for the batch, engine.step(), next size
+
+How the pieces meet DeepSpeed's (docs/deepspeed.md):
+
+- **Where a step ends.** With ``managed_gradient_accumulation: false``
+  DeepSpeed accumulates every ``backward`` locally and treats each
+  ``engine.step()`` as the accumulation boundary, so a step may have any
+  number of micro-batches; :meth:`~AdaptiveBatchDeepSpeed.apply` also sets
+  ``engine.set_train_batch_size`` (the accumulation steps) wherever the batch
+  is a multiple of ``micro-batch × ranks``, so DeepSpeed's own counters and
+  logs see the batch that trained.
+- **Statistics.** DeepSpeed reduces the gradients inside ``engine.step()``
+  (stages 0 and 1) or into its partitions during each backward (stage 2), so
+  no reduced gradient exists before the step. Each rank therefore estimates
+  the noise from its own micro-batches (read in gradient hooks, before any
+  reduction) and the ranks average their estimates in one all-reduce of a few
+  scalars: no second gradient reduction. Under ZeRO-2, where ``.grad`` does
+  not keep the earlier micro-batches, the statistics keep this rank's sum
+  (one gradient-sized buffer during the backward passes).
+- **Learning rate.** The batch rule and the schedule (``schedule=``, in
+  samples) multiply the client optimizer's rates for ``engine.step()`` and
+  restore them after; a DeepSpeed ``scheduler`` (in steps) is refused, as it
+  would step inside ``engine.step()`` on the scaled rates.
+- **Checkpoints.** :meth:`~AdaptiveBatchDeepSpeed.save_checkpoint` calls
+  ``engine.save_checkpoint`` with the loop's state (data position,
+  controller, statistics, counters, random states) as ``client_state``;
+  :meth:`~AdaptiveBatchDeepSpeed.load_checkpoint` restores both.
+
+Not supported, each refused with one error: ZeRO stage 3 (parameters are
+partitioned between forward passes, and the micro-batch gradients reach
+no hook whole), pipeline parallelism (DeepSpeed's pipeline engine runs its
+own micro-batch schedule), fp16 (its dynamic loss scale is applied inside
+DeepSpeed; use bf16), the VRGD and AGVM wrappers (they read per-parameter
+statistics of the reduced gradient, which exists only inside
+``engine.step()``) and, under ZeRO 1-2, optimizers whose update depends on
+whole parameter tensors (bigbatch's LAMB, LARS, MERIT: DeepSpeed hands the
+client optimizer flat partitions, over which a layer-wise trust ratio would
+be wrong).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import Dataset, IterableDataset
+
+from ..assembly import FrameworkStep
+from ..batch.controllers import Controller
+from ..dist.world import World
+from ..engine import NonFiniteError, StepEngine, StepResult
+from ..loop import AdaptiveBatch
+from ..optim._base import BigBatchOptimizer
+from ..optim.wrapper import StatisticsWrapper
+from ..options import StepOptions
+from ..state import rng_state, set_rng_state
+
+__all__ = ["CLIENT_STATE_KEY", "AdaptiveBatchDeepSpeed", "client_optimizer"]
+
+#: where the loop's state lives in a DeepSpeed checkpoint's ``client_state``
+CLIENT_STATE_KEY = "bigbatch"
+
+
+def client_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The optimizer the user gave ``deepspeed.initialize``, inside DeepSpeed's wrappers
+    (ZeRO, bf16/fp16); its param groups are the ones whose ``lr`` the step uses."""
+    optimizer = engine.optimizer
+    while isinstance(optimizer, deepspeed.runtime.base_optimizer.DeepSpeedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class AdaptiveBatchDeepSpeed(AdaptiveBatch):
+    """Adaptive batch sizes for a loop around a ``deepspeed.initialize`` engine (module docs).
+
+    Args:
+        engine: the ``DeepSpeedEngine``, built with ``managed_gradient_accumulation:
+            false``, ZeRO stage 0, 1 or 2, fp32 or bf16, and no DeepSpeed scheduler.
+        dataset: a map-style dataset or an ``IterableDataset``, as for
+            :class:`~bigbatch.AdaptiveBatch`.
+        controller: from ``bigbatch.batch`` (default
+            :class:`~bigbatch.batch.BatchWarmup` from batch 64).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`), or their
+            fields as keywords. The similarity is the scalar one (no rank sees
+            the micro-batch halves' gradients whole).
+        min_sub_batches: the fewest micro-batches per rank per step (≥ 2: the
+            noise is estimated within each rank).
+        seed, shuffle, weight_fn, loader_options: as for
+            :class:`~bigbatch.AdaptiveBatch`.
+
+    A non-finite step is dropped (``nonfinite="skip"``) under ZeRO 0 and 1,
+    where the gradients are still this rank's own until ``engine.step()``;
+    under ZeRO-2 DeepSpeed has already reduced them into its partitions, so
+    the step raises :class:`~bigbatch.NonFiniteError` instead of updating.
+    """
+
+    def __init__(  # noqa: PLR0913 - a user-facing loop: every option is a keyword
+        self,
+        engine: Any,
+        dataset: Dataset | IterableDataset,
+        *,
+        controller: Controller | None = None,
+        options: StepOptions | None = None,
+        min_sub_batches: int = 2,
+        seed: int = 0,
+        shuffle: bool = True,
+        weight_fn: Any = None,
+        loader_options: dict[str, Any] | None = None,
+        **step_options: Any,
+    ) -> None:
+        check_engine(engine)
+        optimizer = client_optimizer(engine)
+        check_client_optimizer(engine, optimizer)
+        if min_sub_batches < 2:
+            raise ValueError(
+                f"min_sub_batches must be at least 2 under DeepSpeed (the noise is estimated "
+                f"within each rank), got {min_sub_batches}"
+            )
+        self.deepspeed = engine
+        #: ZeRO stage (0, 1 or 2)
+        self.stage = engine.zero_optimization_stage()
+        super().__init__(
+            engine,
+            optimizer,
+            dataset,
+            controller=controller,
+            options=options,
+            max_micro_batch=engine.train_micro_batch_size_per_gpu(),
+            min_sub_batches=min_sub_batches,
+            weight_fn=weight_fn,
+            seed=seed,
+            shuffle=shuffle,
+            loader_options=loader_options,
+            **step_options,
+        )
+
+    def _build_engine(
+        self, controller: Controller | None, options: StepOptions, dataset_size: int | None
+    ) -> StepEngine:
+        engine = self.deepspeed
+        group = engine.data_parallel_group
+        size = dist.get_world_size(group) if dist.is_initialized() else 1
+        world = World(dist.get_rank(group), size, group) if size > 1 else World()
+        framework = FrameworkStep(
+            world,
+            [[p for p in engine.module.parameters() if p.requires_grad]],
+            # ZeRO-2 reduces each micro-batch's gradient into its partitions and frees .grad
+            grad_accumulates=not engine.zero_optimization_partition_gradients(),
+        )
+        return StepEngine.build(
+            self.optimizer,
+            controller,
+            options,
+            sub_batches=self.min_sub_batches,
+            dataset_size=dataset_size,
+            framework=framework,
+        )
+
+    def _backward(self, loss: Tensor) -> None:
+        # the loss is already weighted W·b_i/B: DeepSpeed must not divide it by its
+        # accumulation steps as well
+        self.deepspeed.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> StepResult:
+        result = self.engine.before_optimizer_step()
+        if result.skip:
+            self._drop_step(result)
+            return result
+        batch = int(result.metrics["batch_size"])
+        if batch % (self.max_micro_batch * self.world.size) == 0:
+            self.deepspeed.set_train_batch_size(batch)  # DeepSpeed's counters and logs
+        try:
+            self.deepspeed.step()
+        finally:
+            self.engine.after_optimizer_step(result)
+        return result
+
+    def _drop_step(self, result: StepResult) -> None:
+        """Leave a non-finite step without an update (the engine counted it as skipped)."""
+        if self.stage >= 2:
+            raise NonFiniteError(
+                f"step {self.engine.steps_taken}: the gradient or loss is not finite, and "
+                "under ZeRO-2 DeepSpeed has already reduced it into its partitions, where it "
+                "cannot be dropped; nothing was updated, the run stops here (resume from the "
+                "last checkpoint)"
+            )
+        # stages 0-1 reduce inside engine.step(): until then the gradients are this rank's
+        # own, in .grad (and ZeRO-1's grad_accum), and dropping them drops the step
+        self.deepspeed.zero_grad()
+        if self.stage == 1:
+            self.deepspeed.optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's part of a checkpoint: data position, controller, statistics, counters
+        and every rank's random state (a collective). The model and optimizer are
+        DeepSpeed's to save: use :meth:`save_checkpoint`."""
+        return {
+            "source": self.source.state_dict(),
+            "engine": self.engine.state_dict(),
+            "rng": self.world.all_gather_object(rng_state()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state["source"])
+        self.engine.load_state_dict(state["engine"])
+        saved = state["rng"]
+        set_rng_state(saved[self.world.rank % len(saved)])
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None) -> None:
+        """``engine.save_checkpoint`` with the loop's state as ``client_state`` (every rank)."""
+        self.deepspeed.save_checkpoint(
+            save_dir, tag=tag, client_state={CLIENT_STATE_KEY: self.state_dict()}
+        )
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> None:
+        """Restore the model, optimizer and loop saved by :meth:`save_checkpoint`."""
+        path, client_state = self.deepspeed.load_checkpoint(load_dir, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {load_dir!r} (tag {tag!r})")
+        if not client_state or CLIENT_STATE_KEY not in client_state:
+            raise ValueError(
+                f"the DeepSpeed checkpoint {path!r} holds no bigbatch state: it was not "
+                "saved by AdaptiveBatchDeepSpeed.save_checkpoint"
+            )
+        self.load_state_dict(client_state[CLIENT_STATE_KEY])
+
+
+def check_engine(engine: Any) -> None:
+    """One error naming the first setting of ``engine`` the loop cannot work with."""
+    if not isinstance(engine, deepspeed.DeepSpeedEngine):
+        raise TypeError(
+            f"engine must be the DeepSpeedEngine from deepspeed.initialize, got "
+            f"{type(engine).__name__}"
+        )
+    if isinstance(engine, deepspeed.PipelineEngine):
+        raise ValueError(
+            "pipeline parallelism is not supported: DeepSpeed's pipeline engine runs its own "
+            "micro-batch schedule (train_batch), so the batch cannot change per step"
+        )
+    stage = engine.zero_optimization_stage()
+    if stage > 2:
+        raise ValueError(
+            f"ZeRO stage {stage} is not supported (stages 0-2 are): stage 3 partitions the "
+            "parameters between forward passes, and the micro-batch gradients reach no hook whole"
+        )
+    if engine.managed_gradient_accumulation():
+        raise ValueError(
+            'set "managed_gradient_accumulation": false in the DeepSpeed config: bigbatch '
+            "ends each step after the micro-batches of the batch it chose, which DeepSpeed's "
+            "fixed accumulation counter would not follow"
+        )
+    if engine.fp16_enabled():
+        raise ValueError(
+            "fp16 is not supported: DeepSpeed applies its dynamic loss scale inside its own "
+            "backward, where the statistics cannot divide it out; use bf16"
+        )
+    if engine.lr_scheduler is not None:
+        raise ValueError(
+            "a DeepSpeed scheduler is not supported: it would step inside engine.step() on "
+            "the rates scaled for the batch; give the schedule in samples instead "
+            "(schedule=bigbatch.schedules.warmup_cosine(...))"
+        )
+
+
+def check_client_optimizer(engine: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a statistics wrapper, and an optimizer that needs whole parameter tensors
+    where DeepSpeed gives it flat partitions (ZeRO 1-2)."""
+    if isinstance(optimizer, StatisticsWrapper):
+        raise ValueError(
+            f"{type(optimizer).__name__} is not supported under DeepSpeed: it reads the "
+            "step's per-parameter statistics (the GSNR, or per-group noise) from the reduced "
+            "gradient, which DeepSpeed forms only inside engine.step(); use "
+            "bigbatch.AdaptiveBatch with DDP for it"
+        )
+    if not isinstance(optimizer, BigBatchOptimizer):
+        return
+    model_shapes = sorted(tuple(p.shape) for p in engine.module.parameters() if p.requires_grad)
+    optimizer_shapes = sorted(
+        tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
+    )
+    if model_shapes != optimizer_shapes:
+        raise ValueError(
+            f"{type(optimizer).__name__} works on whole parameter tensors (a layer-wise trust "
+            "ratio), but DeepSpeed hands it flat "
+            f"partitions here (ZeRO stage {engine.zero_optimization_stage()}"
+            f"{', bf16' if engine.bfloat16_enabled() else ''}); use ZeRO stage 0 in fp32 "
+            "for it, or an element-wise optimizer (AdamW, SGD, DeepSpeed's FusedAdam)"
+        )
