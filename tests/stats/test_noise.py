@@ -36,18 +36,27 @@ def test_reduced_noise_on_one_process_is_the_closed_form(dataset_size, signal, t
     assert got[2] is loss and noise.traffic() == 0
 
 
-def test_per_rank_noise_takes_the_local_total_at_the_last_micro_batch():
+@pytest.mark.parametrize("grad_kept", [True, False], ids=["grad-accumulates", "grad-freed"])
+def test_per_rank_noise_takes_the_local_total_at_the_last_micro_batch(grad_kept):
+    """Where .grad is freed after each micro-batch (DeepSpeed ZeRO-2 reduces it into its
+    partitions), the estimate keeps the sum itself and gets the same total."""
     params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(5, requires_grad=True)]
     layout = ParamLayout([params[:1], params[1:]])
     batches = sub_batches([2, 3, 5])
-    noise = PerRankNoise(layout, lambda: batches, World(), None)
+    noise = PerRankNoise(layout, lambda: batches, World(), None, grad_accumulates=grad_kept)
     scale = 8.0  # a loss scale: on the increments, divided out by reduce
     gen = torch.Generator().manual_seed(0)
     means = [[torch.randn(p.shape, generator=gen) for p in params] for _ in batches.sizes]
     weights = batches.loss_weights
     increments = [[scale * w * g for g in step] for w, step in zip(weights, means)]
     noise.begin(batches)
-    backward_micro_batches(params, increments, batches)
+
+    def free_grads(i):
+        for p in params:
+            p.grad = None
+
+    backward_micro_batches(params, increments, batches, None if grad_kept else free_grads)
+    assert not noise._sums  # the sum lives only during the step's backward passes
     sub_sq = torch.stack([sum(step[j].double().square().sum() for step in means) for j in (0, 1)])
     full = [sum(w * step[j].double() for w, step in zip(weights, means)) for j in (0, 1)]
     loss = torch.tensor(0.5, dtype=torch.float64)
