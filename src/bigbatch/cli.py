@@ -8,6 +8,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m bigbatch.cli train --out runs/big
     bigbatch compare --vary batch.target=0.2,0.5 --set max_samples=400000
     bigbatch critical-batch --set task=text  # the critical batch along a run, by branching
+    bigbatch tune --task lm --budget 0.25   # the rate by a multi-fidelity search (Optuna)
     bigbatch report runs/mine
     bigbatch tasks
 
@@ -63,6 +64,14 @@ def _parser() -> argparse.ArgumentParser:
             "critical-batch",
             "measure the critical batch along a small-batch run by branched training "
             "(Merrill et al. 2025)",
+        )
+    )
+    _tune_arguments(
+        _config_command(
+            commands,
+            "tune",
+            "search the rate (and any number key) by successive halving: runs paused at "
+            "fidelities, the best continued (Optuna); resumable; writes best.toml",
         )
     )
     report = commands.add_parser("report", help="re-render the report of a run or comparison")
@@ -147,6 +156,13 @@ def _compare_arguments(compare: argparse.ArgumentParser) -> None:
         "score (default best)",
     )
     compare.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
+    compare.add_argument(
+        "--tune",
+        action="store_true",
+        default=None,
+        help="search each arm's rate over the --lr-grid range with bigbatch tune instead of "
+        "training every point (needs the tune extra)",
+    )
     compare.add_argument("--out", metavar="DIR", help="comparison directory (default: under runs/)")
 
 
@@ -185,6 +201,43 @@ def _critical_arguments(critical: argparse.ArgumentParser) -> None:
         help="a branch's rate against the base batch's (default sqrt, Adam-type)",
     )
     critical.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
+
+
+def _tune_arguments(tune: argparse.ArgumentParser) -> None:
+    tune.add_argument(
+        "--search",
+        metavar="KEY=LOW:HIGH[:log]",
+        action="append",
+        default=[],
+        help="a number key and its range (repeatable; default: lr from 1/8 to 8 times the "
+        "task's rate, log)",
+    )
+    tune.add_argument(
+        "--trials", type=int, default=9, help="trials each bracket starts (default 9)"
+    )
+    tune.add_argument(
+        "--brackets", type=int, default=1, help="brackets, the later ones proposed by TPE"
+    )
+    tune.add_argument(
+        "--reduction", type=int, default=3, help="keep 1 in this many at each fidelity (3)"
+    )
+    tune.add_argument(
+        "--min-fidelity",
+        type=float,
+        default=1 / 27,
+        help="the first pause, as a fraction of max_samples (default 1/27)",
+    )
+    tune.add_argument(
+        "--budget",
+        type=float,
+        help="run no bracket past this fraction of the samples of a ×2 grid over the same "
+        "range (e.g. 0.25)",
+    )
+    tune.add_argument("--jobs", type=int, default=1, help="trials at a time, each a process")
+    tune.add_argument("--search-seed", type=int, default=0, help="seeds the proposals")
+    tune.add_argument(
+        "--out", metavar="DIR", help="study folder, new or one to continue (default: under runs/)"
+    )
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -269,6 +322,7 @@ def _compare(args: argparse.Namespace) -> None:
         "seeds": args.seeds,
         "rank": args.rank,
         "jobs": args.jobs,
+        "tune": args.tune,
     }
     options = {**recipe, **{k: v for k, v in flags.items() if v is not None}}
     comparison = plan(resolve(*layers), **options)
@@ -308,6 +362,28 @@ def _critical_batch(args: argparse.Namespace) -> None:
     print(f"{len(measured)} points measured; report: {out / 'critical_batch.md'}")
 
 
+def _tune(args: argparse.Namespace) -> None:
+    from .experiments.rundir import new_run_dir
+    from .experiments.tune import TuneSettings, parse_dimension, tune
+
+    config = _config(args)
+    space = [parse_dimension(text, config) for text in args.search] or None
+    settings = TuneSettings(
+        trials=args.trials,
+        brackets=args.brackets,
+        reduction=args.reduction,
+        min_fidelity=args.min_fidelity,
+        budget=args.budget,
+        jobs=args.jobs,
+        seed=args.search_seed,
+    )
+    settings.check()  # before a folder is made
+    out = Path(args.out) if args.out else new_run_dir(task=f"tune-{config['task']}")
+    tune(config, out, space, settings, quiet=args.quiet)
+    print((out / "tune.md").read_text())
+    print(f"best config: {out / 'best.toml'} (bigbatch train --config {out / 'best.toml'})")
+
+
 def _tasks() -> None:
     from .experiments.tasks import TASKS
 
@@ -341,6 +417,8 @@ def _run(args: argparse.Namespace) -> int:
         _compare(args)
     elif args.command == "critical-batch":
         _critical_batch(args)
+    elif args.command == "tune":
+        _tune(args)
     elif args.command == "report":
         from .experiments.report import render
 
@@ -361,13 +439,7 @@ def _reported(err: BaseException) -> int | None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if isinstance(err, ModuleNotFoundError):
-        if (err.name or "").partition(".")[0] not in CLI_EXTRA:
-            return None
-        _error(
-            f"the command line needs the cli extra ({err.name} is not installed): "
-            "pip install 'bigbatch[cli]'"
-        )
-        return 2
+        return _missing_extra(err)
     if isinstance(err, ConfigError):
         _error(err)
         return 2
@@ -392,6 +464,21 @@ def _reported(err: BaseException) -> int | None:
         _error(f"a collective failed or timed out: {_first_line(err)}")
         return COLLECTIVE_FAILED
     return None
+
+
+def _missing_extra(err: ModuleNotFoundError) -> int | None:
+    """The extra that brings a missing package, in one line (exit 2); None for another."""
+    package = (err.name or "").partition(".")[0]
+    if package == "optuna":
+        _error("bigbatch tune needs the tune extra (optuna): pip install 'bigbatch[tune]'")
+        return 2
+    if package not in CLI_EXTRA:
+        return None
+    _error(
+        f"the command line needs the cli extra ({err.name} is not installed): "
+        "pip install 'bigbatch[cli]'"
+    )
+    return 2
 
 
 def _error(message: object, prefix: str = "error") -> None:

@@ -24,7 +24,16 @@ def critical_batch(width: int) -> float:
     return 4.0 * width
 
 
-def fake_train(config: dict[str, Any], out: Path, *, resume: bool = False, quiet: bool = False):
+def fake_train(
+    config: dict[str, Any],
+    out: Path,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    until: int | None = None,
+):
+    """The run's summary; with ``until`` below the budget, a paused run's record (its
+    accuracy already the final one) and a checkpoint to resume from."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(with_task_defaults(config)))  # as the runner does
@@ -32,6 +41,9 @@ def fake_train(config: dict[str, Any], out: Path, *, resume: bool = False, quiet
     width = config["model.width"] or 32
     accuracy = 0.98 - 0.01 * math.log(config["lr"] / 0.004) ** 2 - 0.001 * config["seed"]
     steps = round(S_MIN * (1 + critical_batch(width) / batch))
+    if until is not None and until < with_task_defaults(config)["max_samples"]:
+        (out / "checkpoint.pt").write_text(str(until))
+        return {"paused": True, "samples": until, "eval_accuracy": accuracy}
     summary = {
         "task": config["task"],
         "target_metric": "eval_accuracy",

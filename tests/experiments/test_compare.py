@@ -1,12 +1,13 @@
 """``bigbatch compare``: the grid, recipes, the tuned protocol and the report (fake training)."""
 
 import json
+import math
 import re
 
 import pytest
 
 from bigbatch import cli
-from bigbatch.experiments.compare import parse_axis, plan
+from bigbatch.experiments.compare import parse_axis, plan, run_comparison
 from bigbatch.experiments.config import ConfigError, resolve
 
 from .fake_runs import critical_batch
@@ -92,3 +93,20 @@ def test_an_unknown_recipe_option_is_one_error(tmp_path, capsys):
     assert run_cli("compare", "--config", recipe, "--out", tmp_path / "x") == 2
     err = capsys.readouterr().err
     assert "unknown comparison option 'folds'" in err and err.count("\n") == 1
+
+
+def test_a_tuned_comparison_searches_each_arms_rate_over_the_grid_range(trained, tmp_path):
+    pytest.importorskip("optuna")
+    base = resolve({"task": "digits", "lr": 0.001, "max_samples": 27_000})
+    comparison = plan(base, vary=["batch.initial=64,256"], lr_grid=[1, 16], seeds=2, tune=True)
+    report = run_comparison(comparison, tmp_path / "cmp", quiet=True).read_text()
+    index = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    for arm in index["arms"]:
+        (lr,) = arm["lrs"]
+        assert abs(math.log2(lr / 0.004)) < 0.5  # the fake's best rate, of 9 trials
+        assert arm["tuned"]["trials"] == 9 and 0 < arm["tuned"]["cost"] < 1
+        assert arm["dirs"][0].startswith(f"{arm['dirs'][1].split('-')[0]}-tune/trials/")
+        assert (tmp_path / "cmp" / arm["dirs"][1] / "summary.json").is_file()  # seed 1
+    assert "searched by `bigbatch tune`" in report and "tuned: 9 trials" in report
+    with pytest.raises(ConfigError, match="give two multipliers or more"):
+        plan(base, vary=["batch.initial=64,256"], tune=True)

@@ -34,6 +34,9 @@ class ArmResult:
     runs: list[dict[str, Any]]
     #: the run directories of ``runs``, relative to the sweep's root
     dirs: list[str] = field(default_factory=list)
+    #: for a rate chosen by a study instead of the grid: its trials and cost (a fraction
+    #: of the grid's samples)
+    tuned: dict[str, Any] | None = None
 
     @property
     def lr(self) -> float:
@@ -41,7 +44,8 @@ class ArmResult:
 
     @property
     def at_edge(self) -> bool:
-        """Whether the chosen rate is an end of the grid (its optimum may lie beyond)."""
+        """Whether the chosen rate is an end of the grid (its optimum may lie beyond; a
+        study's rate is never reported so)."""
         return self.chosen in (0, len(self.lrs) - 1) and len(self.lrs) > 1
 
     def values(self, key: str) -> list[Any]:
@@ -55,6 +59,7 @@ class ArmResult:
             "lrs": self.lrs,
             "chosen": self.chosen,
             "dirs": self.dirs,
+            "tuned": self.tuned,
         }
 
 

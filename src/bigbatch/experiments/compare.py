@@ -40,6 +40,8 @@ class Comparison:
     seeds: int
     rank: str
     jobs: int
+    #: each arm's rate by a ``bigbatch tune`` study over the grid's range
+    tune: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +49,7 @@ class Comparison:
             "lr_grid": self.lr_grid,
             "seeds": self.seeds,
             "rank": self.rank,
+            "tune": self.tune,
             "base": self.base,
             "arms": [{"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms],
         }
@@ -83,7 +86,7 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     Every arm's config is resolved here, so a bad value stops the comparison
     before any run starts.
     """
-    known = {"vary", "lr_grid", "seeds", "rank", "jobs"}
+    known = {"vary", "lr_grid", "seeds", "rank", "jobs", "tune"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(
@@ -101,6 +104,11 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     lr_grid = _multipliers(options.get("lr_grid", [1.0]))
     seeds, rank, jobs = options.get("seeds", 1), options.get("rank", "best"), options.get("jobs", 1)
     check_protocol(lr_grid, seeds, rank, jobs)
+    tune = options.get("tune", False)
+    if not isinstance(tune, bool):
+        raise ConfigError(f"tune must be true or false, got {tune!r}")
+    if tune and len(set(lr_grid)) < 2:
+        raise ConfigError("--tune searches the --lr-grid range: give two multipliers or more")
     arms = []
     for i, combo in enumerate(itertools.product(*(points for _, points in axes))):
         overrides = {k: v for point in combo for k, v in point.items()}
@@ -115,7 +123,14 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         seeds=seeds,
         rank=rank,
         jobs=jobs,
+        tune=tune,
     )
+
+
+def _tune_settings() -> Any:
+    from .tune import TuneSettings  # the tune extra (Optuna), only when asked for
+
+    return TuneSettings()
 
 
 def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = False) -> Path:
@@ -143,6 +158,7 @@ def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = Fa
         rank=comparison.rank,
         jobs=comparison.jobs,
         quiet=quiet or comparison.jobs > 1,
+        tune=_tune_settings() if comparison.tune else None,
     )
     index = {"plan": planned, "arms": [r.to_dict() for r in results]}
     index_path.write_text(json.dumps(index, indent=2) + "\n")

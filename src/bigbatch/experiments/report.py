@@ -132,7 +132,14 @@ def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
             runs = [json.loads((root / d / "summary.json").read_text()) for d in dirs]
             arms.append(
                 ArmResult(
-                    entry["name"], entry["overrides"], entry["lrs"], entry["chosen"], [], runs, dirs
+                    entry["name"],
+                    entry["overrides"],
+                    entry["lrs"],
+                    entry["chosen"],
+                    [],
+                    runs,
+                    dirs,
+                    entry.get("tuned"),
                 )
             )
     return index.get("plan", {}), arms
@@ -174,11 +181,20 @@ def render_comparison(root: Path) -> Path:
     if arms:
         first = arms[0].runs[0]
         target = first.get("target_metric", "").removeprefix("eval_")
+        grid = plan.get("lr_grid", [1.0])
+        if plan.get("tune"):
+            how = (
+                f"Each arm's rate searched by `bigbatch tune` from its rate × {min(grid)} to "
+                f"× {max(grid)}, chosen by the final {score}"
+            )
+        else:
+            how = (
+                f"Each arm at its rate × {grid} on the first seed, ranked by "
+                f"{plan.get('rank', 'best')}"
+            )
         lines += [
             f"Task {first.get('task')}; target {target} {first.get('target', math.nan):g}. "
-            f"Each arm at its rate × {plan.get('lr_grid', [1.0])} on the first seed, ranked by "
-            f"{plan.get('rank', 'best')}; the chosen rate on {plan.get('seeds', 1)} seed(s), "
-            "mean ± std.",
+            f"{how}; the chosen rate on {plan.get('seeds', 1)} seed(s), mean ± std.",
             "",
         ]
     columns = f"best {score} | final {score} | steps to target | samples to target | steps"
@@ -190,6 +206,8 @@ def render_comparison(root: Path) -> Path:
     for arm in arms:
         reached = [s for s in arm.values("steps_to_target") if s is not None]
         grid = ", ".join(f"{r:.3g}" for r in arm.lrs)
+        if arm.tuned:
+            grid = f"tuned: {arm.tuned['trials']} trials, {arm.tuned['cost']:.0%} of the grid"
         best = arm.values("best_eval_loss" if loss else "best_accuracy")
         final = arm.values("final_eval_loss" if loss else "final_accuracy")
         lines.append(

@@ -56,10 +56,22 @@ from .tasks import TASKS, Problem, Task
 
 
 def train(
-    config: dict[str, Any], out: Path | None, *, resume: bool = False, quiet: bool = False
+    config: dict[str, Any],
+    out: Path | None,
+    *,
+    resume: bool = False,
+    quiet: bool = False,
+    until: int | None = None,
 ) -> dict[str, Any]:
     """Train one run into ``out`` (new, or resumed from its checkpoint; None: a new
     directory under ``runs/``); return the summary (``run_dir`` names the directory).
+
+    With ``until`` below the budget, the run pauses after the first step that
+    reaches ``until`` samples: it evaluates, checkpoints and returns a
+    :func:`paused` record instead of the summary (no ``summary.json``); the
+    same call with ``resume=True`` continues it, to the same result as a run
+    never paused. Its schedule is laid over the whole budget all the same: a
+    tuner judges a prefix of the real run (``bigbatch tune``).
 
     Under ``torchrun`` call it on every rank with the same arguments; rank 0
     locks and writes ``out`` and returns the summary, the other ranks return it
@@ -80,7 +92,7 @@ def train(
     try:
         with StopRequest(world, config["dist.timeout"]) as stop:
             watch_launcher()
-            summary = _train(config, out, resume, quiet, world, device, stop)
+            summary = _train(config, out, resume, quiet, world, device, stop, until)
     except OSError as err:  # a full disk, a directory made read-only midway: one line
         raise disk_error(err, err.filename or out) from None
     except BaseException:
@@ -141,6 +153,7 @@ def _train(
     world: World,
     device: Any,
     stop: StopRequest,
+    until: int | None = None,
 ) -> dict[str, Any]:
     problem, loop, precision = build(config, world, device)
     task = TASKS[config["task"]]
@@ -154,12 +167,18 @@ def _train(
     start = time.perf_counter() - state["wall_seconds"]
     bar = _progress(config["max_samples"], loop.samples, quiet or not writer)
     evaluation: dict[str, float] = {}
+    pause_at = until if until is not None and until < config["max_samples"] else None
+    if pause_at is not None and loop.samples >= pause_at:  # paused here before
+        _close(bar)
+        return paused(out, loop, problem.evaluate(problem.model) if evaluates else {})
     with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
         for step in loop.steps(max_samples=config["max_samples"]):
             train_step(step, problem, loop, precision)
             row = dict(step.metrics)
             last = loop.samples >= config["max_samples"]
             due = loop.steps_taken % config["eval_every"] == 0 or loop.steps_taken == 1
+            pause = pause_at is not None and loop.samples >= pause_at
+            due = due or pause
             if evaluates and (due or last):
                 evaluation = problem.evaluate(problem.model)
                 row.update(evaluation)
@@ -169,15 +188,17 @@ def _train(
             if log is not None:
                 log.write(json.dumps(row) + "\n")
             halt = _halt(stop, loop, config["skip_limit"], out)
-            if loop.steps_taken % config["checkpoint_every"] == 0 or last or halt:
+            if loop.steps_taken % config["checkpoint_every"] == 0 or last or halt or pause:
                 _checkpoint(out, loop, state, writer, log)
-            if bar is not None:
-                _show(bar, step.batch_size, loop.steps_taken, row, evaluation)
+            _show(bar, step.batch_size, loop.steps_taken, row, evaluation)
             if halt is not None:
                 _close(bar)
                 raise halt
             if last:  # the budget is spent (the loop ends by itself) or the target reached
                 break
+            if pause:
+                _close(bar)
+                return paused(out, loop, evaluation)
     _close(bar)
     train_evaluation = None
     if evaluates and problem.evaluate_train is not None:
@@ -187,6 +208,17 @@ def _train(
         summary = _write_summary(out, config, loop, state, problem, traffic, train_evaluation)
     # the other ranks wait for the summary so no rank returns before the run is complete
     return world.broadcast_object(summary if writer else None)
+
+
+def paused(out: Path, loop: AdaptiveBatch, evaluation: dict[str, float]) -> dict[str, Any]:
+    """What :func:`train` returns for a run paused at ``until``: where it stands."""
+    return {
+        "run_dir": str(out),
+        "paused": True,
+        "samples": loop.samples,
+        "steps": loop.steps_taken,
+        **evaluation,
+    }
 
 
 #: a run is judged on its skipped share only after this many optimizer steps
@@ -282,6 +314,8 @@ def _checkpoint(
 
 
 def _show(bar: Any, batch: int, steps: int, row: dict[str, Any], evaluation: dict) -> None:
+    if bar is None:  # quiet, or not the writing rank
+        return
     bar.update(batch)
     bar.set_postfix(
         step=steps,

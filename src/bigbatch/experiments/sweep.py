@@ -18,23 +18,26 @@ evidence benchmarks (``benchmarks/``) both run through :func:`sweep`.
 
 from __future__ import annotations
 
-import concurrent.futures
+import dataclasses
 import json
 import math
-import multiprocessing
 import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._checks import positive_int
 from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
 from .build import with_task_defaults
 from .config import ConfigError, resolve
+from .pool import in_processes
 from .rundir import read_config
 from .tasks import TASKS
+
+if TYPE_CHECKING:
+    from .tune import TuneSettings
 
 __all__ = [
     "RANKS",
@@ -135,12 +138,7 @@ def run_all(
     jobs: Sequence[tuple[dict[str, Any], str]], workers: int = 1, quiet: bool = True
 ) -> list[dict[str, Any]]:
     """Each ``(config, out)``, ``workers`` at a time; fresh processes (one torch each) when > 1."""
-    tasks = [(config, out, quiet) for config, out in jobs]
-    if workers <= 1:
-        return [train_once(t) for t in tasks]
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return list(pool.map(train_once, tasks))
+    return in_processes(train_once, [(config, out, quiet) for config, out in jobs], workers)
 
 
 def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
@@ -154,6 +152,7 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     jobs: int = 1,
     quiet: bool = True,
     widen: int = 0,
+    tune: TuneSettings | None = None,
 ) -> list[ArmResult]:
     """Train every arm on the rate grid, then its best rate on ``seeds`` seeds (module docstring).
 
@@ -163,17 +162,28 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     trains one more rate beyond that end (the grid's outer ratio further),
     up to ``widen`` times on each side, so that its best rate is inside the
     grid it was tuned on (an arm still at an end after that is reported as
-    such by :attr:`ArmResult.at_edge`). With ``jobs`` > 1 and ``threads``
-    unset, each run gets an equal share of the cores. Raises
-    :class:`ConfigError` before training if any config is bad.
+    such by :attr:`ArmResult.at_edge`). With ``tune`` (settings of
+    ``bigbatch tune``), each arm's rate is searched by a study over the
+    grid's range instead (chosen by the final metric, whatever ``rank``
+    says), cheaper than the grid when the grid is wide; ``widen`` does not
+    apply. With ``jobs`` > 1 and ``threads`` unset, each run gets an equal
+    share of the cores. Raises :class:`ConfigError` before training if any
+    config is bad.
     """
     check_protocol(multipliers, seeds, rank, jobs)
+    if tune is not None and len(set(multipliers)) < 2:
+        raise ConfigError("a tuned sweep searches the grid's range: give two multipliers or more")
     base = dict(base)
     if jobs > 1 and not base.get("threads"):
         base["threads"] = max(1, (os.cpu_count() or 1) // jobs)
     first_seed = int(base.get("seed", 0))
     root = Path(root)
     rates = {arm.stem: arm_rate({**base, **arm.overrides}) for arm in arms}  # checks every config
+    if tune is not None:
+        return [
+            _tuned_arm(base, arm, rates[arm.stem], root, multipliers, seeds, jobs, quiet, tune)
+            for arm in arms
+        ]
     grids = {arm.stem: {i: m for i, m in enumerate(multipliers)} for arm in arms}
 
     def job(arm: Arm, i: int, seed: int) -> tuple[dict[str, Any], str]:
@@ -217,6 +227,48 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
             )
         )
     return results
+
+
+def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
+    base: dict[str, Any],
+    arm: Arm,
+    rate: float,
+    root: Path,
+    multipliers: Sequence[float],
+    seeds: int,
+    jobs: int,
+    quiet: bool,
+    settings: TuneSettings,
+) -> ArmResult:
+    """An arm whose rate a ``bigbatch tune`` study chose over the grid's range (in
+    ``<stem>-tune``); the study's best run is the first seed's."""
+    from .tune import Dimension, tune  # the tune extra (Optuna), only when asked for
+
+    first_seed = int(base.get("seed", 0))
+    space = [Dimension("lr", rate * min(multipliers), rate * max(multipliers), log=True)]
+    study = tune(
+        {**base, **arm.overrides, "seed": first_seed},
+        root / f"{arm.stem}-tune",
+        space,
+        dataclasses.replace(settings, jobs=jobs),
+        quiet,
+    )
+    lr = study.best["lr"]
+    more = [
+        ({**base, **arm.overrides, "lr": lr, "seed": first_seed + k}, f"{arm.stem}-tuned-seed{k}")
+        for k in range(1, seeds)
+    ]
+    first = json.loads((study.best_dir / "summary.json").read_text())
+    return ArmResult(
+        name=arm.name,
+        overrides=dict(arm.overrides),
+        lrs=[lr],
+        chosen=0,
+        grid=[first],
+        runs=[first, *_run(more, root, jobs, quiet)],
+        dirs=[str(study.best_dir.relative_to(root)), *(name for _, name in more)],
+        tuned={"trials": len(study.trials), "cost": study.cost},
+    )
 
 
 def _beyond(grid: dict[int, float], best: int) -> int | None:

@@ -1,0 +1,442 @@
+"""``bigbatch tune``: a multi-fidelity search of the rate (and any number key) on Optuna.
+
+A ×2 grid trains every rate to the end. Here the rates are trials of an
+Optuna study, each an ordinary run in its own directory under ``trials/``,
+searched by successive halving (Jamieson & Talwalkar 2016, arXiv 1502.07943;
+in brackets as in Hyperband, Li et al. 2018, arXiv 1603.06560): a bracket
+starts ``trials`` runs, pauses each at the lowest fidelity, keeps the best
+``1/reduction`` of them and lets those go on to the next fidelity, and so on
+until one trains to the end.
+
+A low fidelity is the first samples of the full run, never a shorter run:
+the warm-up and decay are laid over the whole budget, so a rate is judged on
+the schedule it will train with (a schedule compressed into the fidelity
+favours large rates: the short-horizon bias, Wu et al. 2018, arXiv
+1803.02021; docs/tuning.md measures it), and a run kept at a rung continues
+from its checkpoint instead of starting again, so a survivor costs no more
+than its own samples.
+
+The first bracket's trials are spread over the space by a Latin hypercube;
+later brackets are proposed by Optuna's TPE sampler (Bergstra et al. 2011)
+from everything measured before. The study lives in SQLite inside the output
+folder with its settings; every decision is made again from what is stored,
+so a killed ``tune`` run again on the folder keeps every measurement and
+continues each paused or killed run from its checkpoint. Writes
+``best.toml`` (a config ``bigbatch train --config`` accepts), ``tune.md``
+and ``tune.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from . import runner
+from .arms import metric
+from .build import with_task_defaults
+from .config import ConfigError, resolve, schema, to_toml
+from .pool import in_processes
+from .rundir import CHECKPOINT, RunLock, claim_new_run_dir
+from .tasks import TASKS
+
+__all__ = [
+    "Dimension",
+    "TuneResult",
+    "TuneSettings",
+    "default_space",
+    "latin_hypercube",
+    "parse_dimension",
+    "tune",
+]
+
+STUDY = "bigbatch"
+SETTINGS_FILE = "tune.json"
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One searched config key: its range, on a log scale or not."""
+
+    key: str
+    low: float
+    high: float
+    log: bool = False
+
+    def suggest(self, trial: optuna.Trial) -> float | int:
+        if schema()[self.key].kind is int:
+            return trial.suggest_int(self.key, int(self.low), int(self.high), log=self.log)
+        return trial.suggest_float(self.key, self.low, self.high, log=self.log)
+
+    def grid_points(self) -> int:
+        """Points of the ×2 grid (log) or the 5-point grid (linear) over this range: what a
+        hand grid would train, for the cost comparison."""
+        return math.floor(math.log2(self.high / self.low) + 1e-9) + 1 if self.log else 5
+
+
+def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
+    """``KEY=LOW:HIGH`` or ``KEY=LOW:HIGH:log``, checked: a number key of the schema, both
+    ends valid values of it, LOW < HIGH, LOW > 0 on a log scale."""
+    match = re.fullmatch(r"\s*([\w.]+)\s*=\s*([^:]+):([^:]+?)(:log)?\s*", text)
+    if match is None:
+        raise ConfigError(f"--search takes KEY=LOW:HIGH or KEY=LOW:HIGH:log, got {text!r}")
+    key, low_text, high_text, log = match.groups()
+    try:
+        low, high = float(low_text), float(high_text)
+    except ValueError:
+        raise ConfigError(f"--search {key}: the range must be two numbers, got {text!r}") from None
+    known = schema()
+    if key not in known:
+        resolve(base, {key: low})  # one error, with a suggestion
+    if known[key].kind not in (int, float) or known[key].choices:
+        raise ConfigError(f"--search {key}: only number keys can be searched")
+    for end in (low, high):  # each end must be a value the key accepts
+        resolve(base, {key: known[key].kind(end)})
+    if not low < high:
+        raise ConfigError(f"--search {key}: LOW must be below HIGH, got {low:g}:{high:g}")
+    if log and low <= 0:
+        raise ConfigError(f"--search {key}: a log range needs LOW > 0, got {low:g}")
+    return Dimension(key, low, high, bool(log))
+
+
+def default_space(config: dict[str, Any]) -> list[Dimension]:
+    """The rate from 1/8 to 8 times the task's rate for the run's optimizer and batch rule
+    (seven points of a ×2 grid)."""
+    rate = with_task_defaults(resolve(config))["lr"]
+    return [Dimension("lr", rate / 8, rate * 8, log=True)]
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """How a study searches: its brackets, fidelities, budget, processes and seed."""
+
+    #: trials each bracket starts at the lowest fidelity
+    trials: int = 9
+    #: brackets to run, one after the other (the later ones proposed by TPE)
+    brackets: int = 1
+    #: the share of a bracket's trials kept at each fidelity is 1 / reduction
+    reduction: int = 3
+    #: the lowest fidelity, as a fraction of the run's samples
+    min_fidelity: float = 1 / 27
+    #: run no bracket that would take the study past this fraction of the samples of
+    #: the ×2 grid over the same space (None: only ``brackets`` limits it)
+    budget: float | None = None
+    #: trials trained at a time, each in its own process
+    jobs: int = 1
+    seed: int = 0
+
+    def check(self) -> None:
+        for name, least in (("trials", 1), ("brackets", 1), ("jobs", 1), ("reduction", 2)):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= least):
+                raise ConfigError(f"{name} must be a whole number >= {least}, got {value!r}")
+        if not 0 < self.min_fidelity <= 1:
+            raise ConfigError(f"min_fidelity must be in (0, 1], got {self.min_fidelity!r}")
+        if self.budget is not None and not self.budget > 0:
+            raise ConfigError(f"budget must be a positive fraction, got {self.budget!r}")
+
+    def rungs(self) -> list[float]:
+        """The fidelities a bracket pauses at, lowest first, ending at the whole run."""
+        rungs, fidelity = [], self.min_fidelity
+        while fidelity < 1 - 1e-9:
+            rungs.append(fidelity)
+            fidelity *= self.reduction
+        return [*rungs, 1.0]
+
+    def survivors(self) -> list[int]:
+        """How many of a bracket's trials train up to each rung: ``1/reduction`` of the rung
+        before, but two (where a bracket has two) up to the last pause, so that the winner
+        is chosen between runs judged on the longest prefix, not on an earlier one."""
+        paused = len(self.rungs()) - 1
+        least = min(2, self.trials)
+        return [max(least, self.trials // self.reduction**j) for j in range(paused)] + [1]
+
+    def bracket_runs(self) -> float:
+        """What one bracket trains, in whole runs (each survivor trains on from its pause)."""
+        rungs = self.rungs()
+        return sum(
+            keep * (f - before)
+            for keep, f, before in zip(self.survivors(), rungs, [0.0, *rungs[:-1]])
+        )
+
+
+@dataclass
+class TuneResult:
+    """What a study found, and what it cost."""
+
+    best: dict[str, float]
+    best_value: float
+    best_dir: Path
+    samples: int
+    grid_samples: int
+    trials: list[dict[str, Any]]
+
+    @property
+    def cost(self) -> float:
+        """The samples trained, as a fraction of the ×2 grid's."""
+        return self.samples / self.grid_samples
+
+
+def tune(
+    config: dict[str, Any],
+    out: Path,
+    space: Sequence[Dimension] | None = None,
+    settings: TuneSettings | None = None,
+    quiet: bool = True,
+) -> TuneResult:
+    """Search ``space`` (default :func:`default_space`) for ``config``'s run; resumable.
+
+    ``config`` is a config layer; every trial trains it with the trial's
+    values. The folder ``out`` is new, or holds a study of the same config,
+    space and settings (then it continues). Raises :class:`ConfigError`
+    before any training if the settings are bad or the budget does not cover
+    one bracket.
+    """
+    settings = settings or TuneSettings()
+    settings.check()
+    config = resolve(config)
+    space = list(space or default_space(config))
+    brackets = _brackets_in_budget(settings, space)
+    if settings.jobs > 1 and not config.get("threads"):
+        config = {**config, "threads": max(1, (os.cpu_count() or 1) // settings.jobs)}
+    out = Path(out)
+    lock = _claim(out, {"config": config, "space": [asdict(d) for d in space], **asdict(settings)})
+    try:
+        study = _study(out, config)
+        for bracket in range(brackets):
+            _Bracket(study, out, config, space, settings, bracket, quiet).run()
+        result = _result(study, config, space, out)
+        _write_outputs(out, config, result, space)
+        return result
+    finally:
+        lock.release()
+
+
+def _brackets_in_budget(settings: TuneSettings, space: list[Dimension]) -> int:
+    if settings.budget is None:
+        return settings.brackets
+    allowed = settings.budget * math.prod(d.grid_points() for d in space)
+    fit = math.floor(allowed / settings.bracket_runs() + 1e-9)
+    if fit < 1:
+        raise ConfigError(
+            f"budget {settings.budget:g} of the grid is {allowed:.2f} runs, less than one "
+            f"bracket ({settings.bracket_runs():.2f} runs): fewer trials or a lower min_fidelity"
+        )
+    return min(settings.brackets, fit)
+
+
+def _claim(out: Path, settings: dict[str, Any]) -> RunLock:
+    """Lock the study's folder: a new one, or one holding a study of these settings."""
+    path = out / SETTINGS_FILE
+    if not out.exists():
+        lock = claim_new_run_dir(out)
+        path.write_text(json.dumps(settings, indent=1))
+        return lock
+    if not path.is_file():
+        raise ConfigError(f"{str(out)!r} exists and holds no study: choose a new folder")
+    saved = json.loads(path.read_text())
+    if saved != json.loads(json.dumps(settings)):
+        changed = sorted(k for k in settings if saved.get(k) != json.loads(json.dumps(settings[k])))
+        raise ConfigError(
+            f"{str(out)!r} holds a study with other settings ({', '.join(changed)}): "
+            "choose a new folder, or the same settings to continue it"
+        )
+    return RunLock(out).acquire()
+
+
+def _study(out: Path, config: dict[str, Any]) -> optuna.Study:
+    task = TASKS[config["task"]]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(
+        study_name=STUDY,
+        storage=f"sqlite:///{out.resolve() / 'study.db'}",
+        load_if_exists=True,
+        direction="minimize" if task.target_metric.endswith("loss") else "maximize",
+    )
+
+
+class _Bracket:
+    """One bracket of successive halving, decided again from what the study has stored."""
+
+    def __init__(
+        self,
+        study: optuna.Study,
+        out: Path,
+        config: dict[str, Any],
+        space: list[Dimension],
+        settings: TuneSettings,
+        index: int,
+        quiet: bool,
+    ) -> None:
+        self.study, self.out, self.config, self.space = study, out, config, space
+        self.settings, self.index, self.quiet = settings, index, quiet
+        self.budget = with_task_defaults(config)["max_samples"]
+        self.target = TASKS[config["task"]].target_metric
+        self.lower_is_better = self.target.endswith("loss")
+
+    def run(self) -> None:
+        self._start_trials()
+        rungs, keep = self.settings.rungs(), self.settings.survivors()
+        for j, fidelity in enumerate(rungs):
+            alive = [t for t in self._trials() if t.state != TrialState.FAIL]
+            if j:  # ranked by the last rung, ties to the earlier trial
+                mark = self._mark(rungs[j - 1])
+                alive = sorted(
+                    (t for t in alive if mark in t.intermediate_values),
+                    key=lambda t, m=mark: (self._rank(t.intermediate_values[m]), t.number),
+                )
+            for t in alive[keep[j] :]:
+                if t.state == TrialState.RUNNING:
+                    self.study.tell(t.number, state=TrialState.PRUNED)
+            todo = [t for t in alive[: keep[j]] if t.state == TrialState.RUNNING]
+            todo = [t for t in todo if self._mark(fidelity) not in t.intermediate_values]
+            if not self.quiet and todo:
+                print(f"bracket {self.index}: {len(todo)} trials to {fidelity:.3g} of the run")
+            self._advance(todo, fidelity)
+
+    def _trials(self) -> list[FrozenTrial]:
+        return [
+            t
+            for t in self.study.get_trials(deepcopy=False)
+            if t.user_attrs.get("bracket") == self.index
+        ]
+
+    def _mark(self, fidelity: float) -> int:
+        """The step a fidelity is reported at: its samples."""
+        return round(fidelity * self.budget)
+
+    def _rank(self, value: float) -> float:
+        return value if self.lower_is_better else -value
+
+    def _start_trials(self) -> None:
+        """Ask the study for this bracket's trials (once: a resumed bracket has them)."""
+        missing = self.settings.trials - len(self._trials())
+        if missing <= 0:
+            return
+        if self.index == 0:
+            for params in latin_hypercube(self.space, missing, self.settings.seed):
+                self.study.enqueue_trial(params)
+        else:
+            self.study.sampler = optuna.samplers.TPESampler(
+                seed=self.settings.seed + self.index, n_startup_trials=0, constant_liar=True
+            )
+        for _ in range(missing):
+            trial = self.study.ask()
+            for d in self.space:
+                d.suggest(trial)
+            trial.set_user_attr("bracket", self.index)
+
+    def _advance(self, trials: list[FrozenTrial], fidelity: float) -> None:
+        """Train each trial on (from its checkpoint) to ``fidelity``, and store what it did."""
+        until = None if fidelity >= 1 else self._mark(fidelity)
+        quiet = self.quiet or self.settings.jobs > 1  # one progress bar or none
+        jobs = [
+            (resolve(self.config, t.params), str(self.out / "trials" / f"{t.number:04d}"), until)
+            for t in trials
+        ]
+        records = in_processes(_train_trial, [(*job, quiet) for job in jobs], self.settings.jobs)
+        for t, record in zip(trials, records):
+            trial = optuna.trial.Trial(self.study, t._trial_id)  # a trial of this study, resumed
+            trial.set_user_attr("samples", record.get("samples", 0))
+            if "diverged" in record:  # a rate past stability: out of the bracket
+                trial.set_user_attr("diverged", record["diverged"])
+                self.study.tell(t.number, state=TrialState.FAIL)
+            elif until is not None:
+                trial.report(record[self.target], self._mark(fidelity))
+            else:
+                trial.report(metric(record, "final"), self.budget)
+                self.study.tell(t.number, metric(record, "final"))
+
+
+def latin_hypercube(space: Sequence[Dimension], n: int, seed: int) -> list[dict[str, float]]:
+    """``n`` points that cover every dimension evenly: each dimension's range (log-scaled
+    where it is) cut into ``n`` strata, one point in each, the strata paired at random."""
+    rng = np.random.default_rng(seed)
+    points: list[dict[str, float]] = [{} for _ in range(n)]
+    for d in space:
+        fractions = (rng.permutation(n) + rng.uniform(size=n)) / n
+        for point, u in zip(points, fractions):
+            if d.log:
+                value = math.exp(math.log(d.low) + u * (math.log(d.high) - math.log(d.low)))
+            else:
+                value = d.low + u * (d.high - d.low)
+            point[d.key] = round(value) if schema()[d.key].kind is int else float(value)
+    return points
+
+
+def _train_trial(job: tuple[dict[str, Any], str, int | None, bool]) -> dict[str, Any]:
+    """Train a trial's run from where it stands to ``until`` samples (None: to the end)."""
+    config, run_dir, until, quiet = job
+    path = Path(run_dir)
+    if (path / "summary.json").is_file():
+        return json.loads((path / "summary.json").read_text())
+    resume = (path / CHECKPOINT).is_file()
+    if path.exists() and not resume:  # killed before its first checkpoint
+        shutil.rmtree(path)
+    try:
+        return runner.train(config, path, resume=resume, quiet=quiet, until=until)
+    except runner.TooManySkippedError as err:
+        return {"diverged": str(err), "samples": 0}
+
+
+def _samples(trial: FrozenTrial) -> int:
+    return int(trial.user_attrs.get("samples", 0))
+
+
+def _grid_samples(config: dict[str, Any], space: list[Dimension]) -> int:
+    """The samples of the ×2 grid over ``space``, every point trained to the end."""
+    points = math.prod(d.grid_points() for d in space)
+    return points * with_task_defaults(resolve(config))["max_samples"]
+
+
+def _result(
+    study: optuna.Study, config: dict[str, Any], space: list[Dimension], out: Path
+) -> TuneResult:
+    trials = study.get_trials(deepcopy=False)
+    if not any(t.state == TrialState.COMPLETE for t in trials):
+        raise RuntimeError("no trial trained to the end: every one diverged; lower the range")
+    best = study.best_trial
+    rows = [
+        {
+            "number": t.number,
+            "bracket": t.user_attrs.get("bracket"),
+            "state": t.state.name.lower(),
+            "params": dict(t.params),
+            "samples": _samples(t),
+            "value": t.value,
+            "last": t.intermediate_values[max(t.intermediate_values)]
+            if t.intermediate_values
+            else None,
+            "curve": sorted(t.intermediate_values.items()),
+            "diverged": t.user_attrs.get("diverged"),
+        }
+        for t in trials
+    ]
+    return TuneResult(
+        best=dict(best.params),
+        best_value=float(best.value),
+        best_dir=out / "trials" / f"{best.number:04d}",
+        samples=sum(_samples(t) for t in trials),
+        grid_samples=_grid_samples(config, space),
+        trials=rows,
+    )
+
+
+def _write_outputs(
+    out: Path, config: dict[str, Any], result: TuneResult, space: list[Dimension]
+) -> None:
+    from .tune_report import plot, render
+
+    (out / "best.toml").write_text(to_toml(resolve(config, result.best)))
+    (out / "tune.md").write_text(render(config, result, space))
+    plot(out / "tune.png", config, result, space)

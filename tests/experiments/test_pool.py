@@ -1,0 +1,20 @@
+"""``in_processes``: the results in order, from fresh processes when asked for."""
+
+import os
+
+from bigbatch.experiments.pool import in_processes
+
+
+def _pid_of(_item):
+    return os.getpid()
+
+
+def test_results_come_back_in_order_from_other_processes():
+    assert in_processes(abs, [-3, -1, -2], workers=2) == [3, 1, 2]
+    pids = in_processes(_pid_of, [0, 1, 2], workers=2)
+    assert os.getpid() not in pids
+
+
+def test_one_worker_or_one_item_runs_here():
+    assert in_processes(_pid_of, [0, 1], workers=1) == [os.getpid()] * 2
+    assert in_processes(_pid_of, [0], workers=4) == [os.getpid()]

@@ -1,0 +1,50 @@
+"""``runner.train``'s pause point: a run paused at ``until`` and resumed is the run never paused."""
+
+import json
+
+import torch
+
+from bigbatch.experiments import runner
+from bigbatch.experiments.config import resolve
+
+from .test_cli import rows
+
+CONFIG = {
+    "task": "digits",
+    "device": "cpu",
+    "threads": 1,
+    "max_samples": 6000,
+    "eval_every": 5,
+    "batch.controller": "constant",
+}
+
+
+def _without_evaluation(run):
+    """The rows without their evaluation (a pause evaluates where the plain run need not)."""
+    return [{k: v for k, v in r.items() if not k.startswith("eval_")} for r in rows(run)]
+
+
+def test_a_run_paused_twice_and_resumed_ends_like_one_never_paused(tmp_path):
+    straight = runner.train(resolve(CONFIG), tmp_path / "straight", quiet=True)
+    run = tmp_path / "paused"
+    first = runner.train(resolve(CONFIG), run, quiet=True, until=1000)
+    assert first["paused"] and 1000 <= first["samples"] < 1200
+    assert "eval_accuracy" in first and not (run / "summary.json").exists()
+    again = runner.train(resolve(CONFIG), run, resume=True, quiet=True, until=1000)
+    assert again["samples"] == first["samples"]  # paused there already: no step taken
+    assert again["eval_accuracy"] == first["eval_accuracy"]
+    second = runner.train(resolve(CONFIG), run, resume=True, quiet=True, until=3000)
+    assert second["paused"] and second["samples"] >= 3000
+    done = runner.train(resolve(CONFIG), run, resume=True, quiet=True, until=None)
+    assert done["final_accuracy"] == straight["final_accuracy"]
+    assert done["steps"] == straight["steps"]
+    assert _without_evaluation(run) == _without_evaluation(tmp_path / "straight")
+    a = torch.load(run / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    b = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["loop"]["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((run / "summary.json").read_text())["samples"] == straight["samples"]
+
+
+def test_until_at_or_past_the_budget_trains_the_whole_run(tmp_path):
+    summary = runner.train(resolve(CONFIG), tmp_path / "r", quiet=True, until=6000)
+    assert "paused" not in summary and summary["samples"] >= 6000

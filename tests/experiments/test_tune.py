@@ -1,0 +1,272 @@
+"""``bigbatch tune``: the search, its pruning and budget, its outputs, resume and bad input.
+
+Most tests train with a stand-in whose validation curve is a known function of
+the rate (best at 0.004), so the search's choices are checked in seconds; the
+resume test kills a real ``bigbatch tune`` process and compares it with one
+never killed.
+"""
+
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("optuna")
+
+from bigbatch.experiments import runner
+from bigbatch.experiments.config import ConfigError, load_toml, resolve
+from bigbatch.experiments.tune import (
+    Dimension,
+    TuneSettings,
+    default_space,
+    latin_hypercube,
+    parse_dimension,
+    tune,
+)
+
+from .test_cli import rows
+
+BASE = {"task": "digits", "batch.controller": "constant", "max_samples": 27_000}
+BEST_LR = 0.004
+SPACE = [Dimension("lr", 0.0005, 0.032, log=True)]  # 7 points of a ×2 grid
+
+
+def curve(lr: float, fraction: float) -> float:
+    """Accuracy after ``fraction`` of the run: rises with training, falls with the squared
+    log-distance of the rate from the best (a larger rate learns faster early on)."""
+    distance = math.log(lr / BEST_LR)
+    return 0.98 - 0.02 * distance**2 - 0.02 * (1 - fraction) * math.exp(-distance)
+
+
+class FakeRuns:
+    """runner.train replaced by :func:`curve`: pauses at ``until`` and resumes from where it
+    paused (a ``checkpoint.pt`` holding its samples), diverges above ``diverge_above``."""
+
+    def __init__(self, loss: bool = False, diverge_above: float = math.inf) -> None:
+        self.calls: list[tuple[float, int, int | None]] = []  # (lr, from samples, until)
+        self.trained = 0
+        self.loss, self.diverge_above = loss, diverge_above
+
+    def __call__(self, config, out, *, resume=False, quiet=False, until=None):
+        total = config["max_samples"]
+        start = int((out / "checkpoint.pt").read_text()) if resume else 0
+        assert resume == (out / "checkpoint.pt").exists()
+        out.mkdir(parents=True, exist_ok=True)
+        end = total if until is None or until >= total else until
+        self.calls.append((config["lr"], start, until))
+        self.trained += end - start
+        if config["lr"] > self.diverge_above:
+            raise runner.TooManySkippedError(10, 20, 0.25)
+        (out / "checkpoint.pt").write_text(str(end))
+        accuracy = curve(config["lr"], end / total)
+        scores = {"eval_accuracy": accuracy, "eval_loss": 1 - accuracy}
+        if end < total:
+            return {"paused": True, "samples": end, **scores}
+        summary = {
+            "target_metric": "eval_loss" if self.loss else "eval_accuracy",
+            "final_accuracy": accuracy,
+            "best_accuracy": accuracy,
+            "final_eval_loss": 1 - accuracy,
+            "best_eval_loss": 1 - accuracy,
+            "samples": total,
+        }
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    runs = FakeRuns()
+    monkeypatch.setattr(runner, "train", runs)
+    return runs
+
+
+def test_successive_halving_keeps_the_best_and_continues_them_from_their_pause(fake, tmp_path):
+    result = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=9))
+    # 9 trials to 1/27 of the run, 3 to 1/9, 2 to 1/3, one to the end
+    assert [t["state"] for t in result.trials].count("complete") == 1
+    assert [t["state"] for t in result.trials].count("pruned") == 8
+    assert abs(math.log2(result.best["lr"] / BEST_LR)) < 0.5  # the closest of the 9 points
+    # every survivor went on from where it paused: no sample trained twice
+    starts = sorted((lr, start) for lr, start, _ in fake.calls)
+    assert len(starts) == len(set(starts)) == 9 + 3 + 2 + 1
+    assert result.samples == fake.trained
+    assert result.samples == pytest.approx(TuneSettings(trials=9).bracket_runs() * 27_000, abs=2)
+    assert result.grid_samples == 7 * 27_000 and result.cost < 0.25
+
+
+def test_the_best_config_report_and_plot_are_written(fake, tmp_path):
+    result = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=9, brackets=2))
+    best = resolve(load_toml(tmp_path / "t" / "best.toml"))
+    assert best["lr"] == pytest.approx(result.best["lr"]) and best["task"] == "digits"
+    report = (tmp_path / "t" / "tune.md").read_text()
+    assert "of the grid" in report and f"{result.best['lr']:.4g}" in report
+    assert (tmp_path / "t" / "tune.png").stat().st_size > 0
+    # the second bracket is proposed by TPE from the first: near the best rate
+    second = [t["params"]["lr"] for t in result.trials if t["bracket"] == 1]
+    assert len(second) == 9
+    assert sorted(abs(math.log2(lr / BEST_LR)) for lr in second)[4] < 1.5
+
+
+def test_a_loss_is_minimised(monkeypatch, tmp_path):
+    runs = FakeRuns(loss=True)
+    monkeypatch.setattr(runner, "train", runs)
+    result = tune({**BASE, "task": "lm"}, tmp_path / "t", SPACE, TuneSettings(trials=9))
+    assert abs(math.log2(result.best["lr"] / BEST_LR)) < 0.7
+
+
+def test_a_diverging_rate_leaves_its_bracket(monkeypatch, tmp_path):
+    runs = FakeRuns(diverge_above=0.01)
+    monkeypatch.setattr(runner, "train", runs)
+    result = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=9))
+    failed = [t for t in result.trials if t["state"] == "fail"]
+    assert failed and all(t["params"]["lr"] > 0.01 and t["diverged"] for t in failed)
+    assert result.best["lr"] <= 0.01
+    assert "diverged" in (tmp_path / "t" / "tune.md").read_text()
+
+
+def test_the_budget_limits_the_brackets_and_one_too_small_is_refused(fake, tmp_path):
+    settings = TuneSettings(trials=9, brackets=5, budget=0.5)  # 1.67 runs a bracket, of 7
+    result = tune(BASE, tmp_path / "t", SPACE, settings)
+    assert {t["bracket"] for t in result.trials} == {0, 1}
+    assert result.cost <= 0.5
+    with pytest.raises(ConfigError, match=r"budget 0.1 of the grid is 0.70 runs.*1.67 runs"):
+        tune(BASE, tmp_path / "u", SPACE, TuneSettings(trials=9, budget=0.1))
+    assert not (tmp_path / "u").exists()
+
+
+def test_a_finished_study_run_again_trains_nothing_and_other_settings_are_refused(fake, tmp_path):
+    first = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6))
+    count = len(fake.calls)
+    again = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6))
+    assert len(fake.calls) == count and again.best == first.best
+    with pytest.raises(ConfigError, match=r"holds a study with other settings.*trials"):
+        tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=7))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ConfigError, match="holds no study"):
+        tune(BASE, tmp_path / "plain", SPACE, TuneSettings(trials=6))
+
+
+def test_the_first_bracket_covers_every_stratum_of_each_range():
+    space = [Dimension("lr", 0.001, 0.064, log=True), Dimension("schedule.warmup", 0.0, 0.3)]
+    points = latin_hypercube(space, 6, seed=3)
+    lr_strata = sorted(int(6 * math.log(p["lr"] / 0.001) / math.log(64)) for p in points)
+    warmup_strata = sorted(int(6 * p["schedule.warmup"] / 0.3) for p in points)
+    assert lr_strata == warmup_strata == list(range(6))
+    assert latin_hypercube(space, 6, seed=3) == points != latin_hypercube(space, 6, seed=4)
+
+
+def test_the_default_space_spans_the_tasks_rate_by_eight_each_way():
+    (dimension,) = default_space(BASE)
+    assert dimension.key == "lr" and dimension.log
+    assert dimension.high / dimension.low == pytest.approx(64)
+    assert dimension.grid_points() == 7
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("lr=0.1:0.01", "LOW must be below HIGH"),
+        ("lrr=0.1:1", "unknown config key 'lrr'; did you mean 'lr'?"),
+        ("lr=0:1:log", "a log range needs LOW > 0"),
+        ("lr=-1:1", "lr must be >= 0, got -1.0"),
+        ("optimizer=1:2", "only number keys can be searched"),
+        ("lr=a:b", "the range must be two numbers"),
+        ("lr", "KEY=LOW:HIGH or KEY=LOW:HIGH:log"),
+    ],
+)
+def test_a_bad_range_or_key_gets_one_error_naming_it(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_dimension(text, BASE)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (TuneSettings(trials=0), "trials must be a whole number >= 1, got 0"),
+        (TuneSettings(jobs=-1), "jobs must be"),
+        (TuneSettings(reduction=1), "reduction must be a whole number >= 2, got 1"),
+        (TuneSettings(brackets=1.5), "brackets must be"),
+        (TuneSettings(min_fidelity=1.5), "min_fidelity must be in"),
+        (TuneSettings(budget=0), "budget must be a positive fraction"),
+    ],
+)
+def test_bad_settings_stop_before_any_run(fake, tmp_path, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        tune(BASE, tmp_path / "t", None, settings)
+    assert fake.calls == [] and not (tmp_path / "t").exists()
+
+
+def _states(db):
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute("SELECT number, state FROM trials ORDER BY number").fetchall()
+    return dict(rows)
+
+
+def _reports(db):
+    with sqlite3.connect(db) as connection:
+        return connection.execute(
+            "SELECT trial_id, step, intermediate_value FROM trial_intermediate_values "
+            "ORDER BY trial_id, step"
+        ).fetchall()
+
+
+TUNE = [
+    sys.executable, "-m", "bigbatch.cli", "tune", "--task", "digits", "--quiet",
+    "--set", "max_samples=8000", "--set", "eval_every=4", "--set", "threads=1",
+    "--set", "batch.controller=constant", "--trials", "6", "--min-fidelity", "0.1",
+]  # fmt: skip
+
+
+@pytest.mark.faults
+def test_a_killed_tune_resumes_and_ends_as_one_never_killed(tmp_path):
+    """SIGKILL once a trial has been stopped and another trains on, then the same command:
+    every stored measurement kept, and the study, its runs and its choice equal those of
+    a study never killed."""
+    straight = subprocess.run([*TUNE, "--out", str(tmp_path / "straight")], timeout=300)
+    assert straight.returncode == 0
+    out = tmp_path / "study"
+    process = subprocess.Popen([*TUNE, "--out", str(out)], start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if (out / "study.db").exists() and "PRUNED" in _states(out / "study.db").values():
+            break
+        assert process.poll() is None, "tune ended before it could be killed"
+        time.sleep(0.1)
+    else:
+        pytest.fail("no trial was stopped in time")
+    time.sleep(1.0)  # into the next fidelity's training
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    before = _reports(out / "study.db")
+    done = subprocess.run([*TUNE, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    after = _reports(out / "study.db")
+    assert set(before) <= set(after)  # nothing stored was lost or measured again
+    assert after == _reports(tmp_path / "straight" / "study.db")
+    assert _states(out / "study.db") == _states(tmp_path / "straight" / "study.db")
+    for trial in (out / "trials").iterdir():  # each run continued from its checkpoint
+        assert rows(trial) == rows(tmp_path / "straight" / "trials" / trial.name)
+    assert (out / "best.toml").read_text() == (tmp_path / "straight" / "best.toml").read_text()
+    assert "best config" in done.stdout
+
+
+def test_trials_run_in_parallel_processes(tmp_path):
+    out = tmp_path / "study"
+    command = [
+        sys.executable, "-m", "bigbatch.cli", "tune", "--task", "digits", "--quiet",
+        "--set", "max_samples=4000", "--set", "batch.controller=constant",
+        "--trials", "4", "--reduction", "2", "--min-fidelity", "0.25", "--jobs", "2",
+        "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    states = _states(out / "study.db")
+    assert sorted(states.values()) == ["COMPLETE", "PRUNED", "PRUNED", "PRUNED"]
+    assert len(list((out / "trials").iterdir())) == 4
