@@ -84,7 +84,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--top", type=int, default=0, help="further seeds at the K best rates")
-    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--budget", type=float, default=0.25, help="0: no budget")
     parser.add_argument("--trials", type=int, default=9)
     parser.add_argument("--horizons", nargs="*", default=["1/9"], help="compressed schedules")
     parser.add_argument("--max-samples", type=int, default=0, help="the task's budget if 0")
@@ -133,7 +133,7 @@ def _sign(loss: bool) -> int:
 
 def _tune_one(job: tuple[dict[str, Any], str, int, float, int]) -> dict[str, Any]:
     config, out, seed, budget, trials = job
-    settings = TuneSettings(trials=trials, budget=budget, seed=seed)
+    settings = TuneSettings(trials=trials, budget=budget or None, seed=seed)
     result = tune(config, Path(out), settings=settings)
     return {
         "seed": seed,
@@ -238,6 +238,7 @@ def _summarise(
         "tuned": tuned,
         "loss": loss,
         "tune_budget": args.budget,
+        "trials": args.trials,
     }
 
 
@@ -275,7 +276,8 @@ def _render(r: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Tuned (`bigbatch tune`, default space, budget {r['tune_budget']:g} of the grid):",
+        f"Tuned (`bigbatch tune`, default space, {r['trials']} trials, budget "
+        f"{r['tune_budget'] or 'none'}):",
         "",
         "| study seed | trials (complete) | cost / grid | tuned rate | its final, seed mean "
         f"| gap to the grid's best ({unit}) |",

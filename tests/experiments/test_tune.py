@@ -89,16 +89,19 @@ def fake(monkeypatch):
 
 def test_successive_halving_keeps_the_best_and_continues_them_from_their_pause(fake, tmp_path):
     result = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=9))
-    # 9 trials to 1/27 of the run, 3 to 1/9, 2 to 1/3, one to the end
+    # the warm-up is 5%: 9 trials to 1/9 of the run (not 1/27: inside two warm-ups), 3 to
+    # 1/3, one to the end
     assert [t["state"] for t in result.trials].count("complete") == 1
     assert [t["state"] for t in result.trials].count("pruned") == 8
     assert abs(math.log2(result.best["lr"] / BEST_LR)) < 0.5  # the closest of the 9 points
     # every survivor went on from where it paused: no sample trained twice
     starts = sorted((lr, start) for lr, start, _ in fake.calls)
-    assert len(starts) == len(set(starts)) == 9 + 3 + 2 + 1
+    assert len(starts) == len(set(starts)) == 9 + 3 + 1
+    assert min(until for _, _, until in fake.calls if until) == 3000  # 1/9 of 27,000
     assert result.samples == fake.trained
-    assert result.samples == pytest.approx(TuneSettings(trials=9).bracket_runs() * 27_000, abs=2)
-    assert result.grid_samples == 7 * 27_000 and result.cost < 0.25
+    bracket = TuneSettings(trials=9).bracket_runs(warmup=0.05)
+    assert result.samples == pytest.approx(bracket * 27_000, abs=2)
+    assert result.grid_samples == 7 * 27_000 and result.cost == pytest.approx(7 / 21, abs=1e-3)
 
 
 def test_the_best_config_report_and_plot_are_written(fake, tmp_path):
@@ -132,11 +135,14 @@ def test_a_diverging_rate_leaves_its_bracket(monkeypatch, tmp_path):
 
 
 def test_the_budget_limits_the_brackets_and_one_too_small_is_refused(fake, tmp_path):
-    settings = TuneSettings(trials=9, brackets=5, budget=0.5)  # 1.67 runs a bracket, of 7
+    settings = TuneSettings(trials=9, brackets=5, budget=0.7)  # 2.33 runs a bracket, of 7
     result = tune(BASE, tmp_path / "t", SPACE, settings)
     assert {t["bracket"] for t in result.trials} == {0, 1}
-    assert result.cost <= 0.5
-    with pytest.raises(ConfigError, match=r"budget 0.1 of the grid is 0.70 runs.*1.67 runs"):
+    assert result.cost <= 0.7
+    with pytest.raises(
+        ConfigError,
+        match=r"budget 0.1 of the grid is 0.70 runs.*2.33 runs with pauses at 0.111, 0.333, 1",
+    ):
         tune(BASE, tmp_path / "u", SPACE, TuneSettings(trials=9, budget=0.1))
     assert not (tmp_path / "u").exists()
 
@@ -151,6 +157,17 @@ def test_a_finished_study_run_again_trains_nothing_and_other_settings_are_refuse
     (tmp_path / "plain").mkdir()
     with pytest.raises(ConfigError, match="holds no study"):
         tune(BASE, tmp_path / "plain", SPACE, TuneSettings(trials=6))
+
+
+def test_the_pauses_divide_the_run_by_powers_of_the_reduction_after_two_warmups():
+    settings = TuneSettings()
+    assert settings.rungs() == pytest.approx([1 / 27, 1 / 9, 1 / 3, 1])
+    assert settings.survivors() == [9, 3, 2, 1]  # two kept to the last pause
+    assert settings.bracket_runs() == pytest.approx((9 + 3 * 2 + 2 * 6 + 18) / 27)
+    assert settings.rungs(warmup=0.05) == pytest.approx([1 / 9, 1 / 3, 1])
+    assert settings.survivors(warmup=0.05) == [9, 3, 1]
+    assert TuneSettings(after_warmup=0).rungs(warmup=0.05) == pytest.approx(settings.rungs())
+    assert TuneSettings(trials=1).survivors() == [1, 1, 1, 1]
 
 
 def test_the_first_bracket_covers_every_stratum_of_each_range():
@@ -195,6 +212,7 @@ def test_a_bad_range_or_key_gets_one_error_naming_it(text, message):
         (TuneSettings(brackets=1.5), "brackets must be"),
         (TuneSettings(min_fidelity=1.5), "min_fidelity must be in"),
         (TuneSettings(budget=0), "budget must be a positive fraction"),
+        (TuneSettings(after_warmup=-1), "after_warmup must be >= 0"),
     ],
 )
 def test_bad_settings_stop_before_any_run(fake, tmp_path, settings, message):

@@ -128,12 +128,41 @@ class TuneSettings:
     reduction: int = 3
     #: the lowest fidelity, as a fraction of the run's samples
     min_fidelity: float = 1 / 27
+    #: no pause before this many warm-ups: inside the warm-up every rate is still below its
+    #: peak, and the largest look best (measured: docs/tuning.md)
+    after_warmup: float = 2.0
     #: run no bracket that would take the study past this fraction of the samples of
     #: the ×2 grid over the same space (None: only ``brackets`` limits it)
     budget: float | None = None
     #: trials trained at a time, each in its own process
     jobs: int = 1
     seed: int = 0
+
+    def rungs(self, warmup: float = 0.0) -> list[float]:
+        """The fidelities a bracket pauses at, lowest first: the run's samples divided by
+        powers of ``reduction``, none below ``min_fidelity`` nor ``after_warmup`` times the
+        ``warmup`` fraction, ending at the whole run."""
+        lowest = max(self.min_fidelity, self.after_warmup * warmup)
+        rungs = [1.0]
+        while rungs[0] / self.reduction >= lowest - 1e-9:
+            rungs.insert(0, rungs[0] / self.reduction)
+        return rungs
+
+    def survivors(self, warmup: float = 0.0) -> list[int]:
+        """How many of a bracket's trials train up to each rung: ``1/reduction`` of the rung
+        before, but two (where a bracket has two) up to the last pause, so that the winner
+        is chosen between runs judged on the longest prefix, not on an earlier one."""
+        paused = len(self.rungs(warmup)) - 1
+        least = min(2, self.trials)
+        return [max(least, self.trials // self.reduction**j) for j in range(paused)] + [1]
+
+    def bracket_runs(self, warmup: float = 0.0) -> float:
+        """What one bracket trains, in whole runs (each survivor trains on from its pause)."""
+        rungs = self.rungs(warmup)
+        return sum(
+            keep * (f - before)
+            for keep, f, before in zip(self.survivors(warmup), rungs, [0.0, *rungs[:-1]])
+        )
 
     def check(self) -> None:
         for name, least in (("trials", 1), ("brackets", 1), ("jobs", 1), ("reduction", 2)):
@@ -142,32 +171,10 @@ class TuneSettings:
                 raise ConfigError(f"{name} must be a whole number >= {least}, got {value!r}")
         if not 0 < self.min_fidelity <= 1:
             raise ConfigError(f"min_fidelity must be in (0, 1], got {self.min_fidelity!r}")
+        if not self.after_warmup >= 0:
+            raise ConfigError(f"after_warmup must be >= 0, got {self.after_warmup!r}")
         if self.budget is not None and not self.budget > 0:
             raise ConfigError(f"budget must be a positive fraction, got {self.budget!r}")
-
-    def rungs(self) -> list[float]:
-        """The fidelities a bracket pauses at, lowest first, ending at the whole run."""
-        rungs, fidelity = [], self.min_fidelity
-        while fidelity < 1 - 1e-9:
-            rungs.append(fidelity)
-            fidelity *= self.reduction
-        return [*rungs, 1.0]
-
-    def survivors(self) -> list[int]:
-        """How many of a bracket's trials train up to each rung: ``1/reduction`` of the rung
-        before, but two (where a bracket has two) up to the last pause, so that the winner
-        is chosen between runs judged on the longest prefix, not on an earlier one."""
-        paused = len(self.rungs()) - 1
-        least = min(2, self.trials)
-        return [max(least, self.trials // self.reduction**j) for j in range(paused)] + [1]
-
-    def bracket_runs(self) -> float:
-        """What one bracket trains, in whole runs (each survivor trains on from its pause)."""
-        rungs = self.rungs()
-        return sum(
-            keep * (f - before)
-            for keep, f, before in zip(self.survivors(), rungs, [0.0, *rungs[:-1]])
-        )
 
 
 @dataclass
@@ -206,7 +213,7 @@ def tune(
     settings.check()
     config = resolve(config)
     space = list(space or default_space(config))
-    brackets = _brackets_in_budget(settings, space)
+    brackets = _brackets_in_budget(settings, space, _warmup(config))
     if settings.jobs > 1 and not config.get("threads"):
         config = {**config, "threads": max(1, (os.cpu_count() or 1) // settings.jobs)}
     out = Path(out)
@@ -222,15 +229,22 @@ def tune(
         lock.release()
 
 
-def _brackets_in_budget(settings: TuneSettings, space: list[Dimension]) -> int:
+def _warmup(config: dict[str, Any]) -> float:
+    """The run's warm-up, a fraction of its samples."""
+    return float(with_task_defaults(config)["schedule.warmup"])
+
+
+def _brackets_in_budget(settings: TuneSettings, space: list[Dimension], warmup: float) -> int:
     if settings.budget is None:
         return settings.brackets
     allowed = settings.budget * math.prod(d.grid_points() for d in space)
-    fit = math.floor(allowed / settings.bracket_runs() + 1e-9)
+    bracket = settings.bracket_runs(warmup)
+    fit = math.floor(allowed / bracket + 1e-9)
     if fit < 1:
         raise ConfigError(
             f"budget {settings.budget:g} of the grid is {allowed:.2f} runs, less than one "
-            f"bracket ({settings.bracket_runs():.2f} runs): fewer trials or a lower min_fidelity"
+            f"bracket ({bracket:.2f} runs with pauses at "
+            f"{', '.join(f'{r:.3g}' for r in settings.rungs(warmup))}): fewer trials"
         )
     return min(settings.brackets, fit)
 
@@ -286,7 +300,8 @@ class _Bracket:
 
     def run(self) -> None:
         self._start_trials()
-        rungs, keep = self.settings.rungs(), self.settings.survivors()
+        warmup = _warmup(self.config)
+        rungs, keep = self.settings.rungs(warmup), self.settings.survivors(warmup)
         for j, fidelity in enumerate(rungs):
             alive = [t for t in self._trials() if t.state != TrialState.FAIL]
             if j:  # ranked by the last rung, ties to the earlier trial
