@@ -228,6 +228,13 @@ def _tune_arguments(tune: argparse.ArgumentParser) -> None:
         help="the first pause, as a fraction of max_samples (default 1/27)",
     )
     tune.add_argument(
+        "--after-warmup",
+        type=float,
+        default=2.0,
+        help="no pause before this many warm-ups (default 2: after a 5%% warm-up, the first "
+        "pause is at 1/9)",
+    )
+    tune.add_argument(
         "--budget",
         type=float,
         help="run no bracket past this fraction of the samples of a ×2 grid over the same "
@@ -373,6 +380,7 @@ def _tune(args: argparse.Namespace) -> None:
         brackets=args.brackets,
         reduction=args.reduction,
         min_fidelity=args.min_fidelity,
+        after_warmup=args.after_warmup,
         budget=args.budget,
         jobs=args.jobs,
         seed=args.search_seed,
@@ -466,11 +474,21 @@ def _reported(err: BaseException) -> int | None:
     return None
 
 
+#: packages of the optional extras a command may need, and the extra that brings each
+OPTIONAL_EXTRAS = {
+    "optuna": ("bigbatch tune", "tune"),
+    "tensorboard": ("log.tensorboard", "tensorboard"),
+    "mlflow": ("log.mlflow", "mlflow"),
+    "wandb": ("log.wandb", "wandb"),
+}
+
+
 def _missing_extra(err: ModuleNotFoundError) -> int | None:
     """The extra that brings a missing package, in one line (exit 2); None for another."""
     package = (err.name or "").partition(".")[0]
-    if package == "optuna":
-        _error("bigbatch tune needs the tune extra (optuna): pip install 'bigbatch[tune]'")
+    if package in OPTIONAL_EXTRAS:
+        what, extra = OPTIONAL_EXTRAS[package]
+        _error(f"{what} needs the {extra} extra ({package}): pip install 'bigbatch[{extra}]'")
         return 2
     if package not in CLI_EXTRA:
         return None

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import bigbatch as bb  # noqa: E402
 from bigbatch.integrations.hf import AdaptiveBatchTrainer  # noqa: E402
+from bigbatch.sinks import tagged  # noqa: E402
 
 from ._data import Teacher  # noqa: E402
 
@@ -118,3 +119,16 @@ def test_statistics_are_taken_before_gradient_clipping(tmp_path):
     unclipped = trainer.bigbatch.history[0]
     for name in ("grad_sq_norm", "trace", "similarity"):
         assert clipped[name] == pytest.approx(unclipped[name], rel=1e-6), name
+
+
+def test_every_number_of_a_step_goes_to_the_trainers_logs_under_one_prefix(tmp_path):
+    sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=4, max_samples=4_000)
+    controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=1024, window=5)
+    trainer = make_trainer(tmp_path, sampler, controller, logging_strategy="steps", logging_steps=1)
+    train(trainer)
+    logged = [h for h in trainer.state.log_history if "bigbatch/batch_size" in h]
+    assert len(logged) >= len(trainer.bigbatch.history) - 1
+    assert set(tagged(trainer.bigbatch.history[-1])) <= set(logged[-1])
+    assert {"bigbatch/noise_scale", "bigbatch/next_batch_size", "bigbatch/samples"} <= set(
+        logged[-1]
+    )

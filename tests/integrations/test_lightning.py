@@ -11,6 +11,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import bigbatch as bb  # noqa: E402
 from bigbatch.integrations.lightning import AdaptiveBatchCallback  # noqa: E402
+from bigbatch.sinks import tagged  # noqa: E402
 
 
 def teacher_data(n=4096, seed=0):
@@ -38,14 +39,15 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.net.parameters(), lr=self.lr)
 
 
-def fit(callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None):
+def fit(callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None, logger=False):
     trainer = pl.Trainer(
         accumulate_grad_batches=sampler.micro_batches,
         use_distributed_sampler=False,
         max_epochs=1,
         accelerator="cpu",
         devices=1,
-        logger=False,
+        logger=logger,
+        log_every_n_steps=1,
         enable_checkpointing=bool(callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -170,3 +172,18 @@ def test_ddp_ranks_decide_the_same_batch_sizes(tmp_path):
     assert ranks[0]["batch"] == ranks[1]["batch"] and len(set(ranks[0]["batch"])) > 2
     assert ranks[0]["similarity"] == ranks[1]["similarity"]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+def test_every_number_of_a_step_goes_to_the_hosts_logger_under_one_prefix(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 32, micro_batches=4, max_samples=8_000)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.SimiGrad(target=0.5, initial=32, window=5))
+    fit(callback, sampler, data, logger=CSVLogger(tmp_path, name="csv"))
+    (metrics,) = tmp_path.glob("csv/*/metrics.csv")
+    columns = metrics.read_text().splitlines()[0].split(",")
+    assert set(tagged(callback.history[-1])) <= set(columns)
+    assert {"bigbatch/noise_scale", "bigbatch/next_batch_size", "bigbatch/lr_factor"} <= set(
+        columns
+    )

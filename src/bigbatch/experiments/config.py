@@ -156,7 +156,14 @@ def component_keys(
 
 
 def _keys() -> list[Key]:
-    return [*_run_keys(), *_machine_keys(), *_batch_keys(), *_dist_keys(), *_optimizer_keys()]
+    return [
+        *_run_keys(),
+        *_machine_keys(),
+        *_log_keys(),
+        *_batch_keys(),
+        *_dist_keys(),
+        *_optimizer_keys(),
+    ]
 
 
 def _run_keys() -> list[Key]:
@@ -256,6 +263,30 @@ def _machine_keys() -> list[Key]:
             "(1: never)",
             low=0,
             high=1,
+        ),
+    ]
+
+
+def _log_keys() -> list[Key]:
+    """Where the metrics go besides metrics.jsonl (docs/logging.md)."""
+    return [
+        Key(
+            "log.tensorboard",
+            False,
+            "also write every metric and batch change to DIR/tensorboard (needs the "
+            "tensorboard extra)",
+        ),
+        Key(
+            "log.mlflow",
+            "",
+            "also log to MLflow: local (DIR/mlflow.db, a SQLite store) or a tracking URI; "
+            "empty: off (needs the mlflow extra)",
+        ),
+        Key(
+            "log.wandb",
+            False,
+            "also log to Weights & Biases under DIR/wandb (WANDB_MODE=offline: no login, no "
+            "network; needs the wandb extra)",
         ),
     ]
 

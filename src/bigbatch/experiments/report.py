@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..sinks import batch_change
 from .analysis import fit_critical_batch, mean_std
 from .arms import ArmResult
 from .plots import pyplot
@@ -107,10 +108,27 @@ def render_run(out: Path) -> Path:
     lines += ["| | |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in summary.items()]
     lines += [""] + [f"![{text}]({name})\n" for name, text in PLOTS.items()]
+    lines += _batch_changes(rows)
     lines += ["## Config", "", "```toml", config_text.rstrip(), "```", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+#: a report lists this many batch changes at most (a similarity controller makes thousands)
+LISTED_CHANGES = 40
+
+
+def _batch_changes(rows: list[dict[str, Any]]) -> list[str]:
+    """The section listing each batch change with the estimates that caused it."""
+    changes = [text for row in rows if (text := batch_change(row)) is not None]
+    if not changes:
+        return []
+    lines = ["## Batch changes", "", f"{len(changes)} changes of the batch size:", ""]
+    lines += [f"- {text}" for text in changes[:LISTED_CHANGES]]
+    if len(changes) > LISTED_CHANGES:
+        lines.append(f"- ... and {len(changes) - LISTED_CHANGES} more (metrics.jsonl)")
+    return [*lines, ""]
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

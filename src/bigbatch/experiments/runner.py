@@ -31,10 +31,12 @@ from tqdm import tqdm
 
 from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
+from ..sinks import Sinks
 from .build import build, train_step, with_task_defaults
 from .config import ConfigError, to_toml
 from .device import resolve_device, set_tf32, set_threads
 from .report import render_run
+from .run_sinks import check_sinks, open_sinks
 from .rundir import (
     CHECKPOINT,
     CHECKPOINTS_OF_ROOM,
@@ -85,6 +87,7 @@ def train(
     except ValueError as err:
         raise ConfigError(str(err)) from None
     set_tf32(config["tf32"])
+    check_sinks(config)
     world = init_from_env(device, timeout=config["dist.timeout"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size)) if world.distributed else 1
     set_threads(config["threads"], local)
@@ -171,7 +174,8 @@ def _train(
     if pause_at is not None and loop.samples >= pause_at:  # paused here before
         _close(bar)
         return paused(out, loop, problem.evaluate(problem.model) if evaluates else {})
-    with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
+    sinks = open_sinks(config, out, resume, first_step) if writer else Sinks()
+    with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log, sinks:
         for step in loop.steps(max_samples=config["max_samples"]):
             train_step(step, problem, loop, precision)
             row = dict(step.metrics)
@@ -187,6 +191,7 @@ def _train(
             state["metrics_lines"] += 1
             if log is not None:
                 log.write(json.dumps(row) + "\n")
+            sinks.record(row)
             halt = _halt(stop, loop, config["skip_limit"], out)
             if loop.steps_taken % config["checkpoint_every"] == 0 or last or halt or pause:
                 _checkpoint(out, loop, state, writer, log)

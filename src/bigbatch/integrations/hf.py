@@ -40,6 +40,7 @@ from transformers import Trainer, TrainerCallback
 from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
 from ..options import StepOptions
+from ..sinks import tagged
 from ._driver import DriverView, StepDriver
 
 __all__ = ["AdaptiveBatchCallback", "AdaptiveBatchTrainer"]
@@ -87,13 +88,6 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
         budget = self.sampler.max_samples
         if budget is not None and self.driver.samples >= budget:
             control.should_training_stop = True  # the budget is in samples
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is not None and self.history:
-            last = self.history[-1]
-            for name in ("batch_size", "similarity", "noise_scale", "lr_factor", "samples"):
-                if name in last:
-                    logs[f"bigbatch/{name}"] = last[name]
 
 
 class _Endless:
@@ -173,6 +167,14 @@ class AdaptiveBatchTrainer(Trainer):
             inner = getattr(self.optimizer, "optimizer", self.optimizer)
             self.bigbatch.driver.attach(inner, ddp)
         return batches, num_items
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        # every number of the last step, named as bigbatch.sinks names it, into the logs
+        # before the Trainer stores them and hands them to every reporting callback (a
+        # callback's on_log comes after both)
+        if self.bigbatch.history and not any(k.startswith("eval_") for k in logs):
+            logs = {**logs, **tagged(self.bigbatch.history[-1])}
+        super().log(logs, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

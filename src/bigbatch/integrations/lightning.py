@@ -31,6 +31,7 @@ import torch
 from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
 from ..options import StepOptions
+from ..sinks import tagged
 from ._driver import DriverView, StepDriver
 
 __all__ = ["AdaptiveBatchCallback"]
@@ -50,7 +51,8 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
             ``ema_beta``, ``finite_correction``, ``nonfinite``), as one record or as
             keywords. ``similarity="split"`` needs one process; a skipped non-finite
             step drops its gradients before the optimizer step.
-        log: log the metrics with Lightning's logger as ``bigbatch/<name>``.
+        log: log every number of the step's metrics with Lightning's logger as
+            ``bigbatch/<name>`` (the names of :mod:`bigbatch.sinks`).
 
     A VRGD or AGVM optimizer (``bigbatch.optim``) observes every step's
     statistics as under :class:`bigbatch.AdaptiveBatch`: the per-step rules
@@ -113,11 +115,8 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
     ) -> None:
         # the gradients are accumulated (and reduced under DDP), not yet clipped
         metrics = self.driver.decide()
-        if self.log:
-            names = ("batch_size", "similarity", "noise_scale", "lr_factor", "loss")
-            pl_module.log_dict(
-                {f"bigbatch/{n}": float(metrics[n]) for n in names if n in metrics}, on_step=True
-            )
+        if self.log:  # every number, under the names the CLI's sinks use
+            pl_module.log_dict(tagged(metrics), on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
         return self.driver.state_dict()

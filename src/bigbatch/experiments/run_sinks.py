@@ -1,0 +1,63 @@
+"""The sinks ``bigbatch train`` opens from its ``log.*`` keys, and how a resumed run finds
+its MLflow or W&B run again."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..sinks import MLflowSink, Sinks, TensorBoardSink, WandbSink, require
+
+__all__ = ["check_sinks", "open_sinks"]
+
+#: files in the run directory naming the tracker's run a resumed run continues
+MLFLOW_RUN = "mlflow_run_id"
+WANDB_RUN = "wandb_run_id"
+
+
+def check_sinks(config: dict[str, Any]) -> None:
+    """Fail before a run directory is made if a sink's package is missing."""
+    for key, package in (("log.tensorboard", "tensorboard"), ("log.wandb", "wandb")):
+        if config[key]:
+            require(package, package)
+    if config["log.mlflow"]:
+        require("mlflow", "mlflow")
+
+
+def open_sinks(config: dict[str, Any], out: Path, resume: bool, first_step: int) -> Sinks:
+    """Every sink the config asks for, writing into (or naming) the run directory ``out``;
+    a resumed run continues its trackers' runs from ``first_step``."""
+    sinks: list[Any] = []
+    if config["log.tensorboard"]:
+        # a resumed run hides what the killed one wrote after its checkpoint
+        purge = first_step + 1 if resume else None
+        sinks.append(TensorBoardSink(out / "tensorboard", purge_step=purge))
+    if config["log.mlflow"]:
+        local = config["log.mlflow"] == "local"
+        sink = MLflowSink(
+            f"sqlite:///{(out / 'mlflow.db').resolve()}" if local else config["log.mlflow"],
+            experiment=f"bigbatch-{config['task']}",
+            run_name=out.name,
+            run_id=_saved(out, MLFLOW_RUN) if resume else None,
+            params=config,
+            artifact_location=(out / "mlflow-artifacts").resolve().as_uri() if local else None,
+        )
+        (out / MLFLOW_RUN).write_text(sink.run_id)
+        sinks.append(sink)
+    if config["log.wandb"]:
+        sink = WandbSink(
+            out,
+            project=os.environ.get("WANDB_PROJECT", "bigbatch"),
+            name=out.name,
+            run_id=_saved(out, WANDB_RUN) if resume else None,
+            config=config,
+        )
+        (out / WANDB_RUN).write_text(sink.run_id)
+        sinks.append(sink)
+    return Sinks(*sinks)
+
+
+def _saved(out: Path, name: str) -> str | None:
+    path = out / name
+    return path.read_text().strip() if path.is_file() else None

@@ -1,0 +1,244 @@
+"""Metrics where users look: TensorBoard, MLflow and Weights & Biases.
+
+Every number of a step's metrics (``Step.metrics``: the batch, the noise
+scale and its bounds, the rate factor, the loss, ...) goes to every sink under
+one name, ``bigbatch/<key>`` (:func:`tagged`), the name the Lightning and
+Hugging Face plugins give their hosts' loggers too; a step after which the
+batch changes is also an event, in words, with the estimate and bounds that
+caused it (:func:`batch_change`). Each sink needs its own package (the extras
+``tensorboard``, ``mlflow``, ``wandb``), imported only when the sink is made::
+
+    with Sinks(TensorBoardSink("runs/tb")) as sinks:
+        for step in loop.steps(max_samples=...):
+            ...
+            sinks.record(step.metrics)
+
+``bigbatch train`` makes them from its ``log.*`` keys (docs/logging.md).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "PREFIX",
+    "MLflowSink",
+    "Sink",
+    "Sinks",
+    "TensorBoardSink",
+    "WandbSink",
+    "batch_change",
+    "require",
+    "tagged",
+]
+
+#: every metric's name is this and its key in ``Step.metrics``
+PREFIX = "bigbatch/"
+#: the metric that marks each batch change with the new batch (and the changes' text)
+CHANGES = PREFIX + "batch_change"
+
+
+def tagged(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics row under their logged names; the step (the x axis),
+    flags and text are left out."""
+    return {
+        PREFIX + key: float(value)
+        for key, value in metrics.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"
+    }
+
+
+def batch_change(metrics: Mapping[str, Any]) -> str | None:
+    """The batch change a metrics row announces (``next_batch_size`` differs from
+    ``batch_size``), in words with the estimates the controller saw; None if none."""
+    batch, following = metrics.get("batch_size"), metrics.get("next_batch_size")
+    if batch is None or following is None or following == batch:
+        return None
+    words = [f"batch {batch} -> {following} after step {metrics.get('step')}"]
+    if "samples" in metrics:
+        words[0] += f" ({metrics['samples']:,} samples)"
+    if "noise_scale" in metrics:
+        bounds = ""
+        if "noise_scale_low" in metrics and "noise_scale_high" in metrics:
+            bounds = f" [{metrics['noise_scale_low']:.4g}, {metrics['noise_scale_high']:.4g}]"
+        words.append(f"noise scale {metrics['noise_scale']:.4g}{bounds}")
+    for key, name in (("critical_batch", "critical batch estimate"), ("similarity", "similarity")):
+        if key in metrics:
+            words.append(f"{name} {metrics[key]:.4g}")
+    return "; ".join(words)
+
+
+class Sink(Protocol):
+    """Where a run's metrics go: numbers by step, text events, and an end."""
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None: ...
+
+    def event(self, text: str, step: int, batch: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Sinks:
+    """Several sinks fed from one metrics row at a time; a context manager that closes them."""
+
+    def __init__(self, *sinks: Sink) -> None:
+        self.sinks = list(sinks)
+
+    def record(self, metrics: Mapping[str, Any]) -> None:
+        """Log a step's metrics (it must carry ``step``) and its batch change, if any."""
+        step = int(metrics["step"])
+        values = tagged(metrics)
+        change = batch_change(metrics)
+        for sink in self.sinks:
+            sink.log(values, step)
+            if change is not None:
+                sink.event(change, step, int(metrics["next_batch_size"]))
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+    def __bool__(self) -> bool:
+        return bool(self.sinks)
+
+    def __enter__(self) -> Sinks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def require(package: str, extra: str) -> Any:
+    """Import ``package``, or a ModuleNotFoundError naming the extra that brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"this sink needs {package.partition('.')[0]}: pip install 'bigbatch[{extra}]'",
+            name=err.name,
+        ) from None
+
+
+class TensorBoardSink:
+    """Scalars in a TensorBoard log directory (torch's ``SummaryWriter``); a batch change
+    is a point of ``bigbatch/batch_change`` (the new batch) and its text under that name.
+
+    ``purge_step``: a resumed run's first step; events the killed run wrote at or
+    after it are hidden, as TensorBoard does for a restarted writer.
+    """
+
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
+        require("tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+
+    def event(self, text: str, step: int, batch: int) -> None:
+        self.writer.add_scalar(CHANGES, batch, step)
+        self.writer.add_text(CHANGES, text, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MLflowSink:
+    """Metrics of one MLflow run: a new one in ``experiment``, or ``run_id`` continued.
+
+    A batch change is a point of the metric ``bigbatch/batch_change`` (the new
+    batch) and a line of the run's tag ``bigbatch/batch_changes``. Non-finite
+    values are left out (MLflow's stores refuse some of them).
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        artifact_location: str | None = None,
+    ) -> None:
+        mlflow = require("mlflow", "mlflow")
+        self._metric = require("mlflow.entities", "mlflow").Metric
+        self.client = mlflow.MlflowClient(tracking_uri)
+        if run_id is None:
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = (
+                found.experiment_id
+                if found is not None
+                else self.client.create_experiment(experiment, artifact_location)
+            )
+            run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            entities = require("mlflow.entities", "mlflow")
+            values = [entities.Param(k, str(v)) for k, v in (params or {}).items()]
+            for start in range(0, len(values), 100):  # log_batch takes 100 params at most
+                self.client.log_batch(run_id, params=values[start : start + 100])
+        self.run_id = run_id
+        tags = self.client.get_run(run_id).data.tags
+        self.changes = tags.get(CHANGES + "s", "").splitlines()
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        batch = [self._metric(k, v, now, step) for k, v in metrics.items() if math.isfinite(v)]
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    def event(self, text: str, step: int, batch: int) -> None:
+        self.client.log_metric(self.run_id, CHANGES, batch, step=step)
+        self.changes.append(f"step {step}: {text}")
+        # a tag holds at most a few thousand characters in some stores: the last changes
+        self.client.set_tag(self.run_id, CHANGES + "s", "\n".join(self.changes)[-4000:])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class WandbSink:
+    """Metrics of a Weights & Biases run (``WANDB_MODE=offline`` writes it locally and needs
+    no login); ``run_id`` continues a run. A batch change is a point of
+    ``bigbatch/batch_change`` (the new batch), and the changes in words are a table
+    ``bigbatch/batch_changes`` at the end."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        project: str = "bigbatch",
+        name: str | None = None,
+        run_id: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        wandb = require("wandb", "wandb")
+        self._table = wandb.Table
+        self.run = wandb.init(
+            project=project,
+            dir=str(directory),
+            name=name,
+            id=run_id,
+            resume="allow" if run_id else None,
+            config=dict(config or {}),
+        )
+        self.run_id = self.run.id
+        self.changes: list[list[Any]] = []
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def event(self, text: str, step: int, batch: int) -> None:
+        self.changes.append([step, batch, text])
+        self.run.log({CHANGES: batch}, step=step)
+
+    def close(self) -> None:
+        if self.changes:
+            self.run.log(
+                {CHANGES + "s": self._table(columns=["step", "batch", "change"], data=self.changes)}
+            )
+        self.run.finish()

@@ -1,0 +1,87 @@
+"""``bigbatch train`` with ``log.*``: every row in each tracker once, across a resume, and the
+batch changes in the report."""
+
+import sys
+
+import pytest
+
+from bigbatch import cli
+from bigbatch.experiments import runner
+from bigbatch.experiments.config import resolve
+from bigbatch.experiments.rundir import read_metrics
+from bigbatch.sinks import batch_change
+
+from ..test_sinks import wandb_history
+
+CONFIG = {
+    "task": "digits",
+    "device": "cpu",
+    "threads": 1,
+    "max_samples": 8000,
+    "eval_every": 5,
+    "batch.controller": "simigrad",  # changes its batch often
+    "batch.initial": 32,
+    "log.tensorboard": True,
+    "log.mlflow": "local",
+    "log.wandb": True,
+}
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_every_row_reaches_each_tracker_once_across_a_resume(tmp_path, offline):
+    import mlflow
+    from tensorboard.backend.event_processing import event_accumulator
+
+    out = tmp_path / "run"
+    runner.train(resolve(CONFIG), out, quiet=True, until=3000)  # paused: a resume follows
+    runner.train(resolve(CONFIG), out, resume=True, quiet=True)
+    rows = read_metrics(out)
+    steps = [r["step"] for r in rows]
+    changes = [(r["step"], r["next_batch_size"]) for r in rows if batch_change(r)]
+    assert len(changes) > 3
+
+    events = event_accumulator.EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("bigbatch/batch_size")] == steps
+    assert [e.value for e in events.Scalars("bigbatch/loss")] == pytest.approx(
+        [r["loss"] for r in rows]
+    )
+    assert [(e.step, e.value) for e in events.Scalars("bigbatch/batch_change")] == changes
+
+    client = mlflow.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("bigbatch-digits").experiment_id])
+    assert run.info.run_id == (out / "mlflow_run_id").read_text() and run.info.run_name == "run"
+    history = client.get_metric_history(run.info.run_id, "bigbatch/batch_size")
+    assert sorted({m.step for m in history}) == steps
+    assert run.data.params["batch.controller"] == "simigrad"
+
+    history = wandb_history(out)  # one run, continued: a folder per process, one run id
+    folders = list(out.glob("wandb/offline-run-*"))
+    assert {f.name.rsplit("-", 1)[1] for f in folders} == {(out / "wandb_run_id").read_text()}
+    logged = sorted({h["_step"] for h in history if "bigbatch/batch_size" in h})
+    assert logged == steps
+
+    report = (out / "report.md").read_text()
+    assert f"{len(changes)} changes of the batch size" in report
+    assert batch_change(next(r for r in rows if batch_change(r))) in report
+
+
+def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    code = cli.main(
+        ["train", "--quiet", "--task", "digits", "--set", "max_samples=2000", "--set",
+         "log.tensorboard=true", "--out", str(tmp_path / "r")]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "log.tensorboard needs the tensorboard extra" in err
+    assert "pip install 'bigbatch[tensorboard]'" in err
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,173 @@
+"""The sinks: names, batch-change events, and each tracker's files read back.
+
+TensorBoard's event files are read with its own reader, MLflow's store with its
+client, and W&B's offline run file (a LevelDB-style log of its protobuf
+records) with a small reader and W&B's own record type.
+"""
+
+import json
+import struct
+
+import pytest
+
+from bigbatch.sinks import (
+    MLflowSink,
+    Sinks,
+    TensorBoardSink,
+    WandbSink,
+    batch_change,
+    tagged,
+)
+
+
+def rows(steps=6, change_at=3):
+    """Metrics rows like a run's: the batch doubles after step ``change_at``."""
+    out = []
+    batch = 64
+    for step in range(1, steps + 1):
+        following = 2 * batch if step == change_at else batch
+        out.append(
+            {
+                "step": step,
+                "samples": sum(r["batch_size"] for r in out) + batch,
+                "batch_size": batch,
+                "next_batch_size": following,
+                "noise_scale": 100.0 + step,
+                "noise_scale_low": 90.0,
+                "noise_scale_high": 120.0,
+                "critical_batch": 130.0,
+                "loss": 1.0 / step,
+                "skipped": False,
+            }
+        )
+        batch = following
+    return out
+
+
+def test_every_number_gets_the_prefix_and_the_step_flags_and_text_do_not():
+    row = {"step": 3, "loss": 0.5, "batch_size": 64, "skipped": True, "note": "x"}
+    assert tagged(row) == {"bigbatch/loss": 0.5, "bigbatch/batch_size": 64.0}
+
+
+def test_a_batch_change_says_what_caused_it():
+    text = batch_change(rows()[2])
+    assert text == (
+        "batch 64 -> 128 after step 3 (192 samples); noise scale 103 [90, 120]; "
+        "critical batch estimate 130"
+    )
+    assert batch_change(rows()[0]) is None and batch_change({"loss": 1.0}) is None
+
+
+def test_tensorboard_holds_every_metric_and_the_change(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    with Sinks(TensorBoardSink(tmp_path / "tb")) as sinks:
+        for row in rows():
+            sinks.record(row)
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.value for e in events.Scalars("bigbatch/batch_size")] == [64] * 3 + [128] * 3
+    assert [e.step for e in events.Scalars("bigbatch/noise_scale")] == [1, 2, 3, 4, 5, 6]
+    assert [(e.step, e.value) for e in events.Scalars("bigbatch/batch_change")] == [(3, 128)]
+    (text,) = events.Tensors("bigbatch/batch_change/text_summary")
+    assert text.step == 3 and b"batch 64 -> 128" in text.tensor_proto.string_val[0]
+
+
+def test_a_resumed_tensorboard_writer_hides_what_followed_the_checkpoint(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    with Sinks(TensorBoardSink(tmp_path / "tb")) as sinks:
+        for row in rows()[:5]:  # killed after step 5, its checkpoint at step 2
+            sinks.record({**row, "loss": 9.0})
+    with Sinks(TensorBoardSink(tmp_path / "tb", purge_step=3)) as sinks:
+        for row in rows()[2:]:
+            sinks.record(row)
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("bigbatch/loss")]
+    assert [s for s, _ in losses] == [1, 2, 3, 4, 5, 6]
+    assert [v for s, v in losses if s >= 3] == pytest.approx([1 / 3, 1 / 4, 1 / 5, 1 / 6])
+
+
+def test_mlflow_holds_every_metric_the_changes_and_continues_a_run(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sink = MLflowSink(uri, "bigbatch-test", run_name="r", params={"lr": 0.01})
+    with Sinks(sink) as sinks:
+        for row in rows()[:4]:
+            sinks.record(row)
+    again = MLflowSink(uri, "bigbatch-test", run_id=sink.run_id)
+    with Sinks(again) as sinks:
+        for row in rows()[4:]:
+            sinks.record(row)
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(sink.run_id)
+    assert run.data.params["lr"] == "0.01" and run.info.status == "FINISHED"
+    history = client.get_metric_history(sink.run_id, "bigbatch/batch_size")
+    assert sorted((m.step, m.value) for m in history) == [(s, 64 if s <= 3 else 128) for s in
+                                                          range(1, 7)]  # fmt: skip
+    changes = client.get_metric_history(sink.run_id, "bigbatch/batch_change")
+    assert [(m.step, m.value) for m in changes] == [(3, 128)]
+    assert run.data.tags["bigbatch/batch_changes"].startswith("step 3: batch 64 -> 128")
+
+
+def wandb_records(run_file):
+    """The protobuf records of a W&B run file: a 7-byte file header, then LevelDB log
+    records (crc32c, length, type: full, first, middle, last) in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    position, pending, records = 7, b"", []
+    while position + 7 <= len(data):
+        block_left = 32768 - position % 32768
+        if block_left < 7:  # the block's tail is padding
+            position += block_left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:  # zero fill
+            position += block_left
+            continue
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # full, or the last part
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(directory):
+    """The history rows of every offline run file under ``directory`` (a resumed run writes
+    a second folder with the same run id), in the order they were written."""
+    history = []
+    records = []
+    for run_file in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
+        records += wandb_records(run_file)
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+            history.append({k: json.loads(v) for k, v in items.items()})
+    return history
+
+
+def test_wandb_offline_holds_every_metric_and_the_change(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with Sinks(WandbSink(tmp_path, name="r", config={"lr": 0.01})) as sinks:
+        for row in rows():
+            sinks.record(row)
+    history = wandb_history(tmp_path)
+    by_step = {h["_step"]: h for h in history}
+    assert [by_step[s]["bigbatch/batch_size"] for s in range(1, 7)] == [64] * 3 + [128] * 3
+    assert by_step[3]["bigbatch/batch_change"] == 128
+    assert all("bigbatch/batch_change" not in by_step[s] for s in (1, 2, 4, 5))
+    assert by_step[6]["bigbatch/batch_changes/nrows"] == 1  # the table, logged at the end
+    (table,) = tmp_path.glob("wandb/offline-run-*/files/media/table/bigbatch/batch_changes_*.json")
+    data = json.loads(table.read_text())
+    assert data["columns"] == ["step", "batch", "change"]
+    assert data["data"] == [[3, 128, batch_change(rows()[2])]]
