@@ -8,7 +8,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 ... -m bigbatch.cli train --out runs/big
     bigbatch compare --vary batch.target=0.2,0.5 --set max_samples=400000
     bigbatch critical-batch --set task=text  # the critical batch along a run, by branching
-    bigbatch tune --task lm --budget 0.25   # the rate by a multi-fidelity search (Optuna)
+    bigbatch tune --task lm                 # the rate by a multi-fidelity search (Optuna)
     bigbatch report runs/mine
     bigbatch tasks
 

@@ -170,6 +170,35 @@ def test_the_pauses_divide_the_run_by_powers_of_the_reduction_after_two_warmups(
     assert TuneSettings(trials=1).survivors() == [1, 1, 1, 1]
 
 
+def test_a_trial_killed_before_it_joined_a_bracket_is_failed_and_its_point_asked_again(
+    fake, tmp_path, monkeypatch
+):
+    import optuna
+
+    from bigbatch.experiments import tune as tune_module
+
+    straight = tune(BASE, tmp_path / "straight", SPACE, TuneSettings(trials=9))
+    out = tmp_path / "t"
+    with monkeypatch.context() as patched:  # a study folder whose bracket never ran
+        patched.setattr(tune_module._Bracket, "run", lambda self: None)
+        with pytest.raises(RuntimeError, match="no trial trained to the end"):
+            tune(BASE, out, SPACE, TuneSettings(trials=9))
+    study = optuna.load_study(study_name="bigbatch", storage=f"sqlite:///{out / 'study.db'}")
+    points = latin_hypercube(SPACE, 9, seed=0)
+    for params in points:  # queued, then killed after asking two: one joined, one did not
+        study.enqueue_trial(params)
+    joined = study.ask()
+    SPACE[0].suggest(joined)
+    joined.set_user_attr("bracket", 0)
+    study.ask()
+    result = tune(BASE, out, SPACE, TuneSettings(trials=9))
+    states = [t["state"] for t in result.trials]
+    assert states.count("fail") == 8 and len(states) == 17  # one asked, seven queued
+    asked = sorted(t["params"]["lr"] for t in result.trials if t["bracket"] == 0)
+    assert asked == pytest.approx(sorted(p["lr"] for p in points))  # each point once
+    assert result.best == straight.best
+
+
 def test_the_first_bracket_covers_every_stratum_of_each_range():
     space = [Dimension("lr", 0.001, 0.064, log=True), Dimension("schedule.warmup", 0.0, 0.3)]
     points = latin_hypercube(space, 6, seed=3)

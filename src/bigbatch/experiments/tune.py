@@ -220,6 +220,7 @@ def tune(
     lock = _claim(out, {"config": config, "space": [asdict(d) for d in space], **asdict(settings)})
     try:
         study = _study(out, config)
+        _fail_orphans(study)
         for bracket in range(brackets):
             _Bracket(study, out, config, space, settings, bracket, quiet).run()
         result = _result(study, config, space, out)
@@ -227,6 +228,16 @@ def tune(
         return result
     finally:
         lock.release()
+
+
+def _fail_orphans(study: optuna.Study) -> None:
+    """Trials a killed ``tune`` left outside every bracket: asked but not yet in a bracket,
+    or queued but not yet asked. Failed, so that their points are asked again."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if "bracket" not in t.user_attrs:
+            study.tell(t.number, state=TrialState.FAIL)
+    for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        study.tell(study.ask(), state=TrialState.FAIL)
 
 
 def _warmup(config: dict[str, Any]) -> float:
@@ -334,12 +345,16 @@ class _Bracket:
         return value if self.lower_is_better else -value
 
     def _start_trials(self) -> None:
-        """Ask the study for this bracket's trials (once: a resumed bracket has them)."""
-        missing = self.settings.trials - len(self._trials())
+        """Ask the study for this bracket's trials (once: a resumed bracket has them; one
+        killed while asking gets the points it had not yet asked)."""
+        trials = self._trials()
+        missing = self.settings.trials - len(trials)
         if missing <= 0:
             return
         if self.index == 0:
-            for params in latin_hypercube(self.space, missing, self.settings.seed):
+            asked = [t.params for t in trials]
+            points = latin_hypercube(self.space, self.settings.trials, self.settings.seed)
+            for params in [p for p in points if p not in asked][:missing]:
                 self.study.enqueue_trial(params)
         else:
             self.study.sampler = optuna.samplers.TPESampler(

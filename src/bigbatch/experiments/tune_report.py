@@ -30,7 +30,8 @@ def render(config: dict[str, Any], result: Any, space: list[Any]) -> str:
         f"(`{result.best_dir.name}`; `best.toml` is its config).",
         "",
         f"{states.count('complete')} trained to the end, {states.count('pruned')} stopped early, "
-        f"{states.count('fail')} diverged. Cost: {result.samples:,} samples, "
+        f"{sum(bool(t['diverged']) for t in result.trials)} diverged. Cost: "
+        f"{result.samples:,} samples, "
         f"{result.samples / budget:.2f} full runs; the ×2 grid over the same range trains "
         f"{result.grid_samples // budget} full runs: **{result.cost:.0%} of the grid**.",
         "",
