@@ -117,6 +117,12 @@ def test_the_best_config_report_and_plot_are_written(fake, tmp_path):
     assert sorted(abs(math.log2(lr / BEST_LR)) for lr in second)[4] < 1.5
 
 
+def test_no_trial_pauses_inside_the_longest_warm_up_searched(fake, tmp_path):
+    space = [*SPACE, Dimension("schedule.warmup", 0.0, 0.15)]
+    tune(BASE, tmp_path / "t", space, TuneSettings(trials=9))
+    assert min(until for _, _, until in fake.calls if until) == 9000  # 1/3: past 2 x 0.15
+
+
 def test_a_loss_is_minimised(monkeypatch, tmp_path):
     runs = FakeRuns(loss=True)
     monkeypatch.setattr(runner, "train", runs)

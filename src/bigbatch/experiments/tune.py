@@ -213,7 +213,7 @@ def tune(
     settings.check()
     config = resolve(config)
     space = list(space or default_space(config))
-    brackets = _brackets_in_budget(settings, space, _warmup(config))
+    brackets = _brackets_in_budget(settings, space, _warmup(config, space))
     if settings.jobs > 1 and not config.get("threads"):
         config = {**config, "threads": max(1, (os.cpu_count() or 1) // settings.jobs)}
     out = Path(out)
@@ -240,9 +240,11 @@ def _fail_orphans(study: optuna.Study) -> None:
         study.tell(study.ask(), state=TrialState.FAIL)
 
 
-def _warmup(config: dict[str, Any]) -> float:
-    """The run's warm-up, a fraction of its samples."""
-    return float(with_task_defaults(config)["schedule.warmup"])
+def _warmup(config: dict[str, Any], space: Sequence[Dimension] = ()) -> float:
+    """The longest warm-up a trial trains with, a fraction of its samples: the config's,
+    or the top of its range where the warm-up is searched."""
+    searched = [d.high for d in space if d.key == "schedule.warmup"]
+    return max([float(with_task_defaults(config)["schedule.warmup"]), *searched])
 
 
 def _brackets_in_budget(settings: TuneSettings, space: list[Dimension], warmup: float) -> int:
@@ -311,7 +313,7 @@ class _Bracket:
 
     def run(self) -> None:
         self._start_trials()
-        warmup = _warmup(self.config)
+        warmup = _warmup(self.config, self.space)
         rungs, keep = self.settings.rungs(warmup), self.settings.survivors(warmup)
         for j, fidelity in enumerate(rungs):
             alive = [t for t in self._trials() if t.state != TrialState.FAIL]
