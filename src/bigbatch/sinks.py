@@ -40,6 +40,8 @@ __all__ = [
 PREFIX = "bigbatch/"
 #: the metric that marks each batch change with the new batch (and the changes' text)
 CHANGES = PREFIX + "batch_change"
+#: where a tracker keeps the list of changes in words (MLflow's tag, W&B's table)
+CHANGE_LIST = PREFIX + "batch_changes"
 
 
 def tagged(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -169,7 +171,8 @@ class MLflowSink:
         artifact_location: str | None = None,
     ) -> None:
         mlflow = require("mlflow", "mlflow")
-        self._metric = require("mlflow.entities", "mlflow").Metric
+        entities = require("mlflow.entities", "mlflow")
+        self._metric = entities.Metric
         self.client = mlflow.MlflowClient(tracking_uri)
         if run_id is None:
             found = self.client.get_experiment_by_name(experiment)
@@ -179,13 +182,12 @@ class MLflowSink:
                 else self.client.create_experiment(experiment, artifact_location)
             )
             run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-            entities = require("mlflow.entities", "mlflow")
             values = [entities.Param(k, str(v)) for k, v in (params or {}).items()]
             for start in range(0, len(values), 100):  # log_batch takes 100 params at most
                 self.client.log_batch(run_id, params=values[start : start + 100])
         self.run_id = run_id
         tags = self.client.get_run(run_id).data.tags
-        self.changes = tags.get(CHANGES + "s", "").splitlines()
+        self.changes = tags.get(CHANGE_LIST, "").splitlines()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -196,7 +198,7 @@ class MLflowSink:
         self.client.log_metric(self.run_id, CHANGES, batch, step=step)
         self.changes.append(f"step {step}: {text}")
         # a tag holds at most a few thousand characters in some stores: the last changes
-        self.client.set_tag(self.run_id, CHANGES + "s", "\n".join(self.changes)[-4000:])
+        self.client.set_tag(self.run_id, CHANGE_LIST, "\n".join(self.changes)[-4000:])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -239,6 +241,6 @@ class WandbSink:
     def close(self) -> None:
         if self.changes:
             self.run.log(
-                {CHANGES + "s": self._table(columns=["step", "batch", "change"], data=self.changes)}
+                {CHANGE_LIST: self._table(columns=["step", "batch", "change"], data=self.changes)}
             )
         self.run.finish()

@@ -250,7 +250,7 @@ def _warmup(config: dict[str, Any], space: Sequence[Dimension] = ()) -> float:
 def _brackets_in_budget(settings: TuneSettings, space: list[Dimension], warmup: float) -> int:
     if settings.budget is None:
         return settings.brackets
-    allowed = settings.budget * math.prod(d.grid_points() for d in space)
+    allowed = settings.budget * _grid_runs(space)
     bracket = settings.bracket_runs(warmup)
     fit = math.floor(allowed / bracket + 1e-9)
     if fit < 1:
@@ -427,8 +427,12 @@ def _samples(trial: FrozenTrial) -> int:
 
 def _grid_samples(config: dict[str, Any], space: list[Dimension]) -> int:
     """The samples of the ×2 grid over ``space``, every point trained to the end."""
-    points = math.prod(d.grid_points() for d in space)
-    return points * with_task_defaults(resolve(config))["max_samples"]
+    return _grid_runs(space) * with_task_defaults(resolve(config))["max_samples"]
+
+
+def _grid_runs(space: Sequence[Dimension]) -> int:
+    """The runs of the ×2 grid (5-point on a linear range) over ``space``."""
+    return math.prod(d.grid_points() for d in space)
 
 
 def _result(
