@@ -103,12 +103,10 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         raise ConfigError(f"a key is varied twice: {varied}")
     lr_grid = _multipliers(options.get("lr_grid", [1.0]))
     seeds, rank, jobs = options.get("seeds", 1), options.get("rank", "best"), options.get("jobs", 1)
-    check_protocol(lr_grid, seeds, rank, jobs)
     tune = options.get("tune", False)
     if not isinstance(tune, bool):
         raise ConfigError(f"tune must be true or false, got {tune!r}")
-    if tune and len(set(lr_grid)) < 2:
-        raise ConfigError("--tune searches the --lr-grid range: give two multipliers or more")
+    check_protocol(lr_grid, seeds, rank, jobs, tuned=tune)
     arms = []
     for i, combo in enumerate(itertools.product(*(points for _, points in axes))):
         overrides = {k: v for point in combo for k, v in point.items()}

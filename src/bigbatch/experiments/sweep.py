@@ -57,8 +57,11 @@ def arm_rate(config: dict[str, Any]) -> float:
     return with_task_defaults(resolve(config))["lr"]
 
 
-def check_protocol(multipliers: Sequence[float], seeds: int, rank: str, jobs: int) -> None:
-    """A :class:`ConfigError` naming the first bad setting of a sweep, if any."""
+def check_protocol(
+    multipliers: Sequence[float], seeds: int, rank: str, jobs: int, tuned: bool = False
+) -> None:
+    """A :class:`ConfigError` naming the first bad setting of a sweep, if any (``tuned``:
+    a study searches the grid's range, which needs two ends)."""
     if rank not in RANKS:
         raise ConfigError(f"rank must be one of {', '.join(RANKS)}, got {rank!r}")
     try:
@@ -68,6 +71,8 @@ def check_protocol(multipliers: Sequence[float], seeds: int, rank: str, jobs: in
         raise ConfigError(str(err)) from None
     if not multipliers or any(not (m > 0 and math.isfinite(m)) for m in multipliers):
         raise ConfigError(f"the rate grid takes positive multipliers, got {list(multipliers)}")
+    if tuned and len(set(multipliers)) < 2:
+        raise ConfigError("a tuned sweep searches the grid's range: give two multipliers or more")
 
 
 def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
@@ -170,9 +175,7 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     share of the cores. Raises :class:`ConfigError` before training if any
     config is bad.
     """
-    check_protocol(multipliers, seeds, rank, jobs)
-    if tune is not None and len(set(multipliers)) < 2:
-        raise ConfigError("a tuned sweep searches the grid's range: give two multipliers or more")
+    check_protocol(multipliers, seeds, rank, jobs, tuned=tune is not None)
     base = dict(base)
     if jobs > 1 and not base.get("threads"):
         base["threads"] = max(1, (os.cpu_count() or 1) // jobs)
