@@ -1,0 +1,176 @@
+"""Flower: the ClientApp helper, the strategy wrapper and the in-process grid, through
+Flower's own FedAvg and message types (no Ray)."""
+
+import logging
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from bigbatch.batch import BatchWarmup  # noqa: E402
+from bigbatch.federated import ControllerScheme, Fixed, RoundPlan, RoundPlanner  # noqa: E402
+from bigbatch.integrations.flower import (  # noqa: E402
+    AdaptiveBatchStrategy,
+    ClientSetup,
+    InProcessGrid,
+    client_app,
+    plan_from_config,
+    train_round,
+)
+
+logging.getLogger("flwr").setLevel(logging.WARNING)
+
+
+def mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def data(n, seed, noise=0.1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=gen)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + noise * torch.randn(n, 1, generator=gen)
+    return TensorDataset(x, y)
+
+
+def setup_for(dataset, seed=0, momentum=0.0):
+    torch.manual_seed(seed)
+    return ClientSetup(
+        nn.Linear(4, 1),
+        dataset,
+        mse,
+        lambda params: torch.optim.SGD(params, lr=1.0, momentum=momentum),
+        min_sub_batches=2,
+        seed=seed,
+    )
+
+
+def plan(batch=8, steps=3, lr=0.05):
+    return RoundPlan(round=1, local_batch=batch, local_steps=steps, lr=lr, clients=1)
+
+
+def test_a_round_trains_its_steps_at_the_plans_batch_and_measures_each():
+    setup = setup_for(data(256, 0))
+    report = train_round(setup, plan(batch=16, steps=5))
+    assert report.samples == 80
+    assert list(report.batches) == [16] * 5
+    assert len(report.grad_sq_norm) == len(report.trace) == len(report.similarity) == 5
+    assert all(math.isfinite(v) and v > 0 for v in report.grad_sq_norm)
+    assert all(math.isfinite(v) and v >= 0 for v in report.trace)
+    assert math.isfinite(report.loss)
+
+
+def test_a_round_steps_at_the_plans_rate():
+    """Identical samples: every draw has the same gradient, so one SGD step is known."""
+    x = torch.ones(64, 4)
+    dataset = TensorDataset(x, torch.zeros(64, 1))
+    setup = setup_for(dataset)
+    before = [p.detach().clone() for p in setup.model.parameters()]
+    setup.model.zero_grad()
+    mse(setup.model, (x[:8], torch.zeros(8, 1))).backward()
+    grads = [p.grad.clone() for p in setup.model.parameters()]
+    setup.model.zero_grad()
+    train_round(setup, plan(batch=8, steps=1, lr=0.125))
+    for p, b, g in zip(setup.model.parameters(), before, grads):
+        torch.testing.assert_close(p.detach(), b - 0.125 * g)
+
+
+def test_each_round_draws_a_fresh_order_of_the_clients_data():
+    def first_batch(round_):
+        setup = setup_for(data(64, 0))
+        seen = []
+        loss = setup.loss_fn
+
+        def recording(model, batch):
+            seen.append(batch[0].clone())
+            return loss(model, batch)
+
+        setup.loss_fn = recording
+        train_round(setup, RoundPlan(round_, 8, 1, 0.0, 1))
+        return torch.cat(seen)
+
+    assert torch.equal(first_batch(1), first_batch(1))
+    assert not torch.equal(first_batch(1), first_batch(2))
+
+
+def federation(scheme, clients=3, local_samples=32, lr=0.05, fail=None, noise=0.1):
+    datasets = [data(128, 10 + i, noise) for i in range(clients)]
+    setups = {}
+
+    def make(context):
+        part = int(context.node_config["partition-id"])
+        if part == fail:
+            raise RuntimeError("this client's device is gone")
+        setups[part] = setup_for(datasets[part], seed=part)
+        return setups[part]
+
+    planner = RoundPlanner(
+        scheme, clients=clients, local_samples=local_samples, lr=lr, total_samples=10**6
+    )
+    strategy = AdaptiveBatchStrategy(
+        planner, FedAvg(fraction_evaluate=0.0, min_available_nodes=clients)
+    )
+    grid = InProcessGrid(client_app(make), clients)
+    torch.manual_seed(0)
+    initial = ArrayRecord(nn.Linear(4, 1).state_dict())
+    return strategy, grid, initial, setups
+
+
+def test_fedavg_averages_the_clients_weights_and_the_history_records_each_round():
+    strategy, grid, initial, setups = federation(Fixed(8))
+    result = strategy.start(grid, initial, num_rounds=1)
+    merged = result.arrays.to_torch_state_dict()
+    for key, value in merged.items():
+        expected = torch.stack([s.model.state_dict()[key] for s in setups.values()]).mean(0)
+        torch.testing.assert_close(value, expected)
+    (record,) = strategy.history
+    assert (record["local_batch"], record["local_steps"], record["global_batch"]) == (8, 4, 24)
+    assert record["samples"] == 3 * 32
+    assert record["clients_trained"] == 3
+    assert math.isfinite(record["noise_scale"]) and record["noise_scale"] > 0
+    assert result.train_metrics_clientapp[1]["bigbatch.local_batch"] == 8
+
+
+def test_a_failing_client_is_an_error_reply_and_the_round_goes_on_without_it():
+    strategy, grid, initial, _ = federation(Fixed(8), fail=1)
+    strategy.start(grid, initial, num_rounds=2)
+    assert [r["clients_trained"] for r in strategy.history] == [2, 2]
+    assert strategy.history[-1]["samples"] == 2 * 2 * 32
+
+
+def test_the_controller_grows_the_local_batch_on_noisy_clients_and_steps_fall():
+    noisy = ControllerScheme(BatchWarmup(initial=12, min=12, window=4), clients=3)
+    strategy, grid, initial, _ = federation(noisy, local_samples=64, noise=30.0)
+    strategy.start(grid, initial, num_rounds=3)
+    batches = [r["local_batch"] for r in strategy.history]
+    steps = [r["local_steps"] for r in strategy.history]
+    assert batches[0] == 4 and batches[-1] > batches[0]
+    assert steps[-1] < steps[0]
+    # the rate follows the batch by the linear rule from the starting batch
+    last = strategy.history[-1]
+    assert last["lr"] == pytest.approx(0.05 * last["local_batch"] / 4)
+
+
+def test_two_simulations_with_one_seed_are_identical():
+    def history():
+        random.seed(0)  # Flower samples (and so orders) the round's clients with it
+        strategy, grid, initial, _ = federation(
+            ControllerScheme(BatchWarmup(initial=12, min=12, window=4), clients=3), noise=30.0
+        )
+        strategy.start(grid, initial, num_rounds=2)
+        return strategy.history
+
+    assert history() == history()
+
+
+def test_a_train_message_without_a_plan_is_refused_naming_the_keys():
+    with pytest.raises(KeyError, match=r"bigbatch\.local_batch"):
+        plan_from_config({"bigbatch.round": 1})

@@ -1,0 +1,150 @@
+"""The federated server's decisions: pooled statistics, schemes, round plans."""
+
+import math
+
+import pytest
+
+from bigbatch.batch import BatchWarmup
+from bigbatch.batch.lr import warmup_cosine
+from bigbatch.federated import (
+    ClientReport,
+    ControllerScheme,
+    Fixed,
+    RoundPlanner,
+    SmallLargeSwitch,
+    pool_steps,
+)
+
+
+def report(samples, sq, trace, batch=16, similarity=None):
+    steps = len(sq)
+    return ClientReport(
+        samples=samples,
+        batches=[batch] * steps,
+        grad_sq_norm=sq,
+        trace=trace,
+        similarity=similarity or [0.5] * steps,
+    )
+
+
+def test_pool_weighs_clients_by_samples_and_sums_their_batches():
+    pooled = pool_steps(
+        [report(100, [1.0, 2.0], [10.0, 20.0]), report(300, [3.0, 4.0], [30.0, 0.0])]
+    )
+    assert len(pooled) == 2
+    assert pooled[0]["grad_sq_norm"] == pytest.approx((100 * 1 + 300 * 3) / 400)
+    assert pooled[1]["trace"] == pytest.approx((100 * 20 + 300 * 0) / 400)
+    assert pooled[0]["batch"] == 32
+
+
+def test_pool_skips_a_clients_missing_value_and_stops_at_the_shortest_report():
+    pooled = pool_steps(
+        [report(100, [math.nan, 1.0, 5.0], [1, 1, 1]), report(100, [2.0, 3.0], [1, 1])]
+    )
+    assert len(pooled) == 2
+    assert pooled[0]["grad_sq_norm"] == 2.0  # the NaN is left out, not averaged in
+    assert pool_steps([]) == []
+
+
+def test_switch_is_large_until_its_fraction_of_the_samples_then_small():
+    scheme = SmallLargeSwitch(large=128, small=16, switch=0.5)
+    assert scheme.initial == 128
+    assert scheme.next_local_batch([], 128, 4, samples=499, total=1000) == 128
+    assert scheme.next_local_batch([], 128, 4, samples=500, total=1000) == 16
+    assert SmallLargeSwitch(64, 16, switch=0.0).initial == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"large": 16, "small": 32}, "small (32) must not exceed large (16)"),
+        ({"large": 16, "small": 8, "switch": 1.5}, "switch"),
+        ({"large": 0, "small": 8}, "large must be a positive whole number, got 0"),
+    ],
+)
+def test_switch_refuses_bad_settings_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SmallLargeSwitch(**kwargs)
+
+
+class Doubler:
+    """A controller that doubles at its third measurement and counts what it saw."""
+
+    initial, min, max, needs_statistics, holds_lr = 64, 1, 10_000, True, False
+
+    def __init__(self):
+        self.seen = []
+
+    def next(self, measured, batch_size, samples):
+        self.seen.append((batch_size, samples))
+        return batch_size * 2 if len(self.seen) == 3 else batch_size
+
+    def state_dict(self):
+        return {"seen": len(self.seen)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_controller_scheme_applies_a_decision_from_the_next_round_and_stops_feeding_after_it():
+    controller = Doubler()
+    scheme = ControllerScheme(controller, clients=4)
+    assert scheme.initial == 16  # global 64 over 4 clients
+    pooled = [{"grad_sq_norm": 1.0, "trace": 1.0, "similarity": 0.1}] * 5
+    # five local steps of global batch 64 ended at 1000 samples
+    assert scheme.next_local_batch(pooled, 16, 4, samples=1000, total=10_000) == 32
+    assert controller.seen == [(64, 1000 - 64 * 4), (64, 1000 - 64 * 3), (64, 1000 - 64 * 2)]
+
+
+def test_controller_scheme_grows_where_the_pooled_noise_scale_exceeds_the_next_batch():
+    noisy = [{"grad_sq_norm": 1.0, "trace": 1000.0, "similarity": 0.0, "schedule": 1.0}] * 12
+    quiet = [{"grad_sq_norm": 1.0, "trace": 10.0, "similarity": 0.9, "schedule": 1.0}] * 12
+    grows = ControllerScheme(BatchWarmup(initial=64), clients=4)
+    assert grows.next_local_batch(noisy, 16, 4, samples=10_000, total=100_000) == 32
+    holds = ControllerScheme(BatchWarmup(initial=64), clients=4)
+    assert holds.next_local_batch(quiet, 16, 4, samples=10_000, total=100_000) == 16
+
+
+def test_planner_covers_the_round_in_whole_steps_at_the_scaled_and_scheduled_rate():
+    schedule = warmup_cosine(10_000, 1000)
+    planner = RoundPlanner(
+        Fixed(48), clients=2, local_samples=100, lr=0.1, lr_scaling="linear", base_batch=16,
+        total_samples=10_000, schedule=schedule,
+    )  # fmt: skip
+    plan = planner.plan()
+    assert (plan.round, plan.local_batch, plan.local_steps, plan.global_batch) == (1, 48, 3, 96)
+    # the rate is read at the round's middle: 2 clients x 100 samples / 2
+    assert plan.lr == pytest.approx(0.1 * 3 * schedule(100))
+    planner.update(plan, [report(144, [1.0] * 3, [1.0] * 3, 48)] * 2)
+    assert planner.samples == 288
+    assert planner.plan().round == 2
+    assert planner.plan().lr == pytest.approx(0.1 * 3 * schedule(288 + 100))
+
+
+def test_planner_state_round_trips():
+    def make():
+        return RoundPlanner(
+            ControllerScheme(BatchWarmup(initial=32), 2), clients=2, local_samples=64, lr=0.1,
+            total_samples=6400,
+        )  # fmt: skip
+
+    first = make()
+    noisy = [1.0] * 12, [1000.0] * 12
+    plan = first.plan()
+    first.update(plan, [report(64, *noisy, batch=16)] * 2)
+    second = make()
+    second.load_state_dict(first.state_dict())
+    assert second.plan() == first.plan()
+    assert (
+        second.scheme.controller.state_dict()["noise"]
+        == first.scheme.controller.state_dict()["noise"]
+    )
+
+
+def test_planner_refuses_bad_settings_naming_them():
+    with pytest.raises(ValueError, match="local_samples must be a positive whole number, got 0"):
+        RoundPlanner(Fixed(8), clients=2, local_samples=0, lr=0.1, total_samples=10)
+    with pytest.raises(ValueError, match="lr_scaling must be one of"):
+        RoundPlanner(
+            Fixed(8), clients=2, local_samples=8, lr=0.1, lr_scaling="cubic", total_samples=10
+        )
