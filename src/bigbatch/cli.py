@@ -9,6 +9,7 @@
     bigbatch compare --vary batch.target=0.2,0.5 --set max_samples=400000
     bigbatch critical-batch --set task=text  # the critical batch along a run, by branching
     bigbatch tune --task lm                 # the rate by a multi-fidelity search (Optuna)
+    bigbatch federated --split dirichlet    # Flower clients with adaptive local batches
     bigbatch report runs/mine
     bigbatch tasks
 
@@ -74,6 +75,15 @@ def _parser() -> argparse.ArgumentParser:
             "fidelities, the best continued (Optuna); resumable; writes best.toml",
         )
     )
+    _federated_arguments(
+        commands.add_parser(
+            "federated",
+            help="simulate a Flower federation on one machine (FedAvg) with fixed, switched or "
+            "adaptive local batches; writes rounds.jsonl and report.md",
+            description=FEDERATED_NOTES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     report = commands.add_parser("report", help="re-render the report of a run or comparison")
     report.add_argument("dir", metavar="DIR")
     commands.add_parser("tasks", help="list the built-in tasks")
@@ -87,6 +97,37 @@ exits 143 or 130 (a second signal exits at once); --resume DIR continues it.
 Exit codes: 0 done; 2 config or environment (one line); 3 training stopped
 (non-finite steps); 4 a training process or collective failed (dist.timeout);
 130/143 stopped by a signal after a checkpoint. Details: docs/cli.md."""
+
+
+FEDERATED_NOTES = """\
+Simulate a federation of Flower ClientApps in this process (no Ray): every round
+each client trains --local-samples samples at the round's local batch; the
+server averages the weights (FedAvg), scores the global model on the task's
+test set and picks the next local batch by --scheme: fixed (--local-batch),
+switch (--large, then --local-batch after --switch of the samples) or
+adaptive (bigbatch's controller on the clients' pooled noise statistics, from
+--local-batch). Needs the flower extra. Details: docs/federated.md."""
+
+
+def _federated_arguments(p: argparse.ArgumentParser) -> None:
+    # defaults are FederatedConfig's (left None here, so building the parser imports nothing)
+    def add(flag: str, kind: type, text: str) -> None:
+        p.add_argument(flag, type=kind, help=text)
+
+    add("--task", str, "mnist1d (default), digits or teacher")
+    add("--clients", int, "clients, all trained each round (4)")
+    add("--split", str, "iid (default) or dirichlet: how the training set is shared")
+    add("--alpha", float, "the Dirichlet split's concentration (0.5)")
+    add("--rounds", int, "rounds (30)")
+    add("--local-samples", int, "samples per client per round (1024)")
+    add("--scheme", str, "fixed, switch or adaptive (default)")
+    add("--local-batch", int, "the base local batch (16)")
+    add("--large", int, "switch: the first phase's local batch (128)")
+    add("--switch", float, "switch: the fraction of the samples at --large (0.5)")
+    add("--lr", float, "the rate at --local-batch (0.05)")
+    add("--seed", int, "the seed (0)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
 
 
 def _config_command(
@@ -392,6 +433,21 @@ def _tune(args: argparse.Namespace) -> None:
     print(f"best config: {out / 'best.toml'} (bigbatch train --config {out / 'best.toml'})")
 
 
+def _federated(args: argparse.Namespace) -> None:
+    from .experiments.federated import FederatedConfig, simulate
+    from .experiments.rundir import check_new_run_dir, new_run_dir
+
+    fields = ("task", "clients", "split", "alpha", "rounds", "local_samples", "scheme",
+              "local_batch", "large", "switch", "lr", "seed")  # fmt: skip
+    given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    cfg = FederatedConfig(**given)
+    out = Path(args.out) if args.out else new_run_dir(task=f"federated-{cfg.task}")
+    check_new_run_dir(out)
+    simulate(cfg, out, threads=args.threads)
+    print((out / "report.md").read_text())
+    print(f"report: {out / 'report.md'}")
+
+
 def _tasks() -> None:
     from .experiments.tasks import TASKS
 
@@ -427,6 +483,8 @@ def _run(args: argparse.Namespace) -> int:
         _critical_batch(args)
     elif args.command == "tune":
         _tune(args)
+    elif args.command == "federated":
+        _federated(args)
     elif args.command == "report":
         from .experiments.report import render
 
@@ -477,6 +535,7 @@ def _reported(err: BaseException) -> int | None:
 #: packages of the optional extras a command may need, and the extra that brings each
 OPTIONAL_EXTRAS = {
     "optuna": ("bigbatch tune", "tune"),
+    "flwr": ("bigbatch federated", "flower"),
     "tensorboard": ("log.tensorboard", "tensorboard"),
     "mlflow": ("log.mlflow", "mlflow"),
     "wandb": ("log.wandb", "wandb"),

@@ -1,0 +1,317 @@
+"""A federated simulation on one machine (``bigbatch federated``): Flower's FedAvg with
+bigbatch's local batches, on IID or non-IID splits of a classification task.
+
+``N`` Flower ClientApps (:func:`bigbatch.integrations.flower.client_app`) each
+hold one part of the task's training set: an even random split (``iid``) or,
+per class, shares drawn from a Dirichlet(α) distribution (``dirichlet``,
+Hsu et al. 2019, "Measuring the effects of non-identical data distribution":
+the smaller α, the fewer classes a client holds). Every round every client
+trains ``local_samples`` samples with SGD (momentum 0.9, weight decay 5e-4,
+the optimizer afresh each round) at the round's local batch and rate; the
+server (:class:`~bigbatch.integrations.flower.AdaptiveBatchStrategy` around
+Flower's ``FedAvg``) averages the weights, scores the global model on the
+task's test set, and chooses the next local batch by the scheme:
+
+- ``fixed``: ``local_batch`` every round;
+- ``switch``: ``large`` until ``switch`` of the samples, then ``local_batch``
+  (:class:`~bigbatch.federated.SmallLargeSwitch`, the seed paper's trade-off);
+- ``adaptive``: bigbatch's default controller (``BatchWarmup``) on the global
+  batch from the clients' pooled noise statistics, from ``local_batch``.
+
+The rate is ``lr`` at ``local_batch``, scaled linearly with the local batch
+(SGD's rule, Goyal et al. 2017), times a 5% warm-up and cosine decay over
+the samples. The run writes ``rounds.jsonl`` (a row per round),
+``summary.json`` and ``report.md`` with ``federated.png``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from .._checks import check_number, choice, positive_int
+from ..batch.controllers import BatchWarmup
+from ..batch.lr import warmup_cosine
+from ..federated import ControllerScheme, Fixed, RoundPlanner, Scheme, SmallLargeSwitch
+from .build import with_task_defaults
+from .config import ConfigError, defaults
+from .device import set_threads
+from .plots import pyplot
+from .tasks import TASKS
+
+SCHEMES = ("fixed", "switch", "adaptive")
+SPLITS = ("iid", "dirichlet")
+#: tasks whose training set is labelled classes (a Dirichlet split needs labels)
+CLASSIFICATION = ("mnist1d", "digits", "teacher")
+
+
+@dataclass
+class FederatedConfig:
+    """One simulation's settings; each is checked with one error naming the bad value."""
+
+    task: str = "mnist1d"
+    clients: int = 4
+    split: str = "iid"
+    alpha: float = 0.5
+    rounds: int = 30
+    local_samples: int = 1024
+    scheme: str = "adaptive"
+    local_batch: int = 16
+    large: int = 128
+    switch: float = 0.5
+    lr: float = 0.05
+    warmup: float = 0.05
+    #: micro-batches per local step, across which the statistics are measured (>= 2)
+    min_sub_batches: int = 2
+    seed: int = 0
+    targets: list[float] = field(default_factory=lambda: [0.85, 0.9, 0.93, 0.95])
+
+    def __post_init__(self) -> None:
+        try:
+            choice("task", self.task, CLASSIFICATION)
+            choice("split", self.split, SPLITS)
+            choice("scheme", self.scheme, SCHEMES)
+            for name in ("clients", "rounds", "local_samples", "local_batch", "large"):
+                positive_int(name, getattr(self, name))
+            if positive_int("min_sub_batches", self.min_sub_batches) < 2:
+                raise ValueError(
+                    f"min_sub_batches must be at least 2 (the statistics compare micro-batches), "
+                    f"got {self.min_sub_batches}"
+                )
+            check_number("alpha", self.alpha, low_open=True)
+            check_number("switch", self.switch, high=1.0)
+            check_number("lr", self.lr, low_open=True)
+            check_number("warmup", self.warmup, high=1.0)
+            if self.local_batch > self.local_samples:
+                raise ValueError(
+                    f"local_batch ({self.local_batch}) exceeds local_samples "
+                    f"({self.local_samples}): a round would be less than one step"
+                )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    @property
+    def total_samples(self) -> int:
+        return self.rounds * self.clients * self.local_samples
+
+
+def split_indices(
+    labels: np.ndarray, clients: int, kind: str, alpha: float, seed: int
+) -> list[list[int]]:
+    """The training set's indices per client: an even random split (``iid``) or, per class,
+    Dirichlet(α) shares (``dirichlet``). Every client gets at least one sample."""
+    rng = np.random.default_rng(seed)
+    n = len(labels)
+    if kind == "iid":
+        order = rng.permutation(n)
+        return [sorted(order[i::clients].tolist()) for i in range(clients)]
+    parts: list[list[int]] = [[] for _ in range(clients)]
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        shares = rng.dirichlet(np.full(clients, alpha))
+        cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
+        for part, chunk in zip(parts, np.split(members, cuts)):
+            part.extend(chunk.tolist())
+    for i, part in enumerate(parts):
+        if not part:  # a client without data cannot train: give it one sample of the largest
+            donor = max(range(clients), key=lambda j: len(parts[j]))
+            part.append(parts[donor].pop())
+        parts[i] = sorted(part)
+    return parts
+
+
+def _labels(train: Dataset) -> np.ndarray:
+    if isinstance(train, TensorDataset):
+        return train.tensors[1].numpy()
+    return np.asarray([int(train[i][1]) for i in range(len(train))])  # type: ignore[arg-type]
+
+
+def own_rows(train: Dataset, indices: list[int]) -> Dataset:
+    """A client's part of the training set: its own tensors where the set is tensors (each
+    step then indexes them at once), else a ``Subset``."""
+    if isinstance(train, TensorDataset):
+        rows = torch.tensor(indices)
+        return TensorDataset(*(t[rows] for t in train.tensors))
+    return Subset(train, indices)
+
+
+def make_scheme(cfg: FederatedConfig) -> tuple[Scheme, int]:
+    """The scheme and the local batch its ``lr`` is given at."""
+    if cfg.scheme == "fixed":
+        return Fixed(cfg.local_batch), cfg.local_batch
+    if cfg.scheme == "switch":
+        return SmallLargeSwitch(cfg.large, cfg.local_batch, cfg.switch), cfg.local_batch
+    controller = BatchWarmup(
+        initial=cfg.clients * cfg.local_batch,
+        min=cfg.clients * cfg.local_batch,
+        max=cfg.clients * cfg.local_samples,
+    )
+    return ControllerScheme(controller, cfg.clients), cfg.local_batch
+
+
+def simulate(cfg: FederatedConfig, out: Path | None = None, threads: int | None = None) -> dict:
+    """Run the federation; return (and, with ``out``, write) its rows and summary."""
+    from flwr.app import ArrayRecord, MetricRecord
+
+    from ..integrations.flower import AdaptiveBatchStrategy, ClientSetup, InProcessGrid, client_app
+
+    set_threads(threads or 0)
+    random.seed(cfg.seed)  # Flower samples the round's clients with Python's random
+    config = with_task_defaults({**defaults(), "task": cfg.task, "seed": cfg.seed})
+    problem = TASKS[cfg.task].build(config)
+    labels = _labels(problem.train)
+    parts = split_indices(labels, cfg.clients, cfg.split, cfg.alpha, cfg.seed)
+
+    def setup(context: Any) -> ClientSetup:
+        part = int(context.node_config["partition-id"])
+        return ClientSetup(
+            copy.deepcopy(problem.model),
+            own_rows(problem.train, parts[part]),
+            problem.loss,
+            lambda params: torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=5e-4),
+            min_sub_batches=cfg.min_sub_batches,
+            seed=cfg.seed * 1000 + part,
+        )
+
+    scheme, base_batch = make_scheme(cfg)
+    planner = RoundPlanner(
+        scheme,
+        clients=cfg.clients,
+        local_samples=cfg.local_samples,
+        lr=cfg.lr,
+        lr_scaling="linear",
+        base_batch=base_batch,
+        total_samples=cfg.total_samples,
+        schedule=warmup_cosine(cfg.total_samples, int(cfg.warmup * cfg.total_samples)),
+    )
+    strategy = AdaptiveBatchStrategy(planner)
+    strategy.base.fraction_evaluate = 0.0  # the server scores the global model itself
+    strategy.base.min_evaluate_nodes = 0
+    strategy.base.min_train_nodes = strategy.base.min_available_nodes = cfg.clients
+    scores: dict[int, dict[str, float]] = {}
+    evaluator = copy.deepcopy(problem.model)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        evaluator.load_state_dict(arrays.to_torch_state_dict())
+        scores[server_round] = problem.evaluate(evaluator)
+        return MetricRecord(scores[server_round])
+
+    grid = InProcessGrid(client_app(setup), cfg.clients)
+    started = time.perf_counter()
+    _quiet_flower()
+    strategy.start(
+        grid, ArrayRecord(problem.model.state_dict()), num_rounds=cfg.rounds, evaluate_fn=evaluate
+    )
+    wall = time.perf_counter() - started
+    rows = _rows(strategy.history, scores)
+    result = {"config": asdict(cfg), "rounds": rows, "summary": summarize(cfg, rows, wall, parts)}
+    if out is not None:
+        write(out, result)
+    return result
+
+
+def _quiet_flower() -> None:
+    import logging
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+
+
+def _rows(history: list[dict[str, Any]], scores: dict[int, dict[str, float]]) -> list[dict]:
+    rows, client_steps = [], 0
+    for record in history:
+        client_steps += record["local_steps"]
+        rows.append({**record, "client_steps": client_steps, **scores.get(record["round"], {})})
+    return rows
+
+
+def summarize(cfg: FederatedConfig, rows: list[dict], wall: float, parts: list[list[int]]) -> dict:
+    """Final and best accuracy, and the rounds and client steps (the sequential local steps
+    of one client, summed over rounds) at which each target was first reached."""
+    accuracy = [r.get("eval_accuracy", math.nan) for r in rows]
+    reached = {}
+    for target in cfg.targets:
+        first = next((r for r in rows if r.get("eval_accuracy", -1) >= target), None)
+        reached[str(target)] = (
+            {"round": first["round"], "client_steps": first["client_steps"]} if first else None
+        )
+    return {
+        "final_accuracy": accuracy[-1] if accuracy else math.nan,
+        "best_accuracy": max(accuracy) if accuracy else math.nan,
+        "client_steps": rows[-1]["client_steps"] if rows else 0,
+        "samples": rows[-1]["samples"] if rows else 0,
+        "local_batches": [r["local_batch"] for r in rows],
+        "targets": reached,
+        "client_sizes": [len(p) for p in parts],
+        "wall_seconds": wall,
+    }
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "rounds.jsonl", "w") as f:
+        for row in result["rounds"]:
+            f.write(json.dumps(row) + "\n")
+    (out / "summary.json").write_text(
+        json.dumps(result["summary"] | {"config": result["config"]}, indent=1)
+    )
+    _plot(out / "federated.png", result["rounds"])
+    (out / "report.md").write_text(report(result))
+
+
+def report(result: dict) -> str:
+    cfg, summary = result["config"], result["summary"]
+    lines = [
+        f"# Federated run: {cfg['scheme']} on {cfg['task']}, {cfg['clients']} clients, "
+        f"{cfg['split']} split",
+        "",
+        f"{cfg['rounds']} rounds of {cfg['local_samples']} samples per client; "
+        f"lr {cfg['lr']} at local batch {cfg['local_batch']}; client data sizes "
+        f"{summary['client_sizes']}.",
+        f"Final accuracy {summary['final_accuracy']:.4f} (best {summary['best_accuracy']:.4f}) "
+        f"after {summary['client_steps']} client steps, {summary['wall_seconds']:.0f} s.",
+        "",
+        "| target | round | client steps |",
+        "|---|---|---|",
+    ]
+    for target, hit in summary["targets"].items():
+        lines.append(
+            f"| {target} | {hit['round'] if hit else 'not reached'} | "
+            f"{hit['client_steps'] if hit else '-'} |"
+        )
+    lines += [
+        "",
+        "| round | local batch | steps | lr | noise scale | loss | accuracy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rounds"]:
+        lines.append(
+            f"| {r['round']} | {r['local_batch']} | {r['local_steps']} | {r['lr']:.4g} | "
+            f"{r['noise_scale']:.1f} | {r['loss']:.4f} | {r.get('eval_accuracy', math.nan):.4f} |"
+        )
+    return "\n".join([*lines, "", "![rounds](federated.png)", ""])
+
+
+def _plot(path: Path, rows: list[dict]) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    steps = [r["client_steps"] for r in rows]
+    left.plot(steps, [r.get("eval_accuracy", math.nan) for r in rows], marker=".")
+    left.set_xlabel("client steps")
+    left.set_ylabel("test accuracy")
+    right.step([r["round"] for r in rows], [r["local_batch"] for r in rows], where="post")
+    right.set_xlabel("round")
+    right.set_ylabel("local batch")
+    right.set_yscale("log", base=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

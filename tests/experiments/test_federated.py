@@ -1,0 +1,80 @@
+"""``bigbatch federated``: the data splits, the settings' checks, and a whole simulation."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("sklearn")
+
+from bigbatch.cli import main
+from bigbatch.experiments.config import ConfigError
+from bigbatch.experiments.federated import FederatedConfig, split_indices
+
+LABELS = np.repeat(np.arange(10), 100)
+
+
+def test_an_iid_split_shares_every_sample_once_in_near_equal_parts():
+    parts = split_indices(LABELS, 3, "iid", 0.5, seed=0)
+    assert sorted(i for p in parts for i in p) == list(range(1000))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_a_dirichlet_split_shares_every_sample_once_and_skews_the_classes():
+    parts = split_indices(LABELS, 4, "dirichlet", 0.1, seed=0)
+    assert sorted(i for p in parts for i in p) == list(range(1000))
+    assert all(parts)
+    # at alpha 0.1 a client holds most of few classes: its largest class is far above 1/10
+    shares = [np.bincount(LABELS[p], minlength=10).max() / len(p) for p in parts]
+    assert np.mean(shares) > 0.3
+    assert split_indices(LABELS, 4, "dirichlet", 0.1, seed=0) == parts
+    assert split_indices(LABELS, 4, "dirichlet", 0.1, seed=1) != parts
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"split": "weird"}, "split must be one of 'iid', 'dirichlet', got 'weird'"),
+        ({"task": "lm"}, "task must be one of"),
+        ({"clients": 0}, "clients must be a positive whole number, got 0"),
+        ({"alpha": 0.0}, "alpha"),
+        ({"local_batch": 64, "local_samples": 32}, "local_batch (64) exceeds local_samples (32)"),
+        ({"min_sub_batches": 1}, "min_sub_batches must be at least 2"),
+    ],
+)
+def test_bad_settings_are_one_error_naming_the_value(settings, message):
+    with pytest.raises(ConfigError) as error:
+        FederatedConfig(**settings)
+    assert message in str(error.value)
+
+
+def test_the_command_simulates_a_federation_and_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "fed"
+    argv = ["federated", "--task", "digits", "--clients", "2", "--split", "dirichlet",
+            "--rounds", "3", "--local-samples", "64", "--scheme", "switch", "--large", "32",
+            "--local-batch", "8", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    # switch at half of 3 x 2 x 64 samples: rounds 1 (128 samples) and 2 (256) at 32
+    assert [r["local_batch"] for r in rows] == [32, 32, 8]
+    assert [r["client_steps"] for r in rows] == [2, 4, 12]
+    assert all(0 <= r["eval_accuracy"] <= 1 for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["client_steps"] == 12 and summary["samples"] == 3 * 2 * 64
+    assert (out / "federated.png").stat().st_size > 0
+    assert "| 3 | 8 | 8 |" in (out / "report.md").read_text()
+    # the same folder again is refused in one line
+    assert main(argv) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_the_command_without_flower_names_the_extra(monkeypatch, tmp_path, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flwr", None)
+    monkeypatch.setitem(sys.modules, "flwr.app", None)
+    code = main(["federated", "--task", "digits", "--rounds", "1", "--out", str(tmp_path / "x")])
+    assert code == 2
+    assert "pip install 'bigbatch[flower]'" in capsys.readouterr().err
