@@ -174,3 +174,15 @@ def test_two_simulations_with_one_seed_are_identical():
 def test_a_train_message_without_a_plan_is_refused_naming_the_keys():
     with pytest.raises(KeyError, match=r"bigbatch\.local_batch"):
         plan_from_config({"bigbatch.round": 1})
+
+
+def test_the_example_flower_app_runs_its_server_app_on_the_in_process_grid():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "flower_app.py"
+    spec = importlib.util.spec_from_file_location("flower_app", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    context = example.run_here(clients=2, rounds=2, local_samples=64)
+    assert len(context.state["history"]["local_batch"]) == 2
