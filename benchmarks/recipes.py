@@ -79,6 +79,8 @@ def row(task: str, setting: str, result: ArmResult, default_lr: float) -> dict:
         "best_final_mean": mean,
         "best_final_std": std,
         "seeds": len(finals),
+        # a seed that diverged has no score: counted here, left out of the mean
+        "diverged": sum(1 for v in finals if v is None or not math.isfinite(v)),
         "gap": gap,
         "within": gap <= TOLERANCE["loss" if loss else "accuracy"] + 1e-12,
         "at_edge": result.at_edge,
@@ -97,7 +99,8 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['task']} | {r['optimizer']} | {r['setting']} | {r['default_lr']:.4g} | "
             f"{r['default_final']:.4f} | {r['best_lr']:.4g}{edge} | "
-            f"{r['best_final_mean']:.4f} ± {r['best_final_std']:.4f} ({r['seeds']}) | "
+            f"{r['best_final_mean']:.4f} ± {r['best_final_std']:.4f} ({r['seeds']}"
+            f"{', ' + str(r['diverged']) + ' diverged' if r.get('diverged') else ''}) | "
             f"{r['gap']:+.4f} | {'yes' if r['within'] else '**no**'} |"
         )
     return "\n".join(lines)
