@@ -7,7 +7,7 @@ For each split (``iid``, ``dirichlet`` with α = 0.5) every arm — fixed local
 batches (``--fixed``, bracketing the best), the seed paper's small/large
 switch (``switch``: local batch ``--large`` for the first half of the
 samples, then ``--switch-small``) and bigbatch's controller on the pooled
-statistics (``adaptive``, from local batch ``--adaptive-start``) — gets the
+statistics (``adaptive N``, from each local batch N of ``--adaptive-start``) — gets the
 same ×2 learning-rate grid (``--lrs``, the rate at the arm's own base
 batch), widened by ×2 steps up to ``--widen`` times until its best rate is
 inside it. The best rate is the one with the highest final test accuracy on
@@ -41,7 +41,8 @@ CHANCE = 0.1  # ten classes
 def arms(args: argparse.Namespace) -> dict[str, dict]:
     out = {f"fixed {b}": {"scheme": "fixed", "local_batch": b} for b in args.fixed}
     out["switch"] = {"scheme": "switch", "large": args.large, "local_batch": args.switch_small}
-    out["adaptive"] = {"scheme": "adaptive", "local_batch": args.adaptive_start}
+    for start in args.adaptive_start:
+        out[f"adaptive {start}"] = {"scheme": "adaptive", "local_batch": start}
     return out
 
 
@@ -233,10 +234,10 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--local-samples", type=int, default=1024)
-    p.add_argument("--fixed", type=int, nargs="+", default=[16, 32, 64, 128])
+    p.add_argument("--fixed", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
     p.add_argument("--large", type=int, default=128)
     p.add_argument("--switch-small", type=int, default=32)
-    p.add_argument("--adaptive-start", type=int, default=16)
+    p.add_argument("--adaptive-start", type=int, nargs="+", default=[4, 16])
     p.add_argument("--lrs", type=float, nargs="+", default=[0.0125, 0.025, 0.05, 0.1, 0.2])
     p.add_argument("--widen", type=int, default=2)
     p.add_argument("--seeds", type=int, default=3)

@@ -124,7 +124,7 @@ def _federated_arguments(p: argparse.ArgumentParser) -> None:
     add("--local-batch", int, "the base local batch (16)")
     add("--large", int, "switch: the first phase's local batch (128)")
     add("--switch", float, "switch: the fraction of the samples at --large (0.5)")
-    add("--lr", float, "the rate at --local-batch (0.05)")
+    add("--lr", float, "the rate at --local-batch (0.1)")
     add("--seed", int, "the seed (0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
