@@ -323,6 +323,8 @@ class InProcessGrid(Grid):
     in Flower's simulation). Messages are handled one after another, so a
     simulation is deterministic and needs neither Ray nor a SuperLink; a
     ClientApp that raises gives that node an error reply, as a real node would.
+    ``send_and_receive`` returns when every message is answered (its
+    ``timeout`` has nothing to wait for).
 
     Flower stamps every message with the sending task's identity, which its
     own runtimes set; outside them this grid sets the one Flower's legacy
