@@ -21,6 +21,7 @@ import logging
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -95,9 +96,8 @@ def main(grid: Grid, context: Context) -> None:
         total_samples=total,
         schedule=warmup_cosine(total, total // 20),
     )
-    strategy = AdaptiveBatchStrategy(planner)  # bigbatch: wraps FedAvg
-    strategy.base.fraction_evaluate = 0.0
-    strategy.base.min_available_nodes = strategy.base.min_train_nodes = clients
+    fedavg = FedAvg(fraction_evaluate=0.0, min_train_nodes=clients, min_available_nodes=clients)
+    strategy = AdaptiveBatchStrategy(planner, fedavg)  # bigbatch: wraps FedAvg
     test = teacher_student(5_000, seed=7)
     scorer = model()
 
@@ -124,7 +124,7 @@ def main(grid: Grid, context: Context) -> None:
 
 def run_here(clients: int = 4, rounds: int = 15, local_samples: int = 1024) -> Context:
     """The ServerApp with an in-process grid of ``clients`` ClientApps; returns its context."""
-    logging.getLogger("flwr").setLevel(logging.WARNING)
+    logging.getLogger("flwr").setLevel(logging.ERROR)
     config = {"clients": clients, "rounds": rounds, "local-samples": local_samples}
     context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     server(InProcessGrid(client, clients, run_config=config), context)

@@ -26,7 +26,7 @@ from bigbatch.integrations.flower import (  # noqa: E402
     train_round,
 )
 
-logging.getLogger("flwr").setLevel(logging.WARNING)
+logging.getLogger("flwr").setLevel(logging.ERROR)
 
 
 def mse(model, batch):
