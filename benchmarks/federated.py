@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 from bigbatch.experiments.federated import FederatedConfig, simulate
@@ -49,10 +50,14 @@ def arms(args: argparse.Namespace) -> dict[str, dict]:
 def run_one(item: tuple[str, dict]) -> dict:
     """One simulation (reused from its directory when done)."""
     path, settings = item
+    cfg = FederatedConfig(**settings)
     done = Path(path) / "summary.json"
     if done.exists():
-        return json.loads(done.read_text())
-    result = simulate(FederatedConfig(**settings), Path(path), threads=1)
+        stored = json.loads(done.read_text())
+        if stored["config"] != asdict(cfg):  # another --rounds, --clients, ... in this --out
+            raise SystemExit(f"{path} holds a run of other settings; use another --out")
+        return stored
+    result = simulate(cfg, Path(path), threads=1)
     return result["summary"] | {"config": result["config"]}
 
 
@@ -88,7 +93,7 @@ def tune_arm(args, out: Path, split: str, arm: str, settings: dict) -> tuple[flo
         ]
         for lr, summary in zip(todo, run_all(out, items, args.jobs)):
             results[lr] = summary
-        best = max(results, key=lambda lr: _final(results[lr]))
+        best = max(results, key=lambda lr: _rank(_final(results[lr])))
         if best == min(results):
             lrs = [best / 2, *sorted(results)]
         elif best == max(results):
@@ -99,8 +104,20 @@ def tune_arm(args, out: Path, split: str, arm: str, settings: dict) -> tuple[flo
 
 
 def _final(summary: dict) -> float:
+    """The final accuracy; NaN for a run that diverged."""
     value = summary["final_accuracy"]
-    return value if value is not None and math.isfinite(value) else -1.0
+    return value if value is not None and math.isfinite(value) else math.nan
+
+
+def _rank(value: float) -> float:
+    """For choosing a best: a diverged run ranks last."""
+    return value if math.isfinite(value) else -1.0
+
+
+def _mean(values: list[float]) -> float:
+    """The mean of the finite values (a diverged seed is counted apart, not averaged in)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.mean(finite) if finite else math.nan
 
 
 def first_reach(rows: list[dict], target: float) -> tuple[int, int] | None:
@@ -131,8 +148,8 @@ def evaluate_split(args, out: Path, split: str) -> dict:
             "batches": summaries[0]["local_batches"],
         }
     fixed = [a for a in table if a.startswith("fixed")]
-    best_fixed = max(fixed, key=lambda a: statistics.mean(table[a]["finals"]))
-    top = statistics.mean(table[best_fixed]["finals"])
+    best_fixed = max(fixed, key=lambda a: _rank(_mean(table[a]["finals"])))
+    top = _mean(table[best_fixed]["finals"])
     targets = {f: CHANCE + f * (top - CHANCE) for f in args.targets}
     for entry in table.values():
         entry["reach"] = {}
@@ -185,8 +202,10 @@ def markdown(results: dict, args: argparse.Namespace) -> str:
             "|---|---|---|---|---|" + "---|" * len(res["targets"]),
         ]
         for arm, e in res["arms"].items():
-            mean = statistics.mean(e["finals"])
-            sd = statistics.stdev(e["finals"]) if len(e["finals"]) > 1 else 0.0
+            finite = [v for v in e["finals"] if math.isfinite(v)]
+            mean = _mean(e["finals"])
+            sd = statistics.stdev(finite) if len(finite) > 1 else 0.0
+            diverged = len(e["finals"]) - len(finite)
             grid = ", ".join(f"{lr}: {v:.3f}" for lr, v in e["grid"].items())
             cells = []
             for f in res["targets"]:
@@ -198,7 +217,8 @@ def markdown(results: dict, args: argparse.Namespace) -> str:
                     f"{r['mean']:.2f} ({r['worst']:.2f})"
                 )
             lines.append(
-                f"| {arm} | {e['lr']:g} | {grid} | {mean:.4f} ± {sd:.4f} | "
+                f"| {arm} | {e['lr']:g} | {grid} | {mean:.4f} ± {sd:.4f}"
+                f"{f' ({diverged} diverged)' if diverged else ''} | "
                 f"{mean - res['best_fixed_final']:+.4f} | " + " | ".join(cells) + " |"
             )
         lines.append("")

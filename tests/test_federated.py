@@ -129,21 +129,69 @@ def test_planner_state_round_trips():
         )  # fmt: skip
 
     first = make()
-    noisy = [1.0] * 12, [1000.0] * 12
+    # six steps: fewer than a decision needs, so the controller's window holds them
+    quiet = [1.0, 2.0, 1.5, 1.0, 2.0, 1.5], [10.0] * 6
     plan = first.plan()
-    first.update(plan, [report(64, *noisy, batch=16)] * 2)
+    first.update(plan, [report(64, *quiet, batch=16)] * 2)
+    state = first.state_dict()
     second = make()
-    second.load_state_dict(first.state_dict())
+    assert second.state_dict() != state
+    second.load_state_dict(state)
     assert second.plan() == first.plan()
-    assert (
-        second.scheme.controller.state_dict()["noise"]
-        == first.scheme.controller.state_dict()["noise"]
+    assert second.state_dict() == state
+
+
+def test_the_controller_weighs_the_round_by_the_multiplier_it_trained_at():
+    seen = []
+
+    class Recording(Doubler):
+        def next(self, measured, batch_size, samples):
+            seen.append(measured["schedule"])
+            return batch_size
+
+    schedule = warmup_cosine(10_000, 2_000)
+    planner = RoundPlanner(
+        ControllerScheme(Recording(), 4), clients=4, local_samples=250, lr=0.1,
+        total_samples=10_000, schedule=schedule,
+    )  # fmt: skip
+    plan = planner.plan()
+    assert plan.schedule == schedule(500)  # the middle of the first 1,000 samples
+    planner.update(plan, [report(256, [1.0] * 16, [1.0] * 16)] * 4)
+    assert seen == [schedule(500)] * 16
+
+
+def test_a_missing_client_thins_the_statistics_but_is_no_smaller_batch():
+    planner = RoundPlanner(
+        ControllerScheme(BatchWarmup(initial=16, min=16), 4), clients=4, local_samples=64,
+        lr=0.1, total_samples=10_000,
+    )  # fmt: skip
+    plan = planner.plan()
+    quiet = [1.0] * 16, [1.0] * 16
+    planner.update(plan, [report(64, *quiet, batch=4)] * 3)  # one of four did not reply
+    assert planner.local_batch == 4
+    assert planner.samples == 3 * 64
+
+
+def test_the_local_batch_never_exceeds_the_rounds_samples():
+    class Huge(Doubler):
+        def next(self, measured, batch_size, samples):
+            return 1_000_000
+
+    planner = RoundPlanner(
+        ControllerScheme(Huge(), 2), clients=2, local_samples=100, lr=0.1, total_samples=10_000
     )
+    planner.update(planner.plan(), [report(100, [1.0] * 4, [1.0] * 4, 32)] * 2)
+    assert planner.local_batch == 100
+    assert planner.plan().local_steps == 1
 
 
 def test_planner_refuses_bad_settings_naming_them():
     with pytest.raises(ValueError, match="local_samples must be a positive whole number, got 0"):
         RoundPlanner(Fixed(8), clients=2, local_samples=0, lr=0.1, total_samples=10)
+    with pytest.raises(ValueError, match="lr_scaling must be one of 'none', 'linear', 'sqrt'"):
+        RoundPlanner(
+            Fixed(8), clients=2, local_samples=8, lr=0.1, lr_scaling="adascale", total_samples=10
+        )
     with pytest.raises(ValueError, match="lr_scaling must be one of"):
         RoundPlanner(
             Fixed(8), clients=2, local_samples=8, lr=0.1, lr_scaling="cubic", total_samples=10

@@ -32,9 +32,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from ._checks import check_number, positive_int
+from ._checks import check_number, choice, positive_int
 from .batch.controllers import Controller
-from .batch.lr import Schedule, check_lr_rule, constant, lr_factor
+from .batch.lr import Schedule, constant, lr_factor
 
 __all__ = [
     "ClientReport",
@@ -62,6 +62,9 @@ class RoundPlan:
     local_steps: int
     lr: float
     clients: int
+    #: the schedule's rate multiplier the round trains at (a controller weighs its
+    #: statistics by it)
+    schedule: float = 1.0
 
     @property
     def global_batch(self) -> int:
@@ -260,7 +263,9 @@ class RoundPlanner:
         self.clients = positive_int("clients", clients)
         self.local_samples = positive_int("local_samples", local_samples)
         self.lr = check_number("lr", lr, low=0.0, low_open=True)
-        self.lr_scaling = check_lr_rule(lr_scaling)
+        # the AdaScale rules need smoothed statistics at the step, which a round's held rate
+        # does not have
+        self.lr_scaling = choice("lr_scaling", lr_scaling, ("none", "linear", "sqrt"))
         self.base_batch = positive_int("base_batch", base_batch or scheme.initial)
         self.schedule = schedule
         self.total_samples = positive_int("total_samples", total_samples)
@@ -272,12 +277,14 @@ class RoundPlanner:
         """The next round's plan (call :meth:`update` with its reports before the next)."""
         steps = math.ceil(self.local_samples / self.local_batch)
         factor = lr_factor(self.lr_scaling, self.local_batch, self.base_batch)
+        multiplier = self.schedule(self.midpoint())
         return RoundPlan(
             round=self.round + 1,
             local_batch=self.local_batch,
             local_steps=steps,
-            lr=self.lr * factor * self.schedule(self.midpoint()),
+            lr=self.lr * factor * multiplier,
             clients=self.clients,
+            schedule=multiplier,
         )
 
     def midpoint(self) -> int:
@@ -288,19 +295,22 @@ class RoundPlanner:
 
     def update(self, plan: RoundPlan, reports: Sequence[ClientReport]) -> list[dict[str, float]]:
         """Count the round's samples and let the scheme choose the next local batch;
-        returns the pooled statistics it saw."""
+        returns the pooled statistics it saw.
+
+        The scheme sees the planned global batch (``clients`` × the local batch)
+        even when some clients did not reply: their absence thins the statistics,
+        it is not a smaller batch to correct. The next local batch is at most
+        ``local_samples`` (a round is at least one step).
+        """
         self.samples += sum(r.samples for r in reports)
         self.round = plan.round
         pooled = pool_steps(reports)
         for step in pooled:
-            step["schedule"] = self.schedule(self.samples)
-        self.local_batch = positive_int(
-            "local batch",
-            self.scheme.next_local_batch(
-                pooled, plan.local_batch, len(reports) or self.clients, self.samples,
-                self.total_samples,
-            ),
-        )  # fmt: skip
+            step["schedule"] = plan.schedule  # the multiplier the round trained at
+        chosen = self.scheme.next_local_batch(
+            pooled, plan.local_batch, self.clients, self.samples, self.total_samples
+        )
+        self.local_batch = min(positive_int("local batch", chosen), self.local_samples)
         return pooled
 
     def state_dict(self) -> dict[str, Any]:

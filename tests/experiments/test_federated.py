@@ -41,6 +41,10 @@ def test_a_dirichlet_split_shares_every_sample_once_and_skews_the_classes():
         ({"alpha": 0.0}, "alpha"),
         ({"local_batch": 64, "local_samples": 32}, "local_batch (64) exceeds local_samples (32)"),
         ({"min_sub_batches": 1}, "min_sub_batches must be at least 2"),
+        (
+            {"scheme": "switch", "large": 8, "local_batch": 16},
+            "large (8) must lie between local_batch (16) and local_samples (1024)",
+        ),
     ],
 )
 def test_bad_settings_are_one_error_naming_the_value(settings, message):

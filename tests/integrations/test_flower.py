@@ -102,7 +102,7 @@ def test_each_round_draws_a_fresh_order_of_the_clients_data():
 
 
 def federation(scheme, clients=3, local_samples=32, lr=0.05, fail=None, noise=0.1):
-    datasets = [data(128, 10 + i, noise) for i in range(clients)]
+    datasets = [data(128 + 32 * i, 10 + i, noise) for i in range(clients)]
     setups = {}
 
     def make(context):
@@ -124,13 +124,16 @@ def federation(scheme, clients=3, local_samples=32, lr=0.05, fail=None, noise=0.
     return strategy, grid, initial, setups
 
 
-def test_fedavg_averages_the_clients_weights_and_the_history_records_each_round():
+def test_fedavg_weighs_the_clients_by_their_data_and_the_history_records_each_round():
     strategy, grid, initial, setups = federation(Fixed(8))
     result = strategy.start(grid, initial, num_rounds=1)
     merged = result.arrays.to_torch_state_dict()
+    sizes = torch.tensor([len(s.dataset) for s in setups.values()], dtype=torch.float32)
+    assert sizes.unique().numel() == 3  # unequal, so the weighting is seen
     for key, value in merged.items():
-        expected = torch.stack([s.model.state_dict()[key] for s in setups.values()]).mean(0)
-        torch.testing.assert_close(value, expected)
+        stacked = torch.stack([s.model.state_dict()[key] for s in setups.values()])
+        weights = (sizes / sizes.sum()).view(-1, *[1] * (stacked.dim() - 1))
+        torch.testing.assert_close(value, (stacked * weights).sum(0))
     (record,) = strategy.history
     assert (record["local_batch"], record["local_steps"], record["global_batch"]) == (8, 4, 24)
     assert record["samples"] == 3 * 32
@@ -144,6 +147,13 @@ def test_a_failing_client_is_an_error_reply_and_the_round_goes_on_without_it():
     strategy.start(grid, initial, num_rounds=2)
     assert [r["clients_trained"] for r in strategy.history] == [2, 2]
     assert strategy.history[-1]["samples"] == 2 * 2 * 32
+
+
+def test_a_failing_client_does_not_move_the_adaptive_batch():
+    quiet = ControllerScheme(BatchWarmup(initial=12, min=12, window=4), clients=3)
+    strategy, grid, initial, _ = federation(quiet, local_samples=64, fail=2)
+    strategy.start(grid, initial, num_rounds=2)
+    assert [r["local_batch"] for r in strategy.history] == [4, 4]
 
 
 def test_the_controller_grows_the_local_batch_on_noisy_clients_and_steps_fall():

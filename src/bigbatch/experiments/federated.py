@@ -95,6 +95,11 @@ class FederatedConfig:
             check_number("switch", self.switch, high=1.0)
             check_number("lr", self.lr, low_open=True)
             check_number("warmup", self.warmup, high=1.0)
+            if self.scheme == "switch" and not self.local_batch <= self.large <= self.local_samples:
+                raise ValueError(
+                    f"large ({self.large}) must lie between local_batch ({self.local_batch}) "
+                    f"and local_samples ({self.local_samples})"
+                )
             if self.local_batch > self.local_samples:
                 raise ValueError(
                     f"local_batch ({self.local_batch}) exceeds local_samples "
@@ -167,7 +172,13 @@ def simulate(cfg: FederatedConfig, out: Path | None = None, threads: int | None 
     from flwr.app import ArrayRecord, MetricRecord
     from flwr.serverapp.strategy import FedAvg
 
-    from ..integrations.flower import AdaptiveBatchStrategy, ClientSetup, InProcessGrid, client_app
+    from ..integrations.flower import (
+        SAMPLES,
+        AdaptiveBatchStrategy,
+        ClientSetup,
+        InProcessGrid,
+        client_app,
+    )
 
     set_threads(threads or 0)
     _quiet_flower()
@@ -199,9 +210,13 @@ def simulate(cfg: FederatedConfig, out: Path | None = None, threads: int | None 
         total_samples=cfg.total_samples,
         schedule=warmup_cosine(cfg.total_samples, int(cfg.warmup * cfg.total_samples)),
     )
-    # every client trains every round; the server scores the global model itself
+    # every client trains every round and the same samples, and FedAvg weighs them by
+    # those samples (equal work, equal weight); the server scores the global model itself
     fedavg = FedAvg(
-        fraction_evaluate=0.0, min_train_nodes=cfg.clients, min_available_nodes=cfg.clients
+        fraction_evaluate=0.0,
+        min_train_nodes=cfg.clients,
+        min_available_nodes=cfg.clients,
+        weighted_by_key=SAMPLES,
     )
     strategy = AdaptiveBatchStrategy(planner, fedavg)
     scores: dict[int, dict[str, float]] = {}

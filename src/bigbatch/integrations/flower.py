@@ -46,11 +46,15 @@ try:
     from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.serverapp import Grid
     from flwr.serverapp.strategy import FedAvg, Strategy
-    from flwr.supercore.task_identity import TaskIdentity
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "bigbatch.integrations.flower needs Flower: pip install 'bigbatch[flower]'"
     ) from error
+
+try:  # where Flower keeps the sending task's identity (its runtimes set it)
+    from flwr.supercore.task_identity import TaskIdentity
+except ImportError:  # pragma: no cover - Flower releases whose messages need no identity
+    TaskIdentity = None
 
 from ..batch.controllers import Constant
 from ..federated import ClientReport, RoundPlan, RoundPlanner
@@ -67,7 +71,8 @@ __all__ = [
 #: the config keys a train message carries, and the metric keys a client replies with
 PLAN_KEYS = ("round", "local_batch", "local_steps", "lr", "clients")
 PREFIX = "bigbatch."
-NUM_EXAMPLES = "num-examples"  # Flower's weighting key
+NUM_EXAMPLES = "num-examples"  # Flower's weighting key: the client's data size
+SAMPLES = PREFIX + "samples"  # what the client trained this round
 
 
 @dataclass
@@ -158,10 +163,13 @@ def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
     )
 
 
-def report_to_metrics(report: ClientReport) -> dict[str, Any]:
-    """The fit metrics a client replies with (Flower's ``num-examples`` weighs the average)."""
+def report_to_metrics(report: ClientReport, data_size: int) -> dict[str, Any]:
+    """The fit metrics a client replies with: ``num-examples`` is the client's data size
+    (FedAvg weighs by it, as McMahan et al.; ``FedAvg(weighted_by_key="bigbatch.samples")``
+    weighs by the samples trained instead), ``bigbatch.samples`` what it trained."""
     return {
-        NUM_EXAMPLES: report.samples,
+        NUM_EXAMPLES: data_size,
+        SAMPLES: report.samples,
         PREFIX + "steps": len(report.batches),
         PREFIX + "loss": report.loss,
         PREFIX + "batches": [int(b) for b in report.batches],
@@ -173,7 +181,7 @@ def report_to_metrics(report: ClientReport) -> dict[str, Any]:
 
 def report_from_metrics(metrics: Any) -> ClientReport:
     return ClientReport(
-        samples=int(metrics[NUM_EXAMPLES]),
+        samples=int(metrics[SAMPLES]),
         batches=list(metrics[PREFIX + "batches"]),
         grad_sq_norm=list(metrics[PREFIX + "grad_sq_norm"]),
         trace=list(metrics[PREFIX + "trace"]),
@@ -186,8 +194,11 @@ def client_app(setup_fn: Callable[[Context], ClientSetup]) -> ClientApp:
     """A Flower ``ClientApp`` whose train handler runs :func:`train_round` on the
     server's plan, and whose evaluate handler scores with ``setup.evaluate``.
 
-    ``setup_fn(context)`` is called once per node (a node's setup is kept for
-    later rounds; the model's weights are replaced by the server's each time).
+    ``setup_fn(context)`` is called once per node and process: the setup is kept
+    for the node's later messages where the process lives on (the in-process
+    grid; a simulation's workers), and rebuilt where Flower starts a process per
+    message (``flwr run``'s default isolation). Either way the model's weights
+    are replaced by the server's at each message.
     """
     setups: dict[int, ClientSetup] = {}
     app = ClientApp()
@@ -210,7 +221,7 @@ def client_app(setup_fn: Callable[[Context], ClientSetup]) -> ClientApp:
         content = RecordDict(
             {
                 "arrays": ArrayRecord(setup.model.state_dict()),
-                "metrics": MetricRecord(report_to_metrics(report)),
+                "metrics": MetricRecord(report_to_metrics(report, len(setup.dataset))),
             }
         )
         return Message(content=content, reply_to=message)
@@ -276,7 +287,7 @@ class AdaptiveBatchStrategy(Strategy):
             **plan.as_dict(),
             "clients_trained": len(reports),
             "samples": self.planner.samples,
-            "loss": sum(r.loss * r.samples for r in reports) / sum(r.samples for r in reports),
+            "loss": _mean_finite([(r.loss, r.samples) for r in reports]),
             **_pooled_noise(pooled),
             "next_local_batch": self.planner.local_batch,
         }
@@ -295,6 +306,14 @@ class AdaptiveBatchStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         return self.base.aggregate_evaluate(server_round, replies)
+
+
+def _mean_finite(pairs: list[tuple[float, int]]) -> float:
+    """The weighted mean of the finite values (NaN if none): one diverged client's NaN loss
+    does not hide the others'."""
+    finite = [(v, w) for v, w in pairs if math.isfinite(v)]
+    total = sum(w for _, w in finite)
+    return sum(v * w for v, w in finite) / total if total else math.nan
 
 
 def _pooled_noise(pooled: list[dict[str, float]]) -> dict[str, float]:
@@ -344,7 +363,8 @@ class InProcessGrid(Grid):
             )
             for i, node in enumerate(self.node_ids)
         }
-        if TaskIdentity._run_id is None:
+        # Flower has no public query for an unset identity
+        if TaskIdentity is not None and TaskIdentity._run_id is None:
             TaskIdentity.task_id, TaskIdentity.run_id = 1, 0
             TaskIdentity.node_id = SUPERLINK_NODE_ID
         self._run: Any = None
