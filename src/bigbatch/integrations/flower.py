@@ -16,7 +16,7 @@ and strategy run unchanged under ``flwr run`` (docs/federated.md)::
     strategy = AdaptiveBatchStrategy(planner)          # wraps flwr's FedAvg
     result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=30)
 
-Needs the extra ``bigbatch[flower]`` (Flower >= 1.20, its Message API).
+Needs the extra ``bigbatch[flower]`` (Flower >= 1.42, its Message API).
 """
 
 from __future__ import annotations
