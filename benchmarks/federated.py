@@ -33,7 +33,8 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from bigbatch.experiments.federated import FederatedConfig, simulate
+from bigbatch.experiments.analysis import mean_std
+from bigbatch.experiments.federated import FederatedConfig, first_reach, simulate
 from bigbatch.experiments.pool import in_processes
 
 CHANCE = 0.1  # ten classes
@@ -116,15 +117,7 @@ def _rank(value: float) -> float:
 
 def _mean(values: list[float]) -> float:
     """The mean of the finite values (a diverged seed is counted apart, not averaged in)."""
-    finite = [v for v in values if math.isfinite(v)]
-    return statistics.mean(finite) if finite else math.nan
-
-
-def first_reach(rows: list[dict], target: float) -> tuple[int, int] | None:
-    for row in rows:
-        if row.get("eval_accuracy", -1) >= target:
-            return row["round"], row["client_steps"]
-    return None
+    return mean_std(values)[0]
 
 
 def rows_of(out: Path, name: str) -> list[dict]:
@@ -202,10 +195,8 @@ def markdown(results: dict, args: argparse.Namespace) -> str:
             "|---|---|---|---|---|" + "---|" * len(res["targets"]),
         ]
         for arm, e in res["arms"].items():
-            finite = [v for v in e["finals"] if math.isfinite(v)]
-            mean = _mean(e["finals"])
-            sd = statistics.stdev(finite) if len(finite) > 1 else 0.0
-            diverged = len(e["finals"]) - len(finite)
+            mean, sd = mean_std(e["finals"])
+            diverged = sum(not math.isfinite(v) for v in e["finals"])
             grid = ", ".join(f"{lr}: {v:.3f}" for lr, v in e["grid"].items())
             cells = []
             for f in res["targets"]:

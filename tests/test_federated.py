@@ -186,6 +186,11 @@ def test_the_local_batch_never_exceeds_the_rounds_samples():
 
 
 def test_planner_refuses_bad_settings_naming_them():
+    with pytest.raises(ValueError, match="the scheme divides its batch among 4 clients, not 2"):
+        RoundPlanner(
+            ControllerScheme(BatchWarmup(initial=64), 4), clients=2, local_samples=8, lr=0.1,
+            total_samples=10,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="local_samples must be a positive whole number, got 0"):
         RoundPlanner(Fixed(8), clients=2, local_samples=0, lr=0.1, total_samples=10)
     with pytest.raises(ValueError, match="lr_scaling must be one of 'none', 'linear', 'sqrt'"):

@@ -44,6 +44,7 @@ __all__ = [
     "RoundPlanner",
     "Scheme",
     "SmallLargeSwitch",
+    "finite_mean",
     "pool_steps",
 ]
 
@@ -91,8 +92,10 @@ class ClientReport:
     loss: float = math.nan
 
 
-def _weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
-    pairs = [(v, w) for v, w in zip(values, weights) if math.isfinite(v)]
+def finite_mean(values: Sequence[float], weights: Sequence[float] | None = None) -> float:
+    """The (weighted) mean of the finite values, NaN if there are none: a client's missing
+    or diverged value is left out rather than spreading to the pooled one."""
+    pairs = [(v, w) for v, w in zip(values, weights or [1.0] * len(values)) if math.isfinite(v)]
     total = sum(w for _, w in pairs)
     return sum(v * w for v, w in pairs) / total if total > 0 else math.nan
 
@@ -114,9 +117,9 @@ def pool_steps(reports: Sequence[ClientReport]) -> list[dict[str, float]]:
     for i in range(steps):
         pooled.append(
             {
-                "grad_sq_norm": _weighted_mean([r.grad_sq_norm[i] for r in reports], weights),
-                "trace": _weighted_mean([r.trace[i] for r in reports], weights),
-                "similarity": _weighted_mean([r.similarity[i] for r in reports], weights),
+                "grad_sq_norm": finite_mean([r.grad_sq_norm[i] for r in reports], weights),
+                "trace": finite_mean([r.trace[i] for r in reports], weights),
+                "similarity": finite_mean([r.similarity[i] for r in reports], weights),
                 "batch": float(sum(r.batches[i] for r in reports)),
             }
         )
@@ -261,6 +264,9 @@ class RoundPlanner:
     ) -> None:
         self.scheme = scheme
         self.clients = positive_int("clients", clients)
+        own = getattr(scheme, "clients", self.clients)  # a scheme that divides a global batch
+        if own != self.clients:
+            raise ValueError(f"the scheme divides its batch among {own} clients, not {clients}")
         self.local_samples = positive_int("local_samples", local_samples)
         self.lr = check_number("lr", lr, low=0.0, low_open=True)
         # the AdaScale rules need smoothed statistics at the step, which a round's held rate

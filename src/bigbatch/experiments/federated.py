@@ -153,18 +153,18 @@ def own_rows(train: Dataset, indices: list[int]) -> Dataset:
     return Subset(train, indices)
 
 
-def make_scheme(cfg: FederatedConfig) -> tuple[Scheme, int]:
-    """The scheme and the local batch its ``lr`` is given at."""
+def make_scheme(cfg: FederatedConfig) -> Scheme:
+    """The config's scheme (its ``lr`` is given at ``local_batch`` whatever the scheme)."""
     if cfg.scheme == "fixed":
-        return Fixed(cfg.local_batch), cfg.local_batch
+        return Fixed(cfg.local_batch)
     if cfg.scheme == "switch":
-        return SmallLargeSwitch(cfg.large, cfg.local_batch, cfg.switch), cfg.local_batch
+        return SmallLargeSwitch(cfg.large, cfg.local_batch, cfg.switch)
     controller = BatchWarmup(
         initial=cfg.clients * cfg.local_batch,
         min=cfg.clients * cfg.local_batch,
         max=cfg.clients * cfg.local_samples,
     )
-    return ControllerScheme(controller, cfg.clients), cfg.local_batch
+    return ControllerScheme(controller, cfg.clients)
 
 
 def simulate(cfg: FederatedConfig, out: Path | None = None, threads: int | None = None) -> dict:
@@ -199,14 +199,13 @@ def simulate(cfg: FederatedConfig, out: Path | None = None, threads: int | None 
             seed=cfg.seed * 1000 + part,
         )
 
-    scheme, base_batch = make_scheme(cfg)
     planner = RoundPlanner(
-        scheme,
+        make_scheme(cfg),
         clients=cfg.clients,
         local_samples=cfg.local_samples,
         lr=cfg.lr,
         lr_scaling="linear",
-        base_batch=base_batch,
+        base_batch=cfg.local_batch,
         total_samples=cfg.total_samples,
         schedule=warmup_cosine(cfg.total_samples, int(cfg.warmup * cfg.total_samples)),
     )
@@ -254,16 +253,22 @@ def _rows(history: list[dict[str, Any]], scores: dict[int, dict[str, float]]) ->
     return rows
 
 
+def first_reach(rows: list[dict], target: float) -> tuple[int, int] | None:
+    """``(round, client steps)`` of the first row whose test accuracy reaches ``target``."""
+    for row in rows:
+        if row.get("eval_accuracy", -1) >= target:
+            return row["round"], row["client_steps"]
+    return None
+
+
 def summarize(cfg: FederatedConfig, rows: list[dict], wall: float, parts: list[list[int]]) -> dict:
     """Final and best accuracy, and the rounds and client steps (the sequential local steps
     of one client, summed over rounds) at which each target was first reached."""
     accuracy = [r.get("eval_accuracy", math.nan) for r in rows]
     reached = {}
     for target in cfg.targets:
-        first = next((r for r in rows if r.get("eval_accuracy", -1) >= target), None)
-        reached[str(target)] = (
-            {"round": first["round"], "client_steps": first["client_steps"]} if first else None
-        )
+        hit = first_reach(rows, target)
+        reached[str(target)] = {"round": hit[0], "client_steps": hit[1]} if hit else None
     return {
         "final_accuracy": accuracy[-1] if accuracy else math.nan,
         "best_accuracy": max(accuracy) if accuracy else math.nan,

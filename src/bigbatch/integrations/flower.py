@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - Flower releases whose messages need no
     TaskIdentity = None
 
 from ..batch.controllers import Constant
-from ..federated import ClientReport, RoundPlan, RoundPlanner
+from ..federated import ClientReport, RoundPlan, RoundPlanner, finite_mean
 from ..loop import AdaptiveBatch
 
 __all__ = [
@@ -152,14 +152,13 @@ def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
         trace.append(m.get("trace", math.nan))
         similarity.append(m.get("similarity", math.nan))
         losses.append(m.get("loss", math.nan))
-    finite = [v for v in losses if math.isfinite(v)]
     return ClientReport(
         samples=loop.samples,
         batches=batches,
         grad_sq_norm=sq,
         trace=trace,
         similarity=similarity,
-        loss=sum(finite) / len(finite) if finite else math.nan,
+        loss=finite_mean(losses),
     )
 
 
@@ -287,7 +286,8 @@ class AdaptiveBatchStrategy(Strategy):
             **plan.as_dict(),
             "clients_trained": len(reports),
             "samples": self.planner.samples,
-            "loss": _mean_finite([(r.loss, r.samples) for r in reports]),
+            # one diverged client's NaN loss does not hide the others'
+            "loss": finite_mean([r.loss for r in reports], [r.samples for r in reports]),
             **_pooled_noise(pooled),
             "next_local_batch": self.planner.local_batch,
         }
@@ -308,21 +308,12 @@ class AdaptiveBatchStrategy(Strategy):
         return self.base.aggregate_evaluate(server_round, replies)
 
 
-def _mean_finite(pairs: list[tuple[float, int]]) -> float:
-    """The weighted mean of the finite values (NaN if none): one diverged client's NaN loss
-    does not hide the others'."""
-    finite = [(v, w) for v, w in pairs if math.isfinite(v)]
-    total = sum(w for _, w in finite)
-    return sum(v * w for v, w in finite) / total if total else math.nan
-
-
 def _pooled_noise(pooled: list[dict[str, float]]) -> dict[str, float]:
     """The round's pooled ``B_simple`` (round means of ``tr Σ`` and ``|G|²``, taken apart)
     and mean similarity."""
 
     def mean(key: str) -> float:
-        values = [s[key] for s in pooled if math.isfinite(s[key])]
-        return sum(values) / len(values) if values else math.nan
+        return finite_mean([s[key] for s in pooled])
 
     sq, trace = mean("grad_sq_norm"), mean("trace")
     noise = trace / sq if sq > 0 and math.isfinite(trace) else math.nan
