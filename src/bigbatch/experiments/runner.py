@@ -92,12 +92,17 @@ def train(
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size)) if world.distributed else 1
     set_threads(config["threads"], local)
     out, lock = _claim(out, resume, world, config["task"])
+    agreed_stop: Exception | None = None
     try:
         with StopRequest(world, config["dist.timeout"]) as stop:
             watch_launcher()
             summary = _train(config, out, resume, quiet, world, device, stop, until)
     except OSError as err:  # a full disk, a directory made read-only midway: one line
         raise disk_error(err, err.filename or out) from None
+    except (Stopped, TooManySkippedError) as err:
+        # every rank stops after the same step: leave as on success (below), once the
+        # traceback that holds the run's objects is dropped
+        agreed_stop = err.with_traceback(None)
     except BaseException:
         if lock is not None and not resume:
             discard_if_unused(out)
@@ -105,8 +110,10 @@ def train(
     finally:
         if lock is not None:
             lock.release()
-    if world.distributed:  # after success only: a failed rank is stopped by its launcher
+    if world.distributed:  # not after a failure: a failed rank is stopped by its launcher
         _leave(world)
+    if agreed_stop is not None:
+        raise agreed_stop
     return summary
 
 
