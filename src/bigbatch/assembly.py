@@ -79,7 +79,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     Args:
         optimizer: the run's optimizer.
         controller: chooses the batch sizes (default
-            :class:`~bigbatch.batch.BatchWarmup` from ``first_batch``, or 64).
+            :class:`~bigbatch.batch.BatchWarmup` from ``first_batch``, or 16).
         options: the per-step rules.
         model: the trained module, its ``DistributedDataParallel`` or an FSDP2
             ``fully_shard`` model: its world (one process without one).
@@ -149,7 +149,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
 
 def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:
     """The run's controller: the given one, which must start at ``first_batch`` when a
-    sampler fixes it, or :class:`BatchWarmup` from there (batch 64 without one)."""
+    sampler fixes it, or :class:`BatchWarmup` from there (batch 16 without one)."""
     if controller is None:
         return BatchWarmup() if first_batch is None else BatchWarmup(initial=first_batch)
     if first_batch is not None and controller.initial != first_batch:

@@ -142,9 +142,9 @@ class AdaptiveBatch:
             resume) or an ``IterableDataset`` (consumed in order; exact resume
             only for a deterministic iterable).
         controller: from ``bigbatch.batch``; default
-            :class:`~bigbatch.batch.BatchWarmup` (from batch 64, the batch doubles
-            once the critical batch estimated from the noise scale has grown past
-            the next size).
+            :class:`~bigbatch.batch.BatchWarmup` (from batch 16, the batch doubles
+            once a quarter of the smoothed noise scale has grown past the next
+            size).
         max_micro_batch: the largest micro-batch that fits in memory.
         min_sub_batches: the fewest micro-batches per step (≥ 2; default 4).
         options: the per-step rules (:class:`~bigbatch.StepOptions`): how the

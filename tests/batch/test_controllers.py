@@ -258,7 +258,7 @@ def test_warmup_one_outlier_step_does_not_grow_the_batch():
 
 def test_warmup_waits_out_a_rate_warm_up_and_logs_what_decides():
     # a high noise scale at initialisation, while the schedule is still small, is discounted
-    c = BatchWarmup(multiple=1.0, initial=64, window=4)
+    c = BatchWarmup(multiple=1.0, initial=64, window=4, decay_power=1.0)
     batch = 64
     for i, m in enumerate(noisy_steps(1000.0, 20)):
         batch = c.next({**m, "schedule": (i + 1) / 200}, batch, 0)
@@ -270,8 +270,18 @@ def test_warmup_waits_out_a_rate_warm_up_and_logs_what_decides():
     assert batch == 128
 
 
+def test_the_default_warmup_follows_a_quarter_of_the_noise_scale_from_batch_16():
+    # budget in samples: at kappa = 1 half the samples' worth would go (McCandlish et al.)
+    c = BatchWarmup(window=10)
+    assert (c.initial, c.multiple, c.decay_power) == (16, 0.25, 0.0)
+    batch = 16
+    for m in noisy_steps(300.0, 100):  # 300 / 4 = 75: 32 and 64 clear it, 128 not
+        batch = c.next({**m, "schedule": 0.1}, batch, 0)  # unweighted: the schedule is ignored
+    assert batch == 64
+
+
 def test_controllers_print_their_settings():
-    assert repr(BatchWarmup(initial=32)).startswith("BatchWarmup(multiple=1.0, initial=32, ")
+    assert repr(BatchWarmup(initial=32)).startswith("BatchWarmup(multiple=0.25, initial=32, ")
     assert "multiple=6.0" in repr(CriticalBatchRamp())
     assert repr(Constant(256)) == "Constant(256)"
     assert repr(SimiGrad()).startswith("SimiGrad(target=0.333")

@@ -80,7 +80,11 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
 
     warmup = with_task_defaults(resolve({"batch.controller": "batch_warmup"}))
     ramp = with_task_defaults(resolve({"batch.controller": "critical_ramp"}))
-    assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (1.0, 6.0)
+    assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.25, 6.0)
+    assert (warmup["batch.initial"], ramp["batch.initial"]) == (16, 64)
+    # a controller with no default of its own (a constant batch) takes the default's
+    constant = with_task_defaults(resolve({"batch.controller": "constant"}))
+    assert constant["batch.initial"] == constant["batch.base"] == 16
     chosen = with_task_defaults(
         resolve({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
     )

@@ -40,10 +40,10 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     ):
         if not config[key]:
             config[key] = value
-    if not config["batch.base"]:
-        config["batch.base"] = config["batch.initial"]
     kind = config["batch.controller"]
     fill_component_defaults(config, "batch.", kind, CONTROLLERS[kind].CONFIG)
+    if not config["batch.base"]:
+        config["batch.base"] = config["batch.initial"]
     if kind == "ramp" and not config["batch.ramp_samples"]:
         config["batch.ramp_samples"] = config["max_samples"] // 2
     family = get_optimizer_info(config["optimizer"]).family

@@ -115,7 +115,9 @@ def component_keys(
 
     A key several components take has their common default; where their
     defaults differ, its default is 0 ("the chosen {what}'s own"), the owners'
-    values listed in its help. A key only some take names them in its help.
+    values listed in its help, and a component with no default of its own (a
+    constant batch) takes the first component's (the registry's default). A
+    key only some take names them in its help.
     """
     uses: dict[str, list[tuple[str, Knob, Any]]] = {}
     for name, (component, knobs) in components.items():
@@ -133,11 +135,13 @@ def component_keys(
         low, low_open, owners = knob.low, knob.low_open, None
         default = next(iter(given.values()))
         if len(set(given.values())) > 1:
-            owners = given
+            first = next(iter(given))
+            owners = {n: given.get(n, given[first]) for n in names}
             default = type(default)(0)
             low, low_open = min(low if low is not None else 0, 0), False
             own = ", ".join(f"{n} {v}" for n, v in given.items())
-            note = f"; 0: the {what}'s own ({own})"
+            others = f"; the others {first}'s" if len(given) < len(names) else ""
+            note = f"; 0: the {what}'s own ({own}{others})"
         else:
             note = ""
         keys.append(
@@ -509,12 +513,17 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(f"unknown config key {name!r}{hint}")
             config[name] = _check(known[name], value)
+    # the bounds as the chosen controller will see them, its own defaults filled in (that
+    # happens later, in build.with_task_defaults, so a layer that changes the controller
+    # still gets the new one's defaults)
+    kind, bounds = config["batch.controller"], dict(config)
+    fill_component_defaults(bounds, "batch.", kind, CONTROLLERS[kind].CONFIG)
     names = ("batch.initial", "batch.min", "batch.max")
     try:
-        batch_bounds(*(config[n] for n in names), names=names)
+        batch_bounds(*(bounds[n] for n in names), names=names)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if config["batch.min"] < config["min_sub_batches"]:
+    if bounds["batch.min"] < config["min_sub_batches"]:
         raise ConfigError(
             f"batch.min ({config['batch.min']}) is below min_sub_batches "
             f"({config['min_sub_batches']}): every sub-batch needs a sample"

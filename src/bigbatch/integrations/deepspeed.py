@@ -100,7 +100,7 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
         dataset: a map-style dataset or an ``IterableDataset``, as for
             :class:`~bigbatch.AdaptiveBatch`.
         controller: from ``bigbatch.batch`` (default
-            :class:`~bigbatch.batch.BatchWarmup` from batch 64).
+            :class:`~bigbatch.batch.BatchWarmup` from batch 16).
         options: the per-step rules (:class:`~bigbatch.StepOptions`), or their
             fields as keywords. The similarity is the scalar one (no rank sees
             the micro-batch halves' gradients whole).
