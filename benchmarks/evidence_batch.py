@@ -194,9 +194,9 @@ def write_report(root: Path, task: Task, table: dict[str, Any], args: argparse.N
 
 
 def plot(root: Path, task: Task, table: dict[str, Any], results: list[ArmResult]) -> None:
-    from bigbatch.experiments.report import _pyplot
+    from bigbatch.experiments.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     picks = [i for i, f in enumerate(FRACTIONS) if f in (0.9, 0.99)]
     fig, axes = plt.subplots(1, len(picks), figsize=(6 * len(picks), 4.5))
     for ax, i in zip(axes, picks):

@@ -175,9 +175,9 @@ def write_report(root: Path, args, task, budget: int, table: dict[str, dict]) ->
 
 
 def plot(root: Path, args, table: dict[str, dict], name: str, optimizers: list[str]) -> None:
-    from bigbatch.experiments.report import _pyplot
+    from bigbatch.experiments.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.0, 4.4))
     for opt in optimizers:
         rows = sorted(
