@@ -45,7 +45,7 @@ def main() -> None:
         optimizer,
         train,
         max_micro_batch=512,
-        controller=bb.batch.BatchWarmup(initial=64, max=8192),  # the default, spelled out
+        controller=bb.batch.BatchWarmup(initial=16, max=8192),  # the default, from 16
         schedule=bb.schedules.warmup_cosine(total=1_500_000, warmup=50_000),
     )
     for step in loop.steps(max_samples=1_500_000):  # bigbatch

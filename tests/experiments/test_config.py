@@ -82,6 +82,8 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
     ramp = with_task_defaults(resolve({"batch.controller": "critical_ramp"}))
     assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.25, 6.0)
     assert (warmup["batch.initial"], ramp["batch.initial"]) == (16, 64)
+    # bounds that exclude the controller's own first batch move it, as only they were asked
+    assert with_task_defaults(resolve({"batch.min": 32}))["batch.initial"] == 32
     # a controller with no default of its own (a constant batch) takes the default's
     constant = with_task_defaults(resolve({"batch.controller": "constant"}))
     assert constant["batch.initial"] == constant["batch.base"] == 16

@@ -80,3 +80,5 @@ def test_the_command_writes_its_report_and_refuses_bad_options(tmp_path, capsys)
     assert cli.main(["critical-batch", "--batches", "16,x", "--out", str(tmp_path / "x")]) == 2
     assert "--batches takes comma-separated numbers" in capsys.readouterr().err
     assert cli.main(["critical-batch", "--points", "2", "--out", str(tmp_path / "y")]) == 2
+    # without --batches: the controller's first batch and its doublings, so --points is the error
+    assert "--points are fractions" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
-from .config import AUTO, ConfigError, fill_component_defaults
+from .config import AUTO, ConfigError, fill_controller_defaults
 from .device import Precision, to_device
 from .tasks import TASKS, Problem
 
@@ -41,7 +41,7 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
         if not config[key]:
             config[key] = value
     kind = config["batch.controller"]
-    fill_component_defaults(config, "batch.", kind, CONTROLLERS[kind].CONFIG)
+    fill_controller_defaults(config)
     if not config["batch.base"]:
         config["batch.base"] = config["batch.initial"]
     if kind == "ramp" and not config["batch.ramp_samples"]:

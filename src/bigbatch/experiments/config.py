@@ -516,8 +516,8 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
     # the bounds as the chosen controller will see them, its own defaults filled in (that
     # happens later, in build.with_task_defaults, so a layer that changes the controller
     # still gets the new one's defaults)
-    kind, bounds = config["batch.controller"], dict(config)
-    fill_component_defaults(bounds, "batch.", kind, CONTROLLERS[kind].CONFIG)
+    bounds = dict(config)
+    fill_controller_defaults(bounds)
     names = ("batch.initial", "batch.min", "batch.max")
     try:
         batch_bounds(*(bounds[n] for n in names), names=names)
@@ -541,6 +541,19 @@ def _current_name(name: str) -> str:
         )
         return RENAMED[name]
     return name
+
+
+def fill_controller_defaults(config: dict[str, Any]) -> None:
+    """The chosen controller's own defaults for the batch keys left at 0; its own first
+    batch is raised to ``batch.min`` (or lowered to ``batch.max``) when those are set and
+    exclude it, since only the bounds were asked for."""
+    kind = config["batch.controller"]
+    own_first = not config["batch.initial"]
+    fill_component_defaults(config, "batch.", kind, CONTROLLERS[kind].CONFIG)
+    if own_first:
+        config["batch.initial"] = min(
+            config["batch.max"], max(config["batch.min"], config["batch.initial"])
+        )
 
 
 def fill_component_defaults(config: dict[str, Any], prefix: str, name: str, knobs) -> None:
