@@ -31,7 +31,7 @@ CLI_CASES = [
     (["train", "--set", "lr=-1"], "lr must be >= 0, got -1"),
     (["train", "--set", "lr=fast"], "fast"),
     (["train", "--set", "batch.target=2"], "batch.target must be <= 1, got 2"),
-    (["train", "--set", "batch.initial=0"], "batch.initial must be >= 1, got 0"),
+    (["train", "--set", "batch.initial=-1"], "batch.initial must be >= 0, got -1"),
     (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
     (
         ["train", "--set", "batch.initial=8", "--set", "batch.min=16"],

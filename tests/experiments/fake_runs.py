@@ -36,8 +36,9 @@ def fake_train(
     accuracy already the final one) and a checkpoint to resume from."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(with_task_defaults(config)))  # as the runner does
-    batch = config["batch.initial"]
+    filled = with_task_defaults(config)
+    (out / "config.toml").write_text(to_toml(filled))  # as the runner does
+    batch = filled["batch.initial"]
     width = config["model.width"] or 32
     accuracy = 0.98 - 0.01 * math.log(config["lr"] / 0.004) ** 2 - 0.001 * config["seed"]
     steps = round(S_MIN * (1 + critical_batch(width) / batch))
