@@ -525,7 +525,7 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(str(err)) from None
     if bounds["batch.min"] < config["min_sub_batches"]:
         raise ConfigError(
-            f"batch.min ({config['batch.min']}) is below min_sub_batches "
+            f"batch.min ({bounds['batch.min']}) is below min_sub_batches "
             f"({config['min_sub_batches']}): every sub-batch needs a sample"
         )
     return config
