@@ -29,7 +29,7 @@ def setup(controller=None, optimizer="sgd", statistics=True, **options):
 FOUR = StepPlan(((4, 4, 4, 4),))
 
 
-def run_step(model, engine, plan=FOUR, poison=False, seed=0):
+def run_step(model, engine, plan=FOUR, poison=False, seed=0, give_loss=True):
     gen = torch.Generator().manual_seed(seed)
     x, y = torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
     engine.begin(plan)
@@ -40,7 +40,8 @@ def run_step(model, engine, plan=FOUR, poison=False, seed=0):
         if poison:
             loss = loss * math.nan
         loss = loss * engine.loss_weight(i)
-        engine.add_loss(loss)
+        if give_loss:
+            engine.add_loss(loss)
         loss.backward()
         start += size
     return engine.before_optimizer_step()
@@ -80,6 +81,24 @@ def test_counters_and_the_controller_decision():
     second = run_step(model, engine)
     assert second.metrics["step"] == 2 and second.metrics["samples"] == 32
     assert second.metrics["next_batch_size"] == engine.batch_size == 32
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_a_loop_that_never_gives_its_loss_has_none_not_zero(statistics):
+    """BatchWarmup's loss_lag reads the loss: a missing one must not look like a flat one."""
+    seen = []
+
+    class Watching(bb.batch.Constant):
+        def next(self, measured, batch_size, samples):
+            seen.append(dict(measured))
+            return batch_size
+
+    model, opt, engine = setup(Watching(16), statistics=statistics)
+    result = run_step(model, engine, give_loss=False)
+    assert "loss" not in result.metrics and "loss" not in seen[-1] and not result.skip
+    opt.zero_grad()
+    given = run_step(model, engine)
+    assert given.metrics["loss"] > 0 and seen[-1]["loss"] == given.metrics["loss"]
 
 
 @pytest.mark.parametrize("statistics", [True, False])

@@ -195,13 +195,16 @@ class StepEngine:
             raise RuntimeError("before_optimizer_step() without a step: call begin(plan) first")
         self._lr.restore(self.optimizer)  # a scaling a framework's skipped step left behind
         batch = self._plan.batch_size
+        reported = self._loss is not None
         stats, metrics, finite = self._measure()
+        if not reported:  # a loop that never gave its loss (add_loss) has none, not a loss of 0
+            del metrics["loss"]
         self._plan = None
         if not finite and self.scaler is None:
             if self.nonfinite == "raise":
                 raise NonFiniteError(
                     f"step {self.steps_taken + 1}: the gradient or loss is not finite "
-                    f"(loss {metrics['loss']}); nothing was updated"
+                    f"(loss {metrics.get('loss', 'not given')}); nothing was updated"
                 )
             self.skipped_steps += 1
             self._count(batch, metrics)
