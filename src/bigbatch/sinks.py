@@ -68,7 +68,12 @@ def batch_change(metrics: Mapping[str, Any]) -> str | None:
         if "noise_scale_low" in metrics and "noise_scale_high" in metrics:
             bounds = f" [{metrics['noise_scale_low']:.4g}, {metrics['noise_scale_high']:.4g}]"
         words.append(f"noise scale {metrics['noise_scale']:.4g}{bounds}")
-    for key, name in (("critical_batch", "critical batch estimate"), ("similarity", "similarity")):
+    for key, name in (
+        ("critical_batch", "critical batch estimate"),
+        ("noise_multiple", "kappa"),
+        ("loss_slope", "loss slope per e-fold"),
+        ("similarity", "similarity"),
+    ):
         if key in metrics:
             words.append(f"{name} {metrics[key]:.4g}")
     return "; ".join(words)

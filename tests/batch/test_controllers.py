@@ -130,6 +130,9 @@ def test_constant_and_ramp():
         (lambda: BatchWarmup(decay_power=-1), "decay_power"),
         (lambda: BatchWarmup(clip=0), "clip"),
         (lambda: BatchWarmup(factor=0.5), "factor"),
+        (lambda: BatchWarmup(loss_lag=-0.1), "loss_lag"),
+        (lambda: BatchWarmup(max_multiple=0), "max_multiple"),
+        (lambda: BatchWarmup(slope_span=0), "slope_span"),
     ],
 )
 def test_bad_settings_are_named(make, message):
@@ -274,10 +277,72 @@ def test_the_default_warmup_follows_a_quarter_of_the_noise_scale_from_batch_16()
     # budget in samples: at kappa = 1 half the samples' worth would go (McCandlish et al.)
     c = BatchWarmup(window=10)
     assert (c.initial, c.multiple, c.decay_power) == (16, 0.25, 0.0)
+    # kappa rises to at most 1 (the critical batch) where the loss has been flat for an e-fold
+    assert (c.loss_lag, c.max_multiple, c.slope_span) == (0.015, 1.0, 1.0)
     batch = 16
     for m in noisy_steps(300.0, 100):  # 300 / 4 = 75: 32 and 64 clear it, 128 not
         batch = c.next({**m, "schedule": 0.1}, batch, 0)  # unweighted: the schedule is ignored
     assert batch == 64
+
+
+def warmup_on_a_loss(slope, loss_lag, steps=400, noise_scale=200.0):
+    """Where a BatchWarmup with ``loss_lag`` takes the batch from 16, on a noise scale held at
+    ``noise_scale`` and a loss that falls ``slope`` per e-fold of samples."""
+    c = BatchWarmup(window=10, loss_lag=loss_lag, max_multiple=4.0)
+    batch, samples = 16, 0
+    for m in noisy_steps(noise_scale, steps):
+        samples += batch
+        batch = c.next({**m, "loss": 3.0 - slope * math.log(samples)}, batch, samples)
+    return batch, c
+
+
+def test_warmup_grows_past_a_quarter_of_the_noise_scale_only_where_the_loss_is_flat():
+    # a quarter of 200 is 50: 32 clears it, 64 not (the default kappa)
+    assert warmup_on_a_loss(slope=0.3, loss_lag=0.0)[0] == 32
+    # steep loss: expm1(0.015 / 0.3) = 0.05 < 0.25, kappa stays a quarter
+    steep, c = warmup_on_a_loss(slope=0.3, loss_lag=0.015)
+    assert steep == 32 and c.current_multiple() == 0.25
+    # flat loss: kappa rises to max_multiple, 4 x 200 = 800: 512 clears it, 1024 not
+    flat, c = warmup_on_a_loss(slope=0.0, loss_lag=0.015)
+    assert flat == 512 and c.current_multiple() == 4.0
+    # in between: expm1(0.015 / 0.02) = 1.12, 224: 128 clears it, 256 not
+    assert warmup_on_a_loss(slope=0.02, loss_lag=0.015)[0] == 128
+    logged = c.estimate()
+    assert logged["noise_multiple"] == 4.0 and logged["loss_slope"] == pytest.approx(0.0, abs=1e-9)
+    assert logged["critical_batch"] == pytest.approx(4.0 * logged["noise_scale_low"])
+
+
+def test_a_loss_flat_while_the_rate_warms_up_does_not_raise_kappa():
+    # the loss cannot fall while the rate is still small: no sign that samples stopped helping
+    c = BatchWarmup(window=10, loss_lag=0.015)
+    batch, samples = 16, 0
+    for i, m in enumerate(noisy_steps(200.0, 400)):
+        samples += batch
+        batch = c.next({**m, "loss": 2.3, "schedule": (i + 1) / 400}, batch, samples)
+    assert c.current_multiple() == 0.25 and batch == 32
+    for m in noisy_steps(200.0, 1000):  # at the peak, the flat loss counts (after an e-fold)
+        samples += batch
+        batch = c.next({**m, "loss": 2.3, "schedule": 1.0}, batch, samples)
+    assert c.current_multiple() == 1.0 and batch == 128  # the default max_multiple: 1 x 200
+
+
+def test_warmup_with_a_loss_lag_resumes_where_it_stopped():
+    batch, c = warmup_on_a_loss(slope=0.02, loss_lag=0.015, steps=150)
+    copy = BatchWarmup(window=10, loss_lag=0.015, max_multiple=4.0)
+    copy.load_state_dict(c.state_dict())
+    assert copy.current_multiple() == c.current_multiple()
+    assert copy.estimate() == c.estimate()
+    samples, paths = 150 * 64, ([], [])
+    for m in noisy_steps(200.0, 400, spread=0.3, seed=5):  # the loss stops falling
+        samples += batch
+        row = {**m, "loss": 2.8}
+        for controller, path in zip((c, copy), paths, strict=True):
+            path.append(controller.next(row, batch, samples))
+        batch = paths[0][-1]
+    assert paths[0] == paths[1] and len(set(paths[0])) > 1  # equal decisions, and some change
+    old = c.state_dict()
+    del old["slope"]  # a checkpoint from before the rule: the slope starts afresh
+    BatchWarmup().load_state_dict(old)
 
 
 def test_controllers_print_their_settings():

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from bigbatch.batch import SmoothedNoise, SmoothedValue
+from bigbatch.batch import LossSlope, SmoothedNoise, SmoothedValue
 
 
 def test_value_is_a_bias_corrected_exponential_mean():
@@ -89,3 +89,67 @@ def test_noise_estimate_is_the_ratio_with_its_bounds():
     assert logged["noise_scale"] == pytest.approx(n.noise_scale())
     assert (logged["noise_scale_low"], logged["noise_scale_high"]) == n.bounds(1.0)
     assert logged["noise_scale_low"] < 50 < logged["noise_scale_high"]
+
+
+# ---------------------------------------------------------------- LossSlope
+
+
+def power_law_losses(slope, steps, batch=16, noise=0.0, seed=0):
+    """``(loss, samples)`` of a loss ``3 - slope · ln(samples)`` seen through noise."""
+    rng = random.Random(seed)
+    for step in range(1, steps + 1):
+        samples = step * batch
+        yield 3.0 - slope * math.log(samples) + noise * rng.gauss(0, 1), samples
+
+
+def test_slope_is_the_fall_per_e_fold_of_samples_once_the_window_is_full():
+    fit = LossSlope(span=0.5)
+    for loss, samples in power_law_losses(0.2, 5):  # 16 .. 80 samples: 1.6 e-folds
+        fit.update(loss, samples)
+    assert fit.slope() == pytest.approx(0.2)
+    assert fit.upper(1.0) == pytest.approx(0.2, abs=1e-6)  # no residuals: no error
+    early = LossSlope(span=0.5)
+    early.update(3.0, 100)
+    early.update(2.9, 120)  # 0.18 e-folds: not yet one span
+    assert math.isnan(early.slope()) and early.upper(1.0) == math.inf
+
+
+def test_slope_forgets_what_lies_beyond_its_span():
+    # the loss fell fast early, then stopped: the window sees only the flat part
+    fit = LossSlope(span=0.5)
+    for step in range(1, 4001):
+        samples = 16 * step
+        fit.update(max(1.0, 3.0 - 0.5 * math.log(samples)) if step < 1000 else 1.0, samples)
+    assert fit.slope() == pytest.approx(0.0, abs=1e-9)
+
+
+def test_noisy_slope_has_an_error_bar_that_covers_it():
+    hits = 0
+    for seed in range(40):
+        fit = LossSlope(span=0.5)
+        for loss, samples in power_law_losses(0.05, 2000, noise=0.3, seed=seed):
+            fit.update(loss, samples)
+        low, high = 2 * fit.slope() - fit.upper(1.0), fit.upper(1.0)
+        hits += low <= 0.05 <= high
+    assert 20 <= hits <= 36  # one standard error: about 68% of 40
+
+
+def test_slope_state_round_trip_and_non_finite_losses_are_skipped():
+    fit = LossSlope(span=0.3)
+    for loss, samples in power_law_losses(0.1, 300, noise=0.1):
+        fit.update(loss, samples)
+    fit.update(math.nan, 10_000)
+    copy = LossSlope(span=0.3)
+    copy.load_state_dict(fit.state_dict())
+    assert copy.slope() == fit.slope() and copy.upper(2.0) == fit.upper(2.0)
+    for loss, samples in power_law_losses(0.1, 20, noise=0.1, seed=3):
+        fit.update(loss, 4800 + samples)
+        copy.update(loss, 4800 + samples)
+    assert copy.slope() == fit.slope()
+
+
+def test_slope_bad_settings_are_named():
+    with pytest.raises(ValueError, match="span"):
+        LossSlope(span=0)
+    with pytest.raises(ValueError, match="bins"):
+        LossSlope(bins=1)

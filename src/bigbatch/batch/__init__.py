@@ -21,7 +21,7 @@ from .plan import (
     split_by_weight,
 )
 from .sampler import GlobalBatchSampler, VariableBatchSampler
-from .smoothing import SmoothedNoise, SmoothedValue
+from .smoothing import LossSlope, SmoothedNoise, SmoothedValue
 
 __all__ = [
     "CONTROLLERS",
@@ -32,6 +32,7 @@ __all__ = [
     "CriticalBatchRamp",
     "DampedSimiGrad",
     "GlobalBatchSampler",
+    "LossSlope",
     "NoiseScale",
     "Ramp",
     "SimiGrad",

@@ -11,7 +11,9 @@ model, so all are tested without one.
 - :class:`BatchWarmup` (the default): start small and double the batch once
   a quarter of the smoothed noise scale has grown past the next size
   (Merrill et al. 2025's batch-size warm-up, kept sample-efficient for a
-  budget in samples), the rate following by the optimizer family's rule.
+  budget in samples; up to the noise scale itself where the loss has
+  stopped falling with more samples), the rate following by the optimizer
+  family's rule.
 - :class:`CriticalBatchRamp`: a monotone ramp that doubles the batch once
   ``κ · B_simple`` is confidently above the next size (the critical batch
   grows during training: McCandlish et al. 2018; Merrill et al. 2025).
@@ -36,7 +38,7 @@ from typing import Any, ClassVar, Protocol
 
 from .._checks import batch_bounds, check_flag, check_number, positive_int, whole_number
 from ..knobs import Knob
-from .smoothing import SmoothedNoise, SmoothedValue
+from .smoothing import LossSlope, SmoothedNoise, SmoothedValue
 
 # The config keys (``batch.<key>``) each controller takes, as data: the defaults are the
 # constructors' own (bigbatch.knobs).
@@ -294,6 +296,18 @@ class BatchWarmup:
       are wasted, which a run whose budget is fixed in samples pays in
       final loss (measured on ``text``: +0.06 nats per byte). The default
       ``multiple = 0.25`` keeps about 80% of the samples' worth.
+    - **Unless samples no longer buy loss.** The waste costs about
+      ``slope · ln(1 + κ)`` of loss, ``slope`` being the training loss's fall
+      per e-fold of samples (:class:`~bigbatch.batch.smoothing.LossSlope`,
+      fitted over ``slope_span`` e-folds once the rate's warm-up is over).
+      κ rises to ``expm1(loss_lag / slope)`` at the slope's upper bound, at
+      most ``max_multiple``: on ``lm``, whose loss is flat after a tenth of
+      its budget, the batch then follows the noise scale itself; on ``text``
+      and ``mnist1d`` the loss keeps falling and κ stays ``multiple``. The
+      span is a whole e-fold and κ stops at the critical batch because a loss
+      can also stall and then fall again (``text`` at twice its best rate:
+      a half-e-fold fit with κ up to 4 grew the batch on such a plateau and
+      cost 0.09 nats). ``loss_lag`` is in the loss's units (0: κ fixed).
     - **It rises late, and growth there is cheap.** Where the rate decays,
       ``|G|²`` falls and ``B_simple`` rises; a larger batch then acts as a
       further decay of the noise (Smith et al. 2018, "Don't decay the
@@ -341,6 +355,21 @@ class BatchWarmup:
             low=0,
             low_open=True,
         ),
+        "loss_lag": Knob(
+            "loss_lag",
+            "where the loss falls slowly with more samples, kappa rises so that the batch "
+            "leaves the loss behind by at most this much (loss units; 0: kappa fixed)",
+            low=0,
+        ),
+        "max_multiple": Knob(
+            "max_multiple", "the largest kappa the loss_lag rule may choose", low=0, low_open=True
+        ),
+        "slope_span": Knob(
+            "slope_span",
+            "e-folds of samples over which the loss's slope is fitted (the loss_lag rule)",
+            low=0,
+            low_open=True,
+        ),
     }
 
     def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
@@ -355,6 +384,9 @@ class BatchWarmup:
         window: int = 20,
         decay_power: float = 0.0,
         clip: float = 3.0,
+        loss_lag: float = 0.015,
+        max_multiple: float = 1.0,
+        slope_span: float = 1.0,
     ) -> None:
         self.multiple = check_number("noise_multiple", multiple, low_open=True)
         self.initial, self.min, self.max = batch_bounds(initial, min, max)
@@ -363,18 +395,48 @@ class BatchWarmup:
         self.window = positive_int("window", window)
         self.decay_power = check_number("decay_power", decay_power)
         self.clip = check_number("clip", clip, low_open=True)
+        self.loss_lag = check_number("loss_lag", loss_lag)
+        self.max_multiple = check_number("max_multiple", max_multiple, low_open=True)
+        self.slope_span = check_number("slope_span", slope_span, low_open=True)
         self._noise = SmoothedNoise(self.window)
+        self._slope = LossSlope(self.slope_span)
         self._schedule = 1.0  # the last step's rate multiplier
+        self._warming = _WarmUp(0)
+        self._warmed = False  # the rate's warm-up is over: the loss's slope means something
+
+    def current_multiple(self) -> float:
+        """κ now: ``multiple``, raised to ``expm1(loss_lag / slope)`` (at most
+        ``max_multiple``) where the loss falls slowly per e-fold of samples.
+
+        A batch at ``κ · B_noise`` needs ``1 + κ`` times the samples for the
+        same progress, so it leaves the loss behind by ``slope · ln(1 + κ)``
+        (:class:`~bigbatch.batch.smoothing.LossSlope`); this is the κ whose
+        lag is ``loss_lag``, at the slope's upper bound (``confidence``
+        standard errors), so an uncertain slope does not grow the batch. The
+        slope is fitted only after the rate's warm-up (a loss flat because
+        the rate is still small is no sign that samples stopped helping), so
+        κ stays ``multiple`` for ``slope_span`` e-folds of samples after it.
+        """
+        if self.loss_lag == 0:
+            return self.multiple
+        slope = self._slope.upper(self.confidence)
+        ratio = self.loss_lag / slope if slope > 0 else math.inf
+        return max(self.multiple, min(self.max_multiple, math.expm1(min(ratio, 50.0))))
 
     def critical_batch(self) -> float:
-        """The estimate a change must clear: ``multiple · lower(B_simple) · s^decay_power``."""
+        """The estimate a change must clear: ``κ · lower(B_simple) · s^decay_power``."""
         lower, _ = self._noise.bounds(self.confidence)
-        return self.multiple * lower * self._schedule**self.decay_power
+        return self.current_multiple() * lower * self._schedule**self.decay_power
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
         self._noise.update(
             measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
         )
+        # while the rate warms up the loss is flat because the rate is small, not because
+        # samples no longer help: the slope is fitted from the first step after the warm-up
+        self._warmed = self._warmed or not self._warming(measured, samples)
+        if self.loss_lag > 0 and self._warmed:
+            self._slope.update(measured.get("loss", math.nan), samples)
         schedule = measured.get("schedule", math.nan)
         self._schedule = max(0.0, schedule) if math.isfinite(schedule) else 1.0
         if self._noise.count < self.window / 2:  # two steps' spread is no error bar
@@ -387,19 +449,32 @@ class BatchWarmup:
 
     def estimate(self) -> dict[str, float]:
         """What decides, for logging: ``B_simple`` with its bounds, and the critical batch."""
-        return {**self._noise.estimate(self.confidence), "critical_batch": self.critical_batch()}
+        out = {**self._noise.estimate(self.confidence), "critical_batch": self.critical_batch()}
+        if self.loss_lag > 0:
+            out.update(loss_slope=self._slope.slope(), noise_multiple=self.current_multiple())
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"noise": self._noise.state_dict(), "schedule": self._schedule}
+        return {
+            "noise": self._noise.state_dict(),
+            "schedule": self._schedule,
+            "slope": self._slope.state_dict(),
+            "warming": self._warming.last,
+            "warmed": self._warmed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._noise.load_state_dict(state["noise"])
         self._schedule = float(state["schedule"])
+        if "slope" in state:  # checkpoints from before the loss_lag rule have none
+            self._slope.load_state_dict(state["slope"])
+            self._warming.last = float(state["warming"])
+            self._warmed = bool(state["warmed"])
 
     def __repr__(self) -> str:
         return _settings(
             self, "multiple", "initial", "min", "max", "factor", "confidence", "window",
-            "decay_power", "clip",
+            "decay_power", "clip", "loss_lag", "max_multiple", "slope_span",
         )  # fmt: skip
 
 

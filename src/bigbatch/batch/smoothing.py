@@ -162,3 +162,89 @@ class SmoothedNoise:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.signal.load_state_dict(state["signal"])
         self.trace.load_state_dict(state["trace"])
+
+
+_FIT = ("n", "x", "y", "xx", "xy", "yy")
+
+
+class LossSlope:
+    """How fast the loss falls per e-fold of samples, ``-dL / d ln(samples)``, with its error.
+
+    A least-squares line through each step's training loss against the log
+    of the samples trained so far, over the last ``span`` e-folds. The
+    window is kept as ``bins`` slices of equal width in ``ln(samples)``, each
+    holding the six sums of the fit, so the state is a few numbers whatever
+    the run's length and the fit is exact over whole slices. The standard
+    error is the ordinary least-squares one from the residuals (each step's
+    loss is one noisy sample of the mean loss).
+
+    Why the slope: a batch ``B`` against noise scale ``B_noise`` needs
+    ``1 + B / B_noise`` times the samples of the smallest batches for the
+    same progress (McCandlish et al. 2018), so it leaves the loss behind by
+    about ``slope · ln(1 + B / B_noise)``: a batch is cheap where the loss
+    no longer falls with more samples, and dear where it still does.
+    """
+
+    def __init__(self, span: float = 0.5, bins: int = 8) -> None:
+        self.span = check_number("span", span, low_open=True)
+        self.bins = int(check_number("bins", bins, low=2))
+        self._width = self.span / self.bins
+        self._slices: list[dict[str, float]] = []  # oldest first; the last is still filling
+        self._start = math.nan  # ln(samples) of the first value
+        self._index = -1  # the slice (counted from the first value) the last one is filling
+
+    def update(self, loss: float, samples: float) -> None:
+        """Add one step's loss, after ``samples`` samples in all (non-finite: skipped)."""
+        if not (math.isfinite(loss) and samples > 0):
+            return
+        x = math.log(samples)
+        if math.isnan(self._start):
+            self._start = x
+        index = int((x - self._start) / self._width)
+        if index != self._index:
+            self._slices.append(dict.fromkeys(_FIT, 0.0))
+            self._index = index
+            del self._slices[: -(self.bins + 1)]  # the window, and the slice now filling
+        sums = self._slices[-1]
+        sums["n"] += 1.0
+        sums["x"] += x
+        sums["y"] += loss
+        sums["xx"] += x * x
+        sums["xy"] += x * loss
+        sums["yy"] += loss * loss
+
+    def _fit(self) -> tuple[float, float]:
+        """``(slope, standard error)``; ``(nan, inf)`` until the window spans ``span``."""
+        if self._index < self.bins:  # the first slice's start has not yet left the window
+            return math.nan, math.inf
+        t = {k: sum(s[k] for s in self._slices[-self.bins - 1 :]) for k in _FIT}
+        n = t["n"]
+        sxx = t["xx"] - t["x"] ** 2 / n
+        if n < 3 or sxx <= 0:
+            return math.nan, math.inf
+        sxy = t["xy"] - t["x"] * t["y"] / n
+        syy = t["yy"] - t["y"] ** 2 / n
+        residual = max(syy - sxy * sxy / sxx, 0.0) / (n - 2)
+        return -sxy / sxx, math.sqrt(residual / sxx)
+
+    def slope(self) -> float:
+        """The loss's fall per e-fold of samples (NaN until the window is full)."""
+        return self._fit()[0]
+
+    def upper(self, z: float) -> float:
+        """The slope plus ``z`` standard errors (``inf`` while unknown): a bound it is
+        unlikely to exceed, so a decision that grows where the slope is small is cautious."""
+        slope, error = self._fit()
+        return slope + z * error if math.isfinite(slope) else math.inf
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "slices": [dict(s) for s in self._slices],
+            "start": self._start,
+            "index": self._index,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._slices = [{k: float(s[k]) for k in _FIT} for s in state["slices"]]
+        self._start = float(state["start"])
+        self._index = int(state["index"])

@@ -159,14 +159,15 @@ def make_scheme(cfg: FederatedConfig) -> Scheme:
         return Fixed(cfg.local_batch)
     if cfg.scheme == "switch":
         return SmallLargeSwitch(cfg.large, cfg.local_batch, cfg.switch)
-    # κ = 1 weighed by the schedule: the settings the federated results were measured with
-    # (docs/results.md, "Federated"), not bigbatch train's default
+    # κ = 1 weighed by the schedule, κ fixed: the settings the federated results were measured
+    # with (docs/results.md, "Federated"), not bigbatch train's default
     controller = BatchWarmup(
         multiple=1.0,
         initial=cfg.clients * cfg.local_batch,
         min=cfg.clients * cfg.local_batch,
         max=cfg.clients * cfg.local_samples,
         decay_power=1.0,
+        loss_lag=0.0,
     )
     return ControllerScheme(controller, cfg.clients)
 
