@@ -187,3 +187,19 @@ def test_every_number_of_a_step_goes_to_the_hosts_logger_under_one_prefix(tmp_pa
     assert {"bigbatch/noise_scale", "bigbatch/next_batch_size", "bigbatch/lr_factor"} <= set(
         columns
     )
+
+
+def test_a_loss_scaled_by_16_mixed_reaches_the_engine_unscaled():
+    """Lightning's AMP plugin scales the loss before on_before_backward: the logged loss (and
+    BatchWarmup's loss slope) must be the loss itself, not loss × 65536."""
+    from types import SimpleNamespace
+
+    callback = AdaptiveBatchCallback(bb.batch.GlobalBatchSampler(4096, 32, micro_batches=4))
+    given = []
+    callback.driver = SimpleNamespace(add_loss=given.append)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler))
+    callback.on_before_backward(trainer, None, torch.tensor(0.75) * 1024.0)
+    assert given[0].item() == pytest.approx(0.75)
+    callback.on_before_backward(SimpleNamespace(precision_plugin=object()), None, torch.tensor(2.0))
+    assert given[1].item() == 2.0  # no scaler: the loss as given

@@ -108,6 +108,11 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
     ) -> None:
+        # under 16-mixed Lightning hands over the loss already multiplied by the GradScaler's
+        # scale: the logged loss (and BatchWarmup's loss slope) needs the loss itself
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            loss = loss.detach() / scaler.scale(torch.ones((), device=loss.device))
         self.driver.add_loss(loss)
 
     def on_before_optimizer_step(
