@@ -285,14 +285,17 @@ def test_the_default_warmup_follows_a_quarter_of_the_noise_scale_from_batch_16()
     assert batch == 64
 
 
-def warmup_on_a_loss(slope, loss_lag, steps=400, noise_scale=200.0):
+def warmup_on_a_loss(slope, loss_lag, steps=400, noise_scale=200.0, schedule=1.0):
     """Where a BatchWarmup with ``loss_lag`` takes the batch from 16, on a noise scale held at
     ``noise_scale`` and a loss that falls ``slope`` per e-fold of samples."""
     c = BatchWarmup(window=10, loss_lag=loss_lag, max_multiple=4.0)
     batch, samples = 16, 0
     for m in noisy_steps(noise_scale, steps):
         samples += batch
-        batch = c.next({**m, "loss": 3.0 - slope * math.log(samples)}, batch, samples)
+        row = {**m, "loss": 3.0 - slope * math.log(samples)}
+        if schedule is not None:
+            row["schedule"] = schedule
+        batch = c.next(row, batch, samples)
     return batch, c
 
 
@@ -305,11 +308,23 @@ def test_warmup_grows_past_a_quarter_of_the_noise_scale_only_where_the_loss_is_f
     # flat loss: kappa rises to max_multiple, 4 x 200 = 800: 512 clears it, 1024 not
     flat, c = warmup_on_a_loss(slope=0.0, loss_lag=0.015)
     assert flat == 512 and c.current_multiple() == 4.0
-    # in between: expm1(0.015 / 0.02) = 1.12, 224: 128 clears it, 256 not
-    assert warmup_on_a_loss(slope=0.02, loss_lag=0.015)[0] == 128
     logged = c.estimate()
     assert logged["noise_multiple"] == 4.0 and logged["loss_slope"] == pytest.approx(0.0, abs=1e-9)
     assert logged["critical_batch"] == pytest.approx(4.0 * logged["noise_scale_low"])
+    # in between: expm1(0.015 / 0.02) = 1.12, 224: 128 clears it, 256 not
+    assert warmup_on_a_loss(slope=0.02, loss_lag=0.015)[0] == 128
+
+
+def test_a_rising_loss_is_no_flat_one():
+    # a loss that climbs (a rate too high) must not grow the batch and, with it, the rate
+    rising, c = warmup_on_a_loss(slope=-0.1, loss_lag=0.015)
+    assert rising == 32 and c.current_multiple() == 0.25
+
+
+def test_without_a_schedule_kappa_stays_fixed():
+    # a warm-up the controller cannot see (a torch scheduler) would read as a flat loss
+    batch, c = warmup_on_a_loss(slope=0.0, loss_lag=0.015, schedule=None)
+    assert batch == 32 and c.current_multiple() == 0.25 and math.isnan(c.estimate()["loss_slope"])
 
 
 def test_a_loss_flat_while_the_rate_warms_up_does_not_raise_kappa():
@@ -327,19 +342,25 @@ def test_a_loss_flat_while_the_rate_warms_up_does_not_raise_kappa():
 
 
 def test_warmup_with_a_loss_lag_resumes_where_it_stopped():
-    batch, c = warmup_on_a_loss(slope=0.02, loss_lag=0.015, steps=150)
+    def rows(start, count, seed):
+        for i, m in enumerate(noisy_steps(200.0, count, spread=0.3, seed=seed), start):
+            yield {**m, "schedule": min(1.0, (i + 1) / 100)}  # warm-up over 100 steps
+
+    c = BatchWarmup(window=10, loss_lag=0.015, max_multiple=4.0)
+    batch, samples = 16, 0
+    for row in rows(0, 150, seed=4):  # stopped after the warm-up, the fit under way
+        samples += batch
+        batch = c.next({**row, "loss": 3.0 - 0.02 * math.log(samples)}, batch, samples)
     copy = BatchWarmup(window=10, loss_lag=0.015, max_multiple=4.0)
     copy.load_state_dict(c.state_dict())
-    assert copy.current_multiple() == c.current_multiple()
-    assert copy.estimate() == c.estimate()
-    samples, paths = 150 * 64, ([], [])
-    for m in noisy_steps(200.0, 400, spread=0.3, seed=5):  # the loss stops falling
+    paths = ([], [])
+    for row in rows(150, 600, seed=5):  # then the loss stops falling
         samples += batch
-        row = {**m, "loss": 2.8}
         for controller, path in zip((c, copy), paths, strict=True):
-            path.append(controller.next(row, batch, samples))
+            path.append(controller.next({**row, "loss": 2.8}, batch, samples))
         batch = paths[0][-1]
     assert paths[0] == paths[1] and len(set(paths[0])) > 1  # equal decisions, and some change
+    assert copy.state_dict() == c.state_dict() and c.current_multiple() == 4.0
     old = c.state_dict()
     del old["slope"]  # a checkpoint from before the rule: the slope starts afresh
     BatchWarmup().load_state_dict(old)

@@ -103,24 +103,69 @@ def power_law_losses(slope, steps, batch=16, noise=0.0, seed=0):
 
 
 def test_slope_is_the_fall_per_e_fold_of_samples_once_the_window_is_full():
-    fit = LossSlope(span=0.5)
-    for loss, samples in power_law_losses(0.2, 5):  # 16 .. 80 samples: 1.6 e-folds
+    fit = LossSlope(span=1.0, bins=8)
+    for loss, samples in power_law_losses(0.2, 100):  # 16 .. 1600 samples: 4.6 e-folds
         fit.update(loss, samples)
-    assert fit.slope() == pytest.approx(0.2)
-    assert fit.upper(1.0) == pytest.approx(0.2, abs=1e-6)  # no residuals: no error
-    early = LossSlope(span=0.5)
-    early.update(3.0, 100)
-    early.update(2.9, 120)  # 0.18 e-folds: not yet one span
-    assert math.isnan(early.slope()) and early.upper(1.0) == math.inf
+    slope, error = fit.fit()
+    assert slope == pytest.approx(0.2) and error == pytest.approx(0.0, abs=1e-6)
+
+
+def test_slope_waits_for_a_whole_span_and_enough_points():
+    fit = LossSlope(span=1.0, bins=8, min_points=16)
+    samples = [100 * math.exp(0.99 * i / 40) for i in range(41)]  # 0.99 e-folds, 41 points
+    for n in samples:
+        fit.update(2.0, n)
+    assert math.isnan(fit.slope())  # less than a span
+    fit.update(2.0, 100 * math.exp(1.01))  # the first value is now a whole span behind
+    assert fit.slope() == 0.0
+    sparse = LossSlope(span=1.0, bins=8, min_points=16)
+    for n in (10, 100, 1000, 10_000):  # a span, but four points
+        sparse.update(2.0, n)
+    assert math.isnan(sparse.slope())
+
+
+def window_oracle(points, span, bins):
+    """The least-squares slope and its standard error over the points whose slice (counted
+    from the first point in widths of span / bins) lies within bins of the last one's."""
+    import numpy as np
+
+    x = np.log([n for _, n in points])
+    y = np.array([loss for loss, _ in points])
+    index = np.floor((x - x[0]) / (span / bins)).astype(int)
+    keep = index >= index.max() - bins
+    x, y = x[keep], y[keep]
+    (b, a), cov = np.polyfit(x, y, 1, cov="unscaled")
+    residual = ((y - (a + b * x)) ** 2).sum() / (len(x) - 2)
+    return -b, math.sqrt(residual * cov[0, 0])
+
+
+@pytest.mark.parametrize("span, bins", [(1.0, 8), (0.5, 4), (2.0, 16)])
+def test_slope_fits_exactly_the_window_it_promises(span, bins):
+    # a loss that falls fast, then slowly: a window of another length gives another slope
+    rng = random.Random(1)
+    points, fit = [], LossSlope(span=span, bins=bins)
+    for step in range(1, 3001):
+        samples = 16 * step
+        loss = 3 - 0.4 * math.log(min(samples, 8000)) - 0.02 * math.log(samples)
+        points.append((loss + 0.05 * rng.gauss(0, 1), samples))
+        fit.update(*points[-1])
+    slope, error = fit.fit()
+    expected, expected_error = window_oracle(points, span, bins)
+    assert slope == pytest.approx(expected, rel=1e-9)
+    assert error == pytest.approx(expected_error, rel=1e-6)
 
 
 def test_slope_forgets_what_lies_beyond_its_span():
-    # the loss fell fast early, then stopped: the window sees only the flat part
-    fit = LossSlope(span=0.5)
+    # the loss fell until 16,000 samples, then stopped: a one-e-fold window at 64,000 sees
+    # only the flat part; a three-e-fold one still sees the fall
+    short, long = LossSlope(span=1.0), LossSlope(span=3.0)
     for step in range(1, 4001):
         samples = 16 * step
-        fit.update(max(1.0, 3.0 - 0.5 * math.log(samples)) if step < 1000 else 1.0, samples)
-    assert fit.slope() == pytest.approx(0.0, abs=1e-9)
+        loss = 3.0 - 0.2 * math.log(min(samples, 16_000))
+        short.update(loss, samples)
+        long.update(loss, samples)
+    assert short.slope() == pytest.approx(0.0, abs=1e-9)
+    assert long.slope() > 0.01
 
 
 def test_noisy_slope_has_an_error_bar_that_covers_it():
@@ -129,8 +174,8 @@ def test_noisy_slope_has_an_error_bar_that_covers_it():
         fit = LossSlope(span=0.5)
         for loss, samples in power_law_losses(0.05, 2000, noise=0.3, seed=seed):
             fit.update(loss, samples)
-        low, high = 2 * fit.slope() - fit.upper(1.0), fit.upper(1.0)
-        hits += low <= 0.05 <= high
+        slope, error = fit.fit()
+        hits += abs(slope - 0.05) <= error
     assert 20 <= hits <= 36  # one standard error: about 68% of 40
 
 
@@ -141,11 +186,14 @@ def test_slope_state_round_trip_and_non_finite_losses_are_skipped():
     fit.update(math.nan, 10_000)
     copy = LossSlope(span=0.3)
     copy.load_state_dict(fit.state_dict())
-    assert copy.slope() == fit.slope() and copy.upper(2.0) == fit.upper(2.0)
+    assert copy.fit() == fit.fit()
     for loss, samples in power_law_losses(0.1, 20, noise=0.1, seed=3):
         fit.update(loss, 4800 + samples)
         copy.update(loss, 4800 + samples)
-    assert copy.slope() == fit.slope()
+    assert copy.fit() == fit.fit() and copy.state_dict() == fit.state_dict()
+    other = LossSlope(span=0.6)  # another window: the saved slices would mean other things
+    other.load_state_dict(fit.state_dict())
+    assert math.isnan(other.slope()) and other.state_dict()["slices"] == {}
 
 
 def test_slope_bad_settings_are_named():

@@ -303,7 +303,8 @@ class BatchWarmup:
       κ rises to ``expm1(loss_lag / slope)`` at the slope's upper bound, at
       most ``max_multiple``: on ``lm``, whose loss is flat after a tenth of
       its budget, the batch then follows the noise scale itself; on ``text``
-      and ``mnist1d`` the loss keeps falling and κ stays ``multiple``. The
+      the loss keeps falling and κ stays ``multiple`` (on ``mnist1d`` until
+      the last 3% of the budget). The
       span is a whole e-fold and κ stops at the critical batch because a loss
       can also stall and then fall again (``text`` at twice its best rate:
       a half-e-fold fit with κ up to 4 grew the batch on such a plateau and
@@ -357,12 +358,16 @@ class BatchWarmup:
         ),
         "loss_lag": Knob(
             "loss_lag",
-            "where the loss falls slowly with more samples, kappa rises so that the batch "
-            "leaves the loss behind by at most this much (loss units; 0: kappa fixed)",
+            "where the loss falls slowly with more samples (after the schedule's warm-up), "
+            "kappa rises so that the batch leaves the loss behind by at most this much "
+            "(loss units; 0: kappa fixed)",
             low=0,
         ),
         "max_multiple": Knob(
-            "max_multiple", "the largest kappa the loss_lag rule may choose", low=0, low_open=True
+            "max_multiple",
+            "the largest kappa the loss_lag rule may choose (at or below noise_multiple: off)",
+            low=0,
+            low_open=True,
         ),
         "slope_span": Knob(
             "slope_span",
@@ -399,7 +404,7 @@ class BatchWarmup:
         self.max_multiple = check_number("max_multiple", max_multiple, low_open=True)
         self.slope_span = check_number("slope_span", slope_span, low_open=True)
         self._noise = SmoothedNoise(self.window)
-        self._slope = LossSlope(self.slope_span)
+        self._slope = LossSlope(span=self.slope_span)
         self._schedule = 1.0  # the last step's rate multiplier
         self._warming = _WarmUp(0)
         self._warmed = False  # the rate's warm-up is over: the loss's slope means something
@@ -411,16 +416,23 @@ class BatchWarmup:
         A batch at ``κ · B_noise`` needs ``1 + κ`` times the samples for the
         same progress, so it leaves the loss behind by ``slope · ln(1 + κ)``
         (:class:`~bigbatch.batch.smoothing.LossSlope`); this is the κ whose
-        lag is ``loss_lag``, at the slope's upper bound (``confidence``
-        standard errors), so an uncertain slope does not grow the batch. The
-        slope is fitted only after the rate's warm-up (a loss flat because
-        the rate is still small is no sign that samples stopped helping), so
-        κ stays ``multiple`` for ``slope_span`` e-folds of samples after it.
+        lag is ``loss_lag`` at the largest plausible size of the slope,
+        ``|slope|`` plus ``confidence`` standard errors: an uncertain slope
+        does not grow the batch, and neither does a rising loss (a rate too
+        high, which growth with a rate that follows the batch would feed).
+        The slope is fitted only from the step after the schedule's warm-up
+        (a loss flat because the rate is still small is no sign that samples
+        stopped helping), and only where the controller sees the schedule
+        (``measured["schedule"]``): a warm-up it cannot see would read as a
+        flat loss, so without one κ stays ``multiple``.
         """
         if self.loss_lag == 0:
             return self.multiple
-        slope = self._slope.upper(self.confidence)
-        ratio = self.loss_lag / slope if slope > 0 else math.inf
+        slope, error = self._slope.fit()
+        if not math.isfinite(slope):
+            return self.multiple
+        size = abs(slope) + self.confidence * error
+        ratio = self.loss_lag / size if size > 0 else math.inf
         return max(self.multiple, min(self.max_multiple, math.expm1(min(ratio, 50.0))))
 
     def critical_batch(self) -> float:
@@ -434,7 +446,8 @@ class BatchWarmup:
         )
         # while the rate warms up the loss is flat because the rate is small, not because
         # samples no longer help: the slope is fitted from the first step after the warm-up
-        self._warmed = self._warmed or not self._warming(measured, samples)
+        if math.isfinite(measured.get("schedule", math.nan)):
+            self._warmed = self._warmed or not self._warming(measured, samples)
         if self.loss_lag > 0 and self._warmed:
             self._slope.update(measured.get("loss", math.nan), samples)
         schedule = measured.get("schedule", math.nan)

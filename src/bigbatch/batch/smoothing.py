@@ -172,11 +172,14 @@ class LossSlope:
 
     A least-squares line through each step's training loss against the log
     of the samples trained so far, over the last ``span`` e-folds. The
-    window is kept as ``bins`` slices of equal width in ``ln(samples)``, each
-    holding the six sums of the fit, so the state is a few numbers whatever
-    the run's length and the fit is exact over whole slices. The standard
-    error is the ordinary least-squares one from the residuals (each step's
-    loss is one noisy sample of the mean loss).
+    window is kept as slices of equal width ``span / bins`` in
+    ``ln(samples)``, each holding the six sums of the fit, so the state is a
+    few numbers whatever the run's length: the fit covers the ``bins``
+    whole slices before the one filling, and that one (between ``span`` and
+    ``span + span / bins`` e-folds). The standard error is the ordinary
+    least-squares one from the residuals (each step's loss is one noisy
+    sample of the mean loss); a fit of fewer than ``min_points`` steps is
+    not trusted.
 
     Why the slope: a batch ``B`` against noise scale ``B_noise`` needs
     ``1 + B / B_noise`` times the samples of the smallest batches for the
@@ -185,13 +188,14 @@ class LossSlope:
     no longer falls with more samples, and dear where it still does.
     """
 
-    def __init__(self, span: float = 0.5, bins: int = 8) -> None:
+    def __init__(self, span: float = 1.0, bins: int = 8, min_points: int = 16) -> None:
         self.span = check_number("span", span, low_open=True)
         self.bins = int(check_number("bins", bins, low=2))
+        self.min_points = int(check_number("min_points", min_points, low=3))
         self._width = self.span / self.bins
-        self._slices: list[dict[str, float]] = []  # oldest first; the last is still filling
+        self._slices: dict[int, dict[str, float]] = {}  # by slice index from the first value
         self._start = math.nan  # ln(samples) of the first value
-        self._index = -1  # the slice (counted from the first value) the last one is filling
+        self._index = -1  # the slice the last value fell in
 
     def update(self, loss: float, samples: float) -> None:
         """Add one step's loss, after ``samples`` samples in all (non-finite: skipped)."""
@@ -200,12 +204,10 @@ class LossSlope:
         x = math.log(samples)
         if math.isnan(self._start):
             self._start = x
-        index = int((x - self._start) / self._width)
-        if index != self._index:
-            self._slices.append(dict.fromkeys(_FIT, 0.0))
-            self._index = index
-            del self._slices[: -(self.bins + 1)]  # the window, and the slice now filling
-        sums = self._slices[-1]
+        self._index = max(self._index, int((x - self._start) / self._width))
+        for old in [i for i in self._slices if i < self._index - self.bins]:
+            del self._slices[old]  # wholly older than the window
+        sums = self._slices.setdefault(self._index, dict.fromkeys(_FIT, 0.0))
         sums["n"] += 1.0
         sums["x"] += x
         sums["y"] += loss
@@ -213,14 +215,17 @@ class LossSlope:
         sums["xy"] += x * loss
         sums["yy"] += loss * loss
 
-    def _fit(self) -> tuple[float, float]:
-        """``(slope, standard error)``; ``(nan, inf)`` until the window spans ``span``."""
-        if self._index < self.bins:  # the first slice's start has not yet left the window
+    def fit(self) -> tuple[float, float]:
+        """``(slope, standard error)``; ``(nan, inf)`` until the values span ``span``
+        e-folds and number ``min_points``."""
+        if self._index < self.bins:  # the first value is not yet a span behind
             return math.nan, math.inf
-        t = {k: sum(s[k] for s in self._slices[-self.bins - 1 :]) for k in _FIT}
+        t = {k: sum(s[k] for s in self._slices.values()) for k in _FIT}
         n = t["n"]
+        if n < self.min_points:
+            return math.nan, math.inf
         sxx = t["xx"] - t["x"] ** 2 / n
-        if n < 3 or sxx <= 0:
+        if sxx <= 0:
             return math.nan, math.inf
         sxy = t["xy"] - t["x"] * t["y"] / n
         syy = t["yy"] - t["y"] ** 2 / n
@@ -229,22 +234,23 @@ class LossSlope:
 
     def slope(self) -> float:
         """The loss's fall per e-fold of samples (NaN until the window is full)."""
-        return self._fit()[0]
-
-    def upper(self, z: float) -> float:
-        """The slope plus ``z`` standard errors (``inf`` while unknown): a bound it is
-        unlikely to exceed, so a decision that grows where the slope is small is cautious."""
-        slope, error = self._fit()
-        return slope + z * error if math.isfinite(slope) else math.inf
+        return self.fit()[0]
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "slices": [dict(s) for s in self._slices],
+            "span": self.span,
+            "bins": self.bins,
+            "slices": {str(i): dict(s) for i, s in self._slices.items()},
             "start": self._start,
             "index": self._index,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._slices = [{k: float(s[k]) for k in _FIT} for s in state["slices"]]
+        """Restore a fit; one taken with another ``span`` or ``bins`` is dropped (its slices
+        would mean other windows), and the fit starts afresh from the next value."""
+        if float(state["span"]) != self.span or int(state["bins"]) != self.bins:
+            self._slices, self._start, self._index = {}, math.nan, -1
+            return
+        self._slices = {int(i): {k: float(s[k]) for k in _FIT} for i, s in state["slices"].items()}
         self._start = float(state["start"])
         self._index = int(state["index"])
