@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import random
 
 import pytest
 from hypothesis import example, given, settings
@@ -313,6 +314,21 @@ def test_warmup_grows_past_a_quarter_of_the_noise_scale_only_where_the_loss_is_f
     assert logged["critical_batch"] == pytest.approx(4.0 * logged["noise_scale_low"])
     # in between: expm1(0.015 / 0.02) = 1.12, 224: 128 clears it, 256 not
     assert warmup_on_a_loss(slope=0.02, loss_lag=0.015)[0] == 128
+
+
+def test_an_uncertain_slope_does_not_grow_the_batch():
+    # a flat loss seen through noise, at a held batch: kappa is chosen at the slope's error bar
+    sure, bold = (BatchWarmup(loss_lag=0.015, max_multiple=4.0, confidence=z) for z in (1.0, 0))
+    rng, held, kappas = random.Random(3), 0, []
+    for step in range(1, 4001):
+        row = {"grad_sq_norm": 1.0, "trace": 1.0, "loss": 2.0 + 0.3 * rng.gauss(0, 1)}
+        for c in (sure, bold):
+            c.next({**row, "schedule": 1.0}, 16, 16 * step)
+        kappas.append((sure.current_multiple(), bold.current_multiple()))
+        held += sure.current_multiple() == 0.25 < bold.current_multiple()
+    assert all(a <= b for a, b in kappas)  # the error bar only ever holds kappa back
+    assert held > 100  # and for a while it does, where the bare slope would grow
+    assert max(a for a, _ in kappas) > 1.0  # until the evidence is enough
 
 
 def test_a_rising_loss_is_no_flat_one():

@@ -124,6 +124,21 @@ def test_slope_waits_for_a_whole_span_and_enough_points():
     assert math.isnan(sparse.slope())
 
 
+def test_a_jump_in_samples_leaves_only_what_lies_within_the_span():
+    fit = LossSlope(span=1.0, bins=8)
+    for i in range(20):  # 20 points over a quarter e-fold, falling fast
+        fit.update(3.0 - 0.5 * i / 80, 1000 * math.exp(i / 80))
+    after = [(2.0 + 0.001 * i, 1000 * math.exp(3 + i / 200)) for i in range(20)]
+    for loss, samples in after:  # three e-folds later: 20 flat points over a tenth
+        fit.update(loss, samples)
+    kept = sorted(fit._slices)
+    assert kept[-1] - kept[0] <= fit.bins  # nothing from before the jump
+    assert math.isnan(fit.slope())  # and what is kept reaches a tenth of a span back, not one
+    for i in range(20, 260):  # once it reaches a span back, the fit is over those points only
+        fit.update(2.0 + 0.001 * i, 1000 * math.exp(3 + i / 200))
+    assert fit.slope() == pytest.approx(-0.2, rel=1e-6)
+
+
 def window_oracle(points, span, bins):
     """The least-squares slope and its standard error over the points whose slice (counted
     from the first point in widths of span / bins) lies within bins of the last one's."""

@@ -216,10 +216,10 @@ class LossSlope:
         sums["yy"] += loss * loss
 
     def fit(self) -> tuple[float, float]:
-        """``(slope, standard error)``; ``(nan, inf)`` until the values span ``span``
-        e-folds and number ``min_points``."""
-        if self._index < self.bins:  # the first value is not yet a span behind
-            return math.nan, math.inf
+        """``(slope, standard error)``; ``(nan, inf)`` until the values kept reach
+        ``span`` e-folds back and number ``min_points``."""
+        if not self._slices or self._index - min(self._slices) < self.bins:
+            return math.nan, math.inf  # the values kept do not yet reach a span back
         t = {k: sum(s[k] for s in self._slices.values()) for k in _FIT}
         n = t["n"]
         if n < self.min_points:
@@ -233,7 +233,7 @@ class LossSlope:
         return -sxy / sxx, math.sqrt(residual / sxx)
 
     def slope(self) -> float:
-        """The loss's fall per e-fold of samples (NaN until the window is full)."""
+        """The loss's fall per e-fold of samples (NaN while :meth:`fit` has none)."""
         return self.fit()[0]
 
     def state_dict(self) -> dict[str, Any]:

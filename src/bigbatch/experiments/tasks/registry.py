@@ -45,15 +45,23 @@ TASKS: dict[str, Task] = {
             lrs={
                 "adam": 4e-3,
                 "adam/held": 1.6e-2,
-                # momentum SGD (and vr-momentum), LARS and vr-lars at their recipes: the best
-                # of each ×2 grid at batch 256 and under the default controller
-                # (benchmarks/recipes.py); /held ×4 as on the other tasks, not measured
+                # momentum SGD (and vr-momentum, which follows it), LARS and vr-lars at
+                # their recipes (benchmarks/recipes.py, docs/results.md "Recipes"): sgd and
+                # vr-lars the best of their ×2 grids at batch 256 and under the default
+                # controller, lars the default controller's best (b256's is half of it)
                 "sgd": 0.0625,
-                "sgd/held": 0.25,
                 "lars": 3.16,
-                "lars/held": 12.64,
                 "vr-lars": 0.395,
-                "vr-lars/held": 1.58,
+                # not re-measured: the held rates (issue 17's grid) and the names that would
+                # otherwise fall back to the family rates above keep their earlier values
+                "sgd/held": 1.0,
+                "lars/held": 3.16,
+                "larc": 0.79,
+                "larc/held": 3.16,
+                "plain-sgd": 0.25,
+                "plain-sgd/held": 1.0,
+                "vr-sgd": 0.25,
+                "vr-sgd/held": 1.0,
             },
             max_samples=1_500_000,
             width=64,
