@@ -6,7 +6,7 @@
 
 For each task, optimizer and setting — ``b256`` (constant batch 256),
 ``x16`` / ``x64`` (constant batch 16 and 64 times that: 4096, 16384) and
-``default`` (the default controller, batch_warmup from 64) — one arm trains
+``default`` (the default controller, batch_warmup from 16) — one arm trains
 at the task's default budget with everything at the optimizer's recipe
 (``bigbatch.optim.RECIPES``): its rate is the task's measured rate carried
 by the optimizer's batch rule, the same ×1 point a user gets with

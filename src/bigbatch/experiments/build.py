@@ -53,7 +53,10 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     if not config["lr"]:
         held = config["batch.lr_scaling"] == "none"
         # a scaled rate is measured at the task's small batch: carry it to batch.base
-        base_rate = task.lr(config["optimizer"], held)
+        try:
+            base_rate = task.lr(config["optimizer"], held)
+        except KeyError as err:
+            raise ConfigError(err.args[0]) from None
         if not held:
             base_rate *= lr_factor(
                 config["batch.lr_scaling"], config["batch.base"], task.base_batch

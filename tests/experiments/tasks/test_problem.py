@@ -1,8 +1,11 @@
 """A task's record: its learning rate per optimizer family and whether a run reached its target."""
 
+from unittest import mock
+
 import pytest
 
-from bigbatch.experiments.tasks import Task
+from bigbatch.experiments.tasks import TASKS, Task
+from bigbatch.optim import list_optimizers
 
 
 def make_task(**fields):
@@ -21,10 +24,12 @@ def make_task(**fields):
     return Task(**{**defaults, **fields})
 
 
-def test_a_family_without_a_measured_rate_takes_the_adam_one():
+def test_a_family_without_a_measured_rate_is_refused_not_given_another_familys():
     task = make_task()
     assert (task.lr("sgd", held=False), task.lr("sgd", held=True)) == (0.1, 0.4)
-    assert (task.lr("lars", held=False), task.lr("lars", held=True)) == (1e-3, 4e-3)
+    # an Adam-type rate would be 60 times too small for LARS on text
+    with pytest.raises(KeyError, match="no measured rate for optimizer 'lars' \\(lars family\\)"):
+        task.lr("lars", held=False)
 
 
 def test_an_optimizer_measured_by_name_takes_its_own_rate_before_its_familys():
@@ -34,10 +39,22 @@ def test_an_optimizer_measured_by_name_takes_its_own_rate_before_its_familys():
     assert task.lr("vr-momentum", held=False) == 0.1  # the family's
 
 
-def test_a_task_without_an_adam_rate_names_the_optimizer_it_cannot_serve():
-    task = make_task(lrs={"sgd": 0.1})
-    with pytest.raises(KeyError, match="no rate for 'lamb'"):
-        task.lr("lamb", held=False)
+@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("optimizer", list_optimizers())
+@pytest.mark.parametrize("held", [False, True])
+def test_every_built_in_task_has_a_rate_for_every_registered_optimizer(name, optimizer, held):
+    assert TASKS[name].lr(optimizer, held) > 0
+
+
+def test_a_run_without_a_rate_for_its_optimizer_is_one_config_error():
+    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.config import ConfigError, defaults
+
+    task = make_task(name="text", lrs={"adam": 1e-3, "adam/held": 1e-3})
+    config = {**defaults(), "task": "text", "optimizer": "lars"}
+    refusal = "text task has no measured rate for optimizer 'lars'"
+    with mock.patch.dict(TASKS, {"text": task}), pytest.raises(ConfigError, match=refusal):
+        with_task_defaults(config)
 
 
 @pytest.mark.parametrize(
