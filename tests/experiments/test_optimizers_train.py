@@ -9,8 +9,8 @@ each family runs on the other tasks (the family's rate is what differs
 between tasks). ``mnist1d`` trains on a 4,000-sample draw of the dataset here
 (the full one takes half a minute to generate); ``lm`` is scored by its eval
 loss, chance being the uniform distribution over its 32 tokens. ``text`` is
-left out: its model and loss are ``lm``'s, and its sgd and lars rates are
-``lm``'s, not measured on text.
+left out for time: its model and loss are ``lm``'s, and reading its corpus
+costs more than the rest of a run here.
 """
 
 import copy

@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 
 from bigbatch.experiments.tasks import TASKS, Task
-from bigbatch.optim import list_optimizers
+from bigbatch.optim import FAMILIES, list_optimizers
 
 
 def make_task(**fields):
@@ -28,8 +28,10 @@ def test_a_family_without_a_measured_rate_is_refused_not_given_another_familys()
     task = make_task()
     assert (task.lr("sgd", held=False), task.lr("sgd", held=True)) == (0.1, 0.4)
     # an Adam-type rate would be 60 times too small for LARS on text
-    with pytest.raises(KeyError, match="no measured rate for optimizer 'lars' \\(lars family\\)"):
+    with pytest.raises(KeyError, match="no measured rate for optimizer 'lars' \\(no 'lars' or"):
         task.lr("lars", held=False)
+    with pytest.raises(KeyError, match="no 'vr-lars/held' or 'lars/held' in its rates"):
+        task.lr("vr-lars", held=True)
 
 
 def test_an_optimizer_measured_by_name_takes_its_own_rate_before_its_familys():
@@ -52,9 +54,23 @@ def test_a_run_without_a_rate_for_its_optimizer_is_one_config_error():
 
     task = make_task(name="text", lrs={"adam": 1e-3, "adam/held": 1e-3})
     config = {**defaults(), "task": "text", "optimizer": "lars"}
-    refusal = "text task has no measured rate for optimizer 'lars'"
-    with mock.patch.dict(TASKS, {"text": task}), pytest.raises(ConfigError, match=refusal):
-        with_task_defaults(config)
+    refusal = "text task has no measured rate for optimizer 'lars'.*give one with --set lr="
+    with mock.patch.dict(TASKS, {"text": task}):
+        with pytest.raises(ConfigError, match=refusal):
+            with_task_defaults(config)
+        # a rate given by the user needs none from the task
+        assert with_task_defaults({**config, "lr": 0.5})["lr"] == 0.5
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_a_tasks_rates_are_keyed_by_known_names_each_with_its_held_partner(name):
+    keys = set(TASKS[name].lrs)
+    known = set(list_optimizers()) | set(FAMILIES)
+    for key in keys:
+        assert key.removesuffix("/held") in known, key  # a misspelt name would be ignored
+    for key in keys - {k for k in keys if k.endswith("/held")}:
+        # else a held run would take the family's held rate, measured for another optimizer
+        assert key + "/held" in keys, key
 
 
 @pytest.mark.parametrize(

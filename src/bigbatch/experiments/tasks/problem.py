@@ -69,9 +69,10 @@ class Task:
         for key in (optimizer, family):
             if key + suffix in self.lrs:
                 return self.lrs[key + suffix]
+        wanted = " or ".join(repr(key + suffix) for key in (optimizer, family))
         raise KeyError(
             f"the {self.name} task has no measured rate for optimizer {optimizer!r} "
-            f"({family} family); give one with --set lr=..."
+            f"(no {wanted} in its rates); give one with --set lr=..."
         )
 
     def reached(self, evaluation: dict[str, float]) -> bool:
