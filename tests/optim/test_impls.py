@@ -377,7 +377,11 @@ def test_no_host_sync_inside_optimizer_step_on_cuda(name, impl, tensor_lr):
     opt = bb.optim.create_optimizer(params, name, lr=lr, impl=impl)
     for p in params:
         p.grad = torch.randn_like(p)
-    opt.step()  # the first step creates the state (and compiles)
+    # the first steps create the state and compile: compiled LARS traces a second graph
+    # once its momentum buffers exist, and compiling it cold (no inductor cache on disk)
+    # synchronises; what must not sync is a step after that
+    for _ in range(2):
+        opt.step()
     assert count_syncs(opt.step) == 0
 
 
