@@ -444,13 +444,13 @@ class BatchWarmup:
         self._noise.update(
             measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
         )
+        schedule = measured.get("schedule", math.nan)
         # while the rate warms up the loss is flat because the rate is small, not because
         # samples no longer help: the slope is fitted from the first step after the warm-up
-        if math.isfinite(measured.get("schedule", math.nan)):
+        if math.isfinite(schedule):
             self._warmed = self._warmed or not self._warming(measured, samples)
         if self.loss_lag > 0 and self._warmed:
             self._slope.update(measured.get("loss", math.nan), samples)
-        schedule = measured.get("schedule", math.nan)
         self._schedule = max(0.0, schedule) if math.isfinite(schedule) else 1.0
         if self._noise.count < self.window / 2:  # two steps' spread is no error bar
             return batch_size

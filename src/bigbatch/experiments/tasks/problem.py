@@ -66,10 +66,11 @@ class Task:
         on ``text`` the Adam-type rate is 60 times below LARS's best (issue 40)."""
         family = get_optimizer_info(optimizer).family
         suffix = "/held" if held else ""
-        for key in (optimizer, family):
-            if key + suffix in self.lrs:
-                return self.lrs[key + suffix]
-        wanted = " or ".join(repr(key + suffix) for key in (optimizer, family))
+        keys = [name + suffix for name in (optimizer, family)]
+        for key in keys:
+            if key in self.lrs:
+                return self.lrs[key]
+        wanted = " or ".join(map(repr, keys))
         raise KeyError(
             f"the {self.name} task has no measured rate for optimizer {optimizer!r} "
             f"(no {wanted} in its rates); give one with --set lr=..."
