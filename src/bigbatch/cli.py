@@ -461,6 +461,9 @@ def _tasks() -> None:
         print(f"    expected  {task.expected}; target {name} {task.target:g}")
         print(f"    budget    {task.max_samples:,} samples")
         print(f"    rates     {rates} (scaled rates at batch {task.base_batch})")
+        if task.lr_rules:
+            rules = ", ".join(f"{k} {v}" for k, v in task.lr_rules.items())
+            print(f"    rules     {rules} (measured here; else the family's)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ import torch
 
 from bigbatch import schedules
 from bigbatch.batch import adascale_gain, lr_factor, scaled_lr
+from bigbatch.batch.lr import resolve_lr_rule
 
 
 def test_batch_rules():
@@ -13,6 +14,22 @@ def test_batch_rules():
     assert lr_factor("sqrt", 1024, 256) == 2.0
     with pytest.raises(ValueError, match="lr_scaling"):
         lr_factor("cubic", 1024, 256)
+
+
+class _Holds:
+    holds_lr = True
+
+
+def test_auto_is_the_measured_rule_else_the_familys_and_none_under_a_noise_follower():
+    assert resolve_lr_rule("auto", object(), "sgd") == "linear"
+    assert resolve_lr_rule("auto", object(), "adam") == "sqrt"
+    assert resolve_lr_rule("auto", object(), "sgd", measured="sqrt") == "sqrt"
+    # a controller that follows the noise holds the rate whatever was measured
+    assert resolve_lr_rule("auto", _Holds(), "sgd", measured="sqrt") == "none"
+    # a rule the user names is kept
+    assert resolve_lr_rule("linear", object(), "sgd", measured="sqrt") == "linear"
+    with pytest.raises(ValueError, match="lr_scaling"):
+        resolve_lr_rule("auto", object(), "sgd", measured="cubic")
 
 
 def test_adascale_gain_limits_and_formula():

@@ -12,7 +12,8 @@ base batch ``B0`` is multiplied at batch ``B`` (docs/algorithms.md, "Batch-size 
 - ``auto``: ``none`` under a controller that follows the noise scale (it
   declares ``holds_lr``), else the optimizer family's rule
   (:data:`FAMILY_RULES`: ``sqrt`` for Adam-type, ``linear`` for SGD- and
-  LARS-type), see :func:`resolve_lr_rule`.
+  LARS-type) or the rule measured for the optimizer on the task at hand,
+  see :func:`resolve_lr_rule`.
 
 Why hold the rate when the batch follows the noise: at batch ``B`` the
 step size that reduces the loss most is ``ε_max / (1 + B_noise / B)``
@@ -55,18 +56,23 @@ def check_lr_rule(rule: str, *, allow_auto: bool = False) -> str:
     return choice("lr_scaling", rule, (*LR_RULES, "auto") if allow_auto else LR_RULES)
 
 
-def resolve_lr_rule(rule: str, controller: object, family: str | None) -> str:
+def resolve_lr_rule(
+    rule: str, controller: object, family: str | None, measured: str | None = None
+) -> str:
     """The rule ``auto`` stands for (any other rule is returned as it is).
 
     ``none`` for a controller that declares ``holds_lr`` (it follows the noise
-    scale); otherwise the family's rule from :data:`FAMILY_RULES`, ``sqrt``
-    for an optimizer of unknown family.
+    scale); otherwise ``measured`` (the rule measured for this optimizer on
+    this task, if any), else the family's rule from :data:`FAMILY_RULES`,
+    ``sqrt`` for an optimizer of unknown family.
     """
     check_lr_rule(rule, allow_auto=True)
     if rule != "auto":
         return rule
     if getattr(controller, "holds_lr", False):
         return "none"
+    if measured is not None:
+        return check_lr_rule(measured)
     return FAMILY_RULES.get(family or "", "sqrt")
 
 

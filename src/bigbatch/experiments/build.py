@@ -48,7 +48,10 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
         config["batch.ramp_samples"] = config["max_samples"] // 2
     family = get_optimizer_info(config["optimizer"]).family
     config["batch.lr_scaling"] = resolve_lr_rule(
-        config["batch.lr_scaling"], CONTROLLERS[kind], family
+        config["batch.lr_scaling"],
+        CONTROLLERS[kind],
+        family,
+        measured=task.lr_rule(config["optimizer"]),
     )
     if not config["lr"]:
         held = config["batch.lr_scaling"] == "none"

@@ -316,7 +316,8 @@ def _batch_keys() -> list[Key]:
             "auto",
             "how the LR follows the batch relative to batch.base; auto: held (none) under "
             "critical_ramp, damped_simigrad and noise_scale, else (batch_warmup, simigrad, "
-            "constant, ramp) sqrt for Adam-type and linear for SGD- and LARS-type optimizers",
+            "constant, ramp) the rule measured for the optimizer on the task (bigbatch tasks), "
+            "else sqrt for Adam-type and linear for SGD- and LARS-type optimizers",
             ("auto", *LR_RULES),
         ),
         Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),

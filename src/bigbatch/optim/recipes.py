@@ -5,8 +5,9 @@ Adam-type weight decay of 0.01 lose 4-30 points on MNIST-1D against the same
 rate at 5e-4 (docs/results.md, "Recipes"). A :class:`Recipe` holds the rest:
 weight decay, warm-up, decay shape and the optimizer's own settings. The
 rate itself depends on the task and batch, so it lives beside the task
-(``Task.lrs``, measured per optimizer); a recipe only says which batch rule
-carries it (the family's, ``bigbatch.batch.lr.FAMILY_RULES``).
+(``Task.lrs``, measured per optimizer), and so does the batch rule that
+carries it where the task measured one (``Task.lr_rules``); else the
+family's (``bigbatch.batch.lr.FAMILY_RULES``).
 
 Who reads a recipe: :func:`bigbatch.optim.create_optimizer` (weight decay and
 settings, so the plugins that build their optimizer through it get them too),

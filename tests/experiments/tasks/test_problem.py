@@ -4,6 +4,7 @@ from unittest import mock
 
 import pytest
 
+from bigbatch.batch.lr import LR_RULES
 from bigbatch.experiments.tasks import TASKS, Task
 from bigbatch.optim import FAMILIES, list_optimizers
 
@@ -71,6 +72,49 @@ def test_a_tasks_rates_are_keyed_by_known_names_each_with_its_held_partner(name)
     for key in keys - {k for k in keys if k.endswith("/held")}:
         # else a held run would take the family's held rate, measured for another optimizer
         assert key + "/held" in keys, key
+
+
+def test_a_tasks_measured_batch_rule_carries_its_rate_where_the_user_names_none():
+    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.config import defaults
+
+    task = make_task(name="text", lr_rules={"sgd": "sqrt", "vr-momentum": "none"})
+    assert (task.lr_rule("sgd"), task.lr_rule("plain-sgd"), task.lr_rule("lamb")) == (
+        "sqrt",
+        "sqrt",  # the family's measured rule
+        None,  # the family's general rule holds
+    )
+    assert task.lr_rule("vr-momentum") == "none"  # its own before its family's
+
+    def resolved(**overrides):
+        config = {**defaults(), "task": "text", "optimizer": "sgd", **overrides}
+        with mock.patch.dict(TASKS, {"text": task}):
+            done = with_task_defaults(config)
+        return done["batch.lr_scaling"], done["lr"]
+
+    constant = {"batch.controller": "constant"}
+    # 0.1 is the rate at the task's batch 64: sqrt carries it to 0.2 at 256, 0.05 at 16
+    assert resolved(**constant, **{"batch.initial": 256}) == ("sqrt", pytest.approx(0.2))
+    assert resolved(**constant, **{"batch.initial": 16}) == ("sqrt", pytest.approx(0.05))
+    # the user's rule is kept (linear: 0.4 at 256), and a held rule takes the held rate
+    assert resolved(**constant, **{"batch.initial": 256, "batch.lr_scaling": "linear"}) == (
+        "linear",
+        pytest.approx(0.4),
+    )
+    assert resolved(**constant, **{"batch.initial": 256}, optimizer="vr-momentum") == (
+        "none",
+        0.4,
+    )
+    # a controller that follows the noise holds the rate whatever was measured
+    assert resolved(**{"batch.controller": "noise_scale"}) == ("none", 0.4)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_a_tasks_batch_rules_are_known_rules_keyed_by_known_names(name):
+    known = set(list_optimizers()) | set(FAMILIES)
+    for key, rule in TASKS[name].lr_rules.items():
+        assert key in known, key  # a misspelt name would be ignored
+        assert rule in LR_RULES, rule
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ class Task:
     expected: str
     target: float
     #: measured learning rates at ``base_batch`` under the optimizer's batch rule
-    #: (``bigbatch.batch.lr.FAMILY_RULES``), keyed by optimizer name (``"lars"``,
+    #: (``lr_rules``, else ``bigbatch.batch.lr.FAMILY_RULES``), keyed by optimizer name (``"lars"``,
     #: ``"vr-sgd"``) or, for the optimizers not measured by name, by family (``"adam"``,
     #: ``"sgd"``, ``"lars"``); ``key + "/held"`` for controllers that hold the rate while
     #: the batch follows the noise. Measured by the evidence grids and
@@ -59,6 +59,11 @@ class Task:
     base_batch: int = 64
     #: the sequence length of a sequence task (``model.context``); 0: the task has none
     context: int = 0
+    #: batch rules measured on this task where they differ from the family's
+    #: (``FAMILY_RULES``), keyed like ``lrs`` (optimizer name, else family): the rule
+    #: that joins an optimizer's best rate at a small and at a large batch. On ``text``
+    #: momentum SGD's best rate rises 4x from batch 16 to 256 (sqrt), LARS's not at all
+    lr_rules: Mapping[str, str] = field(default_factory=dict)
 
     def lr(self, optimizer: str, held: bool) -> float:
         """The task's rate for ``optimizer`` under a held or a scaled LR rule: its own
@@ -75,6 +80,15 @@ class Task:
             f"the {self.name} task has no measured rate for optimizer {optimizer!r} "
             f"(no {wanted} in its rates); give one with --set lr=..."
         )
+
+    def lr_rule(self, optimizer: str) -> str | None:
+        """The batch rule measured for ``optimizer`` on this task (its own, else its
+        family's), or None where the family's general rule holds here."""
+        family = get_optimizer_info(optimizer).family
+        for key in (optimizer, family):
+            if key in self.lr_rules:
+                return self.lr_rules[key]
+        return None
 
     def reached(self, evaluation: dict[str, float]) -> bool:
         """Whether an evaluation row meets the target."""
