@@ -17,7 +17,8 @@ schedule. No process group, so an arm takes about a minute on one core
 instead of several on two gloo processes; it reproduced the two-process
 results of docs/results.md within 0.001 (all-reduce, EF) and their failures
 (EF21-SGDM, EControl) on MNIST-1D. ``--lr 0`` takes the task's rate for the
-optimizer's family at batch 64 carried to the batch by the family's rule.
+optimizer's family at batch 64 carried to the batch by the task's rule for it
+(``bigbatch tasks``), else the family's.
 Prints final and best test accuracy (``lm``: eval loss) per method.
 """
 

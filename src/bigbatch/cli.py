@@ -237,9 +237,11 @@ def _critical_arguments(critical: argparse.ArgumentParser) -> None:
     )
     critical.add_argument(
         "--lr-rule",
-        choices=("none", "sqrt", "linear"),
-        default="sqrt",
-        help="a branch's rate against the base batch's (default sqrt, Adam-type)",
+        choices=("auto", "none", "sqrt", "linear"),
+        default="auto",
+        help="a branch's rate against the base batch's (default auto: the rule the task "
+        "measured for the optimizer, else the family's: sqrt for Adam-type, linear for "
+        "SGD- and LARS-type)",
     )
     critical.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bigbatch import cli
+from bigbatch.batch.lr import lr_factor
 from bigbatch.experiments import critical
 from bigbatch.experiments.build import build, make_controller, with_task_defaults
 from bigbatch.experiments.config import ConfigError, resolve
@@ -47,7 +48,7 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
         torch.set_num_threads(threads)
     (point,) = points
     # the same run trained straight through to the branch's end
-    plain = critical._config(config, 16, 16, "sqrt")
+    plain = critical._config(config, 16, 16, "auto")
     problem, loop, _ = build(plain)
     for step in loop.steps(max_samples=point.samples + 640):
         for batch in step.micro_batches():
@@ -67,6 +68,21 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     saved = json.loads((tmp_path / "critical_batch.json").read_text())
     assert saved["points"][0]["losses"]["16"] == point.losses[16]
     assert (tmp_path / "critical_batch.png").is_file() and (tmp_path / "base.jsonl").is_file()
+
+
+@pytest.mark.parametrize(
+    "optimizer, rule, at_16, at_256",
+    [("lamb", "sqrt", 0.008, 0.032), ("lars", "none", 4.0, 4.0), ("sgd", "sqrt", 0.158, 0.632)],
+)
+def test_branches_follow_the_rule_the_task_measured_for_the_optimizer(
+    optimizer, rule, at_16, at_256
+):
+    config = resolve({"task": "text", "optimizer": optimizer})
+    base, branch = (critical._config(config, b, 16, "auto") for b in (16, 256))
+    assert (base["batch.lr_scaling"], branch["batch.lr_scaling"]) == (rule, rule)
+    # the config's rate is the one at the base batch; the rule carries it to the branch's
+    trained = branch["lr"] * lr_factor(rule, 256, branch["batch.base"])
+    assert (base["lr"], trained) == (pytest.approx(at_16), pytest.approx(at_256))
 
 
 def test_the_command_writes_its_report_and_refuses_bad_options(tmp_path, capsys):

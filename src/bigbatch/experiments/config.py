@@ -304,7 +304,7 @@ def _batch_keys() -> list[Key]:
             "batch_warmup",
             "how the batch size is chosen: batch_warmup (start small, double once "
             "noise_multiple * B_simple * schedule^decay_power is confidently above the "
-            "next size, the LR following by the family's rule), critical_ramp (double when "
+            "next size, the LR following by batch.lr_scaling's rule), critical_ramp (double when "
             "noise_multiple * B_simple is above the next size, LR held), damped_simigrad "
             "(hold the similarity batch.target, damped), simigrad (the published rule), "
             "noise_scale, constant, ramp",

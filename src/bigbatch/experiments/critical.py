@@ -99,7 +99,7 @@ def measure(
     points: Sequence[float],
     branch_samples: int = 0,
     tolerance: float = 0.01,
-    lr_rule: str = "sqrt",
+    lr_rule: str = "auto",
     quiet: bool = False,
 ) -> list[Point]:
     """Train the base run, branch at ``points``, write ``out``; return the measured points.
@@ -111,6 +111,7 @@ def measure(
     check_options(batches, points, branch_samples, tolerance)
     small = batches[0]
     base = _config(config, small, small, lr_rule)
+    lr_rule = base["batch.lr_scaling"]  # auto resolved: the task's rule, else the family's
     budget = base["max_samples"]
     if not branch_samples:
         branch_samples = math.ceil(0.05 * budget / batches[-1]) * batches[-1]

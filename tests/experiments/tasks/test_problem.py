@@ -4,8 +4,9 @@ from unittest import mock
 
 import pytest
 
-from bigbatch.batch.lr import LR_RULES
+from bigbatch.batch.lr import lr_factor
 from bigbatch.experiments.tasks import TASKS, Task
+from bigbatch.experiments.tasks.problem import MEASURABLE_RULES
 from bigbatch.optim import FAMILIES, list_optimizers
 
 
@@ -110,11 +111,66 @@ def test_a_tasks_measured_batch_rule_carries_its_rate_where_the_user_names_none(
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
-def test_a_tasks_batch_rules_are_known_rules_keyed_by_known_names(name):
+def test_a_tasks_batch_rules_are_fixed_rules_keyed_by_known_names(name):
     known = set(list_optimizers()) | set(FAMILIES)
     for key, rule in TASKS[name].lr_rules.items():
         assert key in known, key  # a misspelt name would be ignored
-        assert rule in LR_RULES, rule
+        assert rule in MEASURABLE_RULES, rule
+
+
+def test_a_task_refuses_a_rule_it_cannot_have_measured():
+    with pytest.raises(ValueError, match="lr_rules\\['sgd'\\] = 'adascale'"):
+        make_task(lr_rules={"sgd": "adascale"})
+
+
+#: every (task, optimizer) whose task records a rule that scales
+SCALED_BY_THE_TASK = [
+    (name, optimizer)
+    for name, task in sorted(TASKS.items())
+    for optimizer in list_optimizers()
+    if task.lr_rule(optimizer) in ("sqrt", "linear")
+]
+
+
+@pytest.mark.parametrize("name, optimizer", SCALED_BY_THE_TASK)
+def test_a_scaled_rate_carried_to_batch_256_is_the_held_rate_where_the_tasks_rule_scales(
+    name, optimizer
+):
+    """Where a task records a rule that scales, its scaled and held rates are the same
+    measurement (constant 256's best), one given at the task's batch and one at 256."""
+    task = TASKS[name]
+    carried = task.lr(optimizer, held=False) * lr_factor(
+        task.lr_rule(optimizer), 256, task.base_batch
+    )
+    assert carried == pytest.approx(task.lr(optimizer, held=True))
+
+
+# text's measured rates at the batches its two settings train at: the default controller
+# starts at 16, constant 256; each form's best of a x2 grid there (docs/results.md)
+TEXT_RATES = {
+    "sgd": ("sqrt", 0.158, 0.632),
+    "vr-lars": ("sqrt", 1.0, 4.0),
+    "lars": ("none", 4.0, 4.0),
+    "vr-momentum": ("none", 0.158, 0.158),
+    # not measured on text: they take their family's rule and rates
+    "plain-sgd": ("sqrt", 0.158, 0.632),
+    "vr-sgd": ("sqrt", 0.158, 0.632),
+    "larc": ("none", 4.0, 4.0),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(TEXT_RATES))
+def test_text_runs_each_sgd_and_lars_type_form_at_its_measured_rate_at_16_and_256(optimizer):
+    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.config import defaults
+
+    rule, at_16, at_256 = TEXT_RATES[optimizer]
+    config = {**defaults(), "task": "text", "optimizer": optimizer}
+    default = with_task_defaults(config)  # the default controller, from batch 16
+    assert (default["batch.controller"], default["batch.initial"]) == ("batch_warmup", 16)
+    assert (default["batch.lr_scaling"], default["lr"]) == (rule, pytest.approx(at_16))
+    constant = with_task_defaults({**config, "batch.controller": "constant", "batch.initial": 256})
+    assert (constant["batch.lr_scaling"], constant["lr"]) == (rule, pytest.approx(at_256))
 
 
 @pytest.mark.parametrize(

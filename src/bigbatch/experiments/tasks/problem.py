@@ -11,6 +11,10 @@ from torch.utils.data import Dataset
 
 from ...optim import get_optimizer_info
 
+#: the rules a task may record as measured: fixed powers of the batch (the AdaScale rules
+#: follow the run's own statistics, so there is nothing about them to measure per task)
+MEASURABLE_RULES = ("none", "sqrt", "linear")
+
 
 @dataclass
 class Problem:
@@ -42,11 +46,13 @@ class Task:
     size: str
     expected: str
     target: float
-    #: measured learning rates at ``base_batch`` under the optimizer's batch rule
-    #: (``lr_rules``, else ``bigbatch.batch.lr.FAMILY_RULES``), keyed by optimizer name (``"lars"``,
+    #: measured learning rates at ``base_batch``, keyed by optimizer name (``"lars"``,
     #: ``"vr-sgd"``) or, for the optimizers not measured by name, by family (``"adam"``,
-    #: ``"sgd"``, ``"lars"``); ``key + "/held"`` for controllers that hold the rate while
-    #: the batch follows the noise. Measured by the evidence grids and
+    #: ``"sgd"``, ``"lars"``): the scaled rate (``key``) is carried to other batches by the
+    #: task's rule for the optimizer where that rule scales (``lr_rules``), else by the
+    #: family's (``bigbatch.batch.lr.FAMILY_RULES``); the held rate (``key + "/held"``) is
+    #: the one at every batch, for controllers that hold the rate while the batch follows
+    #: the noise and wherever the task's rule is ``none``. Measured by the evidence grids and
     #: benchmarks/recipes.py (docs/results.md, "Recipes")
     lrs: Mapping[str, float]
     max_samples: int
@@ -64,6 +70,14 @@ class Task:
     #: that joins an optimizer's best rate at a small and at a large batch. On ``text``
     #: momentum SGD's best rate rises 4x from batch 16 to 256 (sqrt), LARS's not at all
     lr_rules: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, rule in self.lr_rules.items():
+            if rule not in MEASURABLE_RULES:
+                raise ValueError(
+                    f"task {self.name!r}: lr_rules[{key!r}] = {rule!r}; a measured rule is "
+                    f"one of {', '.join(MEASURABLE_RULES)}"
+                )
 
     def lr(self, optimizer: str, held: bool) -> float:
         """The task's rate for ``optimizer`` under a held or a scaled LR rule: its own
