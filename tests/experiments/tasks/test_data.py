@@ -18,6 +18,51 @@ def test_mnist1d_is_generated_once_then_read_from_the_cache(tmp_path, monkeypatc
     assert all(np.array_equal(first[k], again[k]) for k in first)
 
 
+def test_two_processes_building_the_mnist1d_cache_at_once_both_get_it(tmp_path, monkeypatch):
+    """Both writers finish writing before either renames (the ranks of a torchrun job on a
+    fresh machine): each must rename its own file, not find the other's gone."""
+    import threading
+
+    from bigbatch.experiments.tasks import data
+
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path))
+    both_written = threading.Barrier(2, timeout=60)
+    savez = np.savez
+
+    def savez_then_wait(file, **arrays):
+        savez(file, **arrays)
+        both_written.wait()
+
+    monkeypatch.setattr(data.np, "savez", savez_then_wait)
+    # mnist1d seeds numpy's global generator: threads (unlike processes) must take turns
+    import mnist1d.data
+
+    generating = threading.Lock()
+    make_dataset = mnist1d.data.make_dataset
+
+    def one_at_a_time(args):
+        with generating:
+            return make_dataset(args)
+
+    monkeypatch.setattr(mnist1d.data, "make_dataset", one_at_a_time)
+    results, errors = [], []
+
+    def build():
+        try:
+            results.append(tasks.mnist1d_arrays(samples=2_000))
+        except Exception as err:
+            errors.append(err)
+
+    writers = [threading.Thread(target=build) for _ in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert errors == [] and len(results) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["mnist1d-2000-seed42.npz"]  # no leftovers
+    assert all(np.array_equal(results[0][k], results[1][k]) for k in results[0])
+
+
 def test_markov_language_entropy_is_the_loss_floor():
     transition, floor = tasks.markov_language(vocab=4, alpha=1.0, seed=0)
     rows = transition.sum(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,17 @@ def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarra
     data = make_dataset(args)
     arrays = {k: np.asarray(data[k]) for k in ("x", "y", "x_test", "y_test")}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    # a temporary name of its own: the ranks of a torchrun job or the runs of a sweep
+    # build the same cache at once on a fresh machine, and one shared name lost the race
+    # (the first rename took the others' file away)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)  # the same arrays whoever renames last
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return arrays
 
 
