@@ -152,10 +152,9 @@ TEXT_RATES = {
     "vr-lars": ("sqrt", 1.0, 4.0),
     "lars": ("none", 4.0, 4.0),
     "vr-momentum": ("none", 0.158, 0.158),
-    # not measured on text: they take their family's rule and rates
-    "plain-sgd": ("sqrt", 0.158, 0.632),
-    "vr-sgd": ("sqrt", 0.158, 0.632),
-    "larc": ("none", 4.0, 4.0),
+    "plain-sgd": ("none", 0.632, 0.632),
+    "vr-sgd": ("none", 0.632, 0.632),
+    "larc": ("none", 0.5, 0.5),
 }
 
 

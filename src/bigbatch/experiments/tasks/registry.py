@@ -133,12 +133,30 @@ TASKS: dict[str, Task] = {
                 "lars/held": 4.0,
                 "vr-lars": 2.0,  # sqrt: 1 at 16, 4 at 256
                 "vr-lars/held": 4.0,
+                # the forms whose best rate rises at most 2x from batch 16 to 256 (LARC's
+                # falls): held at constant 256's best; scaled: that rate carried linearly
+                "larc": 0.125,
+                "larc/held": 0.5,
+                "vr-sgd": 0.158,
+                "vr-sgd/held": 0.632,
+                # plain SGD's best is 0.632 at 16 and 1.26 at 256, where 0.632 costs 0.08
+                # nats and sqrt from 1.26 costs the default controller 0.13
+                "plain-sgd": 0.158,
+                "plain-sgd/held": 0.632,
             },
             # the linear rule over-scales here: from batch 16 to 256 the best rate rises 4x
-            # for momentum SGD and vr-lars, 2x for vr-momentum, and not at all for LARS.
+            # for momentum SGD and vr-lars, 2x for vr-momentum and plain SGD, not at all for
+            # LARS and VR-SGD, and LARC's falls 4x.
             # Under these rules each form's default ends within 0.01 nats of its x2 grid's
             # best under the default controller (3 seeds, docs/results.md "Recipes")
-            lr_rules={"sgd": "sqrt", "vr-momentum": "none", "lars": "none", "vr-lars": "sqrt"},
+            lr_rules={
+                "sgd": "sqrt",
+                "vr-momentum": "none",
+                "plain-sgd": "none",
+                "vr-sgd": "none",
+                "lars": "none",
+                "vr-lars": "sqrt",
+            },
             max_samples=150_000,
             width=64,
             depth=2,
