@@ -67,6 +67,7 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     assert math.isfinite(point.controller_estimate)
     saved = json.loads((tmp_path / "critical_batch.json").read_text())
     assert saved["points"][0]["losses"]["16"] == point.losses[16]
+    assert saved["lr_rule"] == "sqrt"  # auto, resolved: LAMB's family rule on digits
     assert (tmp_path / "critical_batch.png").is_file() and (tmp_path / "base.jsonl").is_file()
 
 

@@ -52,7 +52,8 @@ def one_line(stderr):
     return lines[0]
 
 
-def finish(process, timeout=120):
+def finish(process, timeout=300):
+    # a small run takes about 30 s alone; two at once on a loaded 2-core machine took over 120
     _, stderr = process.communicate(timeout=timeout)
     return process.returncode, stderr
 

@@ -13,7 +13,7 @@ model, so all are tested without one.
   (Merrill et al. 2025's batch-size warm-up, kept sample-efficient for a
   budget in samples; up to the noise scale itself where the loss has
   stopped falling with more samples), the rate following by the optimizer
-  family's rule.
+  family's rule (in ``bigbatch train``, a built-in task's measured rule first).
 - :class:`CriticalBatchRamp`: a monotone ramp that doubles the batch once
   ``κ · B_simple`` is confidently above the next size (the critical batch
   grows during training: McCandlish et al. 2018; Merrill et al. 2025).
@@ -330,7 +330,8 @@ class BatchWarmup:
 
     ``holds_lr`` is False: under ``lr_scaling="auto"`` the rate follows the
     batch by the optimizer family's rule (``sqrt`` for Adam-type optimizers,
-    Merrill et al.'s ×√2 per doubling; ``linear`` for SGD- and LARS-type).
+    Merrill et al.'s ×√2 per doubling; ``linear`` for SGD- and LARS-type), or
+    in ``bigbatch train`` by the rule a built-in task measured for the optimizer.
     The defaults were chosen on ``mnist1d``, ``lm`` and ``text``
     (docs/results.md, "Adaptive batching on a task nobody tuned it on").
     """

@@ -10,10 +10,10 @@ base batch ``B0`` is multiplied at batch ``B`` (docs/algorithms.md, "Batch-size 
 - ``adascale-sqrt``: ``sqrt(r)``, which AdaptDL found right for Adam-type
   optimizers (Adam, AdamW, LAMB, MERIT);
 - ``auto``: ``none`` under a controller that follows the noise scale (it
-  declares ``holds_lr``), else the optimizer family's rule
+  declares ``holds_lr``), else the rule measured for the optimizer on the
+  task at hand where it has one, else the optimizer family's rule
   (:data:`FAMILY_RULES`: ``sqrt`` for Adam-type, ``linear`` for SGD- and
-  LARS-type) or the rule measured for the optimizer on the task at hand,
-  see :func:`resolve_lr_rule`.
+  LARS-type), see :func:`resolve_lr_rule`.
 
 Why hold the rate when the batch follows the noise: at batch ``B`` the
 step size that reduces the loss most is ``ε_max / (1 + B_noise / B)``

@@ -53,6 +53,7 @@ def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarra
     # (the first rename took the others' file away)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would shut a shared cache's users out
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)  # the same arrays whoever renames last
@@ -60,6 +61,12 @@ def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarra
         Path(tmp).unlink(missing_ok=True)
         raise
     return arrays
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def markov_language(vocab: int = 32, alpha: float = 0.2, seed: int = 7) -> tuple[Tensor, float]:
