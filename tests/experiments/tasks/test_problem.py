@@ -121,46 +121,27 @@ def test_a_task_refuses_a_rule_it_cannot_have_measured():
         make_task(lr_rules={"sgd": "adascale"})
 
 
-#: every (task, optimizer) whose task records a rule that scales
-SCALED_BY_THE_TASK = [
+#: every (task, optimizer) whose task records a batch rule for it
+MEASURED_RULES = [
     (name, optimizer)
     for name, task in sorted(TASKS.items())
     for optimizer in list_optimizers()
-    if task.lr_rule(optimizer) in ("sqrt", "linear")
+    if task.lr_rule(optimizer) is not None
 ]
 
 
-@pytest.mark.parametrize("name, optimizer", SCALED_BY_THE_TASK)
-def test_a_scaled_rate_carried_to_batch_256_is_the_held_rate_where_the_tasks_rule_scales(
+@pytest.mark.parametrize("name, optimizer", MEASURED_RULES)
+def test_a_scaled_rate_carried_to_batch_256_is_the_held_rate_where_the_task_records_a_rule(
     name, optimizer
 ):
-    """Where a task records a rule that scales, its scaled and held rates are the same
-    measurement (constant 256's best), one given at the task's batch and one at 256."""
+    """The scaled and held rates are one measurement (constant 256's best), the scaled one
+    given at the task's batch: carried by the task's rule where it scales, and where the
+    task holds the rate by the family's (what a user who names ``linear`` starts from)."""
     task = TASKS[name]
-    carried = task.lr(optimizer, held=False) * lr_factor(
-        task.lr_rule(optimizer), 256, task.base_batch
-    )
-    assert carried == pytest.approx(task.lr(optimizer, held=True))
-
-
-#: every (task, optimizer) whose task records that its rate does not follow the batch
-HELD_BY_THE_TASK = [
-    (name, optimizer)
-    for name, task in sorted(TASKS.items())
-    for optimizer in list_optimizers()
-    if task.lr_rule(optimizer) == "none"
-]
-
-
-@pytest.mark.parametrize("name, optimizer", HELD_BY_THE_TASK)
-def test_where_a_task_holds_the_rate_its_scaled_rate_is_the_held_one_at_the_familys_rule(
-    name, optimizer
-):
-    """The scaled rate of a held form is the same measurement carried to the task's batch by
-    the family's rule: what a user who names ``linear`` or ``sqrt`` starts from."""
-    task = TASKS[name]
-    family = get_optimizer_info(optimizer).family
-    carried = task.lr(optimizer, held=False) * lr_factor(FAMILY_RULES[family], 256, task.base_batch)
+    rule = task.lr_rule(optimizer)
+    if rule == "none":
+        rule = FAMILY_RULES[get_optimizer_info(optimizer).family]
+    carried = task.lr(optimizer, held=False) * lr_factor(rule, 256, task.base_batch)
     assert carried == pytest.approx(task.lr(optimizer, held=True))
 
 

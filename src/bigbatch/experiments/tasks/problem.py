@@ -16,6 +16,11 @@ from ...optim import get_optimizer_info
 MEASURABLE_RULES = ("none", "sqrt", "linear")
 
 
+def _own_then_family(optimizer: str, suffix: str = "") -> list[str]:
+    """The keys a task's tables are searched by: the optimizer's name, then its family's."""
+    return [name + suffix for name in (optimizer, get_optimizer_info(optimizer).family)]
+
+
 @dataclass
 class Problem:
     """What a run trains: data, model, and how to score it."""
@@ -83,9 +88,7 @@ class Task:
         """The task's rate for ``optimizer`` under a held or a scaled LR rule: its own
         measured rate, else its family's (``bigbatch.optim.FAMILIES``). Never another family's:
         on ``text`` the Adam-type rate is 60 times below LARS's best (issue 40)."""
-        family = get_optimizer_info(optimizer).family
-        suffix = "/held" if held else ""
-        keys = [name + suffix for name in (optimizer, family)]
+        keys = _own_then_family(optimizer, "/held" if held else "")
         for key in keys:
             if key in self.lrs:
                 return self.lrs[key]
@@ -98,11 +101,9 @@ class Task:
     def lr_rule(self, optimizer: str) -> str | None:
         """The batch rule measured for ``optimizer`` on this task (its own, else its
         family's), or None where the family's general rule holds here."""
-        family = get_optimizer_info(optimizer).family
-        for key in (optimizer, family):
-            if key in self.lr_rules:
-                return self.lr_rules[key]
-        return None
+        return next(
+            (self.lr_rules[k] for k in _own_then_family(optimizer) if k in self.lr_rules), None
+        )
 
     def reached(self, evaluation: dict[str, float]) -> bool:
         """Whether an evaluation row meets the target."""
