@@ -16,7 +16,10 @@ where the SGD-type rates stop being stable), widened by ×2 steps up to
 ``--widen`` times until its best rate is inside it; the best is chosen by
 the final score (accuracy; ``lm``/``text``: eval loss) and rerun on
 ``--seeds`` seeds. Runs already in ``--out`` are reused, so a killed
-benchmark continues where it stopped.
+benchmark continues where it stopped. With ``--gammas``, each VRGD form
+also trains at each of those γ (``vrgd.gamma``, the lower clip of its GSNR
+ratio; the recipe's is 0.1), every γ an arm with its own bracketed rate
+grid, so that γ and the rate are chosen together (rows ``NAME γ=G``).
 
 Prints, and writes as ``recipes.md`` and ``recipes.json``: per cell the
 default's final score (seed 0), the best rate's final score (mean ± std over
@@ -29,9 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from bigbatch.experiments.analysis import mean_std
+from bigbatch.experiments.config import parse_assignment
 from bigbatch.experiments.sweep import Arm, ArmResult, arm_rate, metric, sweep
 
 SETTINGS = {
@@ -51,11 +56,24 @@ GRIDS = {
 TOLERANCE = {"accuracy": 0.01, "loss": 0.02}
 
 
-def cell_arms(optimizers: list[str], setting: str) -> list[Arm]:
-    return [
-        Arm(f"{name} {setting}", {"optimizer": name, **SETTINGS[setting]}, f"{name}-{setting}")
-        for name in optimizers
-    ]
+def cell_arms(optimizers: list[str], setting: str, gammas: Sequence[float] = ()) -> list[Arm]:
+    """Each optimizer at its recipe, and each VRGD form at every γ of ``gammas`` too."""
+    from bigbatch.optim import RECIPES
+
+    arms = []
+    for name in optimizers:
+        overrides = {"optimizer": name, **SETTINGS[setting]}
+        arms.append(Arm(f"{name} {setting}", overrides, f"{name}-{setting}"))
+        if "gamma" in RECIPES[name].options:
+            arms += [
+                Arm(
+                    f"{name} γ={g:g} {setting}",
+                    {**overrides, "vrgd.gamma": g},
+                    f"{name}-g{g:g}-{setting}",
+                )
+                for g in gammas
+            ]
+    return arms
 
 
 def row(task: str, setting: str, result: ArmResult, default_lr: float) -> dict:
@@ -71,7 +89,8 @@ def row(task: str, setting: str, result: ArmResult, default_lr: float) -> dict:
     gap = (default - best_seed0) if loss else (best_seed0 - default)
     return {
         "task": task,
-        "optimizer": result.overrides["optimizer"],
+        "optimizer": result.overrides["optimizer"]
+        + (f" γ={result.overrides['vrgd.gamma']:g}" if "vrgd.gamma" in result.overrides else ""),
         "setting": setting,
         "default_lr": default_lr,
         "default_final": default,
@@ -117,6 +136,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--widen", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (1 thread each)")
+    parser.add_argument(
+        "--gammas", nargs="+", type=float, default=[], help="VRGD forms: also train at these γ"
+    )
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key for every arm (repeatable)",
+    )
     args = parser.parse_args()
 
     root = Path(args.out)
@@ -124,9 +154,10 @@ def main() -> None:
     for task in args.tasks:
         for setting in args.settings:
             multipliers = GRIDS[setting]
-            arms = cell_arms(args.optimizers, setting)
+            arms = cell_arms(args.optimizers, setting, args.gammas)
+            base = {"task": task, **dict(parse_assignment(a) for a in args.sets)}
             results = sweep(
-                {"task": task},
+                base,
                 arms,
                 root / task,
                 multipliers=multipliers,
@@ -136,7 +167,7 @@ def main() -> None:
                 widen=args.widen,
             )
             rows += [
-                row(task, setting, r, arm_rate({"task": task, **arm.overrides}))
+                row(task, setting, r, arm_rate({**base, **arm.overrides}))
                 for arm, r in zip(arms, results)
             ]
             root.mkdir(parents=True, exist_ok=True)
