@@ -147,8 +147,16 @@ def test_a_scaled_rate_carried_to_batch_256_is_the_held_rate_where_the_task_reco
 
 # text's default rates at the batches its two settings train at: the default controller
 # starts at 16, constant 256; each within 0.02 nats of the best of its x2 grid there but
-# plain SGD's and VR-SGD's, which no fixed rule serves (docs/results.md "Recipes")
+# plain SGD's, VR-SGD's, AdamW's and VR-Adam's, which no fixed rule serves (docs/results.md
+# "Recipes"); MERIT's, NVLAMB's and VR-LAMB's measured at 256 only
 TEXT_RATES = {
+    "lamb": ("sqrt", 0.008, 0.032),
+    "merit": ("sqrt", 0.008, 0.032),
+    "nvlamb": ("sqrt", 0.008, 0.032),
+    "vr-lamb": ("sqrt", 0.008, 0.032),
+    "vr-adam": ("sqrt", 0.008, 0.032),
+    "lambc": ("sqrt", 0.016, 0.064),
+    "adamw": ("sqrt", 0.008, 0.032),
     "sgd": ("sqrt", 0.158, 0.632),
     "vr-lars": ("sqrt", 1.0, 4.0),
     "lars": ("none", 4.0, 4.0),
@@ -159,8 +167,14 @@ TEXT_RATES = {
 }
 
 
+def test_text_pins_the_rates_of_every_registered_optimizer():
+    from bigbatch.optim import list_optimizers
+
+    assert sorted(TEXT_RATES) == sorted(list_optimizers())
+
+
 @pytest.mark.parametrize("optimizer", sorted(TEXT_RATES))
-def test_text_runs_each_sgd_and_lars_type_form_at_its_measured_rate_at_16_and_256(optimizer):
+def test_text_runs_each_form_at_its_measured_rate_at_16_and_256(optimizer):
     from bigbatch.experiments.build import with_task_defaults
     from bigbatch.experiments.config import defaults
 

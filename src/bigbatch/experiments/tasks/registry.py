@@ -117,9 +117,17 @@ TASKS: dict[str, Task] = {
             target=1.9,
             target_metric="eval_loss",
             lrs={
-                # Adam-type rates measured by the evidence benchmark at batch 64
+                # Adam-type rates measured by the evidence benchmark at batch 64 (LAMB:
+                # 0.008 at 16, 0.032 at 256 by sqrt); MERIT, NVLAMB and VR-LAMB share them
+                # at 256 (benchmarks/recipes.py, docs/results.md "Recipes"). AdamW's and
+                # VR-Adam's best rise 2x for 16x the batch (0.008 at 16, 0.016 at 256):
+                # sqrt misses by 0.03 at 256, held at 0.016 by 0.03 under the controller
                 "adam": 1.6e-2,
                 "adam/held": 1.6e-2,
+                # LAMBC (the trust ratio clipped at 1) trains at twice LAMB's rate, where
+                # LAMB's unclipped ratio stalls: 0.016 at 16, 0.064 at 256 (sqrt)
+                "lambc": 3.2e-2,
+                "lambc/held": 6.4e-2,
                 # the SGD- and LARS-type forms (benchmarks/recipes.py, docs/results.md
                 # "Recipes"): each form's best rate at constant batch 256 and its best under
                 # the default controller (batch 16 for most of the run) are joined by the
