@@ -20,11 +20,15 @@ benchmark continues where it stopped. With ``--gammas``, each VRGD form
 also trains at each of those γ (``vrgd.gamma``, the lower clip of its GSNR
 ratio; the recipe's is 0.1), every γ an arm with its own bracketed rate
 grid, so that γ and the rate are chosen together (rows ``NAME γ=G``).
+``--set KEY=VALUE`` (repeatable) changes a config key for every arm, e.g.
+the LARS paper's schedule (``--set schedule.kind=poly --set
+schedule.warmup=0.17``); the keys the arms set themselves are refused.
 
 Prints, and writes as ``recipes.md`` and ``recipes.json``: per cell the
 default's final score (seed 0), the best rate's final score (mean ± std over
 the seeds), the gap, and whether the default is within the goal (1 point;
-0.02 nats on ``lm``/``text``).
+0.02 nats on ``lm``/``text``). Cells already in ``--out``'s tables from an
+earlier invocation stay, unless measured again.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bigbatch.experiments.analysis import mean_std
-from bigbatch.experiments.config import parse_assignment
+from bigbatch.experiments.config import ConfigError, parse_assignment
 from bigbatch.experiments.sweep import Arm, ArmResult, arm_rate, metric, sweep
 
 SETTINGS = {
@@ -57,23 +61,38 @@ TOLERANCE = {"accuracy": 0.01, "loss": 0.02}
 
 
 def cell_arms(optimizers: list[str], setting: str, gammas: Sequence[float] = ()) -> list[Arm]:
-    """Each optimizer at its recipe, and each VRGD form at every γ of ``gammas`` too."""
+    """Each optimizer at its recipe, and each VRGD form at every other γ of ``gammas`` too."""
     from bigbatch.optim import RECIPES
 
     arms = []
     for name in optimizers:
         overrides = {"optimizer": name, **SETTINGS[setting]}
         arms.append(Arm(f"{name} {setting}", overrides, f"{name}-{setting}"))
-        if "gamma" in RECIPES[name].options:
-            arms += [
-                Arm(
-                    f"{name} γ={g:g} {setting}",
-                    {**overrides, "vrgd.gamma": g},
-                    f"{name}-g{g:g}-{setting}",
-                )
-                for g in gammas
-            ]
+        recipe = RECIPES.get(name)  # an unknown name is refused by the sweep's config check
+        if recipe is None or "gamma" not in recipe.options:
+            continue
+        # one arm per γ named by its printed form, the recipe's own γ being the arm above
+        others = {f"{g:g}": g for g in gammas if f"{g:g}" != f"{recipe.options['gamma']:g}"}
+        arms += [
+            Arm(f"{name} γ={g} {setting}", {**overrides, "vrgd.gamma": v}, f"{name}-g{g}-{setting}")
+            for g, v in others.items()
+        ]
     return arms
+
+
+#: keys every arm sets itself, which ``--set`` may not change under it
+ARM_KEYS = frozenset(
+    {"task", "optimizer", "vrgd.gamma", *(k for s in SETTINGS.values() for k in s)}
+)
+
+
+def merged(path: Path, rows: list[dict]) -> list[dict]:
+    """``rows`` over the rows an earlier run wrote to ``path``: a cell measured again replaces
+    its old row, the others stay (so two invocations into one ``--out`` keep both tables)."""
+    key = lambda r: (r["task"], r["optimizer"], r["setting"])  # noqa: E731
+    old = json.loads(path.read_text()) if path.is_file() else []
+    new = {key(r) for r in rows}
+    return [r for r in old if key(r) not in new] + rows
 
 
 def row(task: str, setting: str, result: ArmResult, default_lr: float) -> dict:
@@ -148,6 +167,12 @@ def main() -> None:
         help="a config key for every arm (repeatable)",
     )
     args = parser.parse_args()
+    try:
+        sets = dict(parse_assignment(a) for a in args.sets)
+    except ConfigError as err:
+        parser.error(str(err))
+    if taken := sorted(set(sets) & ARM_KEYS):
+        parser.error(f"--set {taken[0]}: every arm sets it (use --tasks, --optimizers, ...)")
 
     root = Path(args.out)
     rows = []
@@ -155,7 +180,7 @@ def main() -> None:
         for setting in args.settings:
             multipliers = GRIDS[setting]
             arms = cell_arms(args.optimizers, setting, args.gammas)
-            base = {"task": task, **dict(parse_assignment(a) for a in args.sets)}
+            base = {"task": task, **sets}
             results = sweep(
                 base,
                 arms,
@@ -171,8 +196,9 @@ def main() -> None:
                 for arm, r in zip(arms, results)
             ]
             root.mkdir(parents=True, exist_ok=True)
-            (root / "recipes.json").write_text(json.dumps(rows, indent=1))
-            (root / "recipes.md").write_text(table(rows) + "\n")
+            everything = merged(root / "recipes.json", rows)
+            (root / "recipes.json").write_text(json.dumps(everything, indent=1))
+            (root / "recipes.md").write_text(table(everything) + "\n")
             print(table(rows[-len(results) :]), flush=True)
     print(table(rows))
 

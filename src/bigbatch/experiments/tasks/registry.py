@@ -119,15 +119,23 @@ TASKS: dict[str, Task] = {
             lrs={
                 # Adam-type rates measured by the evidence benchmark at batch 64 (LAMB:
                 # 0.008 at 16, 0.032 at 256 by sqrt); MERIT, NVLAMB and VR-LAMB share them
-                # at 256 (benchmarks/recipes.py, docs/results.md "Recipes"). AdamW's and
-                # VR-Adam's best rise 2x for 16x the batch (0.008 at 16, 0.016 at 256):
-                # sqrt misses by 0.03 at 256, held at 0.016 by 0.03 under the controller
+                # at 256 (benchmarks/recipes.py, docs/results.md "Recipes")
                 "adam": 1.6e-2,
                 "adam/held": 1.6e-2,
                 # LAMBC (the trust ratio clipped at 1) trains at twice LAMB's rate, where
-                # LAMB's unclipped ratio stalls: 0.016 at 16, 0.064 at 256 (sqrt)
+                # LAMB's unclipped ratio stalls: 0.016 at 16, 0.064 at 256 (sqrt); its held
+                # rate is LAMB's doubled (not measured)
                 "lambc": 3.2e-2,
-                "lambc/held": 6.4e-2,
+                "lambc/held": 3.2e-2,
+                # AdamW's and VR-Adam's best rise only 2x for 16x the batch (0.008 at 16,
+                # 0.016 at 256): sqrt anchored at 256's best (0.004 at 16) misses least
+                # (AdamW 0.0196 under the controller, VR-Adam 0.024; anchored at 16 they
+                # miss by 0.030 and 0.027 at 256, held at 0.016 AdamW by 0.031); held:
+                # 256's best
+                "adamw": 8e-3,
+                "adamw/held": 1.6e-2,
+                "vr-adam": 8e-3,
+                "vr-adam/held": 1.6e-2,
                 # the SGD- and LARS-type forms (benchmarks/recipes.py, docs/results.md
                 # "Recipes"): each form's best rate at constant batch 256 and its best under
                 # the default controller (batch 16 for most of the run) are joined by the
