@@ -262,6 +262,15 @@ def _states(db):
     return dict(rows)
 
 
+def _states_while_written(db):
+    """``_states`` of a study another process is writing: none yet while it creates the file's
+    tables (the file exists first) or holds the lock."""
+    try:
+        return _states(db) if db.exists() else {}
+    except sqlite3.OperationalError:
+        return {}
+
+
 def _reports(db):
     with sqlite3.connect(db) as connection:
         return connection.execute(
@@ -288,7 +297,7 @@ def test_a_killed_tune_resumes_and_ends_as_one_never_killed(tmp_path):
     process = subprocess.Popen([*TUNE, "--out", str(out)], start_new_session=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if (out / "study.db").exists() and "PRUNED" in _states(out / "study.db").values():
+        if "PRUNED" in _states_while_written(out / "study.db").values():
             break
         assert process.poll() is None, "tune ended before it could be killed"
         time.sleep(0.1)
