@@ -168,8 +168,6 @@ TEXT_RATES = {
 
 
 def test_text_pins_the_rates_of_every_registered_optimizer():
-    from bigbatch.optim import list_optimizers
-
     assert sorted(TEXT_RATES) == sorted(list_optimizers())
 
 
