@@ -147,16 +147,15 @@ def test_a_scaled_rate_carried_to_batch_256_is_the_held_rate_where_the_task_reco
 
 # text's default rates at the batches its two settings train at: the default controller
 # starts at 16, constant 256; each within 0.02 nats of the best of its x2 grid there but
-# plain SGD's, VR-SGD's and VR-Adam's, which no fixed rule serves (docs/results.md
-# "Recipes"); MERIT's, NVLAMB's and VR-LAMB's measured at 256 only
+# plain SGD's and VR-SGD's, which no fixed rule serves (docs/results.md "Recipes")
 TEXT_RATES = {
     "lamb": ("sqrt", 0.008, 0.032),
     "merit": ("sqrt", 0.008, 0.032),
     "nvlamb": ("sqrt", 0.008, 0.032),
     "vr-lamb": ("sqrt", 0.008, 0.032),
-    "vr-adam": ("sqrt", 0.004, 0.016),
+    "vr-adam": ("sqrt", 0.00565685, 0.0226274),
     "lambc": ("sqrt", 0.016, 0.064),
-    "adamw": ("sqrt", 0.004, 0.016),
+    "adamw": ("sqrt", 0.00565685, 0.0226274),
     "sgd": ("sqrt", 0.158, 0.632),
     "vr-lars": ("sqrt", 1.0, 4.0),
     "lars": ("none", 4.0, 4.0),

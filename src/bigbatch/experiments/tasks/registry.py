@@ -128,13 +128,13 @@ TASKS: dict[str, Task] = {
                 "lambc": 3.2e-2,
                 "lambc/held": 3.2e-2,
                 # AdamW's and VR-Adam's best rise only 2x for 16x the batch (0.008 at 16,
-                # 0.016 at 256): sqrt anchored at 256's best (0.004 at 16) misses least
-                # (AdamW 0.0196 under the controller, VR-Adam 0.024; anchored at 16 they
-                # miss by 0.030 and 0.027 at 256, held at 0.016 AdamW by 0.031); held:
-                # 256's best
-                "adamw": 8e-3,
+                # 0.016 at 256), so sqrt from either anchor misses the other (by 0.020-0.030);
+                # sqrt from the geometric mean of the two (0.008 * sqrt 2 at 64: 0.0057 at
+                # 16, 0.0226 at 256) ends within 0.007 nats of both grids' best, 3 seeds;
+                # held: 256's best
+                "adamw": 1.13137e-2,
                 "adamw/held": 1.6e-2,
-                "vr-adam": 8e-3,
+                "vr-adam": 1.13137e-2,
                 "vr-adam/held": 1.6e-2,
                 # the SGD- and LARS-type forms (benchmarks/recipes.py, docs/results.md
                 # "Recipes"): each form's best rate at constant batch 256 and its best under
