@@ -184,6 +184,20 @@ def test_text_runs_each_form_at_its_measured_rate_at_16_and_256(optimizer):
     assert (constant["batch.lr_scaling"], constant["lr"]) == (rule, pytest.approx(at_256))
 
 
+def test_digits_runs_merit_at_its_own_rate_and_the_rest_of_the_family_at_the_familys():
+    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.config import defaults
+
+    def rates(optimizer):
+        config = {**defaults(), "task": "digits", "optimizer": optimizer}
+        constant = {**config, "batch.controller": "constant", "batch.initial": 256}
+        return with_task_defaults(config)["lr"], with_task_defaults(constant)["lr"]
+
+    # measured: MERIT 4x the family's (docs/results.md "Recipes", digits)
+    assert rates("merit") == (pytest.approx(0.008), pytest.approx(0.032))
+    assert rates("lamb") == rates("adamw") == (pytest.approx(0.002), pytest.approx(0.008))
+
+
 @pytest.mark.parametrize(
     "metric, target, row, reached",
     [

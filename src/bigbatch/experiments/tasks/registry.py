@@ -78,6 +78,12 @@ TASKS: dict[str, Task] = {
             lrs={
                 "adam": 4e-3,
                 "adam/held": 1.6e-2,
+                # MERIT trains digits best at 4-8x the family's rate (at 256 and under the
+                # default controller; on text at 1x): 4x (0.032 at 256, 0.008 at 16) ends
+                # at 8x's 3-seed means with a third of its spread, a x2 step further from
+                # 16x, where it fails; held: the family's x4 (not measured)
+                "merit": 1.6e-2,
+                "merit/held": 6.4e-2,
                 "sgd": 0.25,
                 "sgd/held": 1.0,
                 "lars": 2.5,
