@@ -80,8 +80,8 @@ TASKS: dict[str, Task] = {
                 "adam/held": 1.6e-2,
                 # MERIT trains digits best at 4-8x the family's rate (at 256 and under the
                 # default controller; on text at 1x): 4x (0.032 at 256, 0.008 at 16) ends
-                # at 8x's 3-seed means with a third of its spread, a x2 step further from
-                # 16x, where it fails; held: the family's x4 (not measured)
+                # about at 8x's 3-seed means with a smaller spread, a x2 step further from
+                # 16x, which loses 2-3 pt (one seed); held: the family's x4 (not measured)
                 "merit": 1.6e-2,
                 "merit/held": 6.4e-2,
                 "sgd": 0.25,
@@ -134,10 +134,11 @@ TASKS: dict[str, Task] = {
                 "lambc": 3.2e-2,
                 "lambc/held": 3.2e-2,
                 # AdamW's and VR-Adam's best rise only 2x for 16x the batch (0.008 at 16,
-                # 0.016 at 256), so sqrt from either anchor misses the other (by 0.020-0.030);
-                # sqrt from the geometric mean of the two (0.008 * sqrt 2 at 64: 0.0057 at
-                # 16, 0.0226 at 256) ends within 0.007 nats of both grids' best, 3 seeds;
-                # held: 256's best
+                # 0.016 at 256), so sqrt from one anchor lands off the other (AdamW +0.0196,
+                # VR-Adam +0.024 to +0.030); sqrt from the geometric mean of the two (0.008 *
+                # sqrt 2 at 64: 0.0057 at 16, 0.0226 at 256) ends within 0.007 nats of both
+                # grids' best in 3-seed means (VR-Adam at 256 on seed 0: +0.0225); held:
+                # 256's best (0.016, below the scaled rate's 0.0226 there; not measured)
                 "adamw": 1.13137e-2,
                 "adamw/held": 1.6e-2,
                 "vr-adam": 1.13137e-2,
