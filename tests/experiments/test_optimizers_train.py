@@ -3,8 +3,9 @@
 A user who names an optimizer and leaves ``lr`` at 0 gets the task's measured
 rate for that optimizer's family, or for the optimizer itself where the task
 records one (docs/results.md, "Learning rate per optimizer family" and
-"Recipes": MERIT on ``digits``). At a small budget each must move the model well past chance; the
-bar is set so that a rate far off (an Adam rate given to LARS) fails. Every
+"Recipes": MERIT on ``digits``). At a small budget each must move the model
+well past chance; the bar is set so that a rate far off (an Adam rate given
+to LARS) fails. Every
 registered optimizer runs on ``digits``, the cheapest task; one optimizer of
 each family runs on the other tasks (the family's rate is what differs
 between tasks). ``mnist1d`` trains on a 4,000-sample draw of the dataset here

@@ -171,28 +171,29 @@ def test_text_pins_the_rates_of_every_registered_optimizer():
     assert sorted(TEXT_RATES) == sorted(list_optimizers())
 
 
-@pytest.mark.parametrize("optimizer", sorted(TEXT_RATES))
-def test_text_runs_each_form_at_its_measured_rate_at_16_and_256(optimizer):
+def _default_and_constant_256(task, optimizer):
+    """``task``'s resolved config for ``optimizer`` under the default controller and at
+    constant batch 256, everything else at its default."""
     from bigbatch.experiments.build import with_task_defaults
     from bigbatch.experiments.config import defaults
 
+    config = {**defaults(), "task": task, "optimizer": optimizer}
+    constant = {**config, "batch.controller": "constant", "batch.initial": 256}
+    return with_task_defaults(config), with_task_defaults(constant)
+
+
+@pytest.mark.parametrize("optimizer", sorted(TEXT_RATES))
+def test_text_runs_each_form_at_its_measured_rate_at_16_and_256(optimizer):
     rule, at_16, at_256 = TEXT_RATES[optimizer]
-    config = {**defaults(), "task": "text", "optimizer": optimizer}
-    default = with_task_defaults(config)  # the default controller, from batch 16
+    default, constant = _default_and_constant_256("text", optimizer)
     assert (default["batch.controller"], default["batch.initial"]) == ("batch_warmup", 16)
     assert (default["batch.lr_scaling"], default["lr"]) == (rule, pytest.approx(at_16))
-    constant = with_task_defaults({**config, "batch.controller": "constant", "batch.initial": 256})
     assert (constant["batch.lr_scaling"], constant["lr"]) == (rule, pytest.approx(at_256))
 
 
 def test_digits_runs_merit_at_its_own_rate_and_the_rest_of_the_family_at_the_familys():
-    from bigbatch.experiments.build import with_task_defaults
-    from bigbatch.experiments.config import defaults
-
     def rates(optimizer):
-        config = {**defaults(), "task": "digits", "optimizer": optimizer}
-        constant = {**config, "batch.controller": "constant", "batch.initial": 256}
-        return with_task_defaults(config)["lr"], with_task_defaults(constant)["lr"]
+        return tuple(c["lr"] for c in _default_and_constant_256("digits", optimizer))
 
     # measured: MERIT 4x the family's (docs/results.md "Recipes", digits)
     assert rates("merit") == (pytest.approx(0.008), pytest.approx(0.032))
