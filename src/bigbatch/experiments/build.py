@@ -14,7 +14,7 @@ from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
-from .config import AUTO, ConfigError, fill_controller_defaults
+from .config import AUTO, ConfigError, defaults, fill_controller_defaults
 from .device import Precision, to_device
 from .tasks import TASKS, Problem
 
@@ -31,6 +31,11 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"model.context = {config['model.context']} is set, but the {task.name} task "
             "has no sequences (lm and text do)"
+        )
+    if config["text.corpus"] != defaults()["text.corpus"] and task.name != "text":
+        raise ConfigError(
+            f"text.corpus = {config['text.corpus']!r} is set, but the {task.name} task "
+            "reads no corpus (text does)"
         )
     for key, value in (
         ("model.width", task.width),

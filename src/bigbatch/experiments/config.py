@@ -188,6 +188,11 @@ def _run_keys() -> list[Key]:
             low=0,
         ),
         Key(
+            "text.corpus",
+            "torch",
+            "the text task's corpus: the *.py files of this installed package, or of this folder",
+        ),
+        Key(
             "optimizer",
             "lamb",
             "optimizer name (bigbatch.optim.list_optimizers())",

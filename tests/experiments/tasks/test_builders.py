@@ -67,3 +67,31 @@ def test_a_context_on_a_task_without_sequences_is_one_error():
     config = resolve({"task": "mnist1d", "model.context": 16})
     with pytest.raises(ConfigError, match=r"model.context = 16 .* mnist1d task has no sequences"):
         with_task_defaults(config)
+
+
+def _python_files(root, count=30):
+    for i in range(count):
+        (root / f"mod{i:02d}.py").write_text(f"value_{i} = {i}  # a line of source\n" * 40)
+
+
+def test_text_reads_the_corpus_it_is_named_and_says_which(tmp_path):
+    _python_files(tmp_path)
+    config = text_config(**{"text.corpus": str(tmp_path)})
+    problem = tasks.TASKS["text"].build(config)
+    train, _, info = tasks.text_corpus(tmp_path)
+    assert problem.info == {"corpus": str(tmp_path), **info}
+    assert problem.train.tensors[0].flatten()[:9].numpy().tobytes() == train[:9].tobytes()
+
+
+def test_a_corpus_that_is_neither_package_nor_folder_is_one_error():
+    config = text_config(**{"text.corpus": "no_such_package_here"})
+    with pytest.raises(ConfigError, match=r"text.corpus = 'no_such_package_here' is neither"):
+        build(config)
+
+
+def test_a_corpus_on_a_task_without_one_is_one_error():
+    from bigbatch.experiments.build import with_task_defaults
+
+    config = resolve({"task": "digits", "text.corpus": "sympy"})
+    with pytest.raises(ConfigError, match=r"text.corpus = 'sympy' .* digits task reads no corpus"):
+        with_task_defaults(config)

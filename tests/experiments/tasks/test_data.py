@@ -1,6 +1,7 @@
 """The tasks' data: MNIST-1D (cached), the Markov language, the text corpus and its windows."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +98,14 @@ def test_text_corpus_is_deterministic_and_holds_whole_files_out(tmp_path):
     assert info["corpus_bytes"] == train.size + validation.size
     (tmp_path / "pkg/mod000.py").write_text("changed\n")
     assert tasks.text_corpus(tmp_path)[2]["corpus_sha256"] != info["corpus_sha256"]
+
+
+def test_corpus_root_is_a_folder_as_given_or_an_installed_packages_folder(tmp_path):
+    assert tasks.data.corpus_root(str(tmp_path)) == tmp_path
+    assert tasks.data.corpus_root("torch") == Path(torch.__file__).parent
+    for bad in ("no_such_package_here", "not a name", "../nowhere"):
+        with pytest.raises(ValueError, match=r"text.corpus = .* is neither a folder nor"):
+            tasks.data.corpus_root(bad)
 
 
 def test_byte_windows_predict_every_byte_once_or_spread_evenly():

@@ -119,14 +119,17 @@ def build_lm(config: dict[str, Any], sequences: int = 20_000, test: int = 1_000)
 
 
 def build_text(config: dict[str, Any], validation_windows: int = 1_000) -> Problem:
-    """A byte-level GPT (:class:`TinyTransformer`, 256 tokens) on Python source text.
+    """A byte-level GPT (:class:`TinyTransformer`, 256 tokens) on Python source text: the
+    ``*.py`` files of the package (or folder) ``text.corpus``, torch's by default.
 
     Training samples are windows of ``model.context + 1`` bytes; the input is
     the first ``context`` bytes, the target each next byte. The validation set
     is ``validation_windows`` windows spread evenly over the held-out files.
     """
     context = config["model.context"]
-    train, validation, info = datasets.text_corpus()
+    corpus = config["text.corpus"]
+    train, validation, info = datasets.text_corpus(datasets.corpus_root(corpus))
+    info = {"corpus": corpus, **info}
     windows = datasets.byte_windows(train, context + 1)
     held = datasets.byte_windows(validation, context + 1, validation_windows)
     torch.manual_seed(config["seed"])

@@ -1,9 +1,10 @@
 """The built-in tasks' data, made on this machine: MNIST-1D (cached), a Markov language,
-the installed torch package's Python sources as bytes."""
+an installed package's Python sources as bytes (torch's by default)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -88,6 +89,24 @@ HELD_OUT_SHARE = 10
 
 def held_out(path: str) -> bool:
     return int(hashlib.sha1(path.encode()).hexdigest(), 16) % HELD_OUT_SHARE == 0
+
+
+def corpus_root(corpus: str) -> Path:
+    """The folder whose ``*.py`` files are the ``text`` task's corpus: ``corpus`` if it is a
+    folder, else the folder of the installed package of that name (found, not imported)."""
+    if Path(corpus).is_dir():
+        return Path(corpus)
+    try:
+        spec = importlib.util.find_spec(corpus) if corpus.isidentifier() else None
+    except (ImportError, ValueError):
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not folders:
+        raise ValueError(
+            f"text.corpus = {corpus!r} is neither a folder nor an installed package "
+            "(give a package name such as 'torch' or 'sympy', or a folder of .py files)"
+        )
+    return Path(folders[0])
 
 
 def text_corpus(root: Path | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
