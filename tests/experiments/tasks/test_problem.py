@@ -200,6 +200,17 @@ def test_digits_runs_merit_at_its_own_rate_and_the_rest_of_the_family_at_the_fam
     assert rates("lamb") == rates("adamw") == (pytest.approx(0.002), pytest.approx(0.008))
 
 
+def test_teacher_runs_larc_and_vr_sgd_at_their_measured_rates():
+    def rates(optimizer):
+        return tuple(c["lr"] for c in _default_and_constant_256("teacher", optimizer))
+
+    # measured (docs/results.md "Recipes", teacher): each one's default-controller best at
+    # batch 16, carried linearly to 256; plain SGD's is the family's
+    assert rates("larc") == (pytest.approx(0.395), pytest.approx(6.32))
+    assert rates("vr-sgd") == (pytest.approx(0.125), pytest.approx(2.0))
+    assert rates("plain-sgd") == (pytest.approx(0.0625), pytest.approx(1.0))
+
+
 @pytest.mark.parametrize(
     "metric, target, row, reached",
     [
