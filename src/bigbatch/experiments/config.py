@@ -190,7 +190,8 @@ def _run_keys() -> list[Key]:
         Key(
             "text.corpus",
             "torch",
-            "the text task's corpus: the *.py files of this installed package, or of this folder",
+            "the text task's corpus: the *.py files of this installed package, or of this folder "
+            "given as a path (./src, /data/code)",
         ),
         Key(
             "optimizer",

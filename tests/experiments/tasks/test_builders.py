@@ -79,13 +79,15 @@ def test_text_reads_the_corpus_it_is_named_and_says_which(tmp_path):
     config = text_config(**{"text.corpus": str(tmp_path)})
     problem = tasks.TASKS["text"].build(config)
     train, _, info = tasks.text_corpus(tmp_path)
-    assert problem.info == {"corpus": str(tmp_path), **info}
+    assert problem.info == {"corpus": str(tmp_path.resolve()), **info}
     assert problem.train.tensors[0].flatten()[:9].numpy().tobytes() == train[:9].tobytes()
 
 
 def test_a_corpus_that_is_neither_package_nor_folder_is_one_error():
     config = text_config(**{"text.corpus": "no_such_package_here"})
-    with pytest.raises(ConfigError, match=r"text.corpus = 'no_such_package_here' is neither"):
+    with pytest.raises(
+        ConfigError, match=r"text.corpus = 'no_such_package_here' is not an installed"
+    ):
         build(config)
 
 

@@ -100,11 +100,26 @@ def test_text_corpus_is_deterministic_and_holds_whole_files_out(tmp_path):
     assert tasks.text_corpus(tmp_path)[2]["corpus_sha256"] != info["corpus_sha256"]
 
 
-def test_corpus_root_is_a_folder_as_given_or_an_installed_packages_folder(tmp_path):
-    assert tasks.data.corpus_root(str(tmp_path)) == tmp_path
-    assert tasks.data.corpus_root("torch") == Path(torch.__file__).parent
-    for bad in ("no_such_package_here", "not a name", "../nowhere"):
-        with pytest.raises(ValueError, match=r"text.corpus = .* is neither a folder nor"):
+def test_corpus_root_is_an_installed_packages_folder_or_a_folder_given_as_a_path(
+    tmp_path, monkeypatch
+):
+    torch_folder = Path(torch.__file__).parent
+    assert tasks.data.corpus_root("torch") == torch_folder
+    assert tasks.data.corpus_root("torch.nn") == torch_folder / "nn"
+    assert tasks.data.corpus_root(str(tmp_path)) == tmp_path.resolve()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "torch").mkdir()  # a folder here never shadows the package of that name
+    assert tasks.data.corpus_root("torch") == torch_folder
+    assert tasks.data.corpus_root("./torch") == (tmp_path / "torch").resolve()
+    (tmp_path / "notes.py").write_text("x = 1\n")
+    for bad, why in [
+        ("", "is empty"),
+        ("no_such_package_here", "is not an installed package"),
+        ("./nowhere", "is not a folder"),
+        ("./notes.py", "is not a folder"),
+        ("typing", "is a single-file module"),
+    ]:
+        with pytest.raises(ValueError, match=why):
             tasks.data.corpus_root(bad)
 
 

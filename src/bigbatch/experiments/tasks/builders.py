@@ -128,8 +128,10 @@ def build_text(config: dict[str, Any], validation_windows: int = 1_000) -> Probl
     """
     context = config["model.context"]
     corpus = config["text.corpus"]
-    train, validation, info = datasets.text_corpus(datasets.corpus_root(corpus))
-    info = {"corpus": corpus, **info}
+    root = datasets.corpus_root(corpus)
+    train, validation, info = datasets.text_corpus(root)
+    # a package by its name, a folder by its absolute path
+    info = {"corpus": str(root) if datasets.names_a_folder(corpus) else corpus, **info}
     windows = datasets.byte_windows(train, context + 1)
     held = datasets.byte_windows(validation, context + 1, validation_windows)
     torch.manual_seed(config["seed"])

@@ -91,20 +91,42 @@ def held_out(path: str) -> bool:
     return int(hashlib.sha1(path.encode()).hexdigest(), 16) % HELD_OUT_SHARE == 0
 
 
+def names_a_folder(corpus: str) -> bool:
+    """Whether a ``text.corpus`` value is a path (absolute, ``.``/``~``, or with a
+    separator) rather than a package name."""
+    return os.sep in corpus or "/" in corpus or corpus.startswith((".", "~"))
+
+
 def corpus_root(corpus: str) -> Path:
-    """The folder whose ``*.py`` files are the ``text`` task's corpus: ``corpus`` if it is a
-    folder, else the folder of the installed package of that name (found, not imported)."""
-    if Path(corpus).is_dir():
-        return Path(corpus)
+    """The folder whose ``*.py`` files are the ``text`` task's corpus.
+
+    ``corpus`` is an installed package's (dotted) name, found without being imported
+    (a dotted name imports its parents), or a folder given as a path: absolute, or
+    starting with ``.`` or ``~``, or holding a separator, so that a folder in the working
+    directory never shadows the package of the same name.
+    """
+    if not corpus:
+        raise ValueError("text.corpus is empty: give a package name such as 'torch' or a folder")
+    if names_a_folder(corpus):
+        folder = Path(corpus).expanduser().resolve()
+        if not folder.is_dir():
+            raise ValueError(f"text.corpus = {corpus!r} is not a folder")
+        return folder
     try:
-        spec = importlib.util.find_spec(corpus) if corpus.isidentifier() else None
+        spec = importlib.util.find_spec(corpus)
     except (ImportError, ValueError):
         spec = None
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not folders:
+    if spec is None:
         raise ValueError(
-            f"text.corpus = {corpus!r} is neither a folder nor an installed package "
-            "(give a package name such as 'torch' or 'sympy', or a folder of .py files)"
+            f"text.corpus = {corpus!r} is not an installed package (give a package name such "
+            "as 'torch' or 'sympy', or a folder as a path, e.g. './src')"
+        )
+    folders = list(spec.submodule_search_locations or [])
+    if len(folders) != 1:
+        what = "a single-file module" if not folders else f"spread over {len(folders)} folders"
+        raise ValueError(
+            f"text.corpus = {corpus!r} is {what}, not one package folder: name a package "
+            "or give a folder as a path"
         )
     return Path(folders[0])
 

@@ -122,7 +122,7 @@ TASKS: dict[str, Task] = {
         ),
         Task(
             name="text",
-            summary="Python sources of the installed torch package, byte-level GPT",
+            summary="Python sources of the installed torch package (text.corpus), byte-level GPT",
             size="~40 MB train / ~6 MB held-out files (torch's *.py), windows of 32 bytes",
             expected="validation loss ~1.53 nats per byte at the default budget",
             target=1.9,
