@@ -191,9 +191,13 @@ def test_text_runs_each_form_at_its_measured_rate_at_16_and_256(optimizer):
     assert (constant["batch.lr_scaling"], constant["lr"]) == (rule, pytest.approx(at_256))
 
 
+def _rates_at_16_and_256(task, optimizer):
+    return tuple(c["lr"] for c in _default_and_constant_256(task, optimizer))
+
+
 def test_digits_runs_merit_at_its_own_rate_and_the_rest_of_the_family_at_the_familys():
     def rates(optimizer):
-        return tuple(c["lr"] for c in _default_and_constant_256("digits", optimizer))
+        return _rates_at_16_and_256("digits", optimizer)
 
     # measured: MERIT 4x the family's (docs/results.md "Recipes", digits)
     assert rates("merit") == (pytest.approx(0.008), pytest.approx(0.032))
@@ -202,7 +206,7 @@ def test_digits_runs_merit_at_its_own_rate_and_the_rest_of_the_family_at_the_fam
 
 def test_teacher_runs_larc_and_vr_sgd_at_their_measured_rates():
     def rates(optimizer):
-        return tuple(c["lr"] for c in _default_and_constant_256("teacher", optimizer))
+        return _rates_at_16_and_256("teacher", optimizer)
 
     # measured (docs/results.md "Recipes", teacher): each one's default-controller best at
     # batch 16, carried linearly to 256; plain SGD's own 0.25 at batch 64 (both grids' best)

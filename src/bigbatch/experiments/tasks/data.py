@@ -131,16 +131,17 @@ def corpus_root(corpus: str) -> Path:
     return Path(folders[0])
 
 
-def text_corpus(root: Path | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """The bytes of every ``*.py`` file under ``root`` (default: the installed ``torch``
-    package), in sorted path order, as ``(train, validation, info)``.
+def text_corpus(root: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The bytes of every ``*.py`` file under ``root`` (:func:`corpus_root` finds it from
+    ``text.corpus``, whose default names torch), in sorted path order, as
+    ``(train, validation, info)``.
 
     Files whose path hashes to the held-out share go to validation, so no file
     is split between the two. Each file ends with a newline. ``info`` holds the
     SHA-256 of the corpus (paths and contents), its size and the file counts:
     a run's summary names the exact text it trained on.
     """
-    root = Path(root) if root is not None else Path(torch.__file__).parent
+    root = Path(root)
     digest = hashlib.sha256()
     parts: dict[bool, list[bytes]] = {False: [], True: []}
     for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
