@@ -63,6 +63,24 @@ def test_the_rate_is_set_for_the_step_and_restored_after():
     assert result.metrics["lr"] == pytest.approx(0.1) and result.metrics["schedule"] == 0.5
 
 
+@pytest.mark.parametrize(("schedule", "factor"), [(1.0, 1.5), (0.5, 1.0), (0.25, 0.5)])
+def test_the_rate_stops_at_its_ceiling_whatever_the_rule_and_schedule_give(schedule, factor):
+    """linear ×2 at batch 16 from 8: the ceiling 1.5 binds only where rule × schedule pass it."""
+    model, opt, engine = setup(
+        bb.batch.Constant(16),
+        lr_scaling="linear",
+        base_batch_size=8,
+        schedule=lambda s: schedule,
+        max_lr_factor=1.5,
+    )
+    result = run_step(model, engine)
+    assert result.metrics["lr_factor"] == pytest.approx(factor)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * factor)
+    opt.step()
+    engine.after_optimizer_step(result)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
 def test_a_restore_the_framework_never_called_does_not_compound():
     model, opt, engine = setup(bb.batch.Constant(16), lr_scaling="linear", base_batch_size=8)
     run_step(model, engine)  # applied x2, never restored (a GradScaler skipped the step)

@@ -16,6 +16,7 @@ from bigbatch import StepOptions
         ("lr_scaling", "cubic", "lr_scaling must be one of"),
         ("base_batch_size", 0, "base_batch_size must be a positive whole number, got 0"),
         ("schedule", 3, "schedule must be a function of samples, got 3"),
+        ("max_lr_factor", 0.0, "max_lr_factor must be a finite number in (0.0, inf], got 0.0"),
         ("statistics", "yes", "statistics must be True or False, got 'yes'"),
         ("similarity", "halves", "similarity must be one of"),
         ("ema_beta", 1.0, "ema_beta must be a finite number in [0.0, 1.0), got 1.0"),

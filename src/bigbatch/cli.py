@@ -466,6 +466,9 @@ def _tasks() -> None:
         if task.lr_rules:
             rules = ", ".join(f"{k} {v}" for k, v in task.lr_rules.items())
             print(f"    rules     {rules} (measured here; else the family's)")
+        if task.lr_max:
+            ceilings = ", ".join(f"{k} {v:g}" for k, v in task.lr_max.items())
+            print(f"    lr_max    {ceilings} (the largest rate a step takes)")
 
 
 def main(argv: list[str] | None = None) -> int:

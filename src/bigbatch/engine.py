@@ -223,6 +223,8 @@ class StepEngine:
             # controllers may hold the batch while the schedule still rises (a warm-up)
             metrics["schedule"] = float(self.schedule(self.samples))
             factor *= metrics["schedule"]
+        if self.options.max_lr_factor is not None:  # the rate's stability ceiling
+            factor = min(factor, self.options.max_lr_factor)
         metrics["lr_factor"] = factor
         lr = self.optimizer.param_groups[0]["lr"]
         if not isinstance(lr, Tensor) or lr.device.type == "cpu":

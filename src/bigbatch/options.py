@@ -43,6 +43,11 @@ class StepOptions:
     base_batch_size: int | None = None
     #: the rate multiplier as a function of samples seen (``bigbatch.schedules``)
     schedule: Schedule | None = None
+    #: the most the batch rule and the schedule together may multiply the rate by (None:
+    #: no ceiling). The best rate of SGD-type optimizers stops rising with the batch
+    #: where steps become unstable (McCandlish et al. 2018's ``ε_max``; Cohen et al.
+    #: 2021), so a rule that scales the rate stops at ``lr × max_lr_factor``
+    max_lr_factor: float | None = None
     #: collect the gradient statistics (the adaptive controllers, the AdaScale rules,
     #: VRGD and AGVM need them)
     statistics: bool = True
@@ -67,6 +72,8 @@ class StepOptions:
         choice("lr_scaling", self.lr_scaling, (*LR_RULES, "auto"))
         if self.base_batch_size is not None:
             positive_int("base_batch_size", self.base_batch_size)
+        if self.max_lr_factor is not None:
+            check_number("max_lr_factor", self.max_lr_factor, low_open=True)
         if self.schedule is not None and not callable(self.schedule):
             raise ValueError(f"schedule must be a function of samples, got {self.schedule!r}")
         check_flag("statistics", self.statistics)

@@ -204,7 +204,8 @@ def test_tasks_are_listed(capsys):
     for name in ("mnist1d", "teacher", "digits", "lm", "text"):
         assert name in listing
     # a rule measured on a task is listed with its rates
-    assert "rules     sgd sqrt, vr-momentum none, plain-sgd none" in listing
+    assert "rules     sgd sqrt, vr-momentum none, plain-sgd sqrt" in listing
+    assert "lr_max    plain-sgd 0.632, vr-sgd 0.632 (the largest rate a step takes)" in listing
 
 
 def test_lm_task_logs_the_max_attention_logit_and_loss_floor(tmp_path):

@@ -59,6 +59,9 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
         measured=task.lr_rule(config["optimizer"]),
     )
     if not config["lr"]:
+        # a ceiling belongs to the rates it was measured with: only the task's own
+        if not config["lr_max"]:
+            config["lr_max"] = task.lr_ceiling(config["optimizer"]) or 0.0
         held = config["batch.lr_scaling"] == "none"
         # a scaled rate is measured at the task's small batch: carry it to batch.base
         try:
@@ -217,6 +220,7 @@ def _loop(
         lr_scaling=config["batch.lr_scaling"],
         base_batch_size=config["batch.base"],
         schedule=make_schedule(config),
+        max_lr_factor=config["lr_max"] / config["lr"] if config["lr_max"] else None,
         similarity=None if config["batch.similarity"] == "auto" else config["batch.similarity"],
         comm_hook=hook,
         nonfinite=config["nonfinite"],

@@ -212,6 +212,14 @@ def _run_keys() -> list[Key]:
             "family and LR rule (see `bigbatch tasks`)",
             low=0,
         ),
+        Key(
+            "lr_max",
+            0.0,
+            "the largest rate any step takes, after the batch rule and the schedule (a rule "
+            "that scales the rate stops there); 0: the task's measured ceiling for the "
+            "optimizer where it has one and lr is the task's own, else none",
+            low=0,
+        ),
         recipe_key(
             "weight_decay",
             "weight decay, not on biases and norms (coupled for SGD and LARS, decoupled for "

@@ -85,7 +85,8 @@ def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
     if path.exists():  # a run killed midway: start it again
         shutil.rmtree(path)
     if not quiet:
-        print(f"[{path.name}] lr {config['lr']:.4g}, seed {config['seed']}", flush=True)
+        rate = f"lr {config['lr']:.4g}" if config.get("lr") else "the task's rate"
+        print(f"[{path.name}] {rate}, seed {config.get('seed', 0)}", flush=True)
     try:
         return runner.train(resolve(config), path, quiet=quiet)
     except runner.TooManySkippedError as err:

@@ -97,3 +97,12 @@ def test_a_corpus_on_a_task_without_one_is_one_error():
     config = resolve({"task": "digits", "text.corpus": "sympy"})
     with pytest.raises(ConfigError, match=r"text.corpus = 'sympy' .* digits task reads no corpus"):
         with_task_defaults(config)
+
+
+@pytest.mark.parametrize(("lr_max", "factor"), [(0.0, None), (0.05, 0.5)])
+def test_the_loop_stops_the_rate_at_lr_max(lr_max, factor):
+    from bigbatch.experiments.build import with_task_defaults
+
+    config = with_task_defaults(resolve({"task": "digits", "lr": 0.1, "lr_max": lr_max}))
+    _, loop, _ = build({**config, "model.width": 8, "model.depth": 1})
+    assert loop.engine.options.max_lr_factor == factor

@@ -75,6 +75,10 @@ class Task:
     #: that joins an optimizer's best rate at a small and at a large batch. On ``text``
     #: momentum SGD's best rate rises 4x from batch 16 to 256 (sqrt), LARS's not at all
     lr_rules: Mapping[str, str] = field(default_factory=dict)
+    #: the largest rate a step may take, measured where an optimizer's best rate stops
+    #: rising with the batch (its rule would carry it past the largest stable rate),
+    #: keyed like ``lrs``; it applies to the task's own rates (``lr = 0``)
+    lr_max: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key, rule in self.lr_rules.items():
@@ -104,6 +108,11 @@ class Task:
         return next(
             (self.lr_rules[k] for k in _own_then_family(optimizer) if k in self.lr_rules), None
         )
+
+    def lr_ceiling(self, optimizer: str) -> float | None:
+        """The rate ceiling measured for ``optimizer`` on this task (its own, else its
+        family's), or None where none was measured."""
+        return next((self.lr_max[k] for k in _own_then_family(optimizer) if k in self.lr_max), None)
 
     def reached(self, evaluation: dict[str, float]) -> bool:
         """Whether an evaluation row meets the target."""
