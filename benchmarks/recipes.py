@@ -36,14 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from bigbatch.experiments.analysis import mean_std
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import ConfigError, parse_assignment, resolve
-from bigbatch.experiments.sweep import Arm, ArmResult, arm_rate, metric, run_all, sweep
+from bigbatch.experiments.sweep import Arm, ArmResult, arm_rate, metric, sweep
 
 SETTINGS = {
     "b256": {"batch.controller": "constant", "batch.initial": 256},
@@ -97,39 +96,18 @@ def merged(path: Path, rows: list[dict]) -> list[dict]:
     return [r for r in old if key(r) not in new] + rows
 
 
-def recipe_runs(base: dict, arms: list[Arm], root: Path, jobs: int) -> dict[str, dict]:
-    """The recipe itself (seed 0) for each arm whose recipe is not a point of its grid,
-    by arm stem: its summary, with the ceiling it ran under as ``lr_max``.
-
-    A task's rate ceiling (``lr_max``) applies to the task's own rate only, so the
-    grid's ×1 point, trained at an explicit rate, is not the recipe where the ceiling
-    binds; the grid itself stays free of it (the best a rate alone reaches).
-    """
-    threads = {"threads": base.get("threads") or max(1, (os.cpu_count() or 1) // jobs)}
-    ceilings = {
-        a.stem: with_task_defaults(resolve({**base, **a.overrides}))["lr_max"] for a in arms
-    }
-    ceiled = [a for a in arms if ceilings[a.stem]]
-    seed = base.get("seed", 0)
-    runs = [
-        ({**threads, **base, **a.overrides}, str(root / f"{a.stem}-recipe-seed{seed}"))
-        for a in ceiled
-    ]
-    summaries = run_all(runs, jobs)
-    return {
-        a.stem: {**summary, "lr_max": ceilings[a.stem]} for a, summary in zip(ceiled, summaries)
-    }
+def ceiling(config: dict) -> float:
+    """The rate ceiling an arm's recipe trains under (0: none); its grid scales it with the
+    rate (``bigbatch.experiments.build.at_rate``), so the ×1 point is the recipe."""
+    return with_task_defaults(resolve(config))["lr_max"]
 
 
-def row(
-    task: str, setting: str, result: ArmResult, default_lr: float, recipe: dict | None = None
-) -> dict:
-    """One cell: the default's final score (seed 0: the recipe's own run where it has
-    one, else its rate's grid point) beside the best rate's seeds."""
+def row(task: str, setting: str, result: ArmResult, default_lr: float, lr_max: float = 0.0) -> dict:
+    """One cell: the default rate's final score (seed 0) beside the best rate's seeds."""
     at_default = min(
         range(len(result.lrs)), key=lambda i: abs(math.log(result.lrs[i] / default_lr))
     )
-    default = metric(recipe if recipe is not None else result.grid[at_default], "final")
+    default = metric(result.grid[at_default], "final")
     finals = [metric(s, "final") for s in result.runs]
     mean, std = mean_std(finals)
     loss = result.runs[0].get("target_metric", "").endswith("loss")
@@ -141,7 +119,7 @@ def row(
         + (f" γ={result.overrides['vrgd.gamma']:g}" if "vrgd.gamma" in result.overrides else ""),
         "setting": setting,
         "default_lr": default_lr,
-        "default_lr_max": recipe["lr_max"] if recipe is not None else None,
+        "default_lr_max": lr_max,
         "default_final": default,
         "best_lr": result.lr,
         "best_final_mean": mean,
@@ -223,10 +201,10 @@ def main() -> None:
                 jobs=args.jobs,
                 widen=args.widen,
             )
-            recipes = recipe_runs(base, arms, root / task, args.jobs)
             rows += [
-                row(task, setting, r, arm_rate({**base, **arm.overrides}), recipes.get(arm.stem))
+                row(task, setting, r, arm_rate(config), ceiling(config))
                 for arm, r in zip(arms, results)
+                for config in [{**base, **arm.overrides}]
             ]
             root.mkdir(parents=True, exist_ok=True)
             everything = merged(root / "recipes.json", rows)

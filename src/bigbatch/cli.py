@@ -468,7 +468,7 @@ def _tasks() -> None:
             print(f"    rules     {rules} (measured here; else the family's)")
         if task.lr_max:
             ceilings = ", ".join(f"{k} {v:g}" for k, v in task.lr_max.items())
-            print(f"    lr_max    {ceilings} (the largest rate a step takes)")
+            print(f"    lr_max    {ceilings} (ceilings on a step's rate)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -149,7 +149,7 @@ class AdaptiveBatch:
         min_sub_batches: the fewest micro-batches per step (≥ 2; default 4).
         options: the per-step rules (:class:`~bigbatch.StepOptions`): how the
             rate follows the batch (``lr_scaling``, ``base_batch_size``,
-            ``schedule``), which statistics to collect (``statistics``,
+            ``schedule``, ``max_lr_factor``), which statistics to collect (``statistics``,
             ``gsnr``, ``similarity``, ``ema_beta``, ``finite_correction``),
             ``loss_reduction`` and what a non-finite step does (``nonfinite``).
             Each may also be given as a keyword (``**step_options``).

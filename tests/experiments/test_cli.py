@@ -205,7 +205,7 @@ def test_tasks_are_listed(capsys):
         assert name in listing
     # a rule measured on a task is listed with its rates
     assert "rules     sgd sqrt, vr-momentum none, plain-sgd sqrt" in listing
-    assert "lr_max    plain-sgd 0.632, vr-sgd 0.632 (the largest rate a step takes)" in listing
+    assert "lr_max    plain-sgd 0.632, vr-sgd 0.632, vr-adam 0.016 (ceilings" in listing
 
 
 def test_lm_task_logs_the_max_attention_logit_and_loss_floor(tmp_path):

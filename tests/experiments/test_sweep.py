@@ -1,9 +1,13 @@
 """The tuned-sweep protocol: the same rate grid for every arm, the best rate on more seeds."""
 
+import dataclasses
+from unittest import mock
+
 import pytest
 
 from bigbatch.experiments.config import ConfigError
 from bigbatch.experiments.sweep import RANKS, Arm, metric, sweep
+from bigbatch.experiments.tasks import TASKS
 
 BASE = {"task": "digits", "batch.controller": "constant", "lr": 0.004}
 
@@ -23,6 +27,23 @@ def test_each_arm_gets_the_grid_and_its_best_rate_gets_the_seeds(trained, tmp_pa
     assert [r["seed"] for r in trained[6:]] == [1, 2, 1, 2]
     assert results[0].dirs == ["low-lr2-seed0", "low-lr2-seed1", "low-lr2-seed2"]
     assert [metric(s) for s in results[0].runs] == pytest.approx([0.98, 0.979, 0.978])
+
+
+def test_a_grid_at_the_tasks_rate_scales_the_tasks_ceiling_with_it(trained, tmp_path):
+    """×1 is the recipe ``bigbatch train`` runs; a ceiling the user gives stays fixed."""
+    digits = dataclasses.replace(TASKS["digits"], lr_max={"adam": 0.01})
+    base = {"task": "digits", "batch.controller": "constant", "batch.initial": 64}
+    with mock.patch.dict(TASKS, {"digits": digits}):
+        sweep(base, [Arm("a", {}, "a")], tmp_path / "a", multipliers=(0.5, 1.0, 2.0))
+        sweep({**base, "lr_max": 0.03}, [Arm("b", {}, "b")], tmp_path / "b", multipliers=(0.5, 2))
+    rate = trained[1]["lr"]
+    assert [(c["lr"], c["lr_max"]) for c in trained] == [
+        (rate / 2, 0.005),
+        (rate, 0.01),
+        (rate * 2, 0.02),
+        (rate / 2, 0.03),
+        (rate * 2, 0.03),
+    ]
 
 
 def test_a_repeated_sweep_reuses_its_finished_runs(trained, tmp_path):

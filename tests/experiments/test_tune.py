@@ -27,6 +27,7 @@ from bigbatch.experiments.tune import (
     default_space,
     latin_hypercube,
     parse_dimension,
+    trial_config,
     tune,
 )
 
@@ -212,6 +213,14 @@ def test_the_first_bracket_covers_every_stratum_of_each_range():
     warmup_strata = sorted(int(6 * p["schedule.warmup"] / 0.3) for p in points)
     assert lr_strata == warmup_strata == list(range(6))
     assert latin_hypercube(space, 6, seed=3) == points != latin_hypercube(space, 6, seed=4)
+
+
+def test_a_trials_rate_takes_the_tasks_ceiling_along_and_its_other_values_stay():
+    config = resolve({"task": "text", "optimizer": "vr-sgd", "batch.controller": "constant"})
+    config = resolve(config, {"batch.initial": 256})
+    trial = trial_config(config, {"lr": 1.264, "weight_decay": 0.001})
+    assert (trial["lr"], trial["lr_max"], trial["weight_decay"]) == (1.264, 0.316, 0.001)
+    assert trial_config(config, {"weight_decay": 0.001})["lr_max"] == 0.0  # the task's, later
 
 
 def test_the_default_space_spans_the_tasks_rate_by_eight_each_way():

@@ -14,7 +14,7 @@ from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
-from .config import AUTO, ConfigError, defaults, fill_controller_defaults
+from .config import AUTO, ConfigError, defaults, fill_controller_defaults, resolve
 from .device import Precision, to_device
 from .tasks import TASKS, Problem
 
@@ -74,6 +74,23 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
             )
         config["lr"] = base_rate
     return config
+
+
+def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
+    """``config`` trained at rate ``lr`` (a grid point, a tuning trial).
+
+    Where ``config`` leaves the rate and the ceiling to its task and the task records a
+    ceiling for the optimizer, the ceiling moves with the rate: a point at ``m`` times
+    the task's rate is the task's recipe at ``m`` times its scale, so ×1 is exactly what
+    ``bigbatch train`` runs. A rate or ceiling the config sets is its own and stays.
+    """
+    out = {**config, "lr": lr}
+    if config.get("lr") or config.get("lr_max"):
+        return out
+    task = with_task_defaults(resolve(config))
+    if task["lr_max"]:
+        out["lr_max"] = task["lr_max"] * (lr / task["lr"])  # exactly the ceiling at ×1
+    return out
 
 
 def with_recipe(config: dict[str, Any]) -> dict[str, Any]:

@@ -215,8 +215,8 @@ def _run_keys() -> list[Key]:
         Key(
             "lr_max",
             0.0,
-            "the largest rate any step takes, after the batch rule and the schedule (a rule "
-            "that scales the rate stops there); 0: the task's measured ceiling for the "
+            "the largest rate the batch rule and the schedule give a step (a rule that "
+            "scales the rate stops there); 0: the task's measured ceiling for the "
             "optimizer where it has one and lr is the task's own, else none",
             low=0,
         ),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .._checks import positive_int
 from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
-from .build import with_task_defaults
+from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve
 from .pool import in_processes
 from .rundir import read_config
@@ -192,7 +192,8 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
 
     def job(arm: Arm, i: int, seed: int) -> tuple[dict[str, Any], str]:
         lr = rates[arm.stem] * grids[arm.stem][i]
-        return {**base, **arm.overrides, "lr": lr, "seed": seed}, f"{arm.stem}-lr{i}-seed{seed}"
+        config = at_rate({**base, **arm.overrides, "seed": seed}, lr)
+        return config, f"{arm.stem}-lr{i}-seed{seed}"
 
     grid_jobs = [job(arm, i, first_seed) for arm in arms for i in grids[arm.stem]]
     done = dict(zip((name for _, name in grid_jobs), _run(grid_jobs, root, jobs, quiet)))
@@ -258,8 +259,9 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
         quiet,
     )
     lr = study.best["lr"]
+    arm_config = {**base, **arm.overrides}
     more = [
-        ({**base, **arm.overrides, "lr": lr, "seed": first_seed + k}, f"{arm.stem}-tuned-seed{k}")
+        (at_rate({**arm_config, "seed": first_seed + k}, lr), f"{arm.stem}-tuned-seed{k}")
         for k in range(1, seeds)
     ]
     first = json.loads((study.best_dir / "summary.json").read_text())

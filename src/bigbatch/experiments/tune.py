@@ -44,7 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from . import runner
 from .arms import metric
-from .build import with_task_defaults
+from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .pool import in_processes
 from .rundir import CHECKPOINT, RunLock, claim_new_run_dir
@@ -372,8 +372,9 @@ class _Bracket:
         """Train each trial on (from its checkpoint) to ``fidelity``, and store what it did."""
         until = None if fidelity >= 1 else self._mark(fidelity)
         quiet = self.quiet or self.settings.jobs > 1  # one progress bar or none
+        runs = self.out / "trials"
         jobs = [
-            (resolve(self.config, t.params), str(self.out / "trials" / f"{t.number:04d}"), until)
+            (trial_config(self.config, t.params), str(runs / f"{t.number:04d}"), until)
             for t in trials
         ]
         records = in_processes(_train_trial, [(*job, quiet) for job in jobs], self.settings.jobs)
@@ -388,6 +389,13 @@ class _Bracket:
             else:
                 trial.report(metric(record, "final"), self.budget)
                 self.study.tell(t.number, metric(record, "final"))
+
+
+def trial_config(config: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The config a trial trains: ``config`` with its values, a searched rate taking the
+    task's ceiling along with it (:func:`~bigbatch.experiments.build.at_rate`)."""
+    rest = resolve(config, {k: v for k, v in params.items() if k != "lr"})
+    return resolve(at_rate(rest, params["lr"])) if "lr" in params else rest
 
 
 def latin_hypercube(space: Sequence[Dimension], n: int, seed: int) -> list[dict[str, float]]:
@@ -473,6 +481,6 @@ def _write_outputs(
 ) -> None:
     from .tune_report import plot, render
 
-    (out / "best.toml").write_text(to_toml(resolve(config, result.best)))
+    (out / "best.toml").write_text(to_toml(trial_config(config, result.best)))
     (out / "tune.md").write_text(render(config, result, space))
     plot(out / "tune.png", config, result, space)

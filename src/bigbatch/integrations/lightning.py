@@ -47,10 +47,10 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
             :class:`~bigbatch.batch.BatchWarmup` from the sampler's batch);
             it must start at the sampler's batch size.
         options: the per-step rules (:class:`~bigbatch.StepOptions`: ``lr_scaling``,
-            ``base_batch_size``, ``schedule``, ``statistics``, ``gsnr``, ``similarity``,
-            ``ema_beta``, ``finite_correction``, ``nonfinite``), as one record or as
-            keywords. ``similarity="split"`` needs one process; a skipped non-finite
-            step drops its gradients before the optimizer step.
+            ``base_batch_size``, ``schedule``, ``max_lr_factor``, ``statistics``, ``gsnr``,
+            ``similarity``, ``ema_beta``, ``finite_correction``, ``nonfinite``), as one
+            record or as keywords. ``similarity="split"`` needs one process; a skipped
+            non-finite step drops its gradients before the optimizer step.
         log: log every number of the step's metrics with Lightning's logger as
             ``bigbatch/<name>`` (the names of :mod:`bigbatch.sinks`).
 

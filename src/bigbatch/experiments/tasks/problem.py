@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,12 @@ class Task:
     lr_max: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for key, ceiling in self.lr_max.items():
+            if not (isinstance(ceiling, (int, float)) and 0 < ceiling < math.inf):
+                raise ValueError(
+                    f"task {self.name!r}: lr_max[{key!r}] = {ceiling!r}; a ceiling is a "
+                    "positive rate"
+                )
         for key, rule in self.lr_rules.items():
             if rule not in MEASURABLE_RULES:
                 raise ValueError(

@@ -140,13 +140,15 @@ TASKS: dict[str, Task] = {
                 "lambc/held": 3.2e-2,
                 # AdamW's and VR-Adam's best rise only 2x for 16x the batch (0.008 at 16,
                 # 0.016 at 256), so sqrt from one anchor lands off the other (AdamW +0.0196,
-                # VR-Adam +0.024 to +0.030); sqrt from the geometric mean of the two (0.008 *
-                # sqrt 2 at 64: 0.0057 at 16, 0.0226 at 256) ends within 0.007 nats of both
-                # grids' best in 3-seed means (VR-Adam at 256 on seed 0: +0.0225); held:
-                # 256's best (0.016, below the scaled rate's 0.0226 there; not measured)
+                # VR-Adam +0.024 to +0.030). AdamW: sqrt from the geometric mean of the two
+                # (0.008 * sqrt 2 at 64: 0.0057 at 16, 0.0226 at 256), within 0.007 nats of
+                # both grids' best in 3-seed means; VR-Adam: sqrt from 0.008 at 16 up to a
+                # ceiling of 0.016 (lr_max), the controller's best step for step and 0.011
+                # below 256's best (AdamW's ceiling would cost it +0.024 on seed 0 at 256).
+                # Held: 256's best (0.016; not measured under a held-rate controller)
                 "adamw": 1.13137e-2,
                 "adamw/held": 1.6e-2,
-                "vr-adam": 1.13137e-2,
+                "vr-adam": 1.6e-2,
                 "vr-adam/held": 1.6e-2,
                 # the SGD- and LARS-type forms (benchmarks/recipes.py, docs/results.md
                 # "Recipes"): each form's best rate at constant batch 256 and its best under
@@ -167,14 +169,15 @@ TASKS: dict[str, Task] = {
                 "larc/held": 0.5,
                 # plain SGD's and VR-SGD's best rates under the default controller are the
                 # sqrt rule's from 0.632 at batch 16, which at 256 (2.53) is past the
-                # largest stable rate: there the best is 1.26 and 0.632, their ceilings
-                # (lr_max). Held, or sqrt without a ceiling, no one rate serves both
+                # largest stable rate (constant 256's best cosine rates: 1.26 and 0.632).
+                # Both stop at a ceiling of 0.632 (lr_max; as a ceiling 1.26 diverges);
+                # held, or sqrt without a ceiling, no one rate serves both settings
                 "plain-sgd": 1.264,
                 "plain-sgd/held": 0.632,
                 "vr-sgd": 1.264,
                 "vr-sgd/held": 0.632,
             },
-            lr_max={"plain-sgd": 0.632, "vr-sgd": 0.632},
+            lr_max={"plain-sgd": 0.632, "vr-sgd": 0.632, "vr-adam": 0.016},
             # the linear rule over-scales here: from batch 16 to 256 the best rate rises 4x
             # for momentum SGD and vr-lars, 2x for vr-momentum and plain SGD, not at all for
             # LARS and VR-SGD, and LARC's falls 4x.
