@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bigbatch.experiments.arms import metric
-from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.build import at_rate, with_task_defaults
 from bigbatch.experiments.config import resolve
 from bigbatch.experiments.rundir import read_metrics
 from bigbatch.experiments.sweep import run_all
@@ -104,7 +104,7 @@ def _grid(
 
     def jobs(pairs: list[tuple[int, int]]) -> list[tuple[dict[str, Any], str]]:
         return [
-            ({**base, "lr": rates[i], "seed": s}, str(root / f"lr{i}-seed{s}")) for i, s in pairs
+            (at_rate({**base, "seed": s}, rates[i]), str(root / f"lr{i}-seed{s}")) for i, s in pairs
         ]
 
     first = [(i, seeds[0]) for i in range(len(rates))]
@@ -168,7 +168,7 @@ def _verify(
     """Each study's rate on every seed (its own seed's run is the study's best trial)."""
     pairs = [(study, t) for study in studies for t in seeds if t != study["seed"]]
     configs = [
-        ({**base, "lr": study["lr"], "seed": t}, str(root / f"tuned{study['seed']}-seed{t}"))
+        (at_rate({**base, "seed": t}, study["lr"]), str(root / f"tuned{study['seed']}-seed{t}"))
         for study, t in pairs
     ]
     runs = dict(zip(((p[0]["seed"], p[1]) for p in pairs), run_all(configs, jobs)))

@@ -6,6 +6,7 @@ resume test kills a real ``bigbatch tune`` process and compares it with one
 never killed.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,9 @@ import pytest
 pytest.importorskip("optuna")
 
 from bigbatch.experiments import runner
-from bigbatch.experiments.config import ConfigError, load_toml, resolve
+from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.config import ConfigError, load_toml, resolve, to_toml
+from bigbatch.experiments.tasks import TASKS
 from bigbatch.experiments.tune import (
     Dimension,
     TuneSettings,
@@ -221,6 +224,36 @@ def test_a_trials_rate_takes_the_tasks_ceiling_along_and_its_other_values_stay()
     trial = trial_config(config, {"lr": 1.264, "weight_decay": 0.001})
     assert (trial["lr"], trial["lr_max"], trial["weight_decay"]) == (1.264, 0.316, 0.001)
     assert trial_config(config, {"weight_decay": 0.001})["lr_max"] == 0.0  # the task's, later
+
+
+def test_every_trial_and_best_toml_take_the_tasks_ceiling_along_with_the_rate(
+    monkeypatch, tmp_path
+):
+    runs, seen = FakeRuns(), []
+
+    def recording(config, out, **options):
+        seen.append((config["lr"], config["lr_max"]))
+        return runs(config, out, **options)
+
+    monkeypatch.setattr(runner, "train", recording)
+    ceiled = dataclasses.replace(TASKS["digits"], lr_max={"adam": 0.01})
+    monkeypatch.setitem(TASKS, "digits", ceiled)
+    rate = with_task_defaults(resolve(BASE))["lr"]
+    tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6))
+    assert len({lr for lr, _ in seen}) == 6
+    assert all(ceiling == pytest.approx(0.01 * lr / rate) for lr, ceiling in seen)
+    best = resolve(load_toml(tmp_path / "t" / "best.toml"))
+    assert best["lr_max"] == pytest.approx(0.01 * best["lr"] / rate)
+
+
+def test_a_trial_folder_of_another_config_is_refused_not_continued(tmp_path):
+    from bigbatch.experiments.tune import _train_trial
+
+    old = resolve(BASE, {"lr": 0.004})
+    (tmp_path / "0000").mkdir()
+    (tmp_path / "0000" / "config.toml").write_text(to_toml(with_task_defaults(old)))
+    with pytest.raises(ConfigError, match=r"holds a finished run of another config \(lr_max"):
+        _train_trial(({**old, "lr_max": 0.002}, str(tmp_path / "0000"), 9000, True))
 
 
 def test_the_default_space_spans_the_tasks_rate_by_eight_each_way():

@@ -79,17 +79,19 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
 def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
     """``config`` trained at rate ``lr`` (a grid point, a tuning trial).
 
-    Where ``config`` leaves the rate and the ceiling to its task and the task records a
-    ceiling for the optimizer, the ceiling moves with the rate: a point at ``m`` times
-    the task's rate is the task's recipe at ``m`` times its scale, so ×1 is exactly what
+    ``config`` is a config layer or a resolved config, not one that
+    :func:`with_task_defaults` has filled (its rate and ceiling would be fixed). Where
+    it leaves the rate and the ceiling to its task and the task records a ceiling for
+    the optimizer, the ceiling moves with the rate: a point at ``m`` times the task's
+    rate is the task's recipe at ``m`` times its scale, so ×1 is exactly what
     ``bigbatch train`` runs. A rate or ceiling the config sets is its own and stays.
     """
     out = {**config, "lr": lr}
     if config.get("lr") or config.get("lr_max"):
         return out
-    task = with_task_defaults(resolve(config))
-    if task["lr_max"]:
-        out["lr_max"] = task["lr_max"] * (lr / task["lr"])  # exactly the ceiling at ×1
+    own = with_task_defaults(resolve(config))
+    if own["lr_max"]:
+        out["lr_max"] = own["lr_max"] * (lr / own["lr"])  # exactly the ceiling at ×1
     return out
 
 

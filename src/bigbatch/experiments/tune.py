@@ -48,6 +48,7 @@ from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .pool import in_processes
 from .rundir import CHECKPOINT, RunLock, claim_new_run_dir
+from .sweep import check_same_config
 from .tasks import TASKS
 
 __all__ = [
@@ -418,6 +419,9 @@ def _train_trial(job: tuple[dict[str, Any], str, int | None, bool]) -> dict[str,
     """Train a trial's run from where it stands to ``until`` samples (None: to the end)."""
     config, run_dir, until, quiet = job
     path = Path(run_dir)
+    # a trial of a study started by another version (another task rate or ceiling) is
+    # refused, not continued under a config it did not start with
+    check_same_config(path, config)
     if (path / "summary.json").is_file():
         return json.loads((path / "summary.json").read_text())
     resume = (path / CHECKPOINT).is_file()

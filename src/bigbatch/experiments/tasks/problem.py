@@ -83,7 +83,8 @@ class Task:
 
     def __post_init__(self) -> None:
         for key, ceiling in self.lr_max.items():
-            if not (isinstance(ceiling, (int, float)) and 0 < ceiling < math.inf):
+            number = isinstance(ceiling, (int, float)) and not isinstance(ceiling, bool)
+            if not (number and 0 < ceiling < math.inf):
                 raise ValueError(
                     f"task {self.name!r}: lr_max[{key!r}] = {ceiling!r}; a ceiling is a "
                     "positive rate"
