@@ -5,7 +5,8 @@ from unittest import mock
 
 import pytest
 
-from bigbatch.experiments.config import ConfigError
+from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.config import ConfigError, resolve
 from bigbatch.experiments.sweep import RANKS, Arm, metric, sweep
 from bigbatch.experiments.tasks import TASKS
 
@@ -34,8 +35,12 @@ def test_a_grid_at_the_tasks_rate_scales_the_tasks_ceiling_with_it(trained, tmp_
     digits = dataclasses.replace(TASKS["digits"], lr_max={"adam": 0.01})
     base = {"task": "digits", "batch.controller": "constant", "batch.initial": 64}
     with mock.patch.dict(TASKS, {"digits": digits}):
-        sweep(base, [Arm("a", {}, "a")], tmp_path / "a", multipliers=(0.5, 1.0, 2.0))
-        sweep({**base, "lr_max": 0.03}, [Arm("b", {}, "b")], tmp_path / "b", multipliers=(0.5, 2))
+        (a,) = sweep(base, [Arm("a", {}, "a")], tmp_path / "a", multipliers=(0.5, 1.0, 2.0))
+        user = {**base, "lr_max": 0.03}
+        (b,) = sweep(user, [Arm("b", {}, "b")], tmp_path / "b", multipliers=(0.5, 2))
+        # the ceiling the chosen point trained under, for a run at the chosen rate
+        assert (a.lr_max, b.lr_max) == (0.01 * a.lr / trained[1]["lr"], 0.03)
+        assert with_task_defaults(trained[1]) == {**with_task_defaults(resolve(base)), "seed": 0}
     rate = trained[1]["lr"]
     assert [(c["lr"], c["lr_max"]) for c in trained] == [
         (rate / 2, 0.005),

@@ -37,6 +37,9 @@ class ArmResult:
     #: for a rate chosen by a study instead of the grid: its trials and cost (a fraction
     #: of the grid's samples)
     tuned: dict[str, Any] | None = None
+    #: the rate ceiling the chosen point trained under (``lr_max``; 0: none), which a run
+    #: at the chosen rate needs as well (a task's ceiling scales with the grid's rate)
+    lr_max: float = 0.0
 
     @property
     def lr(self) -> float:
@@ -58,6 +61,7 @@ class ArmResult:
             "overrides": self.overrides,
             "lrs": self.lrs,
             "chosen": self.chosen,
+            "lr_max": self.lr_max,
             "dirs": self.dirs,
             "tuned": self.tuned,
         }

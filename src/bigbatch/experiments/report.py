@@ -158,6 +158,7 @@ def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
                     runs,
                     dirs,
                     entry.get("tuned"),
+                    entry.get("lr_max", 0.0),  # compare.json from before the ceiling: none
                 )
             )
     return index.get("plan", {}), arms
@@ -228,8 +229,10 @@ def render_comparison(root: Path) -> Path:
             grid = f"tuned: {arm.tuned['trials']} trials, {arm.tuned['cost']:.0%} of the grid"
         best = arm.values("best_eval_loss" if loss else "best_accuracy")
         final = arm.values("final_eval_loss" if loss else "final_accuracy")
+        ceiling = f" ≤ {arm.lr_max:.3g}" if arm.lr_max else ""
         lines.append(
-            f"| {arm.name} | {arm.lrs[arm.chosen]:.3g} ({grid}) | {_mean_std_text(best, digits)} "
+            f"| {arm.name} | {arm.lrs[arm.chosen]:.3g}{ceiling} ({grid}) "
+            f"| {_mean_std_text(best, digits)} "
             f"| {_mean_std_text(final, digits)} | {_mean_std_text(reached, 0)} "
             f"({len(reached)}/{len(arm.runs)}) "
             f"| {_mean_std_text(arm.values('samples_to_target'), 0)} "

@@ -229,6 +229,7 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
                 grid=[done[job(arm, i, first_seed)[1]] for i in order],
                 runs=[done[n] for n in names],
                 dirs=names,
+                lr_max=job(arm, pick, first_seed)[0].get("lr_max", 0.0),
             )
         )
     return results
@@ -274,6 +275,7 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
         runs=[first, *_run(more, root, jobs, quiet)],
         dirs=[str(study.best_dir.relative_to(root)), *(name for _, name in more)],
         tuned={"trials": len(study.trials), "cost": study.cost},
+        lr_max=at_rate({**arm_config, "seed": first_seed}, lr).get("lr_max", 0.0),
     )
 
 
