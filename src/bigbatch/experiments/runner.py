@@ -33,7 +33,7 @@ from ..dist.world import World, init_from_env
 from ..loop import AdaptiveBatch
 from ..sinks import Sinks
 from .build import build, train_step, with_task_defaults
-from .config import ConfigError, to_toml
+from .config import ConfigError, resolve, to_toml
 from .device import resolve_device, set_tf32, set_threads
 from .report import render_run
 from .run_sinks import check_sinks, open_sinks
@@ -49,6 +49,7 @@ from .rundir import (
     disk_error,
     load_checkpoint,
     new_run_dir,
+    read_config,
     read_metrics,
     save_atomically,
 )
@@ -409,3 +410,29 @@ def _progress(total: int, done: int, quiet: bool):
         dynamic_ncols=True,
         mininterval=0.5,
     )
+
+
+#: keys in which a finished run may differ from the one asked for and still be reused:
+#: the thread count changes float sums, not what the run measures
+REUSE_IGNORES = frozenset({"threads"})
+
+
+def check_same_config(path: Path, config: dict[str, Any]) -> None:
+    """A :class:`ConfigError` if the finished run in ``path`` trained another config.
+
+    Runs are found by name (``<stem>-lr<i>-seed<s>``), and a name's rate is an
+    index into the arm's grid: when a task's rate or an optimizer's recipe
+    changes between two invocations, the same name means another run, and
+    reusing it would report one config's score under another's rate.
+    """
+    if not (path / "config.toml").is_file():
+        return
+    saved = read_config(path)
+    wanted = with_task_defaults(resolve(config))
+    for key in sorted(wanted.keys() - REUSE_IGNORES):
+        if saved.get(key, wanted[key]) != wanted[key]:
+            raise ConfigError(
+                f"{str(path)!r} holds a finished run of another config ({key} = "
+                f"{saved[key]!r} there, {wanted[key]!r} now): remove it or sweep into "
+                "another folder"
+            )

@@ -33,7 +33,6 @@ from .arms import RANKS, Arm, ArmResult, metric
 from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve
 from .pool import in_processes
-from .rundir import read_config
 from .tasks import TASKS
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ __all__ = [
     "ArmResult",
     "arm_rate",
     "check_protocol",
-    "check_same_config",
     "metric",
     "run_all",
     "sweep",
@@ -80,7 +78,7 @@ def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
     config, out, quiet = job
     path = Path(out)
     if (path / "summary.json").is_file():
-        check_same_config(path, config)
+        runner.check_same_config(path, config)
         return json.loads((path / "summary.json").read_text())
     if path.exists():  # a run killed midway: start it again
         shutil.rmtree(path)
@@ -95,32 +93,6 @@ def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
         path.mkdir(parents=True, exist_ok=True)
         (path / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
-
-
-#: keys in which a finished run may differ from the one asked for and still be reused:
-#: the thread count changes float sums, not what the run measures
-REUSE_IGNORES = frozenset({"threads"})
-
-
-def check_same_config(path: Path, config: dict[str, Any]) -> None:
-    """A :class:`ConfigError` if the finished run in ``path`` trained another config.
-
-    Runs are found by name (``<stem>-lr<i>-seed<s>``), and a name's rate is an
-    index into the arm's grid: when a task's rate or an optimizer's recipe
-    changes between two invocations, the same name means another run, and
-    reusing it would report one config's score under another's rate.
-    """
-    if not (path / "config.toml").is_file():
-        return
-    saved = read_config(path)
-    wanted = with_task_defaults(resolve(config))
-    for key in sorted(wanted.keys() - REUSE_IGNORES):
-        if saved.get(key, wanted[key]) != wanted[key]:
-            raise ConfigError(
-                f"{str(path)!r} holds a finished run of another config ({key} = "
-                f"{saved[key]!r} there, {wanted[key]!r} now): remove it or sweep into "
-                "another folder"
-            )
 
 
 def diverged_summary(config: dict[str, Any], path: Path, why: str) -> dict[str, Any]:

@@ -48,7 +48,6 @@ from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .pool import in_processes
 from .rundir import CHECKPOINT, RunLock, claim_new_run_dir
-from .sweep import check_same_config
 from .tasks import TASKS
 
 __all__ = [
@@ -421,7 +420,7 @@ def _train_trial(job: tuple[dict[str, Any], str, int | None, bool]) -> dict[str,
     path = Path(run_dir)
     # a trial of a study started by another version (another task rate or ceiling) is
     # refused, not continued under a config it did not start with
-    check_same_config(path, config)
+    runner.check_same_config(path, config)
     if (path / "summary.json").is_file():
         return json.loads((path / "summary.json").read_text())
     resume = (path / CHECKPOINT).is_file()
