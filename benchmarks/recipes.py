@@ -42,7 +42,7 @@ from pathlib import Path
 from bigbatch.experiments.analysis import mean_std
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import ConfigError, parse_assignment, resolve
-from bigbatch.experiments.sweep import Arm, ArmResult, arm_rate, metric, sweep
+from bigbatch.experiments.sweep import Arm, ArmResult, metric, sweep
 
 SETTINGS = {
     "b256": {"batch.controller": "constant", "batch.initial": 256},
@@ -94,12 +94,6 @@ def merged(path: Path, rows: list[dict]) -> list[dict]:
     old = json.loads(path.read_text()) if path.is_file() else []
     new = {key(r) for r in rows}
     return [r for r in old if key(r) not in new] + rows
-
-
-def ceiling(config: dict) -> float:
-    """The rate ceiling an arm's recipe trains under (0: none); its grid scales it with the
-    rate (``bigbatch.experiments.build.at_rate``), so the ×1 point is the recipe."""
-    return with_task_defaults(resolve(config))["lr_max"]
 
 
 def row(task: str, setting: str, result: ArmResult, default_lr: float, lr_max: float = 0.0) -> dict:
@@ -201,10 +195,11 @@ def main() -> None:
                 jobs=args.jobs,
                 widen=args.widen,
             )
+            # each arm's recipe: its rate and the ceiling it trains under (0: none), which
+            # its grid scales with the rate (build.at_rate), so the ×1 point is the recipe
+            recipes = [with_task_defaults(resolve({**base, **arm.overrides})) for arm in arms]
             rows += [
-                row(task, setting, r, arm_rate(config), ceiling(config))
-                for arm, r in zip(arms, results)
-                for config in [{**base, **arm.overrides}]
+                row(task, setting, r, own["lr"], own["lr_max"]) for r, own in zip(results, recipes)
             ]
             root.mkdir(parents=True, exist_ok=True)
             everything = merged(root / "recipes.json", rows)

@@ -83,8 +83,7 @@ def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
     if path.exists():  # a run killed midway: start it again
         shutil.rmtree(path)
     if not quiet:
-        rate = f"lr {config['lr']:.4g}" if config.get("lr") else "the task's rate"
-        print(f"[{path.name}] {rate}, seed {config.get('seed', 0)}", flush=True)
+        print(f"[{path.name}] lr {config['lr']:.4g}, seed {config['seed']}", flush=True)
     try:
         return runner.train(resolve(config), path, quiet=quiet)
     except runner.TooManySkippedError as err:
@@ -162,16 +161,18 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
         ]
     grids = {arm.stem: {i: m for i, m in enumerate(multipliers)} for arm in arms}
 
+    def run_name(arm: Arm, i: int, seed: int) -> str:
+        return f"{arm.stem}-lr{i}-seed{seed}"
+
     def job(arm: Arm, i: int, seed: int) -> tuple[dict[str, Any], str]:
         lr = rates[arm.stem] * grids[arm.stem][i]
-        config = at_rate({**base, **arm.overrides, "seed": seed}, lr)
-        return config, f"{arm.stem}-lr{i}-seed{seed}"
+        return at_rate({**base, **arm.overrides, "seed": seed}, lr), run_name(arm, i, seed)
 
     grid_jobs = [job(arm, i, first_seed) for arm in arms for i in grids[arm.stem]]
     done = dict(zip((name for _, name in grid_jobs), _run(grid_jobs, root, jobs, quiet)))
 
     def best(arm: Arm) -> int:
-        scores = {i: RANKS[rank](done[job(arm, i, first_seed)[1]]) for i in grids[arm.stem]}
+        scores = {i: RANKS[rank](done[run_name(arm, i, first_seed)]) for i in grids[arm.stem]}
         return min(sorted(scores), key=scores.__getitem__)
 
     for _ in range(widen):
@@ -191,14 +192,14 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     for arm in arms:
         order = sorted(grids[arm.stem])
         pick = chosen[arm.stem]
-        names = [job(arm, pick, first_seed + k)[1] for k in range(seeds)]
+        names = [run_name(arm, pick, first_seed + k) for k in range(seeds)]
         results.append(
             ArmResult(
                 name=arm.name,
                 overrides=dict(arm.overrides),
                 lrs=[rates[arm.stem] * grids[arm.stem][i] for i in order],
                 chosen=order.index(pick),
-                grid=[done[job(arm, i, first_seed)[1]] for i in order],
+                grid=[done[run_name(arm, i, first_seed)] for i in order],
                 runs=[done[n] for n in names],
                 dirs=names,
                 lr_max=job(arm, pick, first_seed)[0].get("lr_max", 0.0),

@@ -22,6 +22,11 @@ def _own_then_family(optimizer: str, suffix: str = "") -> list[str]:
     return [name + suffix for name in (optimizer, get_optimizer_info(optimizer).family)]
 
 
+def _measured(table: Mapping[str, Any], optimizer: str) -> Any:
+    """``table``'s entry for ``optimizer`` (its own, else its family's), None if neither."""
+    return next((table[k] for k in _own_then_family(optimizer) if k in table), None)
+
+
 @dataclass
 class Problem:
     """What a run trains: data, model, and how to score it."""
@@ -113,14 +118,12 @@ class Task:
     def lr_rule(self, optimizer: str) -> str | None:
         """The batch rule measured for ``optimizer`` on this task (its own, else its
         family's), or None where the family's general rule holds here."""
-        return next(
-            (self.lr_rules[k] for k in _own_then_family(optimizer) if k in self.lr_rules), None
-        )
+        return _measured(self.lr_rules, optimizer)
 
     def lr_ceiling(self, optimizer: str) -> float | None:
         """The rate ceiling measured for ``optimizer`` on this task (its own, else its
         family's), or None where none was measured."""
-        return next((self.lr_max[k] for k in _own_then_family(optimizer) if k in self.lr_max), None)
+        return _measured(self.lr_max, optimizer)
 
     def reached(self, evaluation: dict[str, float]) -> bool:
         """Whether an evaluation row meets the target."""
