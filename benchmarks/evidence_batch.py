@@ -29,7 +29,9 @@ The protocol:
   make the frontier, interpolated in log-log and held at its ends; an
   adaptive seed's ratio is its steps over the frontier's at its own samples
   (below 1: fewer steps at equal samples). Reported: the mean and worst
-  seed's ratio, and each arm's final-metric gap to the best static arm.
+  seed's ratio, each arm's final-metric gap to the best static arm, and the
+  wall-clock seconds to each target (``wall_seconds`` in metrics.jsonl: runs
+  that share the machine, ``--jobs`` > 1, slow each other).
 
 With ``--tune``, each arm's rate is searched by ``bigbatch tune`` over the
 range of ``--lrs`` (chosen by the final metric, not widened) instead of
@@ -108,9 +110,7 @@ def analyse(task: Task, results: list[ArmResult], root: Path) -> dict[str, Any]:
     targets = targets_between(start, best_static, FRACTIONS)
     table: dict[str, Any] = {"start": start, "best_static": best_static, "arms": {}}
     for r in results:
-        reach = [
-            [first_reaching(run, value, key, lower) for run in evals[r.name]] for value in targets
-        ]
+        reach = [[_reaching(run, value, key, lower) for run in evals[r.name]] for value in targets]
         gap = finals[r.name][0] - best_static
         table["arms"][r.name] = {
             "lr": r.lr,
@@ -138,6 +138,15 @@ def analyse(task: Task, results: list[ArmResult], root: Path) -> dict[str, Any]:
         table.setdefault("frontier", []).append(points)
     table["targets"] = targets
     return table
+
+
+def _reaching(rows: list[dict], value: float, key: str, lower: bool) -> list[float] | None:
+    """``[step, samples, wall seconds]`` at the first evaluation reaching ``value``."""
+    hit = first_reaching(rows, value, key, lower)
+    if hit is None:
+        return None
+    wall = next(x.get("wall_seconds", math.nan) for x in rows if x["step"] == hit[0])
+    return [*hit, wall]
 
 
 def _final_key(task: Task) -> str:
@@ -188,6 +197,22 @@ def write_report(root: Path, task: Task, table: dict[str, Any], args: argparse.N
             f"| {arm} | {' | '.join(cells)} | {mean:.4f} ± {std:.4f} "
             f"| {row['gap'] * scale:+.4f} | {statistics.fmean(row['avg_batch']):,.0f} |"
         )
+    lines += [
+        "",
+        "## Wall-clock seconds to each target (mean, worst seed; runs that shared the machine "
+        f"(--jobs {args.jobs} at a time) slowed each other)",
+        "",
+        f"| arm | {header} |",
+        "|---|" + "---|" * len(FRACTIONS),
+    ]
+    for arm, row in table["arms"].items():
+        cells = []
+        for hits in row["reach"]:
+            got = [h[2] for h in hits if h is not None]
+            cells.append(
+                f"{statistics.fmean(got):.0f} ({max(got):.0f})" if len(got) == len(hits) else "-"
+            )
+        lines.append(f"| {arm} | {' | '.join(cells)} |")
     lines += ["", "![steps vs samples](steps_vs_samples.png)", "", "![curves](curves.png)", ""]
     (root / "evidence.md").write_text("\n".join(lines))
     print("\n".join(lines))
