@@ -6,7 +6,10 @@
 
 For each task, optimizer and setting — ``b256`` (constant batch 256),
 ``x16`` / ``x64`` (constant batch 16 and 64 times that: 4096, 16384) and
-``default`` (the default controller, batch_warmup from 16) — one arm trains
+``default`` (the default controller, batch_warmup from 16) and ``held`` (a
+held-rate controller, critical_ramp from 64, whose recipe rate is the task's
+held rate: the rate a user gets with ``--set batch.controller=critical_ramp``,
+and by the same lookup under noise_scale and damped_simigrad) — one arm trains
 at the task's default budget with everything at the optimizer's recipe
 (``bigbatch.optim.RECIPES``): its rate is the task's measured rate carried
 by the optimizer's batch rule, the same ×1 point a user gets with
@@ -49,11 +52,13 @@ SETTINGS = {
     "x16": {"batch.controller": "constant", "batch.initial": 4096, "batch.max": 4096},
     "x64": {"batch.controller": "constant", "batch.initial": 16384, "batch.max": 16384},
     "default": {},
+    "held": {"batch.controller": "critical_ramp"},
 }
 #: the rate grid around each arm's default rate, per setting
 GRIDS = {
     "b256": (0.5, 1.0, 2.0),
     "default": (0.5, 1.0, 2.0),
+    "held": (0.5, 1.0, 2.0),
     "x16": (0.0625, 0.25, 1.0),
     "x64": (0.0625, 0.25, 1.0),
 }
