@@ -140,12 +140,13 @@ def analyse(task: Task, results: list[ArmResult], root: Path) -> dict[str, Any]:
     return table
 
 
-def _reaching(rows: list[dict], value: float, key: str, lower: bool) -> list[float] | None:
-    """``[step, samples, wall seconds]`` at the first evaluation reaching ``value``."""
+def _reaching(rows: list[dict], value: float, key: str, lower: bool) -> list | None:
+    """``[step, samples, wall seconds or None]`` at the first evaluation reaching ``value``."""
     hit = first_reaching(rows, value, key, lower)
     if hit is None:
         return None
-    wall = next(x.get("wall_seconds", math.nan) for x in rows if x["step"] == hit[0])
+    # None where the run logged no time (older runs): JSON has no NaN
+    wall = next(x.get("wall_seconds") for x in rows if x["step"] == hit[0])
     return [*hit, wall]
 
 
@@ -186,12 +187,14 @@ def write_report(root: Path, task: Task, table: dict[str, Any], args: argparse.N
     ]
     for arm, row in table["arms"].items():
         cells = []
-        for ratios in row["ratio"]:
-            got = [r for r in ratios if r is not None]
-            if len(got) < len(ratios):
-                cells.append(f"{len(got)}/{len(ratios)} reached")
+        for hits, ratios, points in zip(row["reach"], row["ratio"], table["frontier"]):
+            reached = sum(h is not None for h in hits)
+            if reached < len(hits):
+                cells.append(f"{reached}/{len(hits)} reached")
+            elif not points:  # reached by every seed, but by no static arm on every seed
+                cells.append("no frontier")
             else:
-                cells.append(f"{statistics.fmean(got):.2f} ({max(got):.2f})")
+                cells.append(f"{statistics.fmean(ratios):.2f} ({max(ratios):.2f})")
         mean, std = row["final"]
         lines.append(
             f"| {arm} | {' | '.join(cells)} | {mean:.4f} ± {std:.4f} "
@@ -200,7 +203,7 @@ def write_report(root: Path, task: Task, table: dict[str, Any], args: argparse.N
     lines += [
         "",
         "## Wall-clock seconds to each target (mean, worst seed; runs that shared the machine "
-        f"(--jobs {args.jobs} at a time) slowed each other)",
+        "slowed each other, and reused runs keep the times of the invocation that trained them)",
         "",
         f"| arm | {header} |",
         "|---|" + "---|" * len(FRACTIONS),
@@ -208,7 +211,7 @@ def write_report(root: Path, task: Task, table: dict[str, Any], args: argparse.N
     for arm, row in table["arms"].items():
         cells = []
         for hits in row["reach"]:
-            got = [h[2] for h in hits if h is not None]
+            got = [h[2] for h in hits if h is not None and h[2] is not None]
             cells.append(
                 f"{statistics.fmean(got):.0f} ({max(got):.0f})" if len(got) == len(hits) else "-"
             )

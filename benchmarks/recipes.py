@@ -5,11 +5,11 @@
     python benchmarks/recipes.py --tasks mnist1d --settings x16 x64 --optimizers sgd lars larc lamb
 
 For each task, optimizer and setting — ``b256`` (constant batch 256),
-``x16`` / ``x64`` (constant batch 16 and 64 times that: 4096, 16384) and
-``default`` (the default controller, batch_warmup from 16) and ``held`` (a
-held-rate controller, critical_ramp from 64, whose recipe rate is the task's
-held rate: the rate a user gets with ``--set batch.controller=critical_ramp``,
-and by the same lookup under noise_scale and damped_simigrad) — one arm trains
+``x16`` / ``x64`` (constant batch 16 and 64 times that: 4096, 16384),
+``default`` (the default controller, batch_warmup from 16) and ``held``
+(critical_ramp from 64, a controller that holds the rate: its recipe rate is
+the task's held rate, which noise_scale and damped_simigrad get too, though
+only critical_ramp is trained here) — one arm trains
 at the task's default budget with everything at the optimizer's recipe
 (``bigbatch.optim.RECIPES``): its rate is the task's measured rate carried
 by the optimizer's batch rule, the same ×1 point a user gets with
@@ -88,7 +88,14 @@ def cell_arms(optimizers: list[str], setting: str, gammas: Sequence[float] = ())
 
 #: keys every arm sets itself, which ``--set`` may not change under it
 ARM_KEYS = frozenset(
-    {"task", "optimizer", "vrgd.gamma", *(k for s in SETTINGS.values() for k in s)}
+    # batch.lr_scaling: the recipe's rule (held or scaled) is part of what is measured
+    {
+        "task",
+        "optimizer",
+        "vrgd.gamma",
+        "batch.lr_scaling",
+        *(k for s in SETTINGS.values() for k in s),
+    }
 )
 
 
