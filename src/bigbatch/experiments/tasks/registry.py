@@ -134,8 +134,9 @@ TASKS: dict[str, Task] = {
                 "adam": 1.6e-2,
                 # held: static 64's best (where the held-rate controllers start). Under
                 # critical_ramp LAMB's best is 0.032 on three seeds (0.23 nats lower), under
-                # noise_scale 0.016 (seed 0, 0.14 lower than 0.032): one held rate serves all
-                # three held-rate controllers, so it stays (docs/results.md "Recipes")
+                # noise_scale (two seeds) and damped_simigrad (one) 0.016, 0.10-0.19 lower than
+                # 0.032: one held rate serves all three controllers, so it stays at 0.016
+                # (docs/results.md "Recipes")
                 "adam/held": 1.6e-2,
                 # LAMBC (the trust ratio clipped at 1) trains at twice LAMB's rate, where
                 # LAMB's unclipped ratio stalls: 0.016 at 16, 0.064 at 256 (sqrt); its held
