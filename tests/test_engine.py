@@ -187,3 +187,28 @@ def test_state_round_trip():
         if torch.is_tensor(v)
     )
     assert (other.steps_taken, other.samples, other.batch_size) == (6, 96, engine.batch_size)
+
+
+@pytest.mark.parametrize(("optimizer", "power"), [("sgd", 1.0), ("lamb", 0.5)])
+def test_under_seesaw_the_rate_over_the_familys_invariant_is_the_schedule(optimizer, power):
+    """The batch takes over the decay: ``η / (B/B0)^p`` (p = 1 for SGD, ½ for Adam-type: Smith
+    et al. 2018; Meterez et al. 2025) is the schedule's multiplier at every step, the batch
+    stops at its cap and the rest of the decay goes back to the rate."""
+    total = 16 * 60
+    schedule = bb.schedules.warmup_cosine(total, warmup=16 * 5)
+    controller = bb.batch.Seesaw(initial=4, min=4, growth=4, critical_multiple=0)
+    model, opt, engine = setup(
+        controller, optimizer=optimizer, statistics=False, schedule=schedule
+    )
+    batches = []
+    while engine.samples < total:
+        batch = engine.batch_size
+        result = run_step(model, engine, plan=StepPlan(((batch,),)))
+        invariant = result.metrics["lr_factor"] / (batch / 4) ** power
+        assert invariant == pytest.approx(result.metrics["schedule"])
+        batches.append(batch)
+        opt.step()
+        engine.after_optimizer_step(result)
+        opt.zero_grad()
+    assert batches[0] == 4 and max(batches) == 16 and batches == sorted(batches)
+    assert result.metrics["lr_factor"] < 0.05  # capped at 16: the run still ends annealed

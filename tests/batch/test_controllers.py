@@ -15,6 +15,7 @@ from bigbatch.batch import (
     DampedSimiGrad,
     NoiseScale,
     Ramp,
+    Seesaw,
     SimiGrad,
 )
 
@@ -483,3 +484,119 @@ def test_a_ramps_old_steps_keyword_still_works_with_a_warning():
     with pytest.warns(DeprecationWarning, match="Ramp\\(points=...\\)"):
         old = Ramp(steps=[(0, 64), (100, 128)])
     assert repr(old) == repr(Ramp(points=[(0, 64), (100, 128)]))
+
+
+# ------------------------------------------------------------------ Seesaw
+
+
+def _decay_path(controller, schedule, total, batch=None, stats=None):
+    """Drive ``controller`` through a run of ``total`` samples under ``schedule``; the path
+    of (samples, batch) it chooses."""
+    batch = controller.initial if batch is None else batch
+    samples, path = 0, []
+    while samples < total:
+        measured = {"schedule": schedule(samples), **(stats or {})}
+        samples += batch
+        batch = controller.next(measured, batch, samples)
+        path.append((samples, batch))
+    return path
+
+
+def test_seesaw_grows_by_the_schedules_fall_continuously_after_the_warm_up():
+    from bigbatch.schedules import warmup_cosine
+
+    total, warmup = 100_000, 5_000
+    schedule = warmup_cosine(total, warmup)
+    c = Seesaw(initial=16, growth=0, critical_multiple=0)
+    batch, samples = 16, 0
+    while samples < total * 0.95:
+        m = schedule(samples)
+        samples += batch
+        new = c.next({"schedule": m}, batch, samples)
+        if samples <= warmup:
+            assert new == 16  # the warm-up grows nothing
+        else:
+            assert new == max(batch, math.floor(16 / m + 1e-9))  # initial / d, d = m / peak
+        batch = new
+    assert batch > 16 * 20  # at 95% of a cosine the rate is 0.6% of its peak
+
+
+def test_seesaw_moves_in_powers_of_its_granularity_up_to_its_growth_cap():
+    c = Seesaw(initial=16, growth=8, granularity=2, critical_multiple=0)
+    seen = {16}
+    for m in (1.0, 0.9, 0.51, 0.5, 0.3, 0.26, 0.25, 0.13, 0.1, 0.01, 0.0):
+        seen.add(c.next({"schedule": m}, max(seen), 0))
+        assert c.estimate()["batch_cap"] == 128
+    assert seen == {16, 32, 64, 128}
+    assert c.next({"schedule": 0.0}, 128, 0) == 128  # capped: the rest of the decay is the rate's
+
+
+def test_seesaw_without_a_schedule_or_in_a_stable_phase_holds():
+    c = Seesaw(initial=32, min=16, growth=0, critical_multiple=0)
+    assert all(c.next({}, 32, s) == 32 for s in range(100))
+    for _ in range(50):  # warm-up-stable-decay's stable phase: no fall, no growth
+        assert c.next({"schedule": 1.0}, 32, 0) == 32
+    assert c.next({"schedule": 0.5}, 32, 0) == 64
+
+
+def test_seesaw_stops_at_the_critical_batch_estimate_and_never_shrinks():
+    # |G|² = 1 and tr Σ = 40 each step: B_simple = 40, its upper bound 40 (no spread)
+    stats = {"grad_sq_norm": 1.0, "trace": 40.0}
+    c = Seesaw(initial=16, growth=0, critical_multiple=1.0, window=4)
+    assert c.next({"schedule": 1.0, **stats}, 16, 16) == 16
+    assert c.estimate()["batch_cap"] == 0  # one step is no estimate: the batch holds
+    assert c.next({"schedule": 0.1, **stats}, 16, 32) == 16
+    batch = 16
+    for _ in range(10):
+        batch = c.next({"schedule": 0.1, **stats}, batch, 0)
+    assert batch == 40 and c.estimate()["batch_cap"] == pytest.approx(40.0)
+    # the estimate falls below the batch: the cap stops growth, the batch stays
+    for _ in range(40):
+        batch = c.next({"schedule": 0.05, "grad_sq_norm": 1.0, "trace": 10.0}, batch, 0)
+    assert batch == 40 and c.estimate()["batch_cap"] < 40
+
+
+def test_seesaw_checks_its_settings_and_round_trips_its_state():
+    with pytest.raises(ValueError, match="growth"):
+        Seesaw(growth=0.5)
+    with pytest.raises(ValueError, match="granularity"):
+        Seesaw(granularity=0.5)
+    with pytest.raises(ValueError, match="critical_multiple"):
+        Seesaw(critical_multiple=-1)
+    assert Seesaw(critical_multiple=0).needs_statistics is False
+    assert Seesaw().needs_statistics is True
+    rng = random.Random(0)
+    stats = [
+        {"schedule": 1 - i / 60, "grad_sq_norm": rng.uniform(0.5, 2), "trace": rng.uniform(20, 60)}
+        for i in range(60)
+    ]
+    a = Seesaw(window=5)
+    batch = 16
+    for measured in stats[:30]:
+        batch = a.next(measured, batch, 0)
+    b = Seesaw(window=5)
+    b.load_state_dict(a.state_dict())
+    batch_b = batch
+    for measured in stats[30:]:
+        batch, batch_b = a.next(measured, batch, 0), b.next(measured, batch_b, 0)
+        assert batch == batch_b and a.estimate() == b.estimate()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    schedule=st.lists(st.one_of(st.floats(-1, 2), st.just(math.nan)), max_size=40),
+    growth=st.sampled_from([0, 1, 2, 8]),
+    granularity=st.sampled_from([1, 1.5, 2]),
+    low=st.integers(1, 64),
+)
+def test_seesaw_is_monotone_and_bounded(schedule, growth, granularity, low):
+    c = Seesaw(
+        initial=low, min=low, max=low * 32, growth=growth, granularity=granularity, window=2
+    )
+    batch = low
+    for m in schedule:
+        new = c.next({"schedule": m, "grad_sq_norm": 1.0, "trace": 1e3}, batch, 0)
+        assert batch <= new <= low * 32
+        if growth:
+            assert new <= max(low, growth * low)
+        batch = new

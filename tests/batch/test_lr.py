@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bigbatch import schedules
-from bigbatch.batch import adascale_gain, lr_factor, scaled_lr
+from bigbatch.batch import Seesaw, adascale_gain, lr_factor, scaled_lr
 from bigbatch.batch.lr import resolve_lr_rule
 
 
@@ -26,6 +26,10 @@ def test_auto_is_the_measured_rule_else_the_familys_and_none_under_a_noise_follo
     assert resolve_lr_rule("auto", object(), "sgd", measured="sqrt") == "sqrt"
     # a controller that follows the noise holds the rate whatever was measured
     assert resolve_lr_rule("auto", _Holds(), "sgd", measured="sqrt") == "none"
+    # a batch that takes over the schedule's decay keeps the family's equivalence rule
+    assert resolve_lr_rule("auto", Seesaw(), "sgd", measured="sqrt") == "linear"
+    assert resolve_lr_rule("auto", Seesaw(), "lars", measured="none") == "linear"
+    assert resolve_lr_rule("auto", Seesaw(), "adam", measured="linear") == "sqrt"
     # a rule the user names is kept
     assert resolve_lr_rule("linear", object(), "sgd", measured="sqrt") == "linear"
     with pytest.raises(ValueError, match="lr_scaling"):
@@ -75,3 +79,16 @@ def test_schedules_in_samples():
     assert p(1100) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="warmup"):
         schedules.warmup_cosine(total=10, warmup=20)
+
+
+def test_warmup_stable_decay_holds_the_peak_then_cools_down_linearly():
+    f = schedules.warmup_stable_decay(total=1000, warmup=100, cooldown=0.2)
+    assert f(0) == pytest.approx(0.01)
+    assert f(99) == pytest.approx(1.0)
+    assert f(100) == f(500) == f(799) == 1.0  # the stable phase
+    assert f(900) == pytest.approx(0.5)
+    assert f(1000) == pytest.approx(0.0)
+    assert schedules.warmup_stable_decay(1000, 0, cooldown=0.0)(999) == 1.0
+    assert schedules.warmup_stable_decay(1000, 0, cooldown=1.0)(500) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="cooldown"):
+        schedules.warmup_stable_decay(1000, 0, cooldown=1.5)

@@ -64,7 +64,8 @@ def test_the_cli_docs_list_every_key_as_the_help_does():
 
 
 @pytest.mark.parametrize(
-    "name", ["batch_warmup", "simigrad", "critical_ramp", "damped_simigrad", "noise_scale"]
+    "name",
+    ["batch_warmup", "seesaw", "simigrad", "critical_ramp", "damped_simigrad", "noise_scale"],
 )
 def test_a_config_left_at_its_defaults_builds_the_librarys_default_controller(name):
     """One default per knob: the command line's controller is the class's own default."""

@@ -9,6 +9,7 @@ from .controllers import (
     DampedSimiGrad,
     NoiseScale,
     Ramp,
+    Seesaw,
     SimiGrad,
 )
 from .lr import LR_RULES, adascale_gain, lr_factor, scaled_lr
@@ -35,6 +36,7 @@ __all__ = [
     "LossSlope",
     "NoiseScale",
     "Ramp",
+    "Seesaw",
     "SimiGrad",
     "SmoothedNoise",
     "SmoothedValue",

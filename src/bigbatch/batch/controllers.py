@@ -22,6 +22,8 @@ model, so all are tested without one.
   instead of cycling.
 - :class:`NoiseScale`: ``B = κ · B_simple`` (McCandlish et al. 2018), re-chosen
   only when it moves by more than 5%, as AdaptDL re-chooses.
+- :class:`Seesaw`: the batch takes over the learning-rate schedule's decay
+  (Smith et al. 2018; Meterez et al. 2025), capped by the critical batch.
 - :class:`Constant` and :class:`Ramp`: the static and scheduled baselines.
 
 Why the published SimiGrad rule cycles, and what the two new controllers do
@@ -492,6 +494,176 @@ class BatchWarmup:
         )  # fmt: skip
 
 
+class Seesaw:
+    """Grow the batch where the schedule lowers the rate, up to the critical batch.
+
+    Past the rate's warm-up, wherever the learning-rate schedule has fallen
+    to a fraction ``d = m(s) / m_peak`` of its peak, the batch is
+    ``initial / d``: the batch takes over the decay. Under the optimizer
+    family's rule (``lr_scaling="auto"`` resolves to it for this controller,
+    see :attr:`follows_decay`) the rate then moves so that the run is the
+    same run in its noise, only in fewer steps:
+
+    - SGD-type (momentum SGD, LARS, their VR forms; the ``linear`` rule):
+      the rate ``η0 · (B/B0) · m`` stays at its peak while the batch grows
+      by ``1/d`` — a batch ×α at a held rate acts like a rate ÷α (Smith et
+      al. 2018, "Don't decay the learning rate, increase the batch size");
+    - Adam-type (AdamW, LAMB, MERIT, their VR forms; the ``sqrt`` rule):
+      the rate ``η0 · √(B/B0) · m`` falls by ``√d`` — a batch ×α with the
+      rate ÷√α acts like a rate ÷α (Seesaw, Meterez et al. 2025,
+      arXiv:2510.14717).
+
+    The batch stops at its cap, the smallest of ``max``, ``growth × initial``
+    and ``critical_multiple`` times the upper end of the smoothed noise
+    scale ``B_simple`` (McCandlish et al. 2018; the interval at
+    ``confidence`` standard errors, :class:`~bigbatch.batch.smoothing.SmoothedNoise`):
+    past the critical batch a larger batch no longer acts like a decay
+    (Seesaw's own finding; McCandlish et al.'s steps-samples trade-off).
+    Beyond the cap the schedule's remaining decay stays with the rate
+    (the rule's factor times ``m``), so the run still ends annealed. The
+    cap is logged beside the batch (:meth:`estimate`, ``batch_cap``).
+
+    ``granularity`` 1 follows the schedule continuously (any whole batch);
+    2 moves in doublings (``initial × 2^k``, the largest power the decay has
+    passed), as Seesaw and OLMo-core's batch-size schedule do. The batch
+    never shrinks. A warm-up (the schedule multiplier rising,
+    ``measured["schedule"]``) and a stable phase (warm-up-stable-decay)
+    grow nothing; without a schedule the batch stays at ``initial``.
+
+    The savings are bounded by the schedule: a run that decays to zero
+    saves at most ``1 − mean(m)`` of its steps (half for cosine), less the
+    part of the decay the cap returns to the rate. Defaults and their
+    measurements: docs/algorithms.md ("The batch takes over the decay") and
+    docs/results.md.
+    """
+
+    needs_statistics = True
+    holds_lr = False
+    #: the batch replaces the schedule's decay: ``lr_scaling="auto"`` is the optimizer
+    #: family's equivalence rule (``bigbatch.batch.lr.FAMILY_RULES``), never a rule measured
+    #: for a static batch
+    follows_decay = True
+    CONFIG: ClassVar[dict[str, Knob]] = {
+        **_BOUNDS,
+        "max_growth": Knob(
+            "growth",
+            "the batch grows to at most this multiple of batch.initial (0: no such cap)",
+            low=0,
+        ),
+        "granularity": Knob(
+            "granularity",
+            "the batch moves in powers of this factor (1: follows the schedule "
+            "continuously; 2: doublings)",
+            low=1,
+        ),
+        "critical_multiple": Knob(
+            "critical_multiple",
+            "the batch stops at this multiple of the noise scale B_simple's upper "
+            "bound, the run's critical-batch estimate (0: no such cap)",
+            low=0,
+        ),
+        "confidence": _CONFIDENCE,
+        "window": _WINDOW,
+    }
+
+    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
+        self,
+        initial: int = 16,
+        min: int = 16,
+        max: int = 16384,
+        *,
+        growth: float = 8.0,
+        granularity: float = 1.0,
+        critical_multiple: float = 1.0,
+        confidence: float = 1.0,
+        window: int = 20,
+        clip: float = 3.0,
+    ) -> None:
+        self.initial, self.min, self.max = batch_bounds(initial, min, max)
+        self.growth = check_number("growth", growth)
+        if 0 < self.growth < 1:
+            raise ValueError(f"growth must be 0 (no cap) or at least 1, got {growth!r}")
+        self.granularity = check_number("granularity", granularity, low=1.0)
+        self.critical_multiple = check_number("critical_multiple", critical_multiple)
+        self.confidence = check_number("confidence", confidence)
+        self.window = positive_int("window", window)
+        self.clip = check_number("clip", clip, low_open=True)
+        self.needs_statistics = self.critical_multiple > 0
+        self._noise = SmoothedNoise(self.window)
+        self._peak = -math.inf  # the schedule's largest multiplier so far
+        self._last = -math.inf  # the previous step's multiplier (a rising one is a warm-up)
+        self._decay = 1.0  # m / m_peak once the warm-up is over
+
+    def cap(self) -> float:
+        """The largest batch now: ``max``, ``growth × initial``, ``critical_multiple ×
+        upper(B_simple)``; 0 while that estimate has fewer than ``window / 2`` steps
+        behind it (the batch holds: two steps' spread is no error bar)."""
+        cap = float(self.max)
+        if self.growth:
+            cap = min(cap, self.growth * self.initial)
+        if self.critical_multiple:
+            if self._noise.count < self.window / 2:
+                return 0.0
+            _, upper = self._noise.bounds(self.confidence)
+            cap = min(cap, self.critical_multiple * upper)
+        return cap
+
+    def wanted(self) -> float:
+        """The batch that takes over the decay so far: ``initial / d`` (in powers of
+        ``granularity`` unless it is 1), before the cap."""
+        if self._decay <= 0:
+            return math.inf
+        ratio = 1.0 / self._decay
+        if self.granularity > 1:
+            # the largest power the decay has passed (a hair of slack for 1/0.5 = 2.0000001)
+            ratio = self.granularity ** math.floor(math.log(ratio, self.granularity) + 1e-9)
+        return self.initial * ratio
+
+    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
+        self._noise.update(
+            measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
+        )
+        schedule = measured.get("schedule", math.nan)
+        if math.isfinite(schedule):
+            rising = schedule > self._last
+            self._last = schedule
+            self._peak = max(self._peak, schedule)
+            if not rising and self._peak > 0:
+                self._decay = max(0.0, schedule) / self._peak
+        wanted = min(self.wanted(), self.cap())
+        # round down to a whole batch, never below the current one: the batch never shrinks
+        new = max(batch_size, math.floor(min(wanted, float(self.max)) + 1e-9))
+        return int(min(self.max, max(self.min, new)))
+
+    def estimate(self) -> dict[str, float]:
+        """What decides, for logging: ``B_simple`` with its bounds, the schedule's decay
+        ``d``, and the cap the batch stops at."""
+        return {
+            **self._noise.estimate(self.confidence),
+            "decay": self._decay,
+            "batch_cap": self.cap(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "noise": self._noise.state_dict(),
+            "peak": self._peak,
+            "last": self._last,
+            "decay": self._decay,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._noise.load_state_dict(state["noise"])
+        self._peak, self._last = float(state["peak"]), float(state["last"])
+        self._decay = float(state["decay"])
+
+    def __repr__(self) -> str:
+        return _settings(
+            self, "initial", "min", "max", "growth", "granularity", "critical_multiple",
+            "confidence", "window", "clip",
+        )  # fmt: skip
+
+
 class DampedSimiGrad:
     """SimiGrad's target similarity, held by a damped log-space PI loop that settles.
 
@@ -794,6 +966,7 @@ class Ramp:
 
 CONTROLLERS = {
     "batch_warmup": BatchWarmup,
+    "seesaw": Seesaw,
     "simigrad": SimiGrad,
     "critical_ramp": CriticalBatchRamp,
     "damped_simigrad": DampedSimiGrad,

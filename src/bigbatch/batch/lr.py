@@ -10,7 +10,8 @@ base batch ``B0`` is multiplied at batch ``B`` (docs/algorithms.md, "Batch-size 
 - ``adascale-sqrt``: ``sqrt(r)``, which AdaptDL found right for Adam-type
   optimizers (Adam, AdamW, LAMB, MERIT);
 - ``auto``: ``none`` under a controller that follows the noise scale (it
-  declares ``holds_lr``), else the rule measured for the optimizer on the
+  declares ``holds_lr``), the family's rule under one whose batch takes over
+  the schedule's decay (``follows_decay``), else the rule measured for the optimizer on the
   task at hand where it has one, else the optimizer family's rule
   (:data:`FAMILY_RULES`: ``sqrt`` for Adam-type, ``linear`` for SGD- and
   LARS-type), see :func:`resolve_lr_rule`.
@@ -24,7 +25,8 @@ noise reduction the larger batch bought (growing the batch at a held rate
 acts like a learning-rate decay: Smith et al. 2018).
 
 Since the batch varies, schedules are functions of samples seen, not steps:
-``warmup_cosine(total, warmup)`` and ``warmup_linear(total, warmup)`` return
+``warmup_cosine(total, warmup)``, ``warmup_linear(total, warmup)`` and
+``warmup_stable_decay(total, warmup, cooldown)`` return
 ``f(samples) -> multiplier``; any such callable works as a user schedule.
 :class:`LRScaling` multiplies each group's learning rate around the optimizer
 step and restores it after, so a user's own ``torch.optim.lr_scheduler`` still
@@ -39,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .._checks import choice, whole_number
+from .._checks import check_number, choice, whole_number
 
 LR_RULES = ("none", "linear", "sqrt", "adascale", "adascale-sqrt")
 
@@ -62,7 +64,9 @@ def resolve_lr_rule(
     """The rule ``auto`` stands for (any other rule is returned as it is).
 
     ``none`` for a controller that declares ``holds_lr`` (it follows the noise
-    scale); otherwise ``measured`` (the rule measured for this optimizer on
+    scale); the family's rule for one that declares ``follows_decay`` (its batch
+    takes over the schedule's decay: :class:`~bigbatch.batch.Seesaw`); otherwise
+    ``measured`` (the rule measured for this optimizer on
     this task, if any), else the family's rule from :data:`FAMILY_RULES`,
     ``sqrt`` for an optimizer of unknown family.
     """
@@ -71,6 +75,10 @@ def resolve_lr_rule(
         return rule
     if getattr(controller, "holds_lr", False):
         return "none"
+    if getattr(controller, "follows_decay", False):
+        # the batch replaces the schedule's decay: only the family's equivalence rule keeps the
+        # run the same run in fewer steps (a rule measured for static batches does not)
+        return FAMILY_RULES.get(family or "", "sqrt")
     if measured is not None:
         return check_lr_rule(measured)
     return FAMILY_RULES.get(family or "", "sqrt")
@@ -203,19 +211,46 @@ def warmup_poly(total: int, warmup: int = 0, power: float = 2.0) -> Schedule:
     return _warmup_then(total, warmup, lambda t: (1 - t) ** power)
 
 
+def warmup_stable_decay(
+    total: int, warmup: int = 0, cooldown: float = 0.2, final: float = 0.0
+) -> Schedule:
+    """Linear warm-up over ``warmup`` samples, the peak rate held, then a linear
+    cool-down to ``final`` over the last ``cooldown`` fraction of ``total`` samples.
+
+    Warm-up-stable-decay (WSD; Hu et al. 2024, MiniCPM; Hägele et al. 2024), the
+    schedule most language-model pretraining runs now use: the stable phase can be
+    extended or branched from, and only the cool-down decays.
+    """
+    check_number("cooldown", cooldown, high=1.0)
+    whole_number("total", total)
+    start = max(warmup, total - round(cooldown * total))
+    length = total - start
+
+    def decay(samples: int) -> float:
+        if samples < start:
+            return 1.0
+        return 1 - (1 - final) * min(1.0, (samples - start) / max(1, length))
+
+    warm = _warmup_then(total, warmup, lambda t: 1.0)
+    return lambda samples: warm(samples) if samples < warmup else decay(samples)
+
+
 def constant(samples: int) -> float:
     """The schedule that leaves the learning rate alone."""
     return 1.0
 
 
 #: the schedules a config names (``schedule.kind``): warm-up then decay, or none
-SCHEDULES = ("cosine", "linear", "poly", "constant")
+SCHEDULES = ("cosine", "linear", "poly", "wsd", "constant")
 
 
-def schedule_by_name(kind: str, total: int, warmup: int) -> Schedule:
-    """``warmup_cosine`` / ``warmup_linear`` / ``warmup_poly`` (power 2) over ``total``
+def schedule_by_name(kind: str, total: int, warmup: int, cooldown: float = 0.2) -> Schedule:
+    """``warmup_cosine`` / ``warmup_linear`` / ``warmup_poly`` (power 2) /
+    ``warmup_stable_decay`` (its last ``cooldown`` of ``total``) over ``total``
     samples, or the constant schedule."""
     choice("schedule", kind, SCHEDULES)
+    if kind == "wsd":
+        return warmup_stable_decay(total, warmup, cooldown)
     if kind == "cosine":
         return warmup_cosine(total, warmup)
     if kind == "linear":

@@ -127,7 +127,12 @@ def _declared(config: dict[str, Any], prefix: str, knobs: dict[str, Any]) -> dic
 
 def make_schedule(config: dict[str, Any]):
     total = config["max_samples"]
-    return schedule_by_name(config["schedule.kind"], total, int(config["schedule.warmup"] * total))
+    return schedule_by_name(
+        config["schedule.kind"],
+        total,
+        int(config["schedule.warmup"] * total),
+        config["schedule.cooldown"],
+    )
 
 
 def build(

@@ -321,7 +321,8 @@ def _batch_keys() -> list[Key]:
             "next size, the LR following by batch.lr_scaling's rule), critical_ramp (double when "
             "noise_multiple * B_simple is above the next size, LR held), damped_simigrad "
             "(hold the similarity batch.target, damped), simigrad (the published rule), "
-            "noise_scale, constant, ramp",
+            "seesaw (the batch takes over the schedule's decay, up to batch.max_growth x "
+            "batch.initial and the critical-batch estimate), noise_scale, constant, ramp",
             tuple(CONTROLLERS),
         ),
         *component_keys("batch.", controllers, "controller"),
@@ -329,9 +330,10 @@ def _batch_keys() -> list[Key]:
             "batch.lr_scaling",
             "auto",
             "how the LR follows the batch relative to batch.base; auto: held (none) under "
-            "critical_ramp, damped_simigrad and noise_scale, else (batch_warmup, simigrad, "
-            "constant, ramp) the rule measured for the optimizer on the task (bigbatch tasks), "
-            "else sqrt for Adam-type and linear for SGD- and LARS-type optimizers",
+            "critical_ramp, damped_simigrad and noise_scale, the family's rule under seesaw, "
+            "else (batch_warmup, simigrad, constant, ramp) the rule measured for the optimizer "
+            "on the task (bigbatch tasks), else sqrt for Adam-type and linear for SGD- and "
+            "LARS-type optimizers",
             ("auto", *LR_RULES),
         ),
         Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),
@@ -350,6 +352,13 @@ def _batch_keys() -> list[Key]:
             (AUTO, *SCHEDULES),
         ),
         recipe_key("schedule.warmup", "linear warm-up, a fraction of max_samples", low=0, high=1),
+        Key(
+            "schedule.cooldown",
+            0.2,
+            "wsd: the linear cool-down at the end, a fraction of max_samples",
+            low=0,
+            high=1,
+        ),
     ]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..sinks import batch_change
-from .analysis import fit_critical_batch, mean_std
+from .analysis import first_reaching, fit_critical_batch, mean_std
 from .arms import ArmResult
 from .plots import pyplot
 from .rundir import read_metrics
@@ -242,12 +242,80 @@ def render_comparison(root: Path) -> Path:
         )
     lines += ["", f"![test {score} vs samples and steps](curves.png)", ""]
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
+    lines += _near_best(root, arms, loss, score)
     axis = _axis(plan, arms)
     if axis is not None:
         lines += _by_axis(root, plan, arms, axis, loss, score)
     path = root / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+#: how far from the best arm's final score a run may end and still count as there: the
+#: evidence protocol's tolerance (0.01 nats; 0.1 accuracy points)
+NEAR_BEST = {"loss": 0.01, "accuracy": 0.001}
+
+
+def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> list[str]:
+    """Optimizer steps to ``T`` = the best arm's final score (seed mean) within
+    :data:`NEAR_BEST`, per arm, and each against the fewest: the claim that a batch
+    schedule keeps the best final quality in fewer steps, read from the runs. Draws
+    ``steps_final.png``: each arm's steps against its final score."""
+    if not arms:
+        return []
+    final = "final_eval_loss" if loss else "final_accuracy"
+    key = "eval_loss" if loss else "eval_accuracy"
+    means = {a.name: mean_std(a.values(final))[0] for a in arms}
+    finite = [m for m in means.values() if math.isfinite(m)]
+    if not finite:
+        return []
+    best = min(finite) if loss else max(finite)
+    tolerance = NEAR_BEST["loss" if loss else "accuracy"]
+    target = best + tolerance if loss else best - tolerance
+    reached: dict[str, list[int | None]] = {}
+    for arm in arms:
+        hits = [first_reaching(read_metrics(root / d), target, key, loss) for d in arm.dirs]
+        reached[arm.name] = [h[0] if h else None for h in hits]
+    fewest = min(
+        (mean_std(s)[0] for s in reached.values() if s and all(x is not None for x in s)),
+        default=math.nan,
+    )
+    _plot_steps_final(root, arms, final, score)
+    lines = [
+        f"Steps to T = {target:.4g}, the best arm's final {score} "
+        f"{'+' if loss else '−'} {tolerance:g} (seed means; a ratio only where every "
+        "seed reached T):",
+        "",
+        f"| arm | final {score} | against the best | steps to T | × the fewest |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        steps = reached[arm.name]
+        got = [x for x in steps if x is not None]
+        every = bool(steps) and len(got) == len(steps)
+        ratio = f"{mean_std(got)[0] / fewest:.2f}" if every and fewest > 0 else "—"
+        lines.append(
+            f"| {arm.name} | {_mean_std_text(arm.values(final), 4)} "
+            f"| {means[arm.name] - best:+.4f} | {_mean_std_text(got, 0)} "
+            f"({len(got)}/{len(steps)}) | {ratio} |"
+        )
+    return [*lines, "", f"![optimizer steps vs final {score}](steps_final.png)", ""]
+
+
+def _plot_steps_final(root: Path, arms: list[ArmResult], final: str, score: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in arms:
+        steps, _ = mean_std(arm.values("steps"))
+        value, error = mean_std(arm.values(final))
+        ax.errorbar([steps], [value], yerr=[error], marker="o", capsize=3)
+        ax.annotate(arm.name, (steps, value), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("optimizer steps (seed mean)")
+    ax.set_ylabel(f"final test {score} (seed mean ± std)")
+    fig.tight_layout()
+    fig.savefig(root / "steps_final.png", dpi=100)
+    plt.close(fig)
 
 
 def _plot_curves(root: Path, arms: list[ArmResult], key: str, score: str) -> None:

@@ -1,0 +1,36 @@
+"""The comparison report's reading of the claim: steps to the best final score."""
+
+import json
+
+from bigbatch.experiments.arms import ArmResult
+from bigbatch.experiments.report import _near_best
+
+
+def _arm(root, name, curves):
+    """An arm whose seeds' eval losses are ``curves`` (lists of (step, loss))."""
+    dirs, runs = [], []
+    for seed, curve in enumerate(curves):
+        run = root / f"{name}-seed{seed}"
+        run.mkdir()
+        rows = [{"step": s, "samples": 16 * s, "eval_loss": v} for s, v in curve]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dirs.append(run.name)
+        runs.append(
+            {"final_eval_loss": curve[-1][1], "steps": curve[-1][0], "target_metric": "eval_loss"}
+        )
+    return ArmResult(name, {}, [0.01], 0, [], runs, dirs)
+
+
+def test_steps_to_the_best_final_loss_plus_the_tolerance(tmp_path):
+    static = _arm(tmp_path, "static", [[(100, 2.0), (900, 1.505), (1000, 1.50)]] * 2)
+    fast = _arm(tmp_path, "schedule", [[(100, 2.0), (400, 1.509), (500, 1.505)]] * 2)
+    never = _arm(tmp_path, "large", [[(10, 2.0), (50, 1.60)], [(10, 2.0), (50, 1.51)]])
+    lines = _near_best(tmp_path, [static, fast, never], loss=True, score="eval loss")
+    text = "\n".join(lines)
+    assert "T = 1.51" in text  # the best final (1.50) + 0.01
+    rows = {r.split(" | ")[0].strip("| "): r for r in lines if r.startswith("| ")}
+    assert rows["static"].endswith("| 900 ± 0 (2/2) | 2.25 |")
+    assert rows["schedule"].endswith("| 400 ± 0 (2/2) | 1.00 |")  # the fewest
+    assert "+0.0050" in rows["schedule"]
+    assert rows["large"].endswith("(1/2) | — |")  # one seed short of T: no ratio
+    assert (tmp_path / "steps_final.png").is_file()
