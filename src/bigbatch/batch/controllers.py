@@ -574,7 +574,7 @@ class Seesaw:
         *,
         growth: float = 8.0,
         granularity: float = 1.0,
-        critical_multiple: float = 1.0,
+        critical_multiple: float = 0.5,
         confidence: float = 1.0,
         window: int = 20,
         clip: float = 3.0,
