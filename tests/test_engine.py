@@ -197,9 +197,7 @@ def test_under_seesaw_the_rate_over_the_familys_invariant_is_the_schedule(optimi
     total = 16 * 60
     schedule = bb.schedules.warmup_cosine(total, warmup=16 * 5)
     controller = bb.batch.Seesaw(initial=4, min=4, growth=4, critical_multiple=0)
-    model, opt, engine = setup(
-        controller, optimizer=optimizer, statistics=False, schedule=schedule
-    )
+    model, opt, engine = setup(controller, optimizer=optimizer, statistics=False, schedule=schedule)
     batches = []
     while engine.samples < total:
         batch = engine.batch_size

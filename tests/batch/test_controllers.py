@@ -590,9 +590,7 @@ def test_seesaw_checks_its_settings_and_round_trips_its_state():
     low=st.integers(1, 64),
 )
 def test_seesaw_is_monotone_and_bounded(schedule, growth, granularity, low):
-    c = Seesaw(
-        initial=low, min=low, max=low * 32, growth=growth, granularity=granularity, window=2
-    )
+    c = Seesaw(initial=low, min=low, max=low * 32, growth=growth, granularity=granularity, window=2)
     batch = low
     for m in schedule:
         new = c.next({"schedule": m, "grad_sq_norm": 1.0, "trace": 1e3}, batch, 0)
