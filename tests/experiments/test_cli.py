@@ -83,9 +83,18 @@ def test_train_writes_the_run_directory(tmp_path, capsys):
     assert (out / "report.md").is_file()
 
 
-def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch):
+#: the batch taking over a warm-up-stable-decay schedule's cool-down (most of the run)
+SEESAW = ["--set", "batch.controller=seesaw", "--set", "schedule.kind=wsd"]
+SEESAW += ["--set", "schedule.cooldown=0.9", "--set", "batch.critical_multiple=0"]
+
+
+@pytest.mark.parametrize("extra", [[], SEESAW], ids=["default", "seesaw"])
+def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch, extra):
     straight = tmp_path / "straight"
-    assert run_cli("train", *SMALL, "--out", straight) == 0
+    assert run_cli("train", *SMALL, *extra, "--out", straight) == 0
+    if extra:  # the batch grows after the kill: the controller's state carries it
+        batches = [r["batch_size"] for r in rows(straight)]
+        assert batches[12] < batches[-1] and batches == sorted(batches)
 
     killed = tmp_path / "killed"
     real_step = AdaptiveBatch._optimizer_step
@@ -96,7 +105,7 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch):
         return real_step(self)
 
     monkeypatch.setattr(AdaptiveBatch, "_optimizer_step", crash_after_12)
-    assert run_cli("train", *SMALL, "--out", killed) == 130
+    assert run_cli("train", *SMALL, *extra, "--out", killed) == 130
     assert len((killed / "metrics.jsonl").read_text().splitlines()) == 12
     monkeypatch.setattr(AdaptiveBatch, "_optimizer_step", real_step)
     assert run_cli("train", "--quiet", "--resume", killed) == 0
