@@ -304,13 +304,17 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
 
 def _plot_steps_final(root: Path, arms: list[ArmResult], final: str, score: str) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    spans = []
     for arm in arms:
         steps, _ = mean_std(arm.values("steps"))
         value, error = mean_std(arm.values(final))
         ax.errorbar([steps], [value], yerr=[error], marker="o", capsize=3)
         ax.annotate(arm.name, (steps, value), fontsize=7)
-    ax.set_xscale("log")
+        spans.append(steps)
+    finite = [s for s in spans if math.isfinite(s) and s > 0]
+    if finite and max(finite) > 3 * min(finite):  # a log axis only where it spans enough
+        ax.set_xscale("log")
     ax.set_xlabel("optimizer steps (seed mean)")
     ax.set_ylabel(f"final test {score} (seed mean ± std)")
     fig.tight_layout()
