@@ -591,7 +591,7 @@ class Seesaw:
         self.needs_statistics = self.critical_multiple > 0
         self._noise = SmoothedNoise(self.window)
         self._peak = -math.inf  # the schedule's largest multiplier so far
-        self._last = -math.inf  # the previous step's multiplier (a rising one is a warm-up)
+        self._warming = _WarmUp(0)  # a rising multiplier is a warm-up
         self._decay = 1.0  # m / m_peak once the warm-up is over
 
     def cap(self) -> float:
@@ -624,15 +624,14 @@ class Seesaw:
             measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
         )
         schedule = measured.get("schedule", math.nan)
+        rising = self._warming(measured, samples)
         if math.isfinite(schedule):
-            rising = schedule > self._last
-            self._last = schedule
             self._peak = max(self._peak, schedule)
             if not rising and self._peak > 0:
                 self._decay = max(0.0, schedule) / self._peak
-        wanted = min(self.wanted(), self.cap())
-        # round down to a whole batch, never below the current one: the batch never shrinks
-        new = max(batch_size, math.floor(min(wanted, float(self.max)) + 1e-9))
+        # the cap is at most max, so this is finite; round down to a whole batch, never below
+        # the current one: the batch never shrinks
+        new = max(batch_size, math.floor(min(self.wanted(), self.cap()) + 1e-9))
         return int(min(self.max, max(self.min, new)))
 
     def estimate(self) -> dict[str, float]:
@@ -648,13 +647,13 @@ class Seesaw:
         return {
             "noise": self._noise.state_dict(),
             "peak": self._peak,
-            "last": self._last,
+            "last": self._warming.last,
             "decay": self._decay,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._noise.load_state_dict(state["noise"])
-        self._peak, self._last = float(state["peak"]), float(state["last"])
+        self._peak, self._warming.last = float(state["peak"]), float(state["last"])
         self._decay = float(state["decay"])
 
     def __repr__(self) -> str:

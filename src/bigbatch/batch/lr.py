@@ -75,11 +75,9 @@ def resolve_lr_rule(
         return rule
     if getattr(controller, "holds_lr", False):
         return "none"
-    if getattr(controller, "follows_decay", False):
-        # the batch replaces the schedule's decay: only the family's equivalence rule keeps the
-        # run the same run in fewer steps (a rule measured for static batches does not)
-        return FAMILY_RULES.get(family or "", "sqrt")
-    if measured is not None:
+    # a batch that replaces the schedule's decay keeps the run the same run in fewer steps
+    # only under the family's equivalence rule, not a rule measured for static batches
+    if measured is not None and not getattr(controller, "follows_decay", False):
         return check_lr_rule(measured)
     return FAMILY_RULES.get(family or "", "sqrt")
 
