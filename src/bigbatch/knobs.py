@@ -12,7 +12,7 @@ timm's registry keeps models as data.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,9 @@ class Knob:
     unset: Any = None
     #: a run's default where it must differ from the library's (the help says why)
     run_default: Any = None
+    #: for a text value with a grammar (a duration, a table of points): the parser whose
+    #: ``ValueError`` names what it could not read; the config keeps the text
+    parse: Callable[[str], Any] | None = None
 
 
 def signature_defaults(component: Any, knobs: Mapping[str, Knob]) -> dict[str, Any]:

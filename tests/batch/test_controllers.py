@@ -101,12 +101,52 @@ def test_noise_scale_follows_kappa_times_the_smoothed_b_simple():
 
 def test_constant_and_ramp():
     assert Constant(512).next({"similarity": 0.0}, 512, 10_000) == 512
-    ramp = Ramp(64, 1024, samples=1000)
+    ramp = Ramp(64, 1024, 1000)
     assert (ramp.initial, ramp.min, ramp.max) == (64, 64, 1024)
     assert ramp.next({}, 64, 500) == 544
     assert ramp.next({}, 64, 5000) == 1024
     table = Ramp(points=[(0, 128), (1000, 256), (5000, 512)])
     assert [table.next({}, 0, s) for s in (0, 999, 1000, 4999, 10**6)] == [128, 128, 256, 256, 512]
+    with pytest.warns(DeprecationWarning, match="over"):
+        assert Ramp(64, 1024, samples=1000).next({}, 64, 500) == 544
+
+
+def test_ramp_in_the_users_units():
+    # a share of the budget, linear: a quarter of 4,000 samples
+    share = Ramp(16, 128, "25%", budget=4000)
+    assert [share.next({"step": 1}, 0, s) for s in (0, 500, 1000, 3000)] == [16, 72, 128, 128]
+    # optimizer steps, whatever the samples: OLMo-core's table
+    steps = Ramp(points="0:16, 100 steps:32, 200 steps:64")
+    assert [steps.next({"step": n}, 0, 10**6) for n in (1, 99, 100, 199, 200)] == [
+        16,
+        16,
+        32,
+        32,
+        64,
+    ]
+    # tokens: samples times the sequence length
+    tokens = Ramp(points=[(0, 8), ("2k tokens", 16)], tokens_per_sample=256)
+    assert [tokens.next({}, 0, s) for s in (7, 8)] == [8, 16]
+    # a point above the largest batch the run allows holds at it
+    capped = Ramp(end=24, points=[(0, 8), ("50%", 32)], budget=100)
+    assert (capped.next({}, 0, 60), capped.max) == (24, 24)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Ramp(16, 64, "10%"), "share of the budget: give budget"),
+        (lambda: Ramp(16, 64, "1M tokens"), "give tokens_per_sample"),
+        (lambda: Ramp(16, 64, "0 steps"), "positive length"),
+        (lambda: Ramp(points="0:16, 10 steps:32, 50%:64", budget=10), "share one unit"),
+        (lambda: Ramp(32, points="0:16, 5 steps:32"), "first point's batch"),
+        (lambda: Ramp(points="0:16, 5 stepz:32"), "not a duration: ' 5 stepz'"),
+        (lambda: Ramp(points="0:16, 5 steps"), "WHEN:BATCH"),
+    ],
+)
+def test_ramp_names_what_it_cannot_read(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
 
 
 @pytest.mark.parametrize(
@@ -119,8 +159,8 @@ def test_constant_and_ramp():
         (lambda: SimiGrad(growth=0.9), "growth"),
         (lambda: NoiseScale(multiple=0), "noise_multiple"),
         (lambda: Constant(-4), "batch_size"),
-        (lambda: Ramp(points=[(10, 64)]), "start at sample 0"),
-        (lambda: Ramp(64), "needs start, end and samples"),
+        (lambda: Ramp(points=[(10, 64)]), "start at 0"),
+        (lambda: Ramp(64), "needs start, end and over"),
         (lambda: CriticalBatchRamp(multiple=-1), "noise_multiple"),
         (lambda: CriticalBatchRamp(factor=1.0), "factor"),
         (lambda: CriticalBatchRamp(warmup=-5), "warmup"),

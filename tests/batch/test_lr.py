@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bigbatch import schedules
-from bigbatch.batch import Seesaw, adascale_gain, lr_factor, scaled_lr
+from bigbatch.batch import Ramp, Seesaw, adascale_gain, lr_factor, scaled_lr
 from bigbatch.batch.lr import resolve_lr_rule
 
 
@@ -30,6 +30,10 @@ def test_auto_is_the_measured_rule_else_the_familys_and_none_under_a_noise_follo
     assert resolve_lr_rule("auto", Seesaw(), "sgd", measured="sqrt") == "linear"
     assert resolve_lr_rule("auto", Seesaw(), "lars", measured="none") == "linear"
     assert resolve_lr_rule("auto", Seesaw(), "adam", measured="linear") == "sqrt"
+    # a ramp fixed in advance follows the same rule (OLMo-core: x sqrt(ratio) for Adam)
+    ramp = Ramp(16, 64, 100)
+    assert resolve_lr_rule("auto", ramp, "adam", measured="linear") == "sqrt"
+    assert resolve_lr_rule("auto", ramp, "sgd", measured="sqrt") == "linear"
     # a rule the user names is kept
     assert resolve_lr_rule("linear", object(), "sgd", measured="sqrt") == "linear"
     with pytest.raises(ValueError, match="lr_scaling"):

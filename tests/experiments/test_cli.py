@@ -88,10 +88,16 @@ SEESAW = ["--set", "batch.controller=seesaw", "--set", "schedule.kind=wsd"]
 SEESAW += ["--set", "schedule.cooldown=0.9", "--set", "batch.critical_multiple=0"]
 
 
-@pytest.mark.parametrize("extra", [[], SEESAW], ids=["default", "seesaw"])
+#: a ramp in optimizer steps whose change comes after the kill
+RAMP = ["--set", "batch.controller=ramp", "--set", "batch.ramp_points=0:32, 15 steps:64"]
+
+
+@pytest.mark.parametrize("extra", [[], SEESAW, RAMP], ids=["default", "seesaw", "ramp"])
 def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch, extra):
     straight = tmp_path / "straight"
     assert run_cli("train", *SMALL, *extra, "--out", straight) == 0
+    if extra == RAMP:  # the table, in steps
+        assert [r["batch_size"] for r in rows(straight)][13:16] == [32, 32, 64]
     if extra:  # the batch grows after the kill: the controller's state carries it
         batches = [r["batch_size"] for r in rows(straight)]
         assert batches[12] < batches[-1] and batches == sorted(batches)
@@ -142,6 +148,7 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch, extra):
         ),
         (["train", "--set", "agvm.rule=yolo"], "agvm.rule = 'yolo' is not one of"),
         (["train", "--set", "vrgd.gamma=0"], "vrgd.gamma must be > 0"),
+        (["train", "--set", "batch.ramp_over=soon"], "batch.ramp_over = 'soon': not a duration"),
         (["train", "--nproc", "0"], "--nproc must be at least 1"),
     ],
 )

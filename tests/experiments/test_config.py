@@ -94,6 +94,37 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
     assert make_controller(chosen).multiple == 3.0
 
 
+def test_a_ramp_in_the_users_units_from_config_keys():
+    from bigbatch.experiments.build import make_controller, with_task_defaults
+
+    def ramp(**keys):
+        layer = {"batch.controller": "ramp", "model.context": 0, **keys}
+        return with_task_defaults(resolve(layer))
+
+    # the table gives the first batch; its shares are of max_samples
+    table = ramp(**{"batch.ramp_points": "0:32, 25%:64", "max_samples": 4000})
+    controller = make_controller(table)
+    assert table["batch.initial"] == table["batch.base"] == 32
+    assert [controller.next({}, 0, s) for s in (999, 1000)] == [32, 64]
+    # the linear ramp's length in tokens needs a sequence task: its context
+    text = with_task_defaults(
+        resolve({"task": "text", "batch.controller": "ramp", "batch.ramp_over": "1M tokens"})
+    )
+    assert make_controller(text).tokens_per_sample == text["model.context"] > 0
+    with pytest.raises(ConfigError, match="'1M tokens' counts tokens, but the mnist1d task"):
+        ramp(**{"batch.ramp_over": "1M tokens"})
+    with pytest.raises(ConfigError, match=r"batch\.initial = 16 but batch\.ramp_points starts"):
+        ramp(**{"batch.ramp_points": "0:32, 25%:64", "batch.initial": 16})
+    with pytest.raises(ConfigError, match=r"batch\.ramp_points = '0:32, 25%': a ramp point"):
+        resolve({"batch.ramp_points": "0:32, 25%"})
+    # the old key, in samples (0: half the budget), still read with a warning
+    with pytest.warns(FutureWarning, match="batch.ramp_over"):
+        old = resolve({"batch.ramp_samples": 0})
+    assert old["batch.ramp_over"] == "50%"
+    with pytest.warns(FutureWarning):
+        assert resolve({"batch.ramp_samples": 150_000})["batch.ramp_over"] == "150000"
+
+
 def test_every_declared_key_names_an_argument_of_its_component():
     import inspect
 

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.utils.data import TensorDataset
 
 from bigbatch import AdaptiveBatch
-from bigbatch.batch import Constant, SimiGrad
+from bigbatch.batch import Constant, Ramp, SimiGrad
 from bigbatch.integrations.deepspeed import AdaptiveBatchDeepSpeed
 from bigbatch.optim import create_optimizer
 
@@ -100,6 +100,8 @@ def controller(kind: str):
     world = dist.get_world_size()
     if kind == "constant":
         return Constant(32 * world)
+    if kind == "ramp":  # fixed in optimizer steps: the change after the 5th
+        return Ramp(points=[(0, 16 * world), ("5 steps", 32 * world)])
     return SimiGrad(target=0.5, initial=16 * world, min=4 * world, max=256, window=5)
 
 

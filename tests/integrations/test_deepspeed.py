@@ -43,12 +43,15 @@ def assert_same_run(results, atol=1e-6):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("kind", ["constant", "adaptive"])
+@pytest.mark.parametrize("kind", ["constant", "adaptive", "ramp"])
 def test_same_batches_and_parameters_as_the_plain_loop(ranks, stage, kind):
     results = ranks.run(programs.compare, kind, stage)
     assert_same_run(results)
     if kind == "adaptive":  # the controller did decide something
         assert len(set(results[0]["deepspeed"]["batch"])) > 3
+    if kind == "ramp":
+        batches = results[0]["deepspeed"]["batch"]
+        assert batches[4] < batches[5] == batches[-1]
 
 
 def test_a_layerwise_optimizer_trains_as_in_the_plain_loop_at_stage_0(ranks):

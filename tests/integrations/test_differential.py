@@ -57,7 +57,9 @@ def make_optimizer(kind, net):
     return torch.optim.SGD(net.net.parameters(), lr=0.1, momentum=0.9)
 
 
-def controller():
+def controller(case):
+    if "ramp" in case:  # a ramp fixed in the user's units: optimizer steps and samples
+        return bb.batch.Ramp(points=case["ramp"], budget=BUDGET)
     return bb.batch.CriticalBatchRamp(1.0, initial=FIRST, min=16, max=1024, window=4)
 
 
@@ -65,6 +67,8 @@ CASES = {
     "adascale": dict(optimizer="sgd", lr_scaling="adascale"),
     "vrgd": dict(optimizer="vrgd", lr_scaling="none"),
     "agvm": dict(optimizer="agvm", lr_scaling="sqrt"),
+    "ramp-steps": dict(optimizer="sgd", lr_scaling="sqrt", ramp=[(0, 64), ("10 steps", 128)]),
+    "ramp-share": dict(optimizer="sgd", lr_scaling="linear", ramp=[(0, 64), ("40%", 256)]),
     "nan-skip": dict(optimizer="sgd", lr_scaling="linear", nan=True),
     "nan-raise": dict(optimizer="sgd", lr_scaling="linear", nan=True, nonfinite="raise"),
     # every option away from its default, handed over as one StepOptions record
@@ -97,7 +101,7 @@ def run_loop(case):
         net,
         optimizer,
         TensorDataset(data.x, data.y),
-        controller=controller(),
+        controller=controller(case),
         max_micro_batch=1024,
         min_sub_batches=K,
         **options(case),
@@ -132,7 +136,7 @@ class LightningModule(pl.LightningModule):
 def run_lightning(case):
     data = Teacher()
     sampler = bb.batch.GlobalBatchSampler(len(data), FIRST, micro_batches=K, max_samples=BUDGET)
-    callback = AdaptiveBatchCallback(sampler, controller(), log=False, **options(case))
+    callback = AdaptiveBatchCallback(sampler, controller(case), log=False, **options(case))
     trainer = pl.Trainer(
         accumulate_grad_batches=K,
         use_distributed_sampler=False,
@@ -180,7 +184,7 @@ def run_hf(case, tmp_path):
         args=arguments,
         train_dataset=data,
         sampler=sampler,
-        controller=controller(),
+        controller=controller(case),
         optimizers=(make_optimizer(case["optimizer"], net), None),
         callbacks=[Poison(case)],
         **options(case),
@@ -204,6 +208,10 @@ def test_loop_lightning_and_hf_decide_and_train_identically(name, tmp_path):
     sizes = [m["batch_size"] for m in reference]
     if case.get("nonfinite") != "raise":
         assert len(set(sizes)) > 1, "the batch must change for the comparison to mean anything"
+    if name == "ramp-steps":  # the table in steps: the change after the 10th step
+        assert sizes[:11] == [64] * 10 + [128] and set(sizes) == {64, 128}
+    if name == "ramp-share":  # 40% of the budget = 1,536 samples = 24 steps of 64
+        assert sizes[23:25] == [64, 256] and set(sizes) == {64, 256}
     if case.get("nan"):
         skipped = [m.get("skipped", 0.0) for m in reference]
         if case.get("nonfinite") == "raise":

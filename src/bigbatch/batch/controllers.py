@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 from .._checks import batch_bounds, check_flag, check_number, positive_int, whole_number
+from ..duration import Duration
 from ..knobs import Knob
 from .smoothing import LossSlope, SmoothedNoise, SmoothedValue
 
@@ -501,7 +502,7 @@ class Seesaw:
     to a fraction ``d = m(s) / m_peak`` of its peak, the batch is
     ``initial / d``: the batch takes over the decay. Under the optimizer
     family's rule (``lr_scaling="auto"`` resolves to it for this controller,
-    see :attr:`follows_decay`) the rate then moves so that the run is the
+    see :attr:`family_lr_rule`) the rate then moves so that the run is the
     same run in its noise, only in fewer steps:
 
     - SGD-type (momentum SGD, LARS, their VR forms; the ``linear`` rule):
@@ -542,7 +543,7 @@ class Seesaw:
     #: the batch replaces the schedule's decay: ``lr_scaling="auto"`` is the optimizer
     #: family's equivalence rule (``bigbatch.batch.lr.FAMILY_RULES``), never a rule measured
     #: for a static batch
-    follows_decay = True
+    family_lr_rule = True
     CONFIG: ClassVar[dict[str, Knob]] = {
         **_BOUNDS,
         "max_growth": Knob(
@@ -887,25 +888,45 @@ class Constant:
 
 
 class Ramp:
-    """A batch that follows the samples seen: a linear ramp, or a table of points.
+    """A batch fixed in advance: a linear ramp, or a table of points, in the user's units.
 
-    ``Ramp(start, end, samples=N)`` grows linearly from ``start`` to ``end`` over
-    the first ``N`` samples; ``Ramp(points=[(0, 256), (100_000, 1024)])`` uses the
-    batch of the last point whose sample count has been reached. (``steps=``, its
-    name before 0.2, still works with a ``DeprecationWarning``: in bigbatch a step
-    is an optimizer step.)
+    ``Ramp(start, end, over)`` grows linearly from ``start`` to ``end`` over the first
+    ``over`` of the run, then holds ``end`` (Megatron's rampup, in samples, and the
+    linear ramps of Goyal et al.); ``Ramp(points=[(0, 256), ("25%", 512), ("50%",
+    1024)])`` uses the batch of the last point the run has reached (OLMo-core's
+    ``BatchSizeSchedulerCallback``). Each position is a :class:`~bigbatch.duration.
+    Duration`: a number of samples, or text such as ``"25%"`` (of ``budget``),
+    ``"2M tokens"`` (needs ``tokens_per_sample``) or ``"500 steps"`` (optimizer steps);
+    a table's points share one unit. A point above ``end`` is held at ``end`` (the
+    largest batch the run allows, lowered to the data by ``bigbatch train``).
+
+    The position is read from the samples and the optimizer steps the engine has
+    counted (``measured["step"]``), both saved in every checkpoint, so a resumed run
+    follows the same ramp. Under ``lr_scaling="auto"`` the rate follows the optimizer
+    family's rule at each change (``family_lr_rule``: ×√ratio for Adam-type, as in
+    OLMo-core; ×ratio for SGD- and LARS-type). ``samples=`` (and ``steps=`` for
+    ``points=``), the names before 0.3, still work with a ``DeprecationWarning``.
     """
 
     needs_statistics = False
     holds_lr = False
+    family_lr_rule = True
     CONFIG: ClassVar[dict[str, Knob]] = {
         "initial": Knob("start", "first batch size (samples)", low=1),
         "max": Knob("end", "largest batch size", low=1),
-        "ramp_samples": Knob(
-            "samples",
-            "samples over which the batch grows from initial to max; 0: half of max_samples",
-            low=0,
-            unset=0,
+        "ramp_over": Knob(
+            "over",
+            "the length of the linear ramp from batch.initial to batch.max: samples, "
+            "'N%' of max_samples, 'N tokens' or 'N steps' (e.g. '2M tokens')",
+            parse=Duration.parse,
+        ),
+        "ramp_points": Knob(
+            "points",
+            "a table of 'WHEN:BATCH' points instead of the linear ramp, each WHEN a "
+            "duration in one unit, the first 0 (e.g. '0:16, 25%:32, 50%:64'); empty: the "
+            "linear ramp",
+            unset="",
+            parse=lambda text: parse_points(text) if text.strip() else None,
         ),
     }
 
@@ -913,43 +934,86 @@ class Ramp:
         self,
         start: int | None = None,
         end: int | None = None,
-        samples: int | None = None,
+        over: Duration | str | int | None = "50%",
         *,
-        points: Sequence[tuple[int, int]] | None = None,
+        points: Sequence[tuple[Duration | str | int, int]] | str | None = None,
+        budget: int | None = None,
+        tokens_per_sample: int | None = None,
+        samples: int | None = None,
         steps: Sequence[tuple[int, int]] | None = None,
     ) -> None:
+        if samples is not None:
+            warnings.warn("Ramp(samples=N) is now Ramp(over=N)", DeprecationWarning, stacklevel=2)
+            over = samples
         if steps is not None:
             warnings.warn(
                 "Ramp(steps=...) is now Ramp(points=...)", DeprecationWarning, stacklevel=2
             )
             points = steps if points is None else points
+        if isinstance(points, str):
+            points = parse_points(points) if points.strip() else None
+        self.budget = None if budget is None else positive_int("budget", budget)
+        self.tokens_per_sample = (
+            None
+            if tokens_per_sample is None
+            else positive_int("tokens_per_sample", tokens_per_sample)
+        )
         if points is not None:
-            if start is not None or end is not None or samples is not None:
-                raise ValueError("give either start/end/samples or points, not both")
-            table = sorted((int(s), positive_int("batch in points", b)) for s, b in points)
-            if not table or table[0][0] != 0:
-                raise ValueError(f"points must start at sample 0, got {list(points)!r}")
-            self._table = table
+            self._table = self._points(points, start)
+            self._over = None
+            cap = self._table[-1][1] if end is None else positive_int("end", end)
+            self._table = [(when, min(b, cap)) for when, b in self._table]
+            sizes = [b for _, b in self._table]
         else:
-            if start is None or end is None or samples is None:
-                raise ValueError("Ramp needs start, end and samples (or points=[...])")
-            positive_int("start", start)
-            positive_int("end", end)
-            positive_int("samples", samples)
+            if start is None or end is None or over is None:
+                raise ValueError("Ramp needs start, end and over (or points=[...])")
             self._table = []
-        self._start, self._end, self._samples = start, end, samples
-        sizes = [b for _, b in self._table] or [start, end]
-        self.min, self.max = min(sizes), max(sizes)  # type: ignore[type-var]
-        self.initial = self._at(0)
+            self._over = self._known(Duration.parse(over))
+            if self._over.value <= 0:
+                raise ValueError(f"Ramp's over must be a positive length, got {self._over}")
+            sizes = [positive_int("start", start), positive_int("end", end)]
+        self._start, self._end = start, end
+        self.min, self.max = min(sizes), max(sizes)
+        self.initial = self._at(0, 0)
 
-    def _at(self, samples: int) -> int:
+    def _points(self, points: Sequence[tuple[Any, int]], start: int | None) -> list:
+        table = [
+            (self._known(Duration.parse(w)), positive_int("batch in points", b)) for w, b in points
+        ]
+        units = {d.unit for d, _ in table if d.value > 0}
+        if len(units) > 1:
+            raise ValueError(f"Ramp's points must share one unit, got {sorted(units)}")
+        table.sort(key=lambda point: point[0].value)
+        if not table or table[0][0].value != 0:
+            raise ValueError(f"Ramp's points must start at 0, got {list(points)!r}")
+        if start is not None and start != table[0][1]:
+            raise ValueError(
+                f"Ramp's start ({start}) is not its first point's batch ({table[0][1]})"
+            )
+        return table
+
+    def _known(self, duration: Duration) -> Duration:
+        duration.check(tokens_per_sample=self.tokens_per_sample, budget=self.budget)
+        return duration
+
+    def _elapsed(self, duration: Duration, samples: int, steps: int) -> float:
+        return duration.elapsed(
+            samples, steps, tokens_per_sample=self.tokens_per_sample, budget=self.budget
+        )
+
+    def _at(self, samples: int, steps: int) -> int:
         if self._table:
-            return next(b for s, b in reversed(self._table) if samples >= s)
-        fraction = min(1.0, samples / self._samples)  # type: ignore[operator]
+            return next(
+                b
+                for when, b in reversed(self._table)
+                if self._elapsed(when, samples, steps) >= when.value
+            )
+        over = self._over
+        fraction = min(1.0, self._elapsed(over, samples, steps) / over.value)  # type: ignore[arg-type, union-attr]
         return round(self._start + (self._end - self._start) * fraction)  # type: ignore[operator]
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        return self._at(samples)
+        return self._at(samples, int(measured.get("step", 0)))
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -959,8 +1023,21 @@ class Ramp:
 
     def __repr__(self) -> str:
         if self._table:
-            return f"Ramp(points={self._table!r})"
-        return f"Ramp({self._start}, {self._end}, samples={self._samples})"
+            return f"Ramp(points={[(str(w), b) for w, b in self._table]!r})"
+        return f"Ramp({self._start}, {self._end}, over={str(self._over)!r})"
+
+
+def parse_points(text: str) -> list[tuple[Duration, int]]:
+    """``"0:16, 25%:32, 2M tokens:64"`` as ``[(Duration, batch), ...]``."""
+    points = []
+    for item in text.split(","):
+        when, sep, batch = item.rpartition(":")
+        if not sep or not batch.strip().isdigit():
+            raise ValueError(
+                f"a ramp point is WHEN:BATCH (e.g. '25%:32'), got {item.strip()!r} in {text!r}"
+            )
+        points.append((Duration.parse(when), int(batch)))
+    return points
 
 
 CONTROLLERS = {

@@ -10,11 +10,12 @@ base batch ``B0`` is multiplied at batch ``B`` (docs/algorithms.md, "Batch-size 
 - ``adascale-sqrt``: ``sqrt(r)``, which AdaptDL found right for Adam-type
   optimizers (Adam, AdamW, LAMB, MERIT);
 - ``auto``: ``none`` under a controller that follows the noise scale (it
-  declares ``holds_lr``), the family's rule under one whose batch takes over
-  the schedule's decay (``follows_decay``), else the rule measured for the optimizer on the
-  task at hand where it has one, else the optimizer family's rule
-  (:data:`FAMILY_RULES`: ``sqrt`` for Adam-type, ``linear`` for SGD- and
-  LARS-type), see :func:`resolve_lr_rule`.
+  declares ``holds_lr``), the family's rule under one that declares
+  ``family_lr_rule`` (its batch takes over the schedule's decay, or follows a
+  fixed ramp), else the rule measured for the optimizer on the task at hand
+  where it has one, else the optimizer family's rule (:data:`FAMILY_RULES`:
+  ``sqrt`` for Adam-type, ``linear`` for SGD- and LARS-type), see
+  :func:`resolve_lr_rule`.
 
 Why hold the rate when the batch follows the noise: at batch ``B`` the
 step size that reduces the loss most is ``ε_max / (1 + B_noise / B)``
@@ -64,8 +65,9 @@ def resolve_lr_rule(
     """The rule ``auto`` stands for (any other rule is returned as it is).
 
     ``none`` for a controller that declares ``holds_lr`` (it follows the noise
-    scale); the family's rule for one that declares ``follows_decay`` (its batch
-    takes over the schedule's decay: :class:`~bigbatch.batch.Seesaw`); otherwise
+    scale); the family's rule for one that declares ``family_lr_rule`` (its batch
+    takes over the schedule's decay, :class:`~bigbatch.batch.Seesaw`, or follows a ramp
+    fixed in advance, :class:`~bigbatch.batch.Ramp`); otherwise
     ``measured`` (the rule measured for this optimizer on
     this task, if any), else the family's rule from :data:`FAMILY_RULES`,
     ``sqrt`` for an optimizer of unknown family.
@@ -76,8 +78,9 @@ def resolve_lr_rule(
     if getattr(controller, "holds_lr", False):
         return "none"
     # a batch that replaces the schedule's decay keeps the run the same run in fewer steps
-    # only under the family's equivalence rule, not a rule measured for static batches
-    if measured is not None and not getattr(controller, "follows_decay", False):
+    # only under the family's equivalence rule, not a rule measured for static batches; a
+    # fixed ramp follows the same rule, as OLMo-core's batch-size schedule does
+    if measured is not None and not getattr(controller, "family_lr_rule", False):
         return check_lr_rule(measured)
     return FAMILY_RULES.get(family or "", "sqrt")
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from ..batch.controllers import CONTROLLERS, Controller
+from ..batch.controllers import CONTROLLERS, Controller, parse_points
 from ..batch.lr import lr_factor, resolve_lr_rule, schedule_by_name
 from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
+from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
 from .config import AUTO, ConfigError, defaults, fill_controller_defaults, resolve
@@ -46,11 +48,11 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
         if not config[key]:
             config[key] = value
     kind = config["batch.controller"]
+    if kind == "ramp":
+        _ramp_start(config)
     fill_controller_defaults(config)
     if not config["batch.base"]:
         config["batch.base"] = config["batch.initial"]
-    if kind == "ramp" and not config["batch.ramp_samples"]:
-        config["batch.ramp_samples"] = config["max_samples"] // 2
     family = get_optimizer_info(config["optimizer"]).family
     config["batch.lr_scaling"] = resolve_lr_rule(
         config["batch.lr_scaling"],
@@ -74,6 +76,32 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
             )
         config["lr"] = base_rate
     return config
+
+
+def _ramp_start(config: dict[str, Any]) -> None:
+    """A ramp's table of points gives its first batch: ``batch.initial`` left unset takes
+    it, one set elsewhere is a :class:`ConfigError`; so is a length in tokens on a task
+    without sequences."""
+    text = config["batch.ramp_points"]
+    points = parse_points(text) if text.strip() else []
+    lengths = [("batch.ramp_points", w) for w, _ in points] or [
+        ("batch.ramp_over", Duration.parse(config["batch.ramp_over"]))
+    ]
+    for key, length in lengths:
+        if length.unit == "tokens" and not config["model.context"]:
+            raise ConfigError(
+                f"{key} = {config[key]!r} counts tokens, but the {config['task']} task has no "
+                "sequences (lm and text do); give samples, steps or a share ('25%')"
+            )
+    if not points:
+        return
+    first = min(points, key=lambda point: point[0].value)[1]
+    if config["batch.initial"] and config["batch.initial"] != first:
+        raise ConfigError(
+            f"batch.initial = {config['batch.initial']} but batch.ramp_points starts at "
+            f"{first}; leave batch.initial unset (0) or make them agree"
+        )
+    config["batch.initial"] = first
 
 
 def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
@@ -117,7 +145,15 @@ def make_controller(config: dict[str, Any]) -> Controller:
     controllers hold the batch while the rate warms up by watching the schedule
     multiplier, so the sample budget is not theirs to know."""
     cls = CONTROLLERS[config["batch.controller"]]
-    return cls(**_declared(config, "batch.", cls.CONFIG))
+    return cls(**_declared(config, "batch.", cls.CONFIG), **_run_facts(cls, config))
+
+
+def _run_facts(component: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """What a component that reads durations (:class:`~bigbatch.batch.Ramp`) needs to know
+    of the run to convert them: its budget in samples and a sequence's tokens."""
+    facts = {"budget": config["max_samples"], "tokens_per_sample": config["model.context"] or None}
+    accepted = inspect.signature(component).parameters
+    return {name: value for name, value in facts.items() if name in accepted}
 
 
 def _declared(config: dict[str, Any], prefix: str, knobs: dict[str, Any]) -> dict[str, Any]:

@@ -81,6 +81,8 @@ class Key:
     #: a number key whose default is :data:`AUTO`: the optimizer's recipe fills it
     #: (``bigbatch.optim.RECIPES``)
     from_recipe: bool = False
+    #: a text key's grammar (``Knob.parse``): the value must parse; a number is taken as text
+    parse: Callable[[str], Any] | None = None
 
     @property
     def kind(self) -> type:
@@ -98,8 +100,15 @@ def recipe_key(name: str, help: str, **bounds: Any) -> Key:
     return Key(name, AUTO, f"{help}; auto: the optimizer's recipe", from_recipe=True, **bounds)
 
 
+#: old values of renamed keys, as the new key reads them (``batch.ramp_samples = 0`` meant
+#: half the budget)
+_OLD_VALUES: dict[str, Callable[[Any], Any]] = {
+    "batch.ramp_samples": lambda samples: samples or "50%",
+}
+
 #: old key names, still accepted with a warning
 RENAMED = {
+    "batch.ramp_samples": "batch.ramp_over",
     "agvm": "agvm.enabled",
     "agvm_rule": "agvm.rule",
     "agvm_interval": "agvm.interval",
@@ -154,6 +163,7 @@ def component_keys(
                 knob.high,
                 low_open,
                 owners,
+                parse=knob.parse,
             )
         )
     return keys
@@ -330,8 +340,8 @@ def _batch_keys() -> list[Key]:
             "batch.lr_scaling",
             "auto",
             "how the LR follows the batch relative to batch.base; auto: held (none) under "
-            "critical_ramp, damped_simigrad and noise_scale, the family's rule under seesaw, "
-            "else (batch_warmup, simigrad, constant, ramp) the rule measured for the optimizer "
+            "critical_ramp, damped_simigrad and noise_scale, the family's rule under seesaw and "
+            "ramp, else (batch_warmup, simigrad, constant) the rule measured for the optimizer "
             "on the task (bigbatch tasks), else sqrt for Adam-type and linear for SGD- and "
             "LARS-type optimizers",
             ("auto", *LR_RULES),
@@ -501,12 +511,26 @@ def _check_kind(key: Key, value: Any) -> Any:
         if not math.isfinite(value):
             raise ConfigError(f"{key.name} must be finite, got {value!r}")
         return float(value)
+    if key.parse is not None:
+        value = _parsed_text(key, value)
     if not isinstance(value, str):
         raise ConfigError(f"{key.name} must be a string, got {value!r}")
     if key.choices is not None and value not in key.choices:
         close = difflib.get_close_matches(value, key.choices, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{key.name} = {value!r} is not one of {', '.join(key.choices)}{hint}")
+    return value
+
+
+def _parsed_text(key: Key, value: Any) -> Any:
+    """A text key with a grammar: a number taken as its text, the text checked to parse."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, str):
+        try:
+            key.parse(value)  # type: ignore[misc]
+        except ValueError as err:
+            raise ConfigError(f"{key.name} = {value!r}: {err}") from None
     return value
 
 
@@ -531,6 +555,7 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
     config = defaults()
     for layer in layers:
         for name, value in layer.items():
+            value = _OLD_VALUES[name](value) if name in _OLD_VALUES else value
             name = _current_name(name)
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)

@@ -1,0 +1,113 @@
+"""A length of training in the unit a user plans in: samples, tokens, optimizer steps, or
+a share of the budget.
+
+Batch ramps in the large-batch literature and in the trainers people use are written
+in different units: OLMo-core's ``BatchSizeSchedulerCallback`` and its ``Duration``
+count tokens or steps, Megatron's rampup counts samples, a paper's "the first 10% of
+training" a share of the budget. :class:`Duration` is one such length, parsed from the
+text a user writes in a config key::
+
+    Duration.parse("25%")         # a quarter of the run's budget (in samples)
+    Duration.parse("2M tokens")   # 2,000,000 tokens: samples × tokens per sample
+    Duration.parse("500 steps")   # 500 optimizer steps
+    Duration.parse("100k")        # 100,000 samples (a bare number is samples)
+
+:meth:`Duration.elapsed` reads how far a run is in the duration's own unit from the
+two counts every bigbatch run keeps (samples and optimizer steps), so a ramp written
+in any unit resumes exactly: the counts are in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = ["UNITS", "Duration"]
+
+#: the units a duration can be written in; ``budget`` is written as a percentage
+UNITS = ("samples", "tokens", "steps", "budget")
+
+_SCALE = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9}
+_PATTERN = re.compile(
+    r"\s*(?P<number>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<scale>[kKMGB]?)"
+    r"\s*(?P<unit>%|samples?|tokens?|steps?)?\s*"
+)
+
+
+@dataclass(frozen=True)
+class Duration:
+    """``value`` in ``unit`` (one of :data:`UNITS`; ``budget`` as a fraction, 0.25 = 25%)."""
+
+    value: float
+    unit: str = "samples"
+
+    def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise ValueError(f"a duration's unit is one of {', '.join(UNITS)}, got {self.unit!r}")
+        if not (isinstance(self.value, (int, float)) and math.isfinite(self.value)):
+            raise ValueError(f"a duration is a finite number, got {self.value!r}")
+        if self.value < 0:
+            raise ValueError(f"a duration is not negative, got {self}")
+
+    @classmethod
+    def parse(cls, text: str | int | float | Duration) -> Duration:
+        """A duration from ``"25%"``, ``"2M tokens"``, ``"500 steps"``, ``"100k samples"``
+        or a number (samples); a :class:`ValueError` names the text it could not read."""
+        if isinstance(text, Duration):
+            return text
+        if isinstance(text, bool):
+            raise ValueError(f"not a duration: {text!r}")
+        if isinstance(text, (int, float)):
+            return cls(text, "samples")
+        match = _PATTERN.fullmatch(str(text))
+        if match is None:
+            raise ValueError(
+                f"not a duration: {text!r} (write e.g. '25%', '2M tokens', '500 steps', "
+                "'100k samples' or a number of samples)"
+            )
+        value = float(match["number"]) * _SCALE[match["scale"]]
+        unit = match["unit"] or "samples"
+        if unit == "%":
+            if value > 100:
+                raise ValueError(f"not a duration: {text!r} is more than the whole budget")
+            return cls(value / 100, "budget")
+        if not unit.endswith("s"):
+            unit += "s"
+        if unit in ("samples", "tokens", "steps") and value != int(value):
+            raise ValueError(f"not a duration: {text!r} is not a whole number of {unit}")
+        return cls(int(value) if value == int(value) else value, unit)
+
+    def elapsed(
+        self,
+        samples: int,
+        steps: int,
+        *,
+        tokens_per_sample: int | None = None,
+        budget: int | None = None,
+    ) -> float:
+        """How far a run that has trained ``samples`` in ``steps`` optimizer steps is, in
+        this duration's unit."""
+        self.check(tokens_per_sample=tokens_per_sample, budget=budget)
+        if self.unit == "samples":
+            return float(samples)
+        if self.unit == "steps":
+            return float(steps)
+        if self.unit == "tokens":
+            return float(samples) * tokens_per_sample  # type: ignore[operator]
+        return samples / budget  # type: ignore[operator]
+
+    def check(self, *, tokens_per_sample: int | None = None, budget: int | None = None) -> None:
+        """Raise where this duration needs a fact of the run that was not given."""
+        if self.unit == "tokens" and not tokens_per_sample:
+            raise ValueError(
+                f"{self} counts tokens: give tokens_per_sample (a sequence task's context)"
+            )
+        if self.unit == "budget" and not budget:
+            raise ValueError(f"{self} is a share of the budget: give budget (in samples)")
+
+    def __str__(self) -> str:
+        if self.unit == "budget":
+            return f"{self.value * 100:g}%"
+        value = int(self.value) if self.value == int(self.value) else self.value
+        return f"{value} {self.unit}"

@@ -1,0 +1,55 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bigbatch.duration import Duration
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("25%", Duration(0.25, "budget")),
+        ("2M tokens", Duration(2_000_000, "tokens")),
+        ("500 steps", Duration(500, "steps")),
+        ("1 step", Duration(1, "steps")),
+        ("100k samples", Duration(100_000, "samples")),
+        ("100000", Duration(100_000, "samples")),
+        ("1.5k", Duration(1500, "samples")),
+        ("1e6 tokens", Duration(1_000_000, "tokens")),
+        (4096, Duration(4096, "samples")),
+        (" 0 ", Duration(0, "samples")),
+    ],
+)
+def test_parse(text, expected):
+    assert Duration.parse(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a while", "not a duration: 'a while'"),
+        ("120%", "more than the whole budget"),
+        ("1.5 steps", "whole number of steps"),
+        ("-5 steps", "not a duration"),
+        (True, "not a duration"),
+    ],
+)
+def test_bad_text_is_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        Duration.parse(text)
+
+
+@given(st.sampled_from(["samples", "tokens", "steps"]), st.integers(0, 10**12))
+def test_text_round_trips(unit, value):
+    duration = Duration(value, unit)
+    assert Duration.parse(str(duration)) == duration
+
+
+def test_elapsed_reads_each_unit_from_samples_and_steps():
+    at = {"samples": 1000, "steps": 40}
+    assert Duration.parse("10").elapsed(**at) == 1000
+    assert Duration.parse("10 steps").elapsed(**at) == 40
+    assert Duration.parse("10 tokens").elapsed(**at, tokens_per_sample=128) == 128_000
+    assert Duration.parse("10%").elapsed(**at, budget=4000) == 0.25
+    with pytest.raises(ValueError, match="give budget"):
+        Duration.parse("10%").elapsed(**at)
