@@ -60,6 +60,7 @@ def test_describe_collector_lists_its_settings():
         "ema_beta": 0.9,
         "dataset_size": 1000,
         "lossy_reduction": False,
+        "per_example": False,
     }
     uncorrected = StepOptions(finite_correction=False)
     parts = assemble(make_optimizer(), options=uncorrected, sub_batches=4, dataset_size=1000)

@@ -61,7 +61,7 @@ def _in_data_pipeline() -> bool:
     return any("torch/utils/data" in f or f.endswith("bigbatch/batch/sampler.py") for f in files)
 
 
-def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd", scaler=None):
+def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd", scaler=None, **options):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
     gen = torch.Generator().manual_seed(0)
@@ -86,6 +86,7 @@ def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd", scale
         statistics=statistics,
         gsnr=gsnr,
         scaler=scaler,
+        **options,
     )
     return model, loop
 
@@ -109,6 +110,15 @@ def test_one_read_per_step_with_statistics(micro_batches, gsnr):
     model, loop = make_loop(micro_batches, gsnr=gsnr)
     per_step = reads_per_step(model, loop, steps=10)
     assert per_step == [["tolist"]] * len(per_step)
+    assert loop.batch_size > 16 * micro_batches, "the controller must have acted"
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+@pytest.mark.parametrize("sample", [None, 4])
+def test_one_read_per_step_with_per_example_statistics(micro_batches, sample):
+    model, loop = make_loop(micro_batches, noise_from="examples", noise_examples=sample)
+    assert loop.collector.per_example is not None
+    assert reads_per_step(model, loop, steps=10) == [["tolist"]] * 10
     assert loop.batch_size > 16 * micro_batches, "the controller must have acted"
 
 
@@ -138,8 +148,17 @@ def test_the_counter_sees_a_read():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("micro_batches, gsnr", [(2, False), (8, False), (8, True)])
-def test_one_host_sync_per_step_on_cuda(micro_batches, gsnr):
+@pytest.mark.parametrize(
+    "micro_batches, gsnr, noise_from",
+    [
+        (2, False, "sub_batches"),
+        (8, False, "sub_batches"),
+        (8, True, "sub_batches"),
+        (1, False, "examples"),
+        (4, False, "examples"),
+    ],
+)
+def test_one_host_sync_per_step_on_cuda(micro_batches, gsnr, noise_from):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4)).to(DEVICE)
     data = TensorDataset(torch.randn(8192, 32), torch.randint(0, 4, (8192,)))
@@ -151,6 +170,7 @@ def test_one_host_sync_per_step_on_cuda(micro_batches, gsnr):
         max_micro_batch=32,
         min_sub_batches=micro_batches,
         gsnr=gsnr,
+        noise_from=noise_from,
         loader_options={"pin_memory": True},
     )
     steps = loop.steps(max_steps=6)

@@ -205,3 +205,50 @@ def test_a_nan_step_can_stop_the_run_before_any_update():
     assert loop.steps_taken == 3 and all(torch.isfinite(p).all() for p in model.parameters())
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         make_run(nonfinite="ignore")
+
+
+def test_per_example_statistics_need_no_split_of_the_step():
+    controller = bb.batch.Constant(48)
+    sub_model, sub = make_run(controller=controller)
+    one_model, one = make_run(controller=copy.deepcopy(controller), noise_from="examples")
+    _, off = make_run(controller=copy.deepcopy(controller), statistics=False)
+    assert (sub.min_sub_batches, one.min_sub_batches, off.min_sub_batches) == (4, 1, 1)
+    step = next(one.steps(max_steps=1))
+    assert len(step.plan.sizes) == 1
+    for x, y in step.micro_batches():
+        step.backward(nn.functional.cross_entropy(one_model(x), y))
+    step.apply()
+    assert step.metrics["trace"] > 0 and step.metrics["noise_scale"] > 0
+    # the same example norms as the sub-batch run's first step measures, in expectation:
+    # over a short run, the noise scales agree within a factor of two
+    history = {
+        "sub": train(sub, sub_model, max_steps=30),
+        "one": train(one, one_model, max_steps=29),
+    }
+    scale = {
+        k: sum(m["trace"] for m in h) / sum(m["grad_sq_norm"] for m in h)
+        for k, h in history.items()
+    }
+    assert 0.5 < scale["one"] / scale["sub"] < 2
+
+
+def test_auto_takes_the_examples_where_the_model_allows_and_says_why_not(caplog):
+    _, covered = make_run(controller=bb.batch.Constant(32), noise_from="auto")
+    assert covered.collector.per_example is not None and covered.min_sub_batches == 1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("INFO", logger="bigbatch"):
+        loop = bb.AdaptiveBatch(
+            model, opt, make_data(), controller=bb.batch.Constant(32), noise_from="auto"
+        )
+    assert loop.collector.per_example is None and loop.min_sub_batches == 4
+    assert "no per-example rule for 1.weight, 1.bias" in caplog.text
+    with pytest.raises(ValueError, match="noise_from='examples' is not possible here: no per"):
+        bb.AdaptiveBatch(model, opt, make_data(), noise_from="examples")
+
+
+def test_simigrad_keeps_its_measured_cosine_under_per_example_statistics():
+    _, loop = make_run(noise_from="examples")  # make_run's controller is SimiGrad
+    assert loop.collector.per_example is not None
+    assert (loop.collector.similarity, loop.min_sub_batches) == ("split", 2)

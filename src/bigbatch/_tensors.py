@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["dots", "norm_dtype", "norms"]
+__all__ = ["dots", "norm_dtype", "norms", "sq_norms"]
 
 
 def norm_dtype(t: Tensor) -> torch.dtype:
@@ -36,6 +36,25 @@ def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
         for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2, dtype=dtype)):
             out[i] = n
     return out
+
+
+def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """Per-tensor squared L2 norms as one float64 vector (``norm_dtype`` accumulation), in
+    as few kernels as the device allows: one dot each on the CPU (no square root to undo),
+    torch's fused ``_foreach_norm`` per dtype on a GPU."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    if tensors[0].device.type == "cpu":
+        out = []
+        for t in tensors:
+            flat = t.reshape(-1)
+            if flat.dtype not in (torch.float32, torch.float64):
+                flat = flat.float()
+            out.append(torch.dot(flat, flat))
+        if all(x.dtype == out[0].dtype for x in out):
+            return torch.stack(out).double()
+        return torch.stack([x.double() for x in out])
+    return torch.stack([n.double() for n in norms(tensors)]).square()
 
 
 def dots(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:

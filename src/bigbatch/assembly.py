@@ -9,6 +9,8 @@ framework's DDP wrapper takes no two-group hook) is written here only.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,9 @@ from .dist.world import World
 from .optim.wrapper import StatisticsWrapper
 from .options import StepOptions
 from .stats.collector import MicroBatchStatistics
+from .stats.per_example import uncovered
+
+_log = logging.getLogger("bigbatch")
 
 __all__ = [
     "FrameworkStep",
@@ -59,6 +64,8 @@ class Parts:
     collector: MicroBatchStatistics | None
     world: World
     options: StepOptions
+    #: the fewest micro-batches per rank per step
+    sub_batches: int
 
 
 def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
@@ -67,12 +74,13 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     options: StepOptions | None = None,
     *,
     model: nn.Module | None = None,
-    sub_batches: int,
+    sub_batches: int | None = None,
     first_batch: int | None = None,
     dataset_size: int | None = None,
     comm_hook: tuple[Any, CommHook] | None = None,
     registers_hooks: bool = True,
     framework: FrameworkStep | None = None,
+    weighted: bool = False,
 ) -> Parts:
     """The parts of a run's engine, checked together; the model's hooks registered.
 
@@ -84,7 +92,8 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         model: the trained module, its ``DistributedDataParallel`` or an FSDP2
             ``fully_shard`` model: its world (one process without one).
         sub_batches: micro-batches per rank per optimizer step (the fewest, for a
-            loop that splits a batch into more when it must).
+            loop that splits a batch into more when it must); None: the fewest the
+            statistics need (4 for sub-batch statistics, 1 for per-example ones or none).
         first_batch: the batch a sampler starts at; the controller must start there.
         dataset_size: samples in a finite dataset (for the finite-population
             correction; None for a stream or a batch counted in weight).
@@ -97,6 +106,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         framework: a framework that reduces the gradients inside its own optimizer
             step (DeepSpeed): its world, the parameters whose gradients the
             statistics read, and whether ``.grad`` keeps the micro-batches.
+        weighted: the batch is counted in weight (tokens), not in examples.
     """
     options = options if options is not None else StepOptions()
     if framework is not None:
@@ -104,10 +114,27 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     else:
         world = World.of(model) if model is not None else World()
     controller = resolve_controller(controller, first_batch)
-    _check_sub_batches(controller, positive_int("sub_batches", sub_batches), world, options)
     gsnr = options.gsnr
     if isinstance(optimizer, StatisticsWrapper):
         gsnr = gsnr or "gsnr" in optimizer.requirements()
+    obstacles = {
+        "the framework reduces the gradients inside its own step": framework is not None,
+        "the GSNR (VRGD) reads the micro-batches": gsnr,
+        "a lossy comm hook: each rank estimates from its own micro-batches": not is_lossless(
+            comm_hook
+        ),
+        "the batch is counted in weight (weight_fn), not in examples": weighted,
+    }
+    per_example = _per_example_model(
+        options, model, optimizer, [why for why, holds in obstacles.items() if holds]
+    )
+    options = _similarity_for(options, controller, per_example, world)
+    if sub_batches is None:
+        sub_batches = _fewest_sub_batches(options, per_example)
+    _check_sub_batches(
+        controller, positive_int("sub_batches", sub_batches), world, options, per_example
+    )
+    if isinstance(optimizer, StatisticsWrapper):
         optimizer.check_sub_batches(sub_batches * world.size)
     if comm_hook is not None and not (registers_hooks and world.distributed):
         raise ValueError(
@@ -138,13 +165,64 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             lossy_reduction=framework is not None or not is_lossless(comm_hook),
             grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
             grad_accumulates=framework is None or framework.grad_accumulates,
+            per_example=per_example,
+            per_example_sample=options.noise_examples,
         )
         if options.statistics
         else None
     )
     if registers_hooks and model is not None:
         ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
-    return Parts(controller, collector, world, options)
+    return Parts(controller, collector, world, options, sub_batches)
+
+
+def _similarity_for(
+    options: StepOptions, controller: Controller, per_example: nn.Module | None, world: World
+) -> StepOptions:
+    """SimiGrad's rules decide on the measured cosine of two halves (``reads_similarity``):
+    under per-example statistics on one process they keep two micro-batches for it (the
+    ranks are the halves under DDP)."""
+    reads = getattr(controller, "reads_similarity", False)
+    alone = not (world.distributed or world.sharded)
+    if per_example is not None and options.similarity is None and reads and alone:
+        return dataclasses.replace(options, similarity="split")
+    return options
+
+
+def _fewest_sub_batches(options: StepOptions, per_example: nn.Module | None) -> int:
+    """The micro-batches per rank the statistics need: 4 for the sub-batch estimator (more
+    sub-batches, a steadier estimate), 2 for a measured split similarity, else 1."""
+    if options.statistics and per_example is None:
+        return 4
+    return 2 if options.statistics and options.similarity == "split" else 1
+
+
+def _per_example_model(
+    options: StepOptions,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    obstacles: list[str],
+) -> nn.Module | None:
+    """The module whose layers give per-example norms (``noise_from``), or None for
+    sub-batch statistics: asked for and possible, or ``"auto"`` and possible."""
+    if not options.statistics or options.noise_from == "sub_batches":
+        return None
+    reasons = list(obstacles)
+    if model is None:
+        reasons.append("no model was given to hook")
+    module = ddp.unwrap(model) if model is not None else None
+    if module is not None and not reasons:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        missing = uncovered(module, params)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            reasons.append(f"no per-example rule for {', '.join(missing[:5])}{more}")
+    if not reasons:
+        return module
+    if options.noise_from == "examples":
+        raise ValueError(f"noise_from='examples' is not possible here: {'; '.join(reasons)}")
+    _log.info("bigbatch: the noise statistics use sub-batches: %s", "; ".join(reasons))
+    return None
 
 
 def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:
@@ -211,16 +289,23 @@ def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any]
         "ema_beta": collector.averages.beta,
         "dataset_size": collector.dataset_size,
         "lossy_reduction": collector.lossy_reduction,
+        "per_example": collector.per_example.sample if collector.per_example else False,
     }
 
 
 def _check_sub_batches(
-    controller: Controller, sub_batches: int, world: World, options: StepOptions
+    controller: Controller,
+    sub_batches: int,
+    world: World,
+    options: StepOptions,
+    per_example: nn.Module | None,
 ) -> None:
-    if sub_batches < 2 and options.statistics and not world.distributed:
+    split = options.similarity == "split" or per_example is None
+    if sub_batches < 2 and options.statistics and not world.distributed and split:
         raise ValueError(
             "min_sub_batches (micro-batches per step) must be at least 2 to measure "
-            f"statistics on one process, got {sub_batches}"
+            f"{'the split similarity' if per_example is not None else 'statistics'} on one "
+            f"process, got {sub_batches}"
         )
     smallest = sub_batches * world.size
     if controller.min < smallest:

@@ -120,6 +120,9 @@ class StepEngine:
         #: optimizer steps whose update was dropped for a non-finite gradient or loss
         self.skipped_steps = 0
         self._lr = LRScaling()
+        #: the fewest micro-batches per rank per step the run's statistics need (set by
+        #: :meth:`build`; a loop splits a batch into more where memory asks)
+        self.sub_batches = 1 if collector is None or collector.per_example is not None else 2
         #: the logged noise scale of a controller that has none of its own
         self._noise = SmoothedNoise(20)
         self._plan: StepPlan | None = None
@@ -146,7 +149,7 @@ class StepEngine:
         is written once.
         """
         parts = assemble(optimizer, controller, options, **run)
-        return cls(
+        engine = cls(
             optimizer,
             parts.controller,
             collector=parts.collector,
@@ -154,6 +157,8 @@ class StepEngine:
             scaler=scaler,
             options=parts.options,
         )
+        engine.sub_batches = parts.sub_batches
+        return engine
 
     def describe(self) -> dict[str, Any]:
         """What this engine was built to do, as plain data (equal for equal runs)."""

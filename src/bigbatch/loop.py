@@ -146,7 +146,9 @@ class AdaptiveBatch:
             once a quarter of the smoothed noise scale has grown past the next
             size).
         max_micro_batch: the largest micro-batch that fits in memory.
-        min_sub_batches: the fewest micro-batches per step (≥ 2; default 4).
+        min_sub_batches: the fewest micro-batches per step; default: what the
+            statistics need (4 for sub-batch statistics, 1 with ``noise_from="examples"``
+            or without statistics, 2 for a per-example run's split similarity).
         options: the per-step rules (:class:`~bigbatch.StepOptions`): how the
             rate follows the batch (``lr_scaling``, ``base_batch_size``,
             ``schedule``, ``max_lr_factor``), which statistics to collect (``statistics``,
@@ -178,7 +180,7 @@ class AdaptiveBatch:
         controller: Controller | None = None,
         options: StepOptions | None = None,
         max_micro_batch: int = 256,
-        min_sub_batches: int = 4,
+        min_sub_batches: int | None = None,
         scaler: torch.amp.GradScaler | None = None,
         comm_hook: tuple[Any, CommHook] | None = None,
         weight_fn: Callable[[int], int] | None = None,
@@ -189,7 +191,9 @@ class AdaptiveBatch:
     ) -> None:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.max_micro_batch = positive_int("max_micro_batch", max_micro_batch)
-        self.min_sub_batches = positive_int("min_sub_batches", min_sub_batches)
+        self.min_sub_batches = (
+            None if min_sub_batches is None else positive_int("min_sub_batches", min_sub_batches)
+        )
         loader = dict(loader_options or {})
         loader["persistent_workers"] = (
             loader.get("persistent_workers", False) and loader.get("num_workers", 0) > 0
@@ -206,6 +210,7 @@ class AdaptiveBatch:
             dataset_size=None if weight_fn else self.source.dataset_size,
         )
         self.world = self.engine.world
+        self.min_sub_batches = self.engine.sub_batches
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
 
@@ -221,6 +226,7 @@ class AdaptiveBatch:
             dataset_size=dataset_size,
             comm_hook=self.comm_hook,
             scaler=self.scaler,
+            weighted=self.source.weight_fn is not None,
         )
 
     def _backward(self, loss: Tensor) -> None:

@@ -19,9 +19,11 @@ from .batch.lr import LR_RULES, Schedule
 from .batch.plan import LOSS_REDUCTIONS
 from .stats.halves import SIMILARITY_MODES
 
-__all__ = ["NONFINITE_POLICIES", "StepOptions"]
+__all__ = ["NOISE_SOURCES", "NONFINITE_POLICIES", "StepOptions"]
 
 NONFINITE_POLICIES = ("skip", "raise")
+#: where the noise statistics' small-batch norms come from (``StepOptions.noise_from``)
+NOISE_SOURCES = ("sub_batches", "examples", "auto")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,17 @@ class StepOptions:
     #: ``"split"`` (the cosine of two halves, measured) or ``"scalar"`` (from the noise
     #: scalars); None: split on one process, scalar under DDP and FSDP2
     similarity: str | None = None
+    #: where the noise scale's small-batch gradient norms come from: ``"sub_batches"``
+    #: (each step split into micro-batches, ``min_sub_batches`` of them), ``"examples"``
+    #: (each example's gradient norm, from the one backward pass: a step needs no split;
+    #: every trainable parameter must sit in a layer bigbatch.stats.per_example covers) or
+    #: ``"auto"`` (examples where the model and the run allow, else sub-batches, said once
+    #: in the log)
+    noise_from: str = "sub_batches"
+    #: with per-example statistics, the examples of each micro-batch whose norms are
+    #: measured (an unbiased sample of a shuffled batch, at a cost that stops growing with
+    #: the micro-batch; None: all of them)
+    noise_examples: int | None = 32
     #: smoothing of the statistics' noise-scale averages (gpt-neox: 0.99)
     ema_beta: float = 0.99
     #: correct the noise for batches that are a large fraction of a finite dataset
@@ -80,6 +93,9 @@ class StepOptions:
         check_flag("gsnr", self.gsnr)
         if self.similarity is not None:
             choice("similarity", self.similarity, SIMILARITY_MODES)
+        choice("noise_from", self.noise_from, NOISE_SOURCES)
+        if self.noise_examples is not None:
+            positive_int("noise_examples", self.noise_examples)
         check_number("ema_beta", self.ema_beta, high=1.0, high_open=True)
         check_flag("finite_correction", self.finite_correction)
         choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)

@@ -48,6 +48,7 @@ def make_loop(
     gsnr: bool = False,
     optimizer: str = "sgd",
     fsdp: bool = False,
+    noise_from: str = "sub_batches",
 ) -> AdaptiveBatch:
     model = make_model()
     if fsdp:
@@ -77,6 +78,7 @@ def make_loop(
         lr_scaling="none",
         similarity=similarity,
         gsnr=gsnr,
+        noise_from=noise_from,
     )
 
 
@@ -133,10 +135,20 @@ def constant_run(batch: int, steps: int, fsdp: bool = False, optimizer: str = "s
     return record
 
 
-def one_step_statistics(similarity: str, batch: int, fsdp: bool = False) -> dict:
-    """One step's statistics, and the same values computed sub-batch by sub-batch."""
+def one_step_statistics(
+    similarity: str, batch: int, fsdp: bool = False, per_example: bool = False
+) -> dict:
+    """One step's statistics, and the same values computed sub-batch by sub-batch (example by
+    example for the per-example statistics, each example a sub-batch)."""
     data = regression_data()
-    loop = make_loop(Constant(batch), similarity=similarity, data=data, fsdp=fsdp)
+    loop = make_loop(
+        Constant(batch),
+        similarity=similarity,
+        data=data,
+        fsdp=fsdp,
+        noise_from="examples" if per_example else "sub_batches",
+        min_sub_batches=1 if per_example else 2,
+    )
     reference = make_model() if fsdp else copy.deepcopy(loop.model.module)
     step = next(loop.steps(max_steps=1))
     for x, y in step.micro_batches():
@@ -153,6 +165,8 @@ def one_step_statistics(similarity: str, batch: int, fsdp: bool = False) -> dict
     # every sub-batch's gradient by its own backward, on the parameters before the step
     groups = [list(reference[0].parameters()), list(reference[2].parameters())]
     sizes, grads, losses = [], [], []
+    if per_example:  # each rank's examples, one sub-batch each
+        every_rank = [[[i] for b in rank_batches for i in b] for rank_batches in every_rank]
     for rank_batches in every_rank:
         for indices in rank_batches:
             x, y = data[indices]

@@ -23,6 +23,20 @@ def test_statistics_equal_the_sub_batch_by_sub_batch_values(cluster):
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)  # float32
 
 
+def test_per_example_statistics_equal_the_example_by_example_values(cluster):
+    # one micro-batch per rank: the ranks reduce the sums of their examples' squared norms
+    batch = 11 * cluster.world_size + 1
+    results = cluster.run(programs.one_step_statistics, "scalar", batch, False, True)
+    first = results[0]
+    for other in results[1:]:
+        assert other["got"] == first["got"]
+    got, expected = first["got"], first["expected"]
+    assert len(set(first["micro_counts"])) == 1  # (two micro-batches of at most 8 each)
+    assert got["signal"] == pytest.approx(expected["signal"], rel=1e-6)
+    assert got["trace"] == pytest.approx(expected["trace"], rel=1e-6)
+    assert got["similarity"] == pytest.approx(expected["similarity"], rel=1e-6, abs=1e-9)
+
+
 def test_every_rank_makes_the_same_batch_decisions_for_200_steps(cluster):
     results = cluster.run(programs.adaptive_run, 200, "scalar")
     batches = results[0]["batch"]

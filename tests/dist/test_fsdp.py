@@ -24,6 +24,16 @@ def test_fsdp_statistics_equal_the_sub_batch_by_sub_batch_values(cluster):
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
 
 
+def test_fsdp_per_example_statistics_equal_the_example_by_example_values(cluster):
+    # the layers run unsharded in the forward: their hooks see whole weights' activations
+    batch = 11 * cluster.world_size + 1
+    results = cluster.run(programs.one_step_statistics, "scalar", batch, True, True)
+    got, expected = results[0]["got"], results[0]["expected"]
+    assert all(other["got"] == got for other in results[1:])
+    assert got["signal"] == pytest.approx(expected["signal"], rel=1e-6)
+    assert got["trace"] == pytest.approx(expected["trace"], rel=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_fsdp_trains_like_one_process_on_the_same_global_batches(cluster, optimizer):
     batch, steps = 10 * cluster.world_size + 3, 8

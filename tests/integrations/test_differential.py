@@ -69,6 +69,8 @@ CASES = {
     "agvm": dict(optimizer="agvm", lr_scaling="sqrt"),
     "ramp-steps": dict(optimizer="sgd", lr_scaling="sqrt", ramp=[(0, 64), ("10 steps", 128)]),
     "ramp-share": dict(optimizer="sgd", lr_scaling="linear", ramp=[(0, 64), ("40%", 256)]),
+    # the noise from each example's gradient norm, through the frameworks' 1/k loss weights
+    "per-example": dict(optimizer="sgd", lr_scaling="adascale", noise_from="examples"),
     "nan-skip": dict(optimizer="sgd", lr_scaling="linear", nan=True),
     "nan-raise": dict(optimizer="sgd", lr_scaling="linear", nan=True, nonfinite="raise"),
     # every option away from its default, handed over as one StepOptions record
@@ -91,7 +93,11 @@ def options(case):
     """The case's step options, as every entry point takes them."""
     if "record" in case:
         return dict(options=case["record"])
-    return dict(lr_scaling=case["lr_scaling"], nonfinite=case.get("nonfinite", "skip"))
+    return dict(
+        lr_scaling=case["lr_scaling"],
+        nonfinite=case.get("nonfinite", "skip"),
+        noise_from=case.get("noise_from", "sub_batches"),
+    )
 
 
 def run_loop(case):

@@ -76,7 +76,10 @@ class Controller(Protocol):
     including this step. ``needs_statistics`` declares whether the
     controller reads them at all (a loop may then skip collecting them);
     ``holds_lr`` whether its batch follows the noise scale, so that the
-    learning rate should not follow the batch (``bigbatch.batch.lr``).
+    learning rate should not follow the batch (``bigbatch.batch.lr``). Optional
+    flags: ``reads_similarity`` (it decides on the measured half-batch cosine,
+    so per-example statistics keep two micro-batches for it) and
+    ``family_lr_rule`` (``lr_scaling="auto"`` is the optimizer family's rule).
 
     A controller that decides on the noise scale also has ``estimate() ->
     dict[str, float]``: the ``noise_scale`` it acts on, with its
@@ -122,6 +125,8 @@ class SimiGrad:
     """
 
     needs_statistics = True
+    #: decides on the measured half-batch cosine: keep the split (two micro-batches)
+    reads_similarity = True
     holds_lr = False
     CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "target": _TARGET, "window": _WINDOW}
 
@@ -694,6 +699,8 @@ class DampedSimiGrad:
     """
 
     needs_statistics = True
+    #: decides on the measured half-batch cosine: keep the split (two micro-batches)
+    reads_similarity = True
     holds_lr = True
     CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "target": _TARGET, "window": _WINDOW}
 

@@ -47,6 +47,9 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     ):
         if not config[key]:
             config[key] = value
+    if not config["min_sub_batches"] and config["noise_from"] != "auto":
+        # what the statistics need, stated in the saved config (auto decides on the model)
+        config["min_sub_batches"] = 4 if config["noise_from"] == "sub_batches" else 1
     kind = config["batch.controller"]
     if kind == "ramp":
         _ramp_start(config)
@@ -276,7 +279,9 @@ def _loop(
         problem.train,
         controller=make_controller(config),
         max_micro_batch=config["max_micro_batch"],
-        min_sub_batches=config["min_sub_batches"],
+        min_sub_batches=config["min_sub_batches"] or None,
+        noise_from=config["noise_from"],
+        noise_examples=config["noise_examples"] or None,
         lr_scaling=config["batch.lr_scaling"],
         base_batch_size=config["batch.base"],
         schedule=make_schedule(config),

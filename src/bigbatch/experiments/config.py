@@ -35,7 +35,7 @@ from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..knobs import NO_DEFAULT, Knob, signature_defaults
 from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
 from ..optim.agvm import GROUPS_CONFIG
-from ..options import NONFINITE_POLICIES
+from ..options import NOISE_SOURCES, NONFINITE_POLICIES
 from ..stats import SIMILARITY_MODES
 from .device import PRECISIONS
 from .tasks import TASKS
@@ -259,7 +259,13 @@ def _machine_keys() -> list[Key]:
     non-finite steps."""
     return [
         Key("max_micro_batch", 1024, "largest micro-batch per forward/backward", low=1),
-        Key("min_sub_batches", 4, "fewest micro-batches per step (statistics need >= 2)", low=2),
+        Key(
+            "min_sub_batches",
+            0,
+            "fewest micro-batches per step; 0: what the statistics need (4 for sub-batch "
+            "statistics, 1 for per-example ones)",
+            low=0,
+        ),
         Key("eval_every", 25, "evaluate on the test set every this many steps", low=1),
         Key("checkpoint_every", 100, "write a checkpoint every this many steps", low=1),
         Key("threads", 0, "torch CPU threads; 0: torch's default", low=0),
@@ -347,6 +353,22 @@ def _batch_keys() -> list[Key]:
             ("auto", *LR_RULES),
         ),
         Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),
+        Key(
+            "noise_from",
+            "sub_batches",
+            "the noise scale's small-batch norms: sub_batches (each step split into "
+            "min_sub_batches micro-batches), examples (each example's gradient norm from the "
+            "one backward: no split; the model's layers must all be covered), auto (examples "
+            "where the model allows)",
+            NOISE_SOURCES,
+        ),
+        Key(
+            "noise_examples",
+            32,
+            "noise_from=examples: the examples of each micro-batch whose gradient norms are "
+            "measured (an unbiased sample); 0: all",
+            low=0,
+        ),
         Key(
             "batch.similarity",
             "auto",
@@ -572,10 +594,12 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
         batch_bounds(*(bounds[n] for n in names), names=names)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if bounds["batch.min"] < config["min_sub_batches"]:
+    # 0: what the statistics need, at least one micro-batch (4 for sub-batch statistics)
+    fewest = config["min_sub_batches"] or (4 if config["noise_from"] == "sub_batches" else 1)
+    if bounds["batch.min"] < fewest:
         raise ConfigError(
             f"batch.min ({bounds['batch.min']}) is below min_sub_batches "
-            f"({config['min_sub_batches']}): every sub-batch needs a sample"
+            f"({fewest}): every sub-batch needs a sample"
         )
     return config
 

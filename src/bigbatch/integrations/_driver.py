@@ -56,7 +56,8 @@ class StepDriver:
         self._pending: dict[str, Any] | None = None
 
     def attach(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
-        """Build the engine over ``optimizer`` (``model``: the framework's DDP model)."""
+        """Build the engine over ``optimizer`` (``model``: the trained module, or the
+        framework's DDP model around it)."""
         self.engine = StepEngine.build(
             optimizer,
             self.controller,

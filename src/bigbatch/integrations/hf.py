@@ -161,7 +161,8 @@ class AdaptiveBatchTrainer(Trainer):
         elif batches:  # training_step divides each micro-batch's mean loss by their number
             self.bigbatch.loss_weights = [1 / len(batches)] * len(batches)
         if batches and self.bigbatch.driver.engine is None:
-            ddp = self.model_wrapped if torch.distributed.is_initialized() else None
+            # the model: its world, and the layers the per-example statistics hook
+            ddp = self.model_wrapped if torch.distributed.is_initialized() else self.model
             # accelerate wraps the optimizer; the engine needs the one it wraps (a VRGD or
             # AGVM must be seen as one, and it shares its param groups with the wrapper)
             inner = getattr(self.optimizer, "optimizer", self.optimizer)

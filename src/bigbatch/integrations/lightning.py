@@ -90,7 +90,10 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         if len(trainer.optimizers) != 1:
             raise ValueError("AdaptiveBatchCallback supports exactly one optimizer")
         optimizer = trainer.optimizers[0]
-        self.driver.attach(optimizer, trainer.strategy.model if trainer.world_size > 1 else None)
+        # the model: its world, and the layers the per-example statistics hook
+        self.driver.attach(
+            optimizer, trainer.strategy.model if trainer.world_size > 1 else pl_module
+        )
         # restored right after the step: Lightning steps its schedulers before
         # on_train_batch_end
         optimizer.register_step_post_hook(

@@ -37,10 +37,10 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._checks import choice
-from .._tensors import norms
+from .._tensors import norms, sq_norms
 from ..batch.plan import loss_weights as default_loss_weights
 from ..dist.world import World
 from .estimators import half_split_cosine
@@ -48,6 +48,7 @@ from .gsnr import ShiftedGSNR, WelfordGSNR
 from .halves import SIMILARITY_MODES, FromNoiseScalars, SplitMicroBatches, SplitRanks
 from .layout import ParamLayout, SubBatches
 from .noise import NoiseAverages, PerRankNoise, ReducedNoise
+from .per_example import PerExampleNorms
 from .result import GradientStats
 
 __all__ = ["SIMILARITY_MODES", "GradientStats", "MicroBatchStatistics"]
@@ -89,6 +90,15 @@ class MicroBatchStatistics:
         grad_sources: under FSDP2, each sharded parameter's unsharded tensor
             (``bigbatch.dist.fsdp.unsharded_parameters``), where the
             micro-batch gradients are read before the reduce-scatter.
+        per_example: the trained module, to take the small-batch norms from each
+            example's gradient in the backward pass (:mod:`~bigbatch.stats.per_example`)
+            instead of from the micro-batches: a step then needs one micro-batch (the
+            similarity is the scalar one unless ``"split"`` is asked for, with 2+
+            micro-batches). Every trainable parameter must be covered
+            (:func:`~bigbatch.stats.per_example.uncovered`); not with a lossy
+            reduction or ``gsnr``, which read the micro-batches.
+        per_example_sample: measure only this many examples of each micro-batch (an
+            unbiased estimate at a bounded cost; None: all).
         grad_accumulates: ``.grad`` holds this rank's earlier micro-batches when the
             last one's backward runs. False where the framework reduces and frees
             each micro-batch's gradient (DeepSpeed ZeRO-2): the rank-local noise
@@ -108,13 +118,19 @@ class MicroBatchStatistics:
         lossy_reduction: bool = False,
         grad_sources: dict[int, Tensor] | None = None,
         grad_accumulates: bool = True,
+        per_example: nn.Module | None = None,
+        per_example_sample: int | None = None,
     ) -> None:
         self.world = world if world is not None else World()
+        scalar = self.world.distributed or self.world.sharded or per_example is not None
         self.similarity = choice(
-            "similarity",
-            similarity or ("scalar" if self.world.distributed or self.world.sharded else "split"),
-            SIMILARITY_MODES,
+            "similarity", similarity or ("scalar" if scalar else "split"), SIMILARITY_MODES
         )
+        if per_example is not None and (lossy_reduction or gsnr):
+            raise ValueError(
+                "per-example statistics read the reduced gradient and the examples, not the "
+                "micro-batches: not with a lossy comm hook, a framework's own reduction or gsnr"
+            )
         self.gsnr = gsnr
         self.dataset_size = dataset_size
         self.layout = ParamLayout(param_groups, grad_sources)
@@ -153,10 +169,23 @@ class MicroBatchStatistics:
             )
         self.averages = NoiseAverages(ema_beta, self.layout.device)
         self._sub_sq: Tensor | None = None  # (micro-batches, groups): |g_i|² / l_i²
+        #: the per-example norms, where they replace the micro-batches'
+        self.per_example = (
+            PerExampleNorms(per_example, self.layout, per_example_sample)
+            if per_example is not None
+            else None
+        )
+        norms_hook = (
+            self.per_example.handles
+            if self.per_example is not None
+            else [
+                torch.autograd.graph.register_multi_grad_hook(
+                    self.layout.hooked, self._on_gradients, mode="all"
+                )
+            ]
+        )
         self._hooks = [
-            torch.autograd.graph.register_multi_grad_hook(
-                self.layout.hooked, self._on_gradients, mode="all"
-            ),
+            *norms_hook,
             *self.noise.handles,
             *(self.gsnr_part.handles if self.gsnr_part is not None else []),
         ]
@@ -191,11 +220,15 @@ class MicroBatchStatistics:
         (default ``W b_i / B``); loops that weight them ``1/k`` (Lightning, the
         Hugging Face Trainer) pass theirs, and the sub-batch gradients stay exact.
         """
-        batches = _sub_batches(sizes, rank_sizes, loss_weights, self.world)
+        batches = _sub_batches(
+            sizes, rank_sizes, loss_weights, self.world, self.per_example is not None
+        )
         self.halves.begin(batches)
         self.noise.begin(batches)
         if self.gsnr_part is not None:
             self.gsnr_part.begin(batches)
+        if self.per_example is not None:
+            self.per_example.begin()
         self._batches = batches
         self._sub_sq = torch.zeros(
             len(batches.sizes),
@@ -214,6 +247,12 @@ class MicroBatchStatistics:
             raise RuntimeError("call begin(sizes) before before_backward")
         self.halves.before_backward(index, self._batches)
         self._batches.current = index
+        if self.per_example is not None:
+            # .grad ends as the batch's mean gradient (DDP averaging W ranks' sums), so an
+            # example's gradient is B / W times its share of this rank's .grad, whatever the
+            # micro-batches' loss weights
+            batches = self._batches
+            self.per_example.set_scale((batches.total / batches.world.size) ** 2)
 
     def finish(
         self, loss_scale: Tensor | float | None = None, loss: Tensor | None = None
@@ -230,14 +269,19 @@ class MicroBatchStatistics:
             raise RuntimeError("finish() without a step: call begin() and before_backward()")
         scale_sq = _squared(loss_scale)
         grads = self.layout.grads()
-        sq_full = self.layout.per_group(norms(grads), square=True)
-        # micro-batch i's mean gradient is its increment / its loss weight (divided at the hook)
-        sub_sq_sum = sub_sq.sum(0) / scale_sq
+        sq_full = self.layout.per_group(sq_norms(grads))
+        # micro-batch i's mean gradient is its increment / its loss weight (divided at the
+        # hook); with per-example norms, each example's gradient
+        examples = self.per_example is not None
+        sub_sq_sum = (self.per_example.finish() if examples else sub_sq.sum(0)) / scale_sq
         loss_sum = (
             loss.detach().to(sub_sq).reshape(()) if loss is not None else sub_sq.new_zeros(())
         )
-        signal_g, trace_g, loss_sum = self.noise.reduce(
-            sub_sq_sum, sq_full, loss_sum, scale_sq, batches
+        reduce_args = (sub_sq_sum, sq_full, loss_sum, scale_sq, batches)
+        signal_g, trace_g, loss_sum = (
+            self.noise.reduce(*reduce_args, examples=self._examples_measured(batches))
+            if examples
+            else self.noise.reduce(*reduce_args)
         )
         signal, trace = signal_g.sum(), trace_g.sum()
         sq_a, sq_b, dot_ab = self.halves.read(grads, sq_full, signal_g, trace_g, batches)
@@ -258,6 +302,12 @@ class MicroBatchStatistics:
             loss=loss_sum.float() if loss is not None else None,
             group_halves=torch.stack([sq_a, sq_b, dot_ab]).float(),
         )
+
+    def _examples_measured(self, batches: SubBatches) -> int:
+        """How many examples' norms the step measured, on every rank."""
+        sample = self.per_example.sample if self.per_example is not None else None
+        every = batches.all_sizes
+        return sum(every) if sample is None else sum(min(b, sample) for b in every)
 
     def provides(self) -> frozenset[str]:
         """What beyond the scalars this collector gathers (``"gsnr"``)."""
@@ -308,9 +358,11 @@ def _sub_batches(
     rank_sizes: Sequence[Sequence[int]] | None,
     loss_weights: Sequence[float] | None,
     world: World,
+    per_example: bool = False,
 ) -> SubBatches:
     """A step's sub-batches, checked: every rank's sizes, this rank's among them, at least
-    two in all, one positive loss weight per micro-batch of this rank."""
+    two in all (two examples with ``per_example``), one positive loss weight per
+    micro-batch of this rank."""
     local = [int(s) for s in sizes]
     every = [[int(s) for s in r] for r in rank_sizes] if rank_sizes is not None else [local]
     if len(every) != world.size:
@@ -320,7 +372,10 @@ def _sub_batches(
             f"rank {world.rank}'s entry of rank_sizes {every[world.rank]} "
             f"differs from its sizes {local}"
         )
-    if sum(len(r) for r in every) < 2:
+    if per_example:
+        if sum(sum(r) for r in every) < 2:
+            raise ValueError(f"statistics need at least 2 examples per step, got sizes {every}")
+    elif sum(len(r) for r in every) < 2:
         raise ValueError(
             f"statistics need at least 2 sub-batches (at least 2 micro-batches on one "
             f"process), got sizes {every}"

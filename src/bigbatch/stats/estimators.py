@@ -76,14 +76,40 @@ def noise_from_mean(
     total = float(sum(sizes))
     h = sum(inverse_size(b, dataset_size) for b in sizes) / len(sizes)
     phi = inverse_size(total, dataset_size)
-    denominator = h - phi
-    if denominator <= 0:
+    if h - phi <= 0:
         raise ValueError(
             f"sub-batches of sizes {list(sizes)} carry no noise information "
             f"(dataset_size={dataset_size})"
         )
-    trace = (mean_sub_sq_norm - full_sq_norm) / denominator
-    signal = (h * full_sq_norm - phi * mean_sub_sq_norm) / denominator
+    return _unbiased(mean_sub_sq_norm, full_sq_norm, h, phi)
+
+
+def noise_from_examples(
+    mean_example_sq_norm: Tensor,
+    examples: int,
+    full_sq_norm: Tensor,
+    dataset_size: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`noise_from_mean` with every sub-batch one example: ``L = mean_i |g_i|²`` over
+    the ``examples`` per-example gradients of a batch whose mean gradient has ``|g|²``
+    (``E L = |G|² + trΣ``, ``E |g|² = |G|² + φ(B) trΣ``). One pass gives both: the
+    per-example norms come from the backward (:mod:`bigbatch.stats.per_example`)."""
+    if examples < 2:
+        raise ValueError(f"noise estimates need at least 2 examples, got {examples}")
+    h, phi = inverse_size(1, dataset_size), inverse_size(examples, dataset_size)
+    if h - phi <= 0:
+        raise ValueError(
+            f"a batch of {examples} examples carries no noise information "
+            f"(dataset_size={dataset_size})"
+        )
+    return _unbiased(mean_example_sq_norm, full_sq_norm, h, phi)
+
+
+def _unbiased(mean_sub_sq: Tensor, full_sq: Tensor, h: float, phi: float) -> tuple[Tensor, Tensor]:
+    """Solve ``E L = |G|² + h trΣ``, ``E T = |G|² + φ trΣ`` for ``(|G|², trΣ)``."""
+    denominator = h - phi
+    trace = (mean_sub_sq - full_sq) / denominator
+    signal = (h * full_sq - phi * mean_sub_sq) / denominator
     return signal, trace
 
 

@@ -125,6 +125,8 @@ class FromNoiseScalars:
         batches: SubBatches,
     ) -> tuple[Tensor, Tensor, Tensor]:
         size_a = sum(batches.half_sizes())
+        if not 0 < size_a < batches.total:  # one micro-batch (per-example norms): its halves
+            size_a = batches.total / 2
         return scalar_halves(signal, trace, size_a, batches.total - size_a, self.dataset_size)
 
     def traffic(self) -> int:

@@ -57,11 +57,17 @@ class ParamLayout:
             )
         return self._subsets[key]
 
-    def per_group(self, values: Sequence[Tensor], square: bool = False) -> Tensor:
-        """Per-parameter scalars summed per group, in float64 (squared first with ``square``)."""
-        v = torch.stack([x.double() for x in values])
+    def per_group(self, values: Sequence[Tensor] | Tensor, square: bool = False) -> Tensor:
+        """Per-parameter scalars (a list, or one vector) summed per group, in float64 (squared
+        first with ``square``)."""
+        if isinstance(values, Tensor):
+            v = values.double()
+        else:
+            v = torch.stack([x.double() for x in values])
         if square:
             v = v.square()
+        if self.num_groups == 1:
+            return v.sum().reshape(1)
         out = torch.zeros(self.num_groups, dtype=torch.float64, device=v.device)
         return out.index_add_(0, self.owner, v)
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .._tensors import norms
 from ..dist.world import World
-from .estimators import ema_update, noise_from_mean
+from .estimators import ema_update, noise_from_examples, noise_from_mean
 from .layout import ParamLayout, SubBatches
 
 
@@ -44,7 +44,12 @@ class ReducedNoise:
         loss: Tensor,
         scale_sq: Tensor | float,
         batches: SubBatches,
+        examples: int | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(|G|², trΣ, loss)`` per group from ``sub_sq_sum``, the sum of the squared norms
+        of this rank's sub-batch mean gradients (with ``examples``, of the gradients of
+        the examples measured, that many on all ranks), and ``sq_full``, the reduced
+        gradient's."""
         groups = len(sq_full)
         if self.world.distributed:
             size = self.world.size
@@ -55,6 +60,11 @@ class ReducedNoise:
             self.world.all_reduce_sum(packed)
             self.bytes += packed.numel() * packed.element_size()
             sub_sq_sum, sq_full, loss = packed[:groups], packed[groups:-1], packed[-1]
+        if examples:  # every sub-batch one example
+            signal, trace = noise_from_examples(
+                sub_sq_sum / examples, batches.total, sq_full / scale_sq, self.dataset_size
+            )
+            return signal, trace, loss
         sizes = batches.all_sizes
         signal, trace = noise_from_mean(
             sub_sq_sum / len(sizes), sizes, sq_full / scale_sq, self.dataset_size

@@ -66,6 +66,12 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _position_table_renamed(state: dict, prefix: str, *args: object) -> None:
+    """Checkpoints written before 0.3 hold the position table as ``pos``, a bare parameter."""
+    if prefix + "pos" in state:
+        state[prefix + "pos.weight"] = state.pop(prefix + "pos")
+
+
 class TinyTransformer(nn.Module):
     """A pre-norm GPT: token and learned position embeddings, ``depth`` blocks of causal
     attention (``heads`` heads) and a 4x MLP, a linear head over the vocabulary."""
@@ -75,13 +81,20 @@ class TinyTransformer(nn.Module):
         if width % heads:
             raise ValueError(f"model.width = {width} is not a multiple of the {heads} heads")
         self.embed = nn.Embedding(vocab, width)
-        self.pos = nn.Parameter(torch.zeros(context, width))
+        # learned positions, zero at the start; an Embedding over the positions rather than a
+        # bare parameter, so that per-example gradient norms cover it
+        # (bigbatch.stats.per_example); ``_weight`` skips an initialisation that would draw
+        # from the random stream and change every later layer's start
+        self.pos = nn.Embedding(context, width, _weight=torch.zeros(context, width))
+        self._register_load_state_dict_pre_hook(_position_table_renamed)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        n, steps = tokens.shape
+        positions = torch.arange(steps, device=tokens.device).expand(n, steps)
+        h = self.embed(tokens) + self.pos(positions)
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
