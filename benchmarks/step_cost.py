@@ -142,13 +142,19 @@ def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
     print(f"| {model_name} | {batch} | {plain * 1e3:.1f} ms | {cells} |", flush=True)
 
 
+def _forever(loader):
+    """The loader's batches, epoch after epoch (a small training set ends before 300)."""
+    while True:
+        yield from loader
+
+
 def agreement(task: str, args) -> None:
     config = with_task_defaults(resolve({"task": task, "device": "cpu"}))
     problem = TASKS[task].build(config)
     model = problem.model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = torch.utils.data.DataLoader(problem.train, batch_size=64, shuffle=True)
-    batches = iter(loader)
+    loader = torch.utils.data.DataLoader(problem.train, batch_size=64, shuffle=True, drop_last=True)
+    batches = _forever(loader)
     for _ in range(args.warm_steps):  # away from the initialisation
         loss = problem.loss(model, next(batches))
         loss.backward()

@@ -43,7 +43,10 @@ def test_set_values_are_read_as_toml():
         ({"optimizer": "adam"}, "did you mean 'adamw'"),
         ({"batch.controller": "simi"}, "batch.controller = 'simi'"),
         ({"dist.compression": "zip"}, "dist.compression = 'zip' is not one of none, ef"),
-        ({"batch.min": 2, "batch.initial": 2}, "below min_sub_batches"),
+        (
+            {"batch.min": 2, "batch.initial": 2, "noise_from": "sub_batches"},
+            "below min_sub_batches",
+        ),
         ({"lr": float("inf")}, "lr must be finite"),
     ],
 )
