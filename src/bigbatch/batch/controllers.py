@@ -617,9 +617,9 @@ class Seesaw:
     def wanted(self) -> float:
         """The batch that takes over the decay so far: ``initial / d`` (in powers of
         ``granularity`` unless it is 1), before the cap."""
-        if self._decay <= 0:
+        ratio = 1.0 / self._decay if self._decay > 0 else math.inf
+        if not math.isfinite(ratio):  # a decay to (a float's) nothing: any cap binds
             return math.inf
-        ratio = 1.0 / self._decay
         if self.granularity > 1:
             # the largest power the decay has passed (a hair of slack for 1/0.5 = 2.0000001)
             ratio = self.granularity ** math.floor(math.log(ratio, self.granularity) + 1e-9)
