@@ -76,3 +76,13 @@ def test_the_graph_sees_relative_and_function_local_imports():
 
 def test_no_module_of_the_package_imports_itself_back():
     assert find_cycle(graph()) is None
+
+
+def test_importing_bigbatch_leaves_dynamo_and_triton_unloaded():
+    # both are heavy, and Triton must see TRITON_INTERPRET (tests/conftest.py) before it loads
+    import subprocess
+    import sys
+
+    code = "import sys, bigbatch; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -43,6 +43,9 @@ from .layout import ParamLayout
 
 __all__ = ["RULES", "PerExampleNorms", "uncovered"]
 
+#: ``torch.compiler.disable`` that imports Dynamo when first called (torch >= 2.1 has it)
+_eager_under_compile = getattr(torch, "_disable_dynamo", torch.compiler.disable)
+
 #: a rule: (module, its input, its output's gradient) -> {parameter name: Σ_i |g_i|²}, each
 #: a 0-dimensional tensor (the sum over the examples: the estimator needs no more)
 Rule = Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]
@@ -246,8 +249,10 @@ class PerExampleNorms:
         self._ran.clear()
 
     # under torch.compile the hook runs eagerly, between the compiled graphs of the layers
-    # around it (Dynamo cannot trace a hook that registers a gradient hook on a closure)
-    @torch.compiler.disable
+    # around it (Dynamo cannot trace a hook that registers a gradient hook on a closure);
+    # torch's lazy form imports Dynamo at the first call, not with bigbatch (importing it
+    # with bigbatch also imported Triton before TRITON_INTERPRET could apply)
+    @_eager_under_compile
     def _on_forward(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
         if self.parts is None or not torch.is_grad_enabled() or not isinstance(output, Tensor):
             return
