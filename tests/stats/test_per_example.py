@@ -108,6 +108,26 @@ def test_what_is_not_covered_is_named():
         MicroBatchStatistics([list(norm.parameters())], per_example=norm)
 
 
+def test_a_frozen_parameter_of_a_hooked_layer_counts_for_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    model[0].bias.requires_grad_(False)
+    inputs = torch.randn(5, 4, dtype=torch.float64)
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+    def one(p, x):
+        return functional_call(model, p, (x[None],), strict=False).sum()
+
+    grads = vmap(grad(one), in_dims=(None, 0))(params, inputs)
+    expected = sum(g.reshape(5, -1).square().sum(1) for g in grads.values()).sum()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    norms = PerExampleNorms(model, ParamLayout([trained]))
+    norms.begin()
+    norms.set_scale(25.0)
+    model(inputs).sum(1).mean().backward()
+    torch.testing.assert_close(norms.finish(), expected.reshape(1), rtol=1e-10, atol=0)
+
+
 def test_a_layer_run_twice_in_one_forward_is_refused():
     lin = nn.Linear(3, 3)
     stats = MicroBatchStatistics([list(lin.parameters())], per_example=lin)

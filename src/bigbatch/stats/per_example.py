@@ -222,8 +222,9 @@ class PerExampleNorms:
                 f"{' ...' if len(missing) > 5 else ''}"
             )
         group = {id(p): layout.group_of(i) for i, p in enumerate(layout.params)}
+        # each hooked layer's trained parameters and their groups (a frozen one has none)
         self._groups = {
-            id(m): {n: group[id(p)] for n, p in m.named_parameters(recurse=False)}
+            id(m): {n: group[id(p)] for n, p in m.named_parameters(recurse=False) if id(p) in group}
             for m, _ in chosen
         }
         self._rules = {id(m): rule for m, rule in chosen}
@@ -280,7 +281,8 @@ class PerExampleNorms:
         groups = self._groups[id(module)]
         with torch.no_grad():
             for name, total in self._rules[id(module)](module, saved, grad).items():
-                parts[groups[name]].append(total)
+                if name in groups:
+                    parts[groups[name]].append(total)
 
     def finish(self) -> Tensor:
         """``Σ_i |g_i|²`` per group over the step's examples measured (this rank's), in
