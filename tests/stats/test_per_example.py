@@ -134,6 +134,9 @@ def test_a_layer_run_twice_in_one_forward_is_refused():
     stats.begin([4])
     with pytest.raises(RuntimeError, match="ran twice in one micro-batch"):
         lin(lin(torch.randn(4, 3)))
+    stats.begin([4])
+    with pytest.raises(RuntimeError, match="without a positional input tensor"):
+        lin(input=torch.randn(4, 3))
 
 
 @pytest.mark.parametrize("sizes", [[23], [12, 11], [6, 6, 6, 5]])

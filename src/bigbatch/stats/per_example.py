@@ -263,7 +263,13 @@ class PerExampleNorms:
         if key in self._ran:  # the sum of two uses' gradients is not the sum of their norms
             raise RuntimeError(
                 f"per-example statistics: layer {self._names.get(key, key)!r} ran twice in one "
-                "micro-batch's forward; use the sub-batch statistics for such a model"
+                "micro-batch's forward (shared, or re-run by activation checkpointing); use "
+                "the sub-batch statistics (noise_from='sub_batches') for such a model"
+            )
+        if not inputs or not isinstance(inputs[0], Tensor):
+            raise RuntimeError(
+                f"per-example statistics: layer {self._names.get(key, key)!r} was called "
+                "without a positional input tensor, which its hook reads; call it with one"
             )
         self._ran.add(key)
         # the input as autograd keeps it anyway (no detach: nothing flows back through it)
