@@ -36,6 +36,7 @@ __all__ = [
     "check_statistics",
     "describe",
     "describe_collector",
+    "fewest_sub_batches",
     "resolve_controller",
 ]
 
@@ -130,7 +131,9 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     )
     options = _similarity_for(options, controller, per_example, world)
     if sub_batches is None:
-        sub_batches = _fewest_sub_batches(options, per_example)
+        sub_batches = fewest_sub_batches(
+            options.statistics, per_example is not None, options.similarity == "split"
+        )
     _check_sub_batches(
         controller, positive_int("sub_batches", sub_batches), world, options, per_example
     )
@@ -189,12 +192,13 @@ def _similarity_for(
     return options
 
 
-def _fewest_sub_batches(options: StepOptions, per_example: nn.Module | None) -> int:
-    """The micro-batches per rank the statistics need: 4 for the sub-batch estimator (more
-    sub-batches, a steadier estimate), 2 for a measured split similarity, else 1."""
-    if options.statistics and per_example is None:
+def fewest_sub_batches(statistics: bool, per_example: bool, split: bool) -> int:
+    """The micro-batches per rank a step's statistics need: 4 for the sub-batch estimator
+    (more sub-batches, a steadier estimate), 2 for per-example statistics beside a measured
+    split similarity, else 1. The one rule for every default of ``min_sub_batches``."""
+    if statistics and not per_example:
         return 4
-    return 2 if options.statistics and options.similarity == "split" else 1
+    return 2 if statistics and split else 1
 
 
 def _per_example_model(

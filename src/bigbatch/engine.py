@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ._checks import positive_int
 from ._tensors import norms
-from .assembly import assemble, check_statistics, describe
+from .assembly import assemble, check_statistics, describe, fewest_sub_batches
 from .batch.controllers import Controller
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
 from .batch.plan import StepPlan
@@ -84,6 +84,8 @@ class StepEngine:
         scaler: the loop's ``torch.amp.GradScaler``, if any.
         options: the per-step rules (:class:`~bigbatch.StepOptions`); its fields may
             also be given as keywords (``lr_scaling=``, ``schedule=``, ...).
+        sub_batches: the fewest micro-batches per rank per step (None: what the
+            collector needs, :func:`~bigbatch.assembly.fewest_sub_batches`).
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class StepEngine:
         world: World | None = None,
         scaler: torch.amp.GradScaler | None = None,
         options: StepOptions | None = None,
+        sub_batches: int | None = None,
         **keywords: Any,
     ) -> None:
         self.options = StepOptions.of(options, **keywords)
@@ -120,9 +123,13 @@ class StepEngine:
         #: optimizer steps whose update was dropped for a non-finite gradient or loss
         self.skipped_steps = 0
         self._lr = LRScaling()
-        #: the fewest micro-batches per rank per step the run's statistics need (set by
-        #: :meth:`build`; a loop splits a batch into more where memory asks)
-        self.sub_batches = 1 if collector is None or collector.per_example is not None else 2
+        #: the fewest micro-batches per rank per step (a loop splits a batch into more where
+        #: memory asks): ``sub_batches``, or what the statistics need
+        self.sub_batches = sub_batches or fewest_sub_batches(
+            collector is not None,
+            collector is not None and collector.per_example is not None,
+            collector is not None and collector.similarity == "split",
+        )
         #: the logged noise scale of a controller that has none of its own
         self._noise = SmoothedNoise(20)
         self._plan: StepPlan | None = None
@@ -149,16 +156,15 @@ class StepEngine:
         is written once.
         """
         parts = assemble(optimizer, controller, options, **run)
-        engine = cls(
+        return cls(
             optimizer,
             parts.controller,
             collector=parts.collector,
             world=parts.world,
             scaler=scaler,
             options=parts.options,
+            sub_batches=parts.sub_batches,
         )
-        engine.sub_batches = parts.sub_batches
-        return engine
 
     def describe(self) -> dict[str, Any]:
         """What this engine was built to do, as plain data (equal for equal runs)."""

@@ -177,3 +177,20 @@ def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key):
         resolve({key: "lots"})
     with pytest.raises(ConfigError, match=f"{key} must be >"):
         resolve({key: -1})
+
+
+@pytest.mark.parametrize(
+    "layer, fewest",
+    [
+        ({}, 4),
+        ({"noise_from": "examples", "batch.controller": "constant"}, 1),
+        # SimiGrad's rule reads the measured cosine: the examples keep a split for it
+        ({"noise_from": "examples", "batch.controller": "simigrad"}, 2),
+        ({"noise_from": "examples", "batch.similarity": "split"}, 2),
+        ({"noise_from": "auto"}, 0),  # the loop decides on the model
+    ],
+)
+def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):
+    from bigbatch.experiments.build import with_task_defaults
+
+    assert with_task_defaults(resolve(layer))["min_sub_batches"] == fewest

@@ -16,7 +16,14 @@ from ..dist.world import World
 from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
-from .config import AUTO, ConfigError, defaults, fill_controller_defaults, resolve
+from .config import (
+    AUTO,
+    ConfigError,
+    defaults,
+    fewest_sub_batches_of,
+    fill_controller_defaults,
+    resolve,
+)
 from .device import Precision, to_device
 from .tasks import TASKS, Problem
 
@@ -47,10 +54,10 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
     ):
         if not config[key]:
             config[key] = value
+    kind = config["batch.controller"]
     if not config["min_sub_batches"] and config["noise_from"] != "auto":
         # what the statistics need, stated in the saved config (auto decides on the model)
-        config["min_sub_batches"] = 4 if config["noise_from"] == "sub_batches" else 1
-    kind = config["batch.controller"]
+        config["min_sub_batches"] = fewest_sub_batches_of(config)
     if kind == "ramp":
         _ramp_start(config)
     fill_controller_defaults(config)

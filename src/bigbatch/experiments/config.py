@@ -29,6 +29,7 @@ else:  # pragma: no cover - Python 3.10: the cli extra brings tomli
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from .._checks import batch_bounds
+from ..assembly import fewest_sub_batches
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
 from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
@@ -594,8 +595,8 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
         batch_bounds(*(bounds[n] for n in names), names=names)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    # 0: what the statistics need, at least one micro-batch (4 for sub-batch statistics)
-    fewest = config["min_sub_batches"] or (4 if config["noise_from"] == "sub_batches" else 1)
+    # 0: what the statistics need (auto: at least the one micro-batch the examples need)
+    fewest = config["min_sub_batches"] or fewest_sub_batches_of(config)
     if bounds["batch.min"] < fewest:
         raise ConfigError(
             f"batch.min ({bounds['batch.min']}) is below min_sub_batches "
@@ -614,6 +615,17 @@ def _current_name(name: str) -> str:
         )
         return RENAMED[name]
     return name
+
+
+def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:
+    """The micro-batches per step a config's statistics need (``min_sub_batches = 0``), by
+    the loop's own rule (:func:`bigbatch.assembly.fewest_sub_batches`): per-example
+    statistics keep a split for a measured similarity, asked for or read by the
+    controller (SimiGrad's rules); ``auto`` counts as per-example, its least need."""
+    split = config["batch.similarity"] == "split" or getattr(
+        CONTROLLERS[config["batch.controller"]], "reads_similarity", False
+    )
+    return fewest_sub_batches(True, config["noise_from"] != "sub_batches", split)
 
 
 def fill_controller_defaults(config: dict[str, Any]) -> None:
