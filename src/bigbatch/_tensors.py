@@ -47,9 +47,7 @@ def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
     if tensors[0].device.type == "cpu":
         out = []
         for t in tensors:
-            flat = t.reshape(-1)
-            if flat.dtype not in (torch.float32, torch.float64):
-                flat = flat.float()
+            flat = t.reshape(-1).to(norm_dtype(t))
             out.append(torch.dot(flat, flat))
         if all(x.dtype == out[0].dtype for x in out):
             return torch.stack(out).double()

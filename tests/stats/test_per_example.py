@@ -15,7 +15,7 @@ from bigbatch.stats.estimators import noise_from_examples
 from bigbatch.stats.layout import ParamLayout
 from bigbatch.stats.per_example import PerExampleNorms, uncovered
 
-from .common import collect, make_problem
+from .common import collect, make_problem, slow_gradients
 
 
 class Sequences(nn.Module):
@@ -144,12 +144,7 @@ def test_one_pass_noise_equals_the_estimator_on_single_examples(sizes):
     # the one-pass estimate is the sub-batch estimator with every example a sub-batch,
     # whatever the micro-batches: computed the slow way, one backward per example
     model, x, y = make_problem()
-    single = []
-    for i in range(len(x)):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        single.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
-    model.zero_grad()
+    single = slow_gradients(model, x, y, [1] * len(x))  # one backward per example
     mean = torch.stack(single).mean(0)
     signal, trace = noise_components(
         torch.stack([g.square().sum() for g in single]), [1] * len(x), mean.square().sum()
@@ -230,12 +225,7 @@ def test_bf16_autocast_and_micro_batches_of_a_memory_limit():
 def test_a_sample_of_each_micro_batch_measures_its_first_examples():
     model, x, y = make_problem()
     sizes, sample = [12, 11], 5
-    single = []
-    for i in range(len(x)):
-        model.zero_grad()
-        nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        single.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
-    model.zero_grad()
+    single = slow_gradients(model, x, y, [1] * len(x))  # one backward per example
     measured = [*range(0, 5), *range(12, 17)]
     mean_sq = torch.stack([single[i].square().sum() for i in measured]).mean()
     signal, trace = noise_from_examples(mean_sq, len(x), torch.stack(single).mean(0).square().sum())
