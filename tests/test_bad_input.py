@@ -83,6 +83,7 @@ def test_cli_corrupted_checkpoint_changes_nothing(existing_run, capsys, tmp_path
     for p in existing_run.iterdir():
         (copy / p.name).write_bytes(p.read_bytes())
     (copy / "checkpoint.pt").write_bytes(b"\x80\x02garbage")
+    (copy / "checkpoint.prev.pt").write_bytes(b"\x80\x02garbage too")  # no fallback
     before = snapshot(copy)
     assert cli.main(["train", "--quiet", "--resume", str(copy)]) == 2
     assert "truncated or corrupted" in capsys.readouterr().err

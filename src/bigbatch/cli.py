@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -475,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command; its exit code (docs/cli.md: 0 done, 2 config or environment, 3 training
     stopped, 4 a training process or collective failed, 128 + N stopped by signal N)."""
     args = _parser().parse_args(argv)
+    _one_line_warnings()
     try:
         return _run(args)
     except BaseException as err:
@@ -482,6 +484,22 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:  # not an ordinary failure: a bug, whose traceback helps
             raise
         return code
+
+
+def _one_line_warnings() -> None:
+    """bigbatch's own warnings (a renamed key, a damaged checkpoint) as one line each on
+    stderr, as its errors are; other packages' warnings keep Python's format."""
+    default = warnings.formatwarning
+    if getattr(default, "one_line", False):  # main() called again in one process
+        return
+
+    def one_line(message, category, filename, lineno, line=None):
+        if f"{os.sep}bigbatch{os.sep}" in filename:
+            return f"bigbatch: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    one_line.one_line = True  # type: ignore[attr-defined]
+    warnings.formatwarning = one_line
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -173,15 +174,28 @@ def test_bad_toml_and_corrupted_checkpoint(tmp_path, capsys):
     assert "not valid TOML" in capsys.readouterr().err
     out = tmp_path / "run"
     assert run_cli("train", *SMALL, "--out", out) == 0
+    finished = json.loads((out / "summary.json").read_text())
     good = (out / "checkpoint.prev.pt").read_bytes()  # the one before the last
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    # the run resumes from the previous checkpoint, says so in one line, and ends the same
+    with pytest.warns(RuntimeWarning, match="cannot be read.*resuming from the previous") as seen:
+        assert run_cli("train", "--quiet", "--resume", out) == 0
+    (warning,) = [w for w in seen if "checkpoint" in str(w.message)]
+    shown = warnings.formatwarning(warning.message, RuntimeWarning, warning.filename, 1)
+    assert shown.startswith("bigbatch: warning: checkpoint") and shown.count("\n") == 1
+    again = json.loads((out / "summary.json").read_text())
+    assert again["final_eval_loss"] == finished["final_eval_loss"]
+    assert again["steps"] == finished["steps"]
+    # the damaged file was replaced, and the good one stays its predecessor
+    assert (out / "checkpoint.prev.pt").read_bytes() == good
+    torch.load(out / "checkpoint.pt", weights_only=True)
+    # with both damaged the run cannot resume: one line naming both, nothing changed
+    (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    (out / "checkpoint.prev.pt").write_bytes(b"nor this")
     assert run_cli("train", "--quiet", "--resume", out) == 2
     err = capsys.readouterr().err
-    assert "truncated or corrupted" in err and "checkpoint.prev.pt" in err
-    assert (out / "checkpoint.prev.pt").read_bytes() == good  # kept, untouched
-    # resuming from the previous checkpoint finishes the run
-    (out / "checkpoint.prev.pt").rename(out / "checkpoint.pt")
-    assert run_cli("train", "--quiet", "--resume", out) == 0
+    assert "truncated or corrupted" in err and "nor can the previous one" in err
+    assert (out / "checkpoint.prev.pt").read_bytes() == b"nor this"
 
 
 def test_compare_writes_one_report(tmp_path):

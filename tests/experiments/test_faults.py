@@ -97,9 +97,13 @@ def test_a_signal_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
     assert code == 128 + sig
     line = one_line(stderr)
     assert f"stopped by {signal.Signals(sig).name} at step" in line and "--resume" in line
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["ended"] == "signal" and summary["why"] in line
+    assert summary["steps"] == len(rows(stopped))
     resumed = bigbatch("train", "--quiet", "--resume", stopped)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_run(stopped, straight)
+    assert json.loads((stopped / "summary.json").read_text())["ended"] == "budget"
 
 
 def test_sigterm_to_a_two_process_launcher_stops_every_rank_after_a_checkpoint(tmp_path):
@@ -239,9 +243,12 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_the_run_resumes(tmp_path, cap
     assert not list(full.glob(".*.tmp"))  # the half-written file is gone
     kept = torch.load(full / "checkpoint.pt", weights_only=True)  # the last complete one
     assert kept["run"]["metrics_lines"] == 5
+    summary = json.loads((full / "summary.json").read_text())  # how it ended, and why
+    assert summary["ended"] == "error" and "no space left on device" in summary["why"]
     monkeypatch.setattr(rundir.torch, "save", save)  # room again
     assert run_cli("train", "--quiet", "--resume", full) == 0
     assert rows(full) == rows(straight)
+    assert json.loads((full / "summary.json").read_text())["ended"] == "budget"
 
 
 def test_a_disk_without_room_for_two_checkpoints_is_refused_up_front(tmp_path, capsys, monkeypatch):
@@ -271,6 +278,9 @@ def test_a_run_of_non_finite_steps_stops_with_code_3_and_summaries_are_strict_js
     line = one_line(capsys.readouterr().err)
     assert "optimizer steps were skipped" in line and "skip_limit" in line
     assert (tmp_path / "stopped" / "checkpoint.pt").is_file()
+    stopped = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert stopped["ended"] == "skip_limit" and stopped["diverged"] in line
+    assert stopped["final_accuracy"] is None and stopped["skipped_steps"] > 0  # no score
     allowed = tmp_path / "allowed"
     assert run_cli("train", *broken, "--set", "skip_limit=1", "--out", allowed) == 0
     assert "skipped)" in capsys.readouterr().out  # the console's last line counts them

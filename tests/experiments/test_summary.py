@@ -1,10 +1,17 @@
 """Summary numbers computed from a run's metrics."""
 
+import json
 import math
 
 import pytest
 
-from bigbatch.experiments.summary import batch_path_ratio, target_summary
+from bigbatch.experiments.summary import (
+    ENDS,
+    FINISHED,
+    batch_path_ratio,
+    finished_summary,
+    target_summary,
+)
 from bigbatch.experiments.tasks import TASKS
 
 
@@ -41,3 +48,16 @@ def test_a_loss_target_is_reached_from_above():
     summary = target_summary(task, evals)
     assert summary["steps_to_target"] == 2 and summary["target_metric"] == "eval_loss"
     assert not math.isnan(task.target)
+
+
+@pytest.mark.parametrize("ended", sorted(ENDS))
+def test_only_a_run_that_ended_with_a_result_is_finished(tmp_path, ended):
+    assert finished_summary(tmp_path) is None  # no summary: not finished
+    summary = {"ended": ended, "final_accuracy": 0.9}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert (finished_summary(tmp_path) == summary) == (ended in FINISHED)
+
+
+def test_a_summary_from_before_runs_said_how_they_ended_is_finished(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"final_accuracy": 0.9}))
+    assert finished_summary(tmp_path) == {"final_accuracy": 0.9}

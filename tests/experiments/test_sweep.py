@@ -1,6 +1,7 @@
 """The tuned-sweep protocol: the same rate grid for every arm, the best rate on more seeds."""
 
 import dataclasses
+import json
 from unittest import mock
 
 import pytest
@@ -56,8 +57,10 @@ def test_a_repeated_sweep_reuses_its_finished_runs(trained, tmp_path):
     first = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0), seeds=2)
     count = len(trained)
     (tmp_path / "a-lr1-seed1" / "summary.json").unlink()  # as if killed midway
+    stopped = {"ended": "signal", "why": "stopped by SIGTERM at step 3", "final_accuracy": 0.1}
+    (tmp_path / "a-lr0-seed0" / "summary.json").write_text(json.dumps(stopped))
     again = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0), seeds=2)
-    assert len(trained) == count + 1  # only the unfinished run trained again
+    assert len(trained) == count + 2  # only the killed and the stopped run trained again
     assert [r.runs for r in again] == [r.runs for r in first]
 
 
@@ -124,7 +127,11 @@ def test_a_rate_that_diverges_ranks_last_and_leaves_a_summary(trained, tmp_path,
 
     def train(config, out, **options):
         if config["lr"] > 0.005:  # past stability: the runner stops on skipped steps
-            raise runner.TooManySkippedError(30, 40, 0.25)
+            err = runner.TooManySkippedError(30, 40, 0.25)
+            out.mkdir(parents=True)  # and leaves the summary of a diverged run, as it does
+            diverged = {"ended": "skip_limit", "diverged": str(err), **dict.fromkeys(runner.SCORES)}
+            (out / "summary.json").write_text(json.dumps(diverged))
+            raise err
         return fake_train(config, out, **options)
 
     monkeypatch.setattr(runner, "train", train)

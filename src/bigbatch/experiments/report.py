@@ -14,6 +14,7 @@ from .analysis import first_reaching, fit_critical_batch, mean_std
 from .arms import ArmResult
 from .plots import pyplot
 from .rundir import read_metrics
+from .summary import finished_summary
 
 PLOTS = {
     "batch_similarity.png": "batch size, noise scale and similarity vs step",
@@ -145,9 +146,10 @@ def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
     index = json.loads((root / "compare.json").read_text())
     arms = []
     for entry in index.get("arms", []):
-        dirs = [d for d in entry["dirs"] if (root / d / "summary.json").is_file()]
+        finished = {d: finished_summary(root / d) for d in entry["dirs"]}
+        dirs = [d for d, summary in finished.items() if summary is not None]
         if dirs:
-            runs = [json.loads((root / d / "summary.json").read_text()) for d in dirs]
+            runs = [finished[d] for d in dirs]
             arms.append(
                 ArmResult(
                     entry["name"],

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -184,23 +185,38 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path) -> tuple[dict[str, Any], Path]:
+    """The checkpoint at ``path`` and the file it came from: its predecessor (with a
+    warning) when ``path`` cannot be read, a one-line :class:`ConfigError` when neither
+    can. Loaded with ``weights_only=True``; nothing on disk changes."""
     kept = previous(path)
-    hint = (
-        f"; the previous checkpoint is kept at {str(kept)!r}: rename it to "
-        f"{path.name!r} to resume from there"
-        if kept.is_file()
-        else ""
-    )
     if not path.is_file():
+        hint = f"; the previous checkpoint is kept at {str(kept)!r}" if kept.is_file() else ""
         raise ConfigError(f"no checkpoint at {str(path)!r}: nothing to resume{hint}")
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True), path
     except Exception as err:  # a truncated or corrupted file
-        raise ConfigError(
-            f"checkpoint {str(path)!r} cannot be read ({type(err).__name__}: "
-            f"{err}); it is truncated or corrupted{hint}"
-        ) from None
+        damage = f"checkpoint {str(path)!r} cannot be read ({_first_line(err)})"
+    if kept.is_file():
+        try:
+            checkpoint = torch.load(kept, weights_only=True)
+        except Exception as err:  # reported beside the first file's damage
+            damage += f", nor can the previous one ({_first_line(err)})"
+        else:
+            warnings.warn(
+                f"{damage}; resuming from the previous checkpoint {str(kept)!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return checkpoint, kept
+    raise ConfigError(f"{damage}; it is truncated or corrupted")
+
+
+def _first_line(err: Exception, width: int = 120) -> str:
+    """An exception as ``Type: its first line``, cut to ``width`` (torch.load's are long)."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def read_metrics(out: Path) -> list[dict[str, Any]]:

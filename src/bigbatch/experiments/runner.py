@@ -3,7 +3,8 @@
 A run directory holds ``config.toml`` (the resolved config), ``metrics.jsonl``
 (one JSON object per optimizer step; evaluation steps add ``eval_loss`` and
 ``eval_accuracy``), ``checkpoint.pt`` (written atomically every
-``checkpoint_every`` steps and at the end), ``summary.json``, the PNG plots and
+``checkpoint_every`` steps and at the end), ``summary.json`` (however the run ends:
+``ended`` says how), the PNG plots and
 ``report.md``. A killed run resumed with ``resume`` continues from its last
 checkpoint to the result it would have had.
 
@@ -54,7 +55,7 @@ from .rundir import (
     save_atomically,
 )
 from .signals import Stopped, StopRequest, watch_launcher
-from .summary import batch_path_ratio, target_summary, traffic_per_step
+from .summary import ENDS, batch_path_ratio, target_summary, traffic_per_step
 from .tasks import TASKS, Problem, Task
 
 
@@ -167,60 +168,119 @@ def _train(
     until: int | None = None,
 ) -> dict[str, Any]:
     problem, loop, precision = build(config, world, device)
-    task = TASKS[config["task"]]
     writer = world.rank == 0
     if writer:
         _preflight(out, loop)
-    # under FSDP2 a forward is a collective (it gathers the parameters): every rank evaluates
-    evaluates = writer or loop.world.sharded
-    state = _open_run(out, config, loop, resume, writer)
+    state, keep_previous = _open_run(out, config, loop, resume, writer)
+    run = _Run(config, out, loop, problem, world, stop, state, keep_previous, until)
     first_step = loop.steps_taken
-    start = time.perf_counter() - state["wall_seconds"]
-    bar = _progress(config["max_samples"], loop.samples, quiet or not writer)
-    evaluation: dict[str, float] = {}
-    pause_at = until if until is not None and until < config["max_samples"] else None
-    if pause_at is not None and loop.samples >= pause_at:  # paused here before
-        _close(bar)
-        return paused(out, loop, problem.evaluate(problem.model) if evaluates else {})
+    if run.pause_at is not None and loop.samples >= run.pause_at:  # paused here before
+        return paused(out, loop, problem.evaluate(problem.model) if run.evaluates else {})
+    run.bar = _progress(config["max_samples"], loop.samples, quiet or not writer)
     sinks = open_sinks(config, out, resume, first_step) if writer else Sinks()
-    with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log, sinks:
-        for step in loop.steps(max_samples=config["max_samples"]):
-            train_step(step, problem, loop, precision)
-            row = dict(step.metrics)
-            last = loop.samples >= config["max_samples"]
-            due = loop.steps_taken % config["eval_every"] == 0 or loop.steps_taken == 1
-            pause = pause_at is not None and loop.samples >= pause_at
-            due = due or pause
-            if evaluates and (due or last):
-                evaluation = problem.evaluate(problem.model)
-                row.update(evaluation)
-            last = last or (config["stop_at_target"] and due and _reached(world, task, evaluation))
-            state["wall_seconds"] = row["wall_seconds"] = time.perf_counter() - start
-            state["metrics_lines"] += 1
-            if log is not None:
-                log.write(json.dumps(row) + "\n")
-            sinks.record(row)
-            halt = _halt(stop, loop, config["skip_limit"], out)
-            if loop.steps_taken % config["checkpoint_every"] == 0 or last or halt or pause:
-                _checkpoint(out, loop, state, writer, log)
-            _show(bar, step.batch_size, loop.steps_taken, row, evaluation)
-            if halt is not None:
-                _close(bar)
-                raise halt
-            if last:  # the budget is spent (the loop ends by itself) or the target reached
-                break
-            if pause:
-                _close(bar)
-                return paused(out, loop, evaluation)
-    _close(bar)
+    try:
+        with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
+            run.log, run.sinks = log, sinks
+            with sinks:
+                for step in loop.steps(max_samples=config["max_samples"]):
+                    train_step(step, problem, loop, precision)
+                    end = run.after_step(step)
+                    if end == "pause":
+                        _close(run.bar)
+                        return paused(out, loop, run.evaluation)
+                    if end:  # the budget is spent (the loop ends by itself) or the target met
+                        break
+    except (Exception, KeyboardInterrupt) as err:
+        _close(run.bar)
+        if writer:
+            _leave_summary(run, err)
+        raise
+    _close(run.bar)
     train_evaluation = None
-    if evaluates and problem.evaluate_train is not None:
+    if run.evaluates and problem.evaluate_train is not None:
         train_evaluation = problem.evaluate_train(problem.model)
     if writer:
         traffic = traffic_per_step(loop, loop.steps_taken - first_step)
-        summary = _write_summary(out, config, loop, state, problem, traffic, train_evaluation)
+        summary = _write_summary(run, traffic, train_evaluation, ended=run.ended)
     # the other ranks wait for the summary so no rank returns before the run is complete
     return world.broadcast_object(summary if writer else None)
+
+
+class _Run:
+    """What a run keeps between optimizer steps, and what it does after each: evaluate,
+    log, checkpoint, show progress, and decide whether the run ends (the budget, the
+    target, a pause, a signal, the skip limit)."""
+
+    def __init__(  # noqa: PLR0913 - the run's parts, each built by _train
+        self,
+        config: dict[str, Any],
+        out: Path,
+        loop: AdaptiveBatch,
+        problem: Problem,
+        world: World,
+        stop: StopRequest,
+        state: dict[str, Any],
+        keep_previous: bool,
+        until: int | None,
+    ) -> None:
+        self.config, self.out, self.loop, self.problem = config, out, loop, problem
+        self.world, self.stop, self.state = world, stop, state
+        self.task = TASKS[config["task"]]
+        self.writer = world.rank == 0
+        # under FSDP2 a forward is a collective (it gathers the parameters): every rank
+        # evaluates
+        self.evaluates = self.writer or loop.world.sharded
+        self.keep_previous = keep_previous
+        self.pause_at = until if until is not None and until < config["max_samples"] else None
+        self.start = time.perf_counter() - state["wall_seconds"]
+        self.evaluation: dict[str, float] = {}
+        self.ended = "budget"
+        self.bar: Any = None
+        self.log: Any = None
+        self.sinks: Sinks = Sinks()
+
+    def after_step(self, step: Any) -> str | None:
+        """Record the step; "last" or "pause" when the run ends or pauses after it (raises
+        the reason when a signal or the skip limit stops it)."""
+        config, loop = self.config, self.loop
+        row = dict(step.metrics)
+        last = loop.samples >= config["max_samples"]
+        pause = self.pause_at is not None and loop.samples >= self.pause_at
+        due = loop.steps_taken % config["eval_every"] == 0 or loop.steps_taken == 1 or pause
+        if self.evaluates and (due or last):
+            self.evaluation = self.problem.evaluate(self.problem.model)
+            row.update(self.evaluation)
+        if not last and config["stop_at_target"] and due:
+            last = _reached(self.world, self.task, self.evaluation)
+            self.ended = "target" if last else self.ended
+        self.state["wall_seconds"] = row["wall_seconds"] = time.perf_counter() - self.start
+        self.state["metrics_lines"] += 1
+        if self.log is not None:
+            self.log.write(json.dumps(row) + "\n")
+        self.sinks.record(row)
+        halt = _halt(self.stop, loop, config["skip_limit"], self.out)
+        if loop.steps_taken % config["checkpoint_every"] == 0 or last or halt or pause:
+            _checkpoint(self.out, loop, self.state, self.writer, self.log, self.keep_previous)
+            self.keep_previous = True
+        _show(self.bar, step.batch_size, loop.steps_taken, row, self.evaluation)
+        if halt is not None:
+            raise halt
+        return "last" if last else "pause" if pause else None
+
+
+def _leave_summary(run: _Run, err: BaseException) -> None:
+    """Write the summary of a run that a signal, the skip limit or an error stopped: how it
+    ended and why, beside what it measured so far. Never raises: the error that stopped
+    the run is the one to report (a full disk fails this write too)."""
+    if isinstance(err, TooManySkippedError):
+        ended = "skip_limit"
+    elif isinstance(err, (Stopped, KeyboardInterrupt)):
+        ended = "signal"
+    else:
+        ended = "error"
+    why = str(err) if ended != "error" else f"{type(err).__name__}: {err}"
+    with contextlib.suppress(Exception):  # see the docstring
+        _write_summary(run, {}, None, ended=ended, why=why)
 
 
 def paused(out: Path, loop: AdaptiveBatch, evaluation: dict[str, float]) -> dict[str, Any]:
@@ -289,11 +349,15 @@ def _close(bar: Any) -> None:
 def _open_run(
     out: Path, config: dict[str, Any], loop: AdaptiveBatch, resume: bool, writer: bool
 ) -> dict[str, Any]:
-    """A new run directory, or the resumed run's state (metrics cut back to its checkpoint)."""
+    """A new run directory, or the resumed run's state (metrics cut back to its checkpoint),
+    and whether the next checkpoint may keep the current one as its predecessor: not when
+    the current one could not be read and the run resumed from its predecessor."""
     metrics_path = out / "metrics.jsonl"
     state: dict[str, Any] = {"metrics_lines": 0, "wall_seconds": 0.0}
+    keep_previous = True
     if resume:
-        checkpoint = load_checkpoint(out / CHECKPOINT)
+        checkpoint, source = load_checkpoint(out / CHECKPOINT)
+        keep_previous = source == out / CHECKPOINT
         loop.load_state_dict(checkpoint["loop"])
         state.update(checkpoint["run"])
         if writer:
@@ -308,7 +372,7 @@ def _open_run(
         # a run is resumable from its first moment: a kill before the first periodic
         # checkpoint must not leave a directory that neither resumes nor can be reused
         _checkpoint(out, loop, state, writer)
-    return state
+    return state, keep_previous
 
 
 def _reached(world: World, task: Task, evaluation: dict[str, float]) -> bool:
@@ -317,13 +381,18 @@ def _reached(world: World, task: Task, evaluation: dict[str, float]) -> bool:
 
 
 def _checkpoint(
-    out: Path, loop: AdaptiveBatch, state: dict[str, Any], writer: bool, log: Any = None
+    out: Path,
+    loop: AdaptiveBatch,
+    state: dict[str, Any],
+    writer: bool,
+    log: Any = None,
+    keep_previous: bool = True,
 ) -> None:
     loop_state = loop.state_dict()  # a collective under DDP: every rank calls it
     if writer:
         if log is not None:
             log.flush()  # the metrics the checkpoint counts are on disk before it
-        save_atomically({"loop": loop_state, "run": dict(state)}, out / CHECKPOINT, True)
+        save_atomically({"loop": loop_state, "run": dict(state)}, out / CHECKPOINT, keep_previous)
 
 
 def _show(bar: Any, batch: int, steps: int, row: dict[str, Any], evaluation: dict) -> None:
@@ -342,20 +411,28 @@ def _show(bar: Any, batch: int, steps: int, row: dict[str, Any], evaluation: dic
 
 
 def _write_summary(
-    out: Path,
-    config: dict[str, Any],
-    loop: AdaptiveBatch,
-    state: dict[str, Any],
-    problem: Problem,
+    run: _Run,
     traffic: dict[str, float],
     train_evaluation: dict[str, float] | None,
+    *,
+    ended: str = "budget",
+    why: str | None = None,
 ) -> dict[str, Any]:
-    task = TASKS[config["task"]]
+    """Write ``summary.json`` (strict JSON) and the run's report; return the summary.
+
+    ``ended`` is one of :data:`~bigbatch.experiments.summary.ENDS`, ``why`` the
+    stop's message. A run stopped for non-finite steps has no score (it ranks
+    last in a sweep) and says why under ``diverged``.
+    """
+    out, config, loop, problem, task = run.out, run.config, run.loop, run.problem, run.task
+    state = run.state
     rows = read_metrics(out)
     evals = [r for r in rows if "eval_accuracy" in r]
     summary = {
         "task": config["task"],
         "run_dir": str(out),
+        "ended": ended,
+        "why": why or ENDS[ended],
         "final_accuracy": evals[-1]["eval_accuracy"] if evals else math.nan,
         "best_accuracy": max((r["eval_accuracy"] for r in evals), default=math.nan),
         "final_eval_loss": evals[-1]["eval_loss"] if evals else math.nan,
@@ -380,10 +457,18 @@ def _write_summary(
         summary["generalization_gap"] = train_accuracy - summary["final_accuracy"]
     if evals and "max_attention_logit" in evals[-1]:
         summary["max_attention_logit"] = max(r["max_attention_logit"] for r in evals)
+    if ended == "skip_limit":
+        summary.update(dict.fromkeys(SCORES), diverged=summary["why"])
+        summary.update(target_reached=False, steps_to_target=None, samples_to_target=None)
     strict = strict_json(summary)
     (out / "summary.json").write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
-    render_run(out)
+    if ended != "error":  # the report of a run that failed could fail the same way
+        render_run(out)
     return summary
+
+
+#: the scores a sweep ranks runs by; a diverged run has none
+SCORES = ("final_accuracy", "best_accuracy", "final_eval_loss", "best_eval_loss")
 
 
 def strict_json(record: dict[str, Any]) -> dict[str, Any]:

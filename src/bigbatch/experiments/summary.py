@@ -1,14 +1,47 @@
-"""A finished run's summary: the numbers ``summary.json`` holds, from the metrics on disk."""
+"""A run's summary: the numbers ``summary.json`` holds, from the metrics on disk, and how
+the run ended.
+
+Every way a run ends writes one (:data:`ENDS`); only a run whose end is a result
+(:data:`FINISHED`) is reused by ``compare`` and ``tune`` or read into a report.
+A run stopped by a signal or an error is not: ``--resume`` continues it and its
+summary is written again at the end.
+"""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from ..dist.compression import CompressionState
 from ..loop import AdaptiveBatch
 from .tasks import Task
+
+#: ``summary.json``'s ``ended``: how a run ended
+ENDS = {
+    "budget": "the sample budget is spent",
+    "target": "the task's target was reached (stop_at_target)",
+    "skip_limit": "too many optimizer steps were skipped as non-finite (skip_limit)",
+    "signal": "a signal stopped it after a checkpoint; --resume continues it",
+    "error": "an error stopped it; --resume continues it from its last checkpoint",
+}
+#: the ends that are a result of the config (a diverged rate is one: it ranks last)
+FINISHED = frozenset({"budget", "target", "skip_limit"})
+
+
+def finished_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of the run in ``run_dir`` if it ended with a result, else None.
+
+    Summaries written before runs said how they ended (no ``ended``) were
+    written only at the end of the budget or by a diverged sweep run: finished.
+    """
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("ended", "budget") in FINISHED else None
 
 
 def batch_path_ratio(batches: list[int]) -> float | None:

@@ -33,7 +33,7 @@ from .arms import RANKS, Arm, ArmResult, metric
 from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve
 from .pool import in_processes
-from .tasks import TASKS
+from .summary import finished_summary
 
 if TYPE_CHECKING:
     from .tune import TuneSettings
@@ -77,38 +77,20 @@ def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
     """Train one config into its directory unless a finished run is there; return its summary."""
     config, out, quiet = job
     path = Path(out)
-    if (path / "summary.json").is_file():
+    done = finished_summary(path)
+    if done is not None:
         runner.check_same_config(path, config)
-        return json.loads((path / "summary.json").read_text())
-    if path.exists():  # a run killed midway: start it again
+        return done
+    if path.exists():  # a run killed or stopped midway: start it again
         shutil.rmtree(path)
     if not quiet:
         print(f"[{path.name}] lr {config['lr']:.4g}, seed {config['seed']}", flush=True)
     try:
         return runner.train(resolve(config), path, quiet=quiet)
-    except runner.TooManySkippedError as err:
-        # a rate past stability is a result of the grid, not a failure of the sweep
-        summary = diverged_summary(config, path, str(err))
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "summary.json").write_text(json.dumps(summary, indent=1))
-        return summary
-
-
-def diverged_summary(config: dict[str, Any], path: Path, why: str) -> dict[str, Any]:
-    """The summary of a run stopped for non-finite steps: every score missing (it ranks
-    last, :data:`RANKS`), ``diverged`` saying why."""
-    task = TASKS[config["task"]]
-    scores = {f"{w}_{m}": None for w in ("best", "final") for m in ("accuracy", "eval_loss")}
-    return {
-        "task": task.name,
-        "run_dir": str(path),
-        "target_metric": task.target_metric,
-        "target": task.target,
-        "target_reached": False,
-        "steps_to_target": None,
-        "diverged": why,
-        **scores,
-    }
+    except runner.TooManySkippedError:
+        # a rate past stability is a result of the grid, not a failure of the sweep: the
+        # runner's summary of it has no score (it ranks last) and says why under "diverged"
+        return json.loads((path / "summary.json").read_text())
 
 
 def run_all(

@@ -48,6 +48,7 @@ from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .pool import in_processes
 from .rundir import CHECKPOINT, RunLock, claim_new_run_dir
+from .summary import finished_summary
 from .tasks import TASKS
 
 __all__ = [
@@ -421,8 +422,10 @@ def _train_trial(job: tuple[dict[str, Any], str, int | None, bool]) -> dict[str,
     # a trial of a study started by another version (another task rate or ceiling) is
     # refused, not continued under a config it did not start with
     runner.check_same_config(path, config)
-    if (path / "summary.json").is_file():
-        return json.loads((path / "summary.json").read_text())
+    done = finished_summary(path)
+    if done is not None:
+        return done
+    # a trial stopped by a signal or an error continues from its checkpoint
     resume = (path / CHECKPOINT).is_file()
     if path.exists() and not resume:  # killed before its first checkpoint
         shutil.rmtree(path)
