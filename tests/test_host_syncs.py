@@ -136,7 +136,7 @@ def test_one_read_per_step_without_statistics(micro_batches):
 def test_a_grad_scaler_adds_its_own_read_of_the_overflow_flag():
     """fp16's GradScaler: the engine's one read, then ``GradScaler.step`` reads whether any
     gradient overflowed (``found_inf.item()``) to decide whether to step: two per step, as
-    the README says."""
+    docs/cli.md says."""
     model, loop = make_loop(4, scaler=torch.amp.GradScaler("cpu"))
     assert reads_per_step(model, loop) == [["tolist", "item"]] * 4
 
