@@ -115,20 +115,10 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     else:
         world = World.of(model) if model is not None else World()
     controller = resolve_controller(controller, first_batch)
-    gsnr = options.gsnr
-    if isinstance(optimizer, StatisticsWrapper):
-        gsnr = gsnr or "gsnr" in optimizer.requirements()
-    obstacles = {
-        "the framework reduces the gradients inside its own step": framework is not None,
-        "the GSNR (VRGD) reads the micro-batches": gsnr,
-        "a lossy comm hook: each rank estimates from its own micro-batches": not is_lossless(
-            comm_hook
-        ),
-        "the batch is counted in weight (weight_fn), not in examples": weighted,
-    }
-    per_example = _per_example_model(
-        options, model, optimizer, [why for why, holds in obstacles.items() if holds]
-    )
+    wrapped = isinstance(optimizer, StatisticsWrapper)
+    gsnr = options.gsnr or (wrapped and "gsnr" in optimizer.requirements())
+    obstacles = _per_example_obstacles(framework is not None, gsnr, comm_hook, weighted)
+    per_example = _per_example_model(options, model, optimizer, obstacles)
     options = _similarity_for(options, controller, per_example, world)
     if sub_batches is None:
         sub_batches = fewest_sub_batches(
@@ -137,8 +127,56 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     _check_sub_batches(
         controller, positive_int("sub_batches", sub_batches), world, options, per_example
     )
-    if isinstance(optimizer, StatisticsWrapper):
+    if wrapped:
         optimizer.check_sub_batches(sub_batches * world.size)
+    comm_hook = _comm_hook(comm_hook, registers_hooks, world, options, framework, model)
+    collector = None
+    if options.statistics:
+        collector = MicroBatchStatistics(
+            optimizer.param_groups if framework is None else framework.param_groups,
+            ema_beta=options.ema_beta,
+            gsnr=gsnr,
+            dataset_size=dataset_size if options.finite_correction else None,
+            similarity="scalar" if framework is not None else options.similarity,
+            world=world,
+            # the gradients are reduced only inside the framework's step: each rank's own
+            lossy_reduction=framework is not None or not is_lossless(comm_hook),
+            grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
+            grad_accumulates=framework is None or framework.grad_accumulates,
+            per_example=per_example,
+            per_example_sample=options.noise_examples,
+        )
+    if registers_hooks and model is not None:
+        ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
+    return Parts(controller, collector, world, options, sub_batches)
+
+
+def _per_example_obstacles(
+    framework: bool, gsnr: bool, comm_hook: tuple[Any, CommHook] | None, weighted: bool
+) -> list[str]:
+    """Why the noise cannot come from each example's gradient norm here (none: it can)."""
+    obstacles = {
+        "the framework reduces the gradients inside its own step": framework,
+        "the GSNR (VRGD) reads the micro-batches": gsnr,
+        "a lossy comm hook: each rank estimates from its own micro-batches": not is_lossless(
+            comm_hook
+        ),
+        "the batch is counted in weight (weight_fn), not in examples": weighted,
+    }
+    return [why for why, holds in obstacles.items() if holds]
+
+
+def _comm_hook(
+    comm_hook: tuple[Any, CommHook] | None,
+    registers_hooks: bool,
+    world: World,
+    options: StepOptions,
+    framework: FrameworkStep | None,
+    model: nn.Module | None,
+) -> tuple[Any, CommHook] | None:
+    """The DDP comm hook the statistics work beside: the one given (for the engine to
+    register), or the one a framework registered itself; a ValueError where the
+    similarity asked for cannot be measured under it."""
     if comm_hook is not None and not (registers_hooks and world.distributed):
         raise ValueError(
             "comm_hook needs a DistributedDataParallel model on 2+ ranks that the loop "
@@ -156,27 +194,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             "similarity='split' needs the micro-batch gradients in .grad or bigbatch's comm "
             "hook; a framework that reduces inside its own step gives neither: use 'scalar'"
         )
-    collector = (
-        MicroBatchStatistics(
-            optimizer.param_groups if framework is None else framework.param_groups,
-            ema_beta=options.ema_beta,
-            gsnr=gsnr,
-            dataset_size=dataset_size if options.finite_correction else None,
-            similarity="scalar" if framework is not None else options.similarity,
-            world=world,
-            # the gradients are reduced only inside the framework's step: each rank's own
-            lossy_reduction=framework is not None or not is_lossless(comm_hook),
-            grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
-            grad_accumulates=framework is None or framework.grad_accumulates,
-            per_example=per_example,
-            per_example_sample=options.noise_examples,
-        )
-        if options.statistics
-        else None
-    )
-    if registers_hooks and model is not None:
-        ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
-    return Parts(controller, collector, world, options, sub_batches)
+    return comm_hook
 
 
 def _similarity_for(

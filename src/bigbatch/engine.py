@@ -284,14 +284,8 @@ class StepEngine:
             # noise_scale is the deciding estimate (_log_noise_scale)
             del metrics["noise_scale"]
             return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]]
-        present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
-        total = torch.stack(norms(present)).sum() if present else torch.zeros(())
-        # one all-reduce: the mean loss, and the gradient norms (NaN on any rank reaches all)
-        size = self.world.size
-        packed = torch.stack([loss.double().reshape(()), total.to(loss.device, torch.float64)])
-        value, total_norm = self.world.all_reduce_sum(packed / size).tolist()
-        return None, {"loss": value}, math.isfinite(value + total_norm)
+        value, finite = _mean_loss_and_finiteness(self.optimizer, self.world, loss)
+        return None, {"loss": value}, finite
 
     def _loss_scale(self) -> Tensor | None:
         """The ``GradScaler``'s current scale as a device tensor (``get_scale()`` would sync)."""
@@ -322,3 +316,16 @@ class StepEngine:
         self.batch_size = int(state["batch_size"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
+
+
+def _mean_loss_and_finiteness(
+    optimizer: torch.optim.Optimizer, world: World, loss: Tensor
+) -> tuple[float, bool]:
+    """The batch's mean loss and whether it and every gradient are finite, on every rank,
+    without statistics: one all-reduce (a NaN on any rank reaches all) and one host read."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+    present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
+    total = torch.stack(norms(present)).sum() if present else torch.zeros(())
+    packed = torch.stack([loss.double().reshape(()), total.to(loss.device, torch.float64)])
+    value, total_norm = world.all_reduce_sum(packed / world.size).tolist()
+    return value, math.isfinite(value + total_norm)

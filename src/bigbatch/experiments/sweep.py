@@ -143,18 +143,15 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
         ]
     grids = {arm.stem: {i: m for i, m in enumerate(multipliers)} for arm in arms}
 
-    def run_name(arm: Arm, i: int, seed: int) -> str:
-        return f"{arm.stem}-lr{i}-seed{seed}"
-
     def job(arm: Arm, i: int, seed: int) -> tuple[dict[str, Any], str]:
         lr = rates[arm.stem] * grids[arm.stem][i]
-        return at_rate({**base, **arm.overrides, "seed": seed}, lr), run_name(arm, i, seed)
+        return at_rate({**base, **arm.overrides, "seed": seed}, lr), _run_name(arm, i, seed)
 
     grid_jobs = [job(arm, i, first_seed) for arm in arms for i in grids[arm.stem]]
     done = dict(zip((name for _, name in grid_jobs), _run(grid_jobs, root, jobs, quiet)))
 
     def best(arm: Arm) -> int:
-        scores = {i: RANKS[rank](done[run_name(arm, i, first_seed)]) for i in grids[arm.stem]}
+        scores = {i: RANKS[rank](done[_run_name(arm, i, first_seed)]) for i in grids[arm.stem]}
         return min(sorted(scores), key=scores.__getitem__)
 
     for _ in range(widen):
@@ -169,25 +166,49 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     chosen = {arm.stem: best(arm) for arm in arms}
     more = [job(arm, chosen[arm.stem], first_seed + k) for arm in arms for k in range(1, seeds)]
     done.update(zip((name for _, name in more), _run(more, root, jobs, quiet)))
-
-    results = []
-    for arm in arms:
-        order = sorted(grids[arm.stem])
-        pick = chosen[arm.stem]
-        names = [run_name(arm, pick, first_seed + k) for k in range(seeds)]
-        results.append(
-            ArmResult(
-                name=arm.name,
-                overrides=dict(arm.overrides),
-                lrs=[rates[arm.stem] * grids[arm.stem][i] for i in order],
-                chosen=order.index(pick),
-                grid=[done[run_name(arm, i, first_seed)] for i in order],
-                runs=[done[n] for n in names],
-                dirs=names,
-                lr_max=job(arm, pick, first_seed)[0].get("lr_max", 0.0),
-            )
+    return [
+        _arm_result(
+            arm,
+            grids[arm.stem],
+            rates[arm.stem],
+            chosen[arm.stem],
+            done,
+            first_seed,
+            seeds,
+            lr_max=job(arm, chosen[arm.stem], first_seed)[0].get("lr_max", 0.0),
         )
-    return results
+        for arm in arms
+    ]
+
+
+def _run_name(arm: Arm, i: int, seed: int) -> str:
+    """A grid run's directory: the arm, the index of its rate in the grid, the seed."""
+    return f"{arm.stem}-lr{i}-seed{seed}"
+
+
+def _arm_result(
+    arm: Arm,
+    grid: dict[int, float],
+    rate: float,
+    pick: int,
+    done: dict[str, dict[str, Any]],
+    first_seed: int,
+    seeds: int,
+    lr_max: float,
+) -> ArmResult:
+    """An arm's grid, its chosen rate and that rate's runs on every seed."""
+    order = sorted(grid)
+    names = [_run_name(arm, pick, first_seed + k) for k in range(seeds)]
+    return ArmResult(
+        name=arm.name,
+        overrides=dict(arm.overrides),
+        lrs=[rate * grid[i] for i in order],
+        chosen=order.index(pick),
+        grid=[done[_run_name(arm, i, first_seed)] for i in order],
+        runs=[done[n] for n in names],
+        dirs=names,
+        lr_max=lr_max,
+    )
 
 
 def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on

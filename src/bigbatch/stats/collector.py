@@ -34,19 +34,20 @@ for you)::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import choice
-from .._tensors import norms, sq_norms
+from .._tensors import sq_norms
 from ..batch.plan import loss_weights as default_loss_weights
 from ..dist.world import World
 from .estimators import half_split_cosine
 from .gsnr import ShiftedGSNR, WelfordGSNR
 from .halves import SIMILARITY_MODES, FromNoiseScalars, SplitMicroBatches, SplitRanks
 from .layout import ParamLayout, SubBatches
+from .micro_batch_norms import MicroBatchNorms
 from .noise import NoiseAverages, PerRankNoise, ReducedNoise
 from .per_example import PerExampleNorms
 from .result import GradientStats
@@ -126,66 +127,38 @@ class MicroBatchStatistics:
         self.similarity = choice(
             "similarity", similarity or ("scalar" if scalar else "split"), SIMILARITY_MODES
         )
-        if per_example is not None and (lossy_reduction or gsnr):
-            raise ValueError(
-                "per-example statistics read the reduced gradient and the examples, not the "
-                "micro-batches: not with a lossy comm hook, a framework's own reduction or gsnr"
-            )
+        _check_sources(self.world, self.similarity, per_example, lossy_reduction, gsnr,
+                       grad_accumulates)  # fmt: skip
         self.gsnr = gsnr
         self.dataset_size = dataset_size
         self.layout = ParamLayout(param_groups, grad_sources)
-        if self.world.sharded and (self.similarity == "split" or lossy_reduction):
-            raise ValueError(
-                "under FSDP2 the similarity is the scalar one: similarity='split' and lossy "
-                "comm hooks need a DDP model"
-            )
-        if not grad_accumulates and not lossy_reduction:
-            raise ValueError(
-                "grad_accumulates=False needs the rank-local noise estimate "
-                "(lossy_reduction=True): no reduced gradient is kept either"
-            )
         # on one process the rank's own estimate is the estimate, unless only it sees the sum
         self.lossy_reduction = lossy_reduction and (self.world.distributed or not grad_accumulates)
         self._batches: SubBatches | None = None
         current = self._current_batches
         # the three parts, each chosen once
-        if self.similarity == "scalar":
-            self.halves = FromNoiseScalars(dataset_size)
-        elif self.world.distributed:
-            self.halves = SplitRanks(self.layout, self.world)
-        else:
-            self.halves = SplitMicroBatches(self.layout)
+        self.halves = _halves(self.similarity, self.layout, self.world, dataset_size)
         self.noise = (
             PerRankNoise(self.layout, current, self.world, dataset_size, grad_accumulates)
             if self.lossy_reduction
             else ReducedNoise(self.world, dataset_size)
         )
-        self.gsnr_part = None
-        if gsnr:
-            self.gsnr_part = (
-                ShiftedGSNR(self.layout, current, self.world)
-                if self.world.distributed or self.world.sharded
-                else WelfordGSNR(self.layout, current)
-            )
+        self.gsnr_part = _gsnr_part(self.layout, current, self.world) if gsnr else None
         self.averages = NoiseAverages(ema_beta, self.layout.device)
-        self._sub_sq: Tensor | None = None  # (micro-batches, groups): |g_i|² / l_i²
         #: the per-example norms, where they replace the micro-batches'
         self.per_example = (
             PerExampleNorms(per_example, self.layout, per_example_sample)
             if per_example is not None
             else None
         )
-        norms_hook = (
-            self.per_example.handles
+        #: where the small-batch norms come from: each example, or each micro-batch
+        self.small_norms = (
+            self.per_example
             if self.per_example is not None
-            else [
-                torch.autograd.graph.register_multi_grad_hook(
-                    self.layout.hooked, self._on_gradients, mode="all"
-                )
-            ]
+            else MicroBatchNorms(self.layout, current)
         )
         self._hooks = [
-            *norms_hook,
+            *self.small_norms.handles,
             *self.noise.handles,
             *(self.gsnr_part.handles if self.gsnr_part is not None else []),
         ]
@@ -223,19 +196,12 @@ class MicroBatchStatistics:
         batches = _sub_batches(
             sizes, rank_sizes, loss_weights, self.world, self.per_example is not None
         )
+        self._batches = batches
         self.halves.begin(batches)
         self.noise.begin(batches)
         if self.gsnr_part is not None:
             self.gsnr_part.begin(batches)
-        if self.per_example is not None:
-            self.per_example.begin()
-        self._batches = batches
-        self._sub_sq = torch.zeros(
-            len(batches.sizes),
-            self.layout.num_groups,
-            device=self.layout.device,
-            dtype=torch.float64,
-        )
+        self.small_norms.begin()
 
     def before_backward(self, index: int) -> None:
         """Announce that the next backward pass is micro-batch ``index``'s.
@@ -264,8 +230,8 @@ class MicroBatchStatistics:
         in the same all-reduce and comes back as the batch's mean loss.
         Nothing is read to the host here.
         """
-        batches, sub_sq = self._batches, self._sub_sq
-        if batches is None or sub_sq is None or batches.current is None:
+        batches = self._batches
+        if batches is None or batches.current is None:
             raise RuntimeError("finish() without a step: call begin() and before_backward()")
         scale_sq = _squared(loss_scale)
         grads = self.layout.grads()
@@ -273,13 +239,15 @@ class MicroBatchStatistics:
         # micro-batch i's mean gradient is its increment / its loss weight (divided at the
         # hook); with per-example norms, each example's gradient
         examples = self.per_example is not None
-        sub_sq_sum = (self.per_example.finish() if examples else sub_sq.sum(0)) / scale_sq
+        sub_sq_sum = self.small_norms.finish() / scale_sq
         loss_sum = (
-            loss.detach().to(sub_sq).reshape(()) if loss is not None else sub_sq.new_zeros(())
+            loss.detach().to(sub_sq_sum).reshape(())
+            if loss is not None
+            else sub_sq_sum.new_zeros(())
         )
         reduce_args = (sub_sq_sum, sq_full, loss_sum, scale_sq, batches)
         signal_g, trace_g, loss_sum = (
-            self.noise.reduce(*reduce_args, examples=self._examples_measured(batches))
+            self.noise.reduce(*reduce_args, examples=_examples_measured(self.per_example, batches))
             if examples
             else self.noise.reduce(*reduce_args)
         )
@@ -288,7 +256,7 @@ class MicroBatchStatistics:
         signal_ema, trace_ema = self.averages.update(signal, trace)
 
         gsnr = self.gsnr_part.finish(grads, batches) if self.gsnr_part is not None else None
-        self._batches, self._sub_sq = None, None
+        self._batches = None
         return GradientStats(
             similarity=half_split_cosine(sq_a.sum(), sq_b.sum(), dot_ab.sum()).float(),
             group_similarity=half_split_cosine(sq_a, sq_b, dot_ab).float(),
@@ -302,12 +270,6 @@ class MicroBatchStatistics:
             loss=loss_sum.float() if loss is not None else None,
             group_halves=torch.stack([sq_a, sq_b, dot_ab]).float(),
         )
-
-    def _examples_measured(self, batches: SubBatches) -> int:
-        """How many examples' norms the step measured, on every rank."""
-        sample = self.per_example.sample if self.per_example is not None else None
-        every = batches.all_sizes
-        return sum(every) if sample is None else sum(min(b, sample) for b in every)
 
     def provides(self) -> frozenset[str]:
         """What beyond the scalars this collector gathers (``"gsnr"``)."""
@@ -336,21 +298,59 @@ class MicroBatchStatistics:
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.averages.load_state_dict(state)
 
-    # ------------------------------------------------------------ the gradient hook
 
-    def _on_gradients(self, grads: Sequence[Tensor | None]) -> None:
-        """Every parameter's increment of this backward, before it reaches ``.grad``."""
-        batches, sub_sq = self._batches, self._sub_sq
-        if batches is None or batches.current is None or sub_sq is None:
-            return  # a backward outside a step (e.g. the user's own): not ours
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return
-        index = batches.current
-        sq = torch.stack([n.double() for n in norms([grads[i] for i in present])]).square()
-        # |increment / l_i|²: the micro-batch's mean gradient (a Python scalar: no copy)
-        sq = sq * (1.0 / batches.loss_weights[index] ** 2)
-        sub_sq[index].index_add_(0, self.layout.owners(present), sq)
+def _check_sources(
+    world: World,
+    similarity: str,
+    per_example: nn.Module | None,
+    lossy_reduction: bool,
+    gsnr: bool,
+    grad_accumulates: bool,
+) -> None:
+    """A ValueError naming the first combination of gradient sources that cannot work."""
+    if per_example is not None and (lossy_reduction or gsnr):
+        raise ValueError(
+            "per-example statistics read the reduced gradient and the examples, not the "
+            "micro-batches: not with a lossy comm hook, a framework's own reduction or gsnr"
+        )
+    if world.sharded and (similarity == "split" or lossy_reduction):
+        raise ValueError(
+            "under FSDP2 the similarity is the scalar one: similarity='split' and lossy "
+            "comm hooks need a DDP model"
+        )
+    if not grad_accumulates and not lossy_reduction:
+        raise ValueError(
+            "grad_accumulates=False needs the rank-local noise estimate "
+            "(lossy_reduction=True): no reduced gradient is kept either"
+        )
+
+
+def _halves(
+    similarity: str, layout: ParamLayout, world: World, dataset_size: int | None
+) -> FromNoiseScalars | SplitRanks | SplitMicroBatches:
+    """What measures the two halves' similarity: the noise scalars, two groups of ranks,
+    or the micro-batch halves on one process."""
+    if similarity == "scalar":
+        return FromNoiseScalars(dataset_size)
+    if world.distributed:
+        return SplitRanks(layout, world)
+    return SplitMicroBatches(layout)
+
+
+def _gsnr_part(
+    layout: ParamLayout, current: Callable[[], SubBatches | None], world: World
+) -> ShiftedGSNR | WelfordGSNR:
+    """The element-wise GSNR: shifted sums across ranks, Welford on one process."""
+    if world.distributed or world.sharded:
+        return ShiftedGSNR(layout, current, world)
+    return WelfordGSNR(layout, current)
+
+
+def _examples_measured(per_example: PerExampleNorms | None, batches: SubBatches) -> int:
+    """How many examples' norms the step measured, on every rank."""
+    sample = per_example.sample if per_example is not None else None
+    every = batches.all_sizes
+    return sum(every) if sample is None else sum(min(b, sample) for b in every)
 
 
 def _sub_batches(

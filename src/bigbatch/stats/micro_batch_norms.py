@@ -1,0 +1,64 @@
+"""The squared norm of each micro-batch's mean gradient, taken in the backward pass.
+
+The small-batch half of the noise scale's two norms when the step is split
+(McCandlish et al. 2018, App. A): a multi-gradient hook sees each micro-batch's
+increment before it reaches ``.grad``, and its norm, divided by the
+micro-batch's loss weight, is that micro-batch's mean gradient's. The other
+source of the same sum is :class:`~bigbatch.stats.per_example.PerExampleNorms`
+(each example's gradient norm, no split); both take ``begin()``, ``finish()``
+and ``handles``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .._tensors import norms
+from .layout import ParamLayout, SubBatches
+
+
+class MicroBatchNorms:
+    """``Σ_i |g_i|²`` per parameter group over a step's micro-batches ``i``."""
+
+    def __init__(self, layout: ParamLayout, current: Callable[[], SubBatches | None]) -> None:
+        self.layout = layout
+        self._current = current
+        self._sub_sq: Tensor | None = None  # (micro-batches, groups): |g_i|² / l_i²
+        self.handles = [
+            torch.autograd.graph.register_multi_grad_hook(
+                layout.hooked, self._on_gradients, mode="all"
+            )
+        ]
+
+    def begin(self) -> None:
+        """Start a step of the current sub-batches: no norms yet."""
+        batches = self._current()
+        assert batches is not None  # the collector sets them before it begins its parts
+        self._sub_sq = torch.zeros(
+            len(batches.sizes), self.layout.num_groups, device=self.layout.device,
+            dtype=torch.float64,
+        )  # fmt: skip
+
+    def finish(self) -> Tensor:
+        """The sum over this rank's micro-batches, per group, in float64; ends the step."""
+        sub_sq, self._sub_sq = self._sub_sq, None
+        if sub_sq is None:
+            raise RuntimeError("micro-batch norms: finish() without begin()")
+        return sub_sq.sum(0)
+
+    def _on_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """Every parameter's increment of this backward, before it reaches ``.grad``."""
+        batches, sub_sq = self._current(), self._sub_sq
+        if batches is None or batches.current is None or sub_sq is None:
+            return  # a backward outside a step (e.g. the user's own): not ours
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return
+        index = batches.current
+        sq = torch.stack([n.double() for n in norms([grads[i] for i in present])]).square()
+        # |increment / l_i|²: the micro-batch's mean gradient (a Python scalar: no copy)
+        sq = sq * (1.0 / batches.loss_weights[index] ** 2)
+        sub_sq[index].index_add_(0, self.layout.owners(present), sq)

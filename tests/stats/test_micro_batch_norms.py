@@ -1,0 +1,45 @@
+"""The squared norms of each micro-batch's mean gradient, from the backward hook."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from bigbatch.dist.world import World
+from bigbatch.stats.layout import ParamLayout, SubBatches
+from bigbatch.stats.micro_batch_norms import MicroBatchNorms
+
+
+def test_the_sum_of_each_micro_batchs_mean_gradient_norm_per_group():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    groups = [list(model[0].parameters()), list(model[2].parameters())]
+    reference = copy.deepcopy(model)  # the expected gradients, away from the hook
+    x, y = torch.randn(12, 5), torch.randn(12, 2)
+    sizes, weights = [4, 8], [4 / 12, 8 / 12]  # the batch's mean loss, split
+    batches = SubBatches(sizes, [sizes], weights, World())
+    norms = MicroBatchNorms(ParamLayout(groups), lambda: batches)
+    norms.begin()
+    expected = torch.zeros(2, dtype=torch.float64)
+    for index, (xs, ys) in enumerate(zip(x.split(sizes), y.split(sizes), strict=True)):
+        batches.current = index
+        loss = nn.functional.mse_loss(model(xs), ys)
+        reference_loss = nn.functional.mse_loss(reference(xs), ys)
+        mean_grads = torch.autograd.grad(reference_loss, list(reference.parameters()))
+        expected += torch.stack(
+            [sum(g.double().square().sum() for g in mean_grads[:2]),
+             sum(g.double().square().sum() for g in mean_grads[2:])]
+        )  # fmt: skip
+        (loss * weights[index]).backward()
+    assert torch.allclose(norms.finish(), expected, rtol=1e-6)  # float32 gradients
+    with pytest.raises(RuntimeError, match="without begin"):
+        norms.finish()
+
+
+def test_a_backward_outside_a_step_is_not_counted():
+    model = nn.Linear(3, 1)
+    norms = MicroBatchNorms(ParamLayout([list(model.parameters())]), lambda: None)
+    model(torch.randn(2, 3)).sum().backward()  # no step: the hook ignores it
+    for handle in norms.handles:
+        handle.remove()
