@@ -165,6 +165,12 @@ def _train_arguments(train: argparse.ArgumentParser) -> None:
         "--resume", metavar="DIR", help="continue the run in DIR from its checkpoint"
     )
     train.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the run's rate, schedule and every value filled in for it, with where "
+        "each came from, and exit without training",
+    )
+    train.add_argument(
         "--nproc",
         metavar="N",
         type=int,
@@ -322,6 +328,13 @@ def _train(args: argparse.Namespace) -> int:
     else:
         config = _config(args)
         out = Path(args.out) if args.out else None
+    if args.explain:
+        if args.resume:  # a saved config is already filled in: nothing left to explain
+            raise ConfigError("--explain explains a new run's config; drop --resume")
+        from .experiments.explain import explain
+
+        print(explain(config))
+        return 0
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         out = out or new_run_dir(task=config["task"])
         return launch(args.nproc, out, _rank_arguments(args, out), resume=bool(args.resume))

@@ -72,17 +72,28 @@ def resolve_lr_rule(
     this task, if any), else the family's rule from :data:`FAMILY_RULES`,
     ``sqrt`` for an optimizer of unknown family.
     """
+    return lr_rule_with_reason(rule, controller, family, measured)[0]
+
+
+def lr_rule_with_reason(
+    rule: str, controller: object, family: str | None, measured: str | None = None
+) -> tuple[str, str]:
+    """:func:`resolve_lr_rule`'s rule and, in words, why it is that one."""
     check_lr_rule(rule, allow_auto=True)
     if rule != "auto":
-        return rule
+        return rule, "as set"
+    name = type(controller).__name__ if not isinstance(controller, type) else controller.__name__
     if getattr(controller, "holds_lr", False):
-        return "none"
+        return "none", f"auto: {name} holds the rate (its batch follows the noise scale)"
+    family_rule = FAMILY_RULES.get(family or "", "sqrt")
     # a batch that replaces the schedule's decay keeps the run the same run in fewer steps
     # only under the family's equivalence rule, not a rule measured for static batches; a
     # fixed ramp follows the same rule, as OLMo-core's batch-size schedule does
-    if measured is not None and not getattr(controller, "family_lr_rule", False):
-        return check_lr_rule(measured)
-    return FAMILY_RULES.get(family or "", "sqrt")
+    if getattr(controller, "family_lr_rule", False):
+        return family_rule, f"auto: the {family or 'unknown'} family's rule, as {name} asks"
+    if measured is not None:
+        return check_lr_rule(measured), "auto: the rule measured for this optimizer on the task"
+    return family_rule, f"auto: the {family or 'unknown'} family's rule"
 
 
 def lr_factor(

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from ..batch.controllers import CONTROLLERS, Controller, parse_points
-from ..batch.lr import lr_factor, resolve_lr_rule, schedule_by_name
+from ..batch.lr import lr_factor, lr_rule_with_reason, schedule_by_name
 from ..dist.compression import CompressionState, compression_hook
 from ..dist.world import World
 from ..duration import Duration
@@ -31,11 +31,16 @@ from .tasks import TASKS, Problem
 _METHOD = {"topk-only": "none"}
 
 
-def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
+def with_task_defaults(
+    config: dict[str, Any], origins: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Fill the keys left at 0 ("the task's default") from the task and those left at
-    ``"auto"`` from the optimizer's recipe, and resolve the LR rule."""
+    ``"auto"`` from the optimizer's recipe, and resolve the LR rule. ``origins``, when
+    given, receives where each filled value came from, in words (``bigbatch train
+    --explain``)."""
     task = TASKS[config["task"]]
-    config = with_recipe(config)
+    origins = origins if origins is not None else {}
+    config = with_recipe(config, origins)
     if config["model.context"] and not task.context:
         raise ConfigError(
             f"model.context = {config['model.context']} is set, but the {task.name} task "
@@ -52,43 +57,63 @@ def with_task_defaults(config: dict[str, Any]) -> dict[str, Any]:
         ("model.context", task.context),
         ("max_samples", task.max_samples),
     ):
-        if not config[key]:
+        if not config[key] and value:
             config[key] = value
+            origins[key] = f"the {task.name} task's default"
     kind = config["batch.controller"]
     if not config["min_sub_batches"] and config["noise_from"] != "auto":
         # what the statistics need, stated in the saved config (auto decides on the model)
         config["min_sub_batches"] = fewest_sub_batches_of(config)
+        origins["min_sub_batches"] = (
+            f"the fewest the statistics need (noise_from = {config['noise_from']})"
+        )
     if kind == "ramp":
-        _ramp_start(config)
-    fill_controller_defaults(config)
+        _ramp_start(config, origins)
+    fill_controller_defaults(config, origins)
     if not config["batch.base"]:
         config["batch.base"] = config["batch.initial"]
+        origins["batch.base"] = "batch.initial: the rate is the one at the first batch"
     family = get_optimizer_info(config["optimizer"]).family
-    config["batch.lr_scaling"] = resolve_lr_rule(
+    config["batch.lr_scaling"], why = lr_rule_with_reason(
         config["batch.lr_scaling"],
         CONTROLLERS[kind],
         family,
         measured=task.lr_rule(config["optimizer"]),
     )
+    if why != "as set":
+        origins["batch.lr_scaling"] = why
     if not config["lr"]:
-        # a ceiling belongs to the rates it was measured with: only the task's own
-        if not config["lr_max"]:
-            config["lr_max"] = task.lr_ceiling(config["optimizer"]) or 0.0
-        held = config["batch.lr_scaling"] == "none"
-        # a scaled rate is measured at the task's small batch: carry it to batch.base
-        try:
-            base_rate = task.lr(config["optimizer"], held)
-        except KeyError as err:
-            raise ConfigError(err.args[0]) from None
-        if not held:
-            base_rate *= lr_factor(
-                config["batch.lr_scaling"], config["batch.base"], task.base_batch
-            )
-        config["lr"] = base_rate
+        _task_rate(config, task, origins)
     return config
 
 
-def _ramp_start(config: dict[str, Any]) -> None:
+def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str]) -> None:
+    """The task's rate for the optimizer, carried from the task's small batch to
+    ``batch.base`` by the run's rule, and the task's ceiling on a step's rate."""
+    if not config["lr_max"]:
+        # a ceiling belongs to the rates it was measured with: only the task's own
+        config["lr_max"] = task.lr_ceiling(config["optimizer"]) or 0.0
+        if config["lr_max"]:
+            origins["lr_max"] = f"the {task.name} task's ceiling for {config['optimizer']}"
+    rule = config["batch.lr_scaling"]
+    held = rule == "none"
+    # a scaled rate is measured at the task's small batch: carry it to batch.base
+    try:
+        base_rate = task.lr(config["optimizer"], held)
+    except KeyError as err:
+        raise ConfigError(err.args[0]) from None
+    where = "held at every batch" if held else f"at batch {task.base_batch}"
+    why = f"the {task.name} task's {config['optimizer']} rate {base_rate:g} {where}"
+    if not held:
+        factor = lr_factor(rule, config["batch.base"], task.base_batch)
+        if factor != 1:
+            why += f" x {factor:.4g} ({rule} of {config['batch.base']}/{task.base_batch})"
+        base_rate *= factor
+    config["lr"] = base_rate
+    origins["lr"] = why
+
+
+def _ramp_start(config: dict[str, Any], origins: dict[str, str]) -> None:
     """A ramp's table of points gives its first batch: ``batch.initial`` left unset takes
     it, one set elsewhere is a :class:`ConfigError`; so is a length in tokens on a task
     without sequences."""
@@ -111,6 +136,8 @@ def _ramp_start(config: dict[str, Any]) -> None:
             f"batch.initial = {config['batch.initial']} but batch.ramp_points starts at "
             f"{first}; leave batch.initial unset (0) or make them agree"
         )
+    if not config["batch.initial"]:
+        origins["batch.initial"] = "the first of batch.ramp_points"
     config["batch.initial"] = first
 
 
@@ -133,7 +160,7 @@ def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
     return out
 
 
-def with_recipe(config: dict[str, Any]) -> dict[str, Any]:
+def with_recipe(config: dict[str, Any], origins: dict[str, str] | None = None) -> dict[str, Any]:
     """``config`` with the keys left at ``"auto"`` taken from its optimizer's recipe
     (``bigbatch.optim.RECIPES``); γ only for the VRGD forms, which take it."""
     recipe = get_optimizer_info(config["optimizer"]).recipe
@@ -146,6 +173,8 @@ def with_recipe(config: dict[str, Any]) -> dict[str, Any]:
     ):
         if config[key] == AUTO:
             config[key] = value
+            if origins is not None and value != AUTO:
+                origins[key] = f"the {config['optimizer']} recipe"
     return config
 
 

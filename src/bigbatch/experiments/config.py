@@ -628,20 +628,26 @@ def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:
     return fewest_sub_batches(True, config["noise_from"] != "sub_batches", split)
 
 
-def fill_controller_defaults(config: dict[str, Any]) -> None:
+def fill_controller_defaults(config: dict[str, Any], origins: dict[str, str] | None = None) -> None:
     """The chosen controller's own defaults for the batch keys left at 0; its own first
     batch is raised to ``batch.min`` (or lowered to ``batch.max``) when those are set and
     exclude it, since only the bounds were asked for."""
     kind = config["batch.controller"]
     own_first = not config["batch.initial"]
-    fill_component_defaults(config, "batch.", kind, CONTROLLERS[kind].CONFIG)
+    fill_component_defaults(config, "batch.", kind, CONTROLLERS[kind].CONFIG, origins)
     if own_first:
         config["batch.initial"] = min(
             config["batch.max"], max(config["batch.min"], config["batch.initial"])
         )
 
 
-def fill_component_defaults(config: dict[str, Any], prefix: str, name: str, knobs) -> None:
+def fill_component_defaults(
+    config: dict[str, Any],
+    prefix: str,
+    name: str,
+    knobs: Mapping[str, Any],
+    origins: dict[str, str] | None = None,
+) -> None:
     """Replace each "0: the component's own" value of ``name``'s keys by that component's
     default, so a run's saved config says what it ran with."""
     known = schema()
@@ -649,6 +655,8 @@ def fill_component_defaults(config: dict[str, Any], prefix: str, name: str, knob
         entry = known[f"{prefix}{key}"]
         if entry.owners is not None and config[entry.name] == entry.default:
             config[entry.name] = entry.owners.get(name, entry.default)
+            if origins is not None and config[entry.name] != entry.default:
+                origins[entry.name] = f"the {name} controller's default"
 
 
 def to_toml(config: Mapping[str, Any]) -> str:

@@ -1,0 +1,54 @@
+"""Where a run's automatic values come from, in words (``bigbatch train --explain``).
+
+A config leaves many keys to someone else: 0 for the task's default or the
+controller's, ``"auto"`` for the optimizer's recipe or the rate rule. They are
+filled in one place, :func:`~bigbatch.experiments.build.with_task_defaults`,
+which records why it chose each value; this module lays that record out, the
+rate first, as "0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5
+(sqrt of 16/64)".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .build import with_task_defaults
+
+#: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
+FOLLOWS = {
+    "none": "held as the batch changes",
+    "linear": "x B/{base} as the batch changes",
+    "sqrt": "x sqrt(B/{base}) as the batch changes",
+    "adascale": "x AdaScale's gain at B against {base}",
+    "adascale-sqrt": "x AdaScale's gain at B against {base}, square-rooted",
+}
+#: the keys a reader asks about first, in this order; the other filled keys follow
+FIRST = ("lr", "batch.lr_scaling", "lr_max", "schedule.kind", "schedule.warmup", "max_samples")
+
+
+def explain(config: dict[str, Any]) -> str:
+    """The run ``config`` (resolved, not yet filled) describes: its rate and schedule in
+    one line each, then every value filled for it and where that value came from."""
+    origins: dict[str, str] = {}
+    run = with_task_defaults(config, origins)
+    schedule = (
+        f"{run['schedule.kind']} over {run['max_samples']:,} samples, "
+        f"{run['schedule.warmup']:.0%} warm-up"
+    )
+    if run["schedule.kind"] == "wsd":
+        schedule += f", {run['schedule.cooldown']:.0%} cool-down"
+    lines = [
+        f"{run['task']}: {run['optimizer']}, {run['batch.controller']} from batch "
+        f"{run['batch.initial']}",
+        f"rate  {run['lr']:.4g} = {origins.get('lr', 'as set (lr)')}; then "
+        + FOLLOWS[run["batch.lr_scaling"]].format(base=run["batch.base"])
+        + " and x the schedule"
+        + (f", at most {run['lr_max']:.4g} a step" if run["lr_max"] else ""),
+        f"schedule  {schedule}",
+        "",
+        "filled in (every other key is as set or its default; bigbatch train --help):",
+    ]
+    keys = [k for k in FIRST if k in origins] + sorted(origins.keys() - set(FIRST))
+    width = max((len(k) for k in keys), default=0)
+    lines += [f"  {key:<{width}}  {run[key]!r:<10}  {origins[key]}" for key in keys]
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""`bigbatch train --explain`: every filled value of a run with where it came from."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from bigbatch import cli
+from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.config import resolve, to_toml
+from bigbatch.experiments.explain import explain
+
+
+def filled_lines(text):
+    """``{key: (value, origin)}`` of the explanation's list of filled values."""
+    rows = text.split("filled in", 1)[1].splitlines()[1:]
+    return {m[1]: (m[2], m[3]) for r in rows if (m := re.match(r"  (\S+)\s+(\S+)\s+(.+)", r))}
+
+
+def test_the_default_runs_rate_is_derived_in_words_and_numbers():
+    config = resolve({})
+    text = explain(config)
+    run = with_task_defaults(config)
+    assert run["lr"] == pytest.approx(0.004 * 0.5)  # mnist1d's LAMB rate at 64, sqrt to 16
+    assert "rate  0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5 (sqrt of 16/64)" in (
+        text
+    )
+    assert "x sqrt(B/16) as the batch changes" in text
+    assert "cosine over 1,200,000 samples, 5% warm-up" in text
+    filled = filled_lines(text)
+    for key, (value, _) in filled.items():
+        assert value == repr(run[key])  # what is printed is what the run uses
+    assert filled["batch.lr_scaling"][1] == "auto: the adam family's rule"
+    assert filled["weight_decay"][1] == "the lamb recipe"
+    assert filled["batch.initial"][1] == "the batch_warmup controller's default"
+
+
+def test_a_value_that_was_set_is_not_explained_as_filled():
+    text = explain(resolve({"lr": 0.01, "batch.initial": 32, "task": "text"}))
+    assert "rate  0.01 = as set (lr)" in text
+    filled = filled_lines(text)
+    assert "lr" not in filled and "batch.initial" not in filled
+    assert filled["model.context"] == ("32", "the text task's default")
+
+
+def test_a_controller_that_asks_for_the_familys_rule_says_so():
+    text = explain(resolve({"task": "text", "batch.controller": "seesaw", "optimizer": "sgd"}))
+    assert filled_lines(text)["batch.lr_scaling"] == (
+        "'linear'",
+        "auto: the sgd family's rule, as Seesaw asks",
+    )
+    held = explain(resolve({"batch.controller": "critical_ramp"}))
+    assert "held as the batch changes" in held and "holds the rate" in held
+
+
+def test_the_command_prints_it_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--task", "text", "--explain"]) == 0
+    assert capsys.readouterr().out.startswith("text: lamb, batch_warmup from batch 16\n")
+    assert not (tmp_path / "runs").exists()
+    saved = tmp_path / "run"
+    saved.mkdir()
+    (saved / "config.toml").write_text(to_toml(with_task_defaults(resolve({}))))
+    assert cli.main(["train", "--resume", str(saved), "--explain"]) == 2
+    assert "--explain explains a new run's config" in capsys.readouterr().err
+
+
+def test_docs_quote_the_default_runs_explanation():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    head = "\n".join(explain(resolve({})).splitlines()[:3])
+    assert f"```\n{head}\n```" in docs
