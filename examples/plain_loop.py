@@ -5,9 +5,9 @@
 Compared with an ordinary gradient-accumulation loop, the lines marked
 ``# bigbatch`` are the changes. Prints the batch size as the controller
 grows it (every 40 steps); runs in well under 2 minutes on 2 CPU cores. The
-controller is the default one (``bb.batch.BatchWarmup``): the batch
-doubles whenever the smoothed noise scale, weighed by the schedule's rate
-multiplier, is confidently above the next size, and the learning rate
+controller is the default one (``bb.batch.BatchWarmup``): from batch 16,
+the batch doubles whenever a quarter of the smoothed noise scale is
+confidently (one standard error) above the next size, and the learning rate
 follows LAMB's rule, ×√2 per doubling (``lr_scaling="auto"``).
 """
 

@@ -404,7 +404,7 @@ def _numbers(flag: str, text: str, kind: type) -> list[Any]:
 def _critical_batch(args: argparse.Namespace) -> None:
     from .experiments.build import with_task_defaults
     from .experiments.critical import measure
-    from .experiments.rundir import check_new_run_dir, new_run_dir
+    from .experiments.rundir import new_run_dir
 
     config = _config(args)
     batches = _numbers("--batches", args.batches, int)
@@ -413,7 +413,6 @@ def _critical_batch(args: argparse.Namespace) -> None:
         batches = [first * 2**k for k in range(6)]
     points = _numbers("--points", args.points, float)
     out = Path(args.out) if args.out else new_run_dir(task=f"critical-{config['task']}")
-    check_new_run_dir(out)
     measured = measure(
         config,
         out,

@@ -12,6 +12,8 @@ from bigbatch.experiments import critical
 from bigbatch.experiments.build import build, make_controller, with_task_defaults
 from bigbatch.experiments.config import ConfigError, resolve
 
+from .test_cli import rows
+
 SMALL = {"task": "digits", "max_samples": 4000, "model.width": 16, "eval_every": 5, "threads": 1}
 
 
@@ -58,7 +60,7 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     assert point.critical_batch in (16, 32) and math.isfinite(point.noise_scale)
     # beside it, what the default controller (BatchWarmup) would decide on, from the same steps
     replay = make_controller(with_task_defaults(config))
-    for line in (tmp_path / "base.jsonl").read_text().splitlines():
+    for line in (tmp_path / "base" / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         replay.next(row, replay.max, row["samples"])
         if row["samples"] >= point.samples:
@@ -68,7 +70,39 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     saved = json.loads((tmp_path / "critical_batch.json").read_text())
     assert saved["points"][0]["losses"]["16"] == point.losses[16]
     assert saved["lr_rule"] == "sqrt"  # auto, resolved: LAMB's family rule on digits
-    assert (tmp_path / "critical_batch.png").is_file() and (tmp_path / "base.jsonl").is_file()
+    assert (tmp_path / "critical_batch.png").is_file()
+    # each branch is a run of its own, paused where the branch ends
+    assert sorted(p.name for p in tmp_path.glob("branch-*")) == ["branch-0-16", "branch-0-32"]
+    assert rows(tmp_path / "branch-0-32")[-1]["samples"] == point.samples + 640
+    # run again, it continues what is there: nothing is trained twice
+    again = critical.measure(
+        config, tmp_path, batches=[16, 32], points=[0.25], branch_samples=640, quiet=True
+    )
+    assert again == points
+    with pytest.raises(ConfigError, match="holds a critical-batch measurement of other options"):
+        critical.measure(config, tmp_path, batches=[16, 64], points=[0.25], quiet=True)
+
+
+def test_a_measurement_stopped_by_a_signal_continues_to_the_same_points(tmp_path, monkeypatch):
+    from bigbatch.experiments import runner
+    from bigbatch.experiments.signals import Stopped
+
+    config = resolve(SMALL)
+    options = {"batches": [16, 32], "points": [0.25, 0.5], "branch_samples": 320, "quiet": True}
+    straight = critical.measure(config, tmp_path / "straight", **options)
+    train, calls = runner.train, []
+
+    def stopped_at_the_third_run(config, out, **kwargs):
+        calls.append(out.name)
+        if len(calls) == 3:  # the first branch, after the base run: SIGTERM
+            raise Stopped(15, 7, str(out))
+        return train(config, out, **kwargs)
+
+    monkeypatch.setattr(runner, "train", stopped_at_the_third_run)
+    with pytest.raises(Stopped, match="run the same command again"):
+        critical.measure(config, tmp_path / "stopped", **options)
+    monkeypatch.setattr(runner, "train", train)
+    assert critical.measure(config, tmp_path / "stopped", **options) == straight
 
 
 @pytest.mark.parametrize(

@@ -9,34 +9,42 @@ small batch's loss after the same number of samples. A batch at or below it
 trades no samples for its fewer steps; one above it does.
 
 Here the small-batch run is a ``constant`` run at the smallest batch of the
-list, snapshots are taken in memory at the chosen fractions of its budget,
-and every branch (the smallest batch's included: it is the reference, and
-equals continuing the run) restores a snapshot exactly — model, optimizer,
-data order, random state and sample count, so the schedule continues — and
-trains ``branch_samples`` samples. Beside each measured point the report
-puts the noise scale that the base run logged there, with its bounds, and
-the estimate the config's controller would compare with the next size there
-(``BatchWarmup.critical_batch()``, from a copy of the controller that watches
-the base run's statistics without deciding anything), so the three can be
-compared.
+list (``DIR/base``), paused at the chosen fractions of its budget, where its
+checkpoint is kept as a snapshot (``DIR/snapshot-<i>.pt``); every branch (the
+smallest batch's included: it is the reference, and equals continuing the
+run) is a run of its own (``DIR/branch-<i>-<batch>``) that starts from a
+snapshot — model, optimizer, data order, random state and sample count, so
+the schedule continues — and pauses after ``branch_samples`` samples. All of
+them are :func:`bigbatch.experiments.runner.train` runs: locked, checkpointed,
+stopped cleanly by a signal, and continued where they stood when the same
+command runs again. Beside each measured point the report puts the noise
+scale that the base run logged there, with its bounds, and the estimate the
+config's controller would compare with the next size there
+(``BatchWarmup.critical_batch()``, from a copy of the controller that replays
+the base run's logged statistics without deciding anything), so the three can
+be compared.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
+import shutil
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .build import build, make_controller, train_step, with_task_defaults
+import torch
+
+from . import runner
+from .build import make_controller, with_task_defaults
 from .config import ConfigError, resolve
-from .device import resolve_device, set_tf32, set_threads
 from .plots import pyplot
-from .tasks import Problem
+from .rundir import CHECKPOINT, check_new_run_dir, read_metrics, save_atomically
+from .signals import Stopped
+from .summary import finished_summary
 
 #: the rows of the base run averaged for the noise scale beside a point
 NOISE_ROWS = 20
@@ -115,25 +123,41 @@ def measure(
     budget = base["max_samples"]
     if not branch_samples:
         branch_samples = math.ceil(0.05 * budget / batches[-1]) * batches[-1]
-    device = resolve_device(base["device"])
-    set_tf32(base["tf32"])
-    set_threads(base["threads"])
-    out.mkdir(parents=True, exist_ok=True)
+    plan = {"config": config, "batches": batches, "points": sorted(points)}
+    plan.update(branch_samples=branch_samples, tolerance=tolerance, lr_rule=lr_rule)
+    _claim(out, plan)
     marks = sorted(math.ceil(p * budget) for p in points)
-    # the config's own controller watches the base run without deciding anything, so each
+    try:
+        return _measure(config, out, plan, marks, quiet)
+    except Stopped as err:  # a signal stopped a run inside: the measurement goes on as a whole
+        again = f"run the same command again (--out {out}) to continue"
+        raise Stopped(err.signum, err.step, str(out), again) from None
+
+
+def _measure(
+    config: dict[str, Any], out: Path, plan: dict[str, Any], marks: list[int], quiet: bool
+) -> list[Point]:
+    batches, lr_rule = plan["batches"], plan["lr_rule"]
+    small, branch_samples, tolerance = batches[0], plan["branch_samples"], plan["tolerance"]
+    base = _config(config, small, small, lr_rule)
+    snapshots = _train_base(base, out, marks, quiet)
+    # the config's own controller replays the base run without deciding anything, so each
     # point shows what it would have compared with the next size there
     shadow = make_controller(with_task_defaults(config))
-    snapshots, rows = _train_base(base, device, marks, out, quiet, shadow)
+    settings = repr(shadow)
+    rows = _with_estimates(read_metrics(out / BASE), shadow)
     measured = []
-    for fraction, snapshot in zip(sorted(points), snapshots):
+    for index, (fraction, mark) in enumerate(zip(plan["points"], marks)):
+        at = next(r["samples"] for r in rows if r["samples"] >= mark)  # where the base paused
         losses = {}
         for batch in batches:
             branch = _config(config, batch, small, lr_rule)
-            losses[batch] = _branch(branch, device, snapshot, branch_samples)
+            where = out / f"branch-{index}-{batch}"
+            losses[batch] = _branch(branch, where, snapshots[index], at + branch_samples)
             if not quiet:
                 print(f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}")
-        measured.append(_point(fraction, snapshot, losses, tolerance, rows))
-        _write(out, config, repr(shadow), batches, branch_samples, tolerance, lr_rule, measured)
+        measured.append(_point(fraction, at, losses, tolerance, rows))
+        _write(out, config, settings, batches, branch_samples, tolerance, lr_rule, measured)
     render(out)
     return measured
 
@@ -149,62 +173,81 @@ def _config(config: dict[str, Any], batch: int, small: int, lr_rule: str) -> dic
     return with_task_defaults(resolve(config, overrides))
 
 
-def _evaluate(problem: Problem) -> dict[str, float]:
-    return problem.evaluate(problem.model)
+#: the base run's directory inside the measurement's
+BASE = "base"
+#: what a measurement was asked to do, kept so that running it again continues it
+PLAN = "plan.json"
 
 
-def _train_base(
-    config: dict[str, Any],
-    device: Any,
-    marks: list[int],
-    out: Path,
-    quiet: bool,
-    shadow: Any,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The small-batch run: its metrics rows (written to ``base.jsonl``) and a snapshot of
-    the loop at the first step past each mark. ``shadow``, a controller, sees every step's
-    statistics; where it has a ``critical_batch()`` estimate, each row logs it."""
-    watches = callable(getattr(shadow, "critical_batch", None))
-    problem, loop, precision = build(config, None, device)
-    snapshots, rows = [], []
-    with (out / "base.jsonl").open("w") as log:
-        for step in loop.steps(max_samples=marks[-1]):
-            train_step(step, problem, loop, precision)
-            row = dict(step.metrics)
-            if watches:
-                # told it is at its largest batch already, it never proposes a change, so
-                # its average is never restarted
-                shadow.next(step.metrics, shadow.max, loop.samples)
-                row["controller_estimate"] = shadow.critical_batch()
-            if loop.steps_taken % config["eval_every"] == 0:
-                row.update(_evaluate(problem))
-            rows.append(row)
-            log.write(json.dumps(row) + "\n")
-            while len(snapshots) < len(marks) and loop.samples >= marks[len(snapshots)]:
-                snapshots.append(copy.deepcopy(loop.state_dict()))
-                if not quiet:
-                    print(f"snapshot at {loop.samples:,} samples (step {loop.steps_taken})")
-    return snapshots, rows
+def _claim(out: Path, plan: dict[str, Any]) -> None:
+    """Make ``out`` a measurement of ``plan``: a new or empty directory, or one that holds
+    a measurement of the same plan (which continues); a :class:`ConfigError` otherwise."""
+    saved = out / PLAN
+    if saved.is_file():
+        if json.loads(saved.read_text()) != json.loads(json.dumps(plan)):
+            raise ConfigError(
+                f"{str(out)!r} holds a critical-batch measurement of other options; give "
+                "another --out, or the same options to continue it"
+            )
+        return
+    check_new_run_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(plan, indent=2) + "\n")
 
 
-def _branch(config: dict[str, Any], device: Any, snapshot: dict[str, Any], samples: int) -> float:
-    """The eval loss after ``samples`` more samples at the config's batch, from ``snapshot``."""
-    problem, loop, precision = build(config, None, device)
-    loop.load_state_dict(copy.deepcopy(snapshot))
-    loop.engine.batch_size = config["batch.initial"]
-    for step in loop.steps(max_samples=loop.samples + samples):
-        train_step(step, problem, loop, precision)
-    return _evaluate(problem)["eval_loss"]
+def _train_base(config: dict[str, Any], out: Path, marks: list[int], quiet: bool) -> list[Path]:
+    """The small-batch run, paused at the first step past each mark, where its checkpoint
+    is kept as that mark's snapshot; a snapshot kept by an earlier call is reused."""
+    base, snapshots = out / BASE, []
+    for index, mark in enumerate(marks):
+        snapshot = out / f"snapshot-{index}.pt"
+        if not snapshot.is_file():
+            resume = (base / CHECKPOINT).is_file()
+            if base.exists() and not resume:  # killed before its first checkpoint
+                shutil.rmtree(base)
+            record = runner.train(config, base, resume=resume, quiet=quiet, until=mark)
+            save_atomically(torch.load(base / CHECKPOINT, weights_only=True), snapshot)
+            if not quiet:
+                print(f"snapshot at {record['samples']:,} samples (step {record['steps']})")
+        snapshots.append(snapshot)
+    return snapshots
+
+
+def _with_estimates(rows: list[dict[str, Any]], shadow: Any) -> list[dict[str, Any]]:
+    """The base run's rows, each with what ``shadow`` (a controller) would compare with
+    the next size after it, where the controller has such an estimate."""
+    if not callable(getattr(shadow, "critical_batch", None)):
+        return rows
+    for row in rows:
+        # told it is at its largest batch already, it never proposes a change, so its
+        # average is never restarted
+        shadow.next(row, shadow.max, row["samples"])
+        row["controller_estimate"] = shadow.critical_batch()
+    return rows
+
+
+def _branch(config: dict[str, Any], out: Path, snapshot: Path, until: int) -> float:
+    """The eval loss of a branch from ``snapshot`` at the config's batch after it reaches
+    ``until`` samples (or the end of the budget, if that comes first)."""
+    done = finished_summary(out)
+    if done is not None:
+        return done["final_eval_loss"]
+    resume = (out / CHECKPOINT).is_file()
+    if out.exists() and not resume:  # killed before its first checkpoint
+        shutil.rmtree(out)
+    record = runner.train(
+        config, out, resume=resume, quiet=True, until=until, start_from=None if resume else snapshot
+    )
+    return record["eval_loss"] if record.get("paused") else record["final_eval_loss"]
 
 
 def _point(
     fraction: float,
-    snapshot: dict[str, Any],
+    samples: int,
     losses: dict[int, float],
     tolerance: float,
     rows: list[dict[str, Any]],
 ) -> Point:
-    samples = snapshot["engine"]["samples"]
     before = [r for r in rows if r["samples"] <= samples][-NOISE_ROWS:]
 
     def near(key: str) -> float:

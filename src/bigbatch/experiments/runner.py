@@ -66,9 +66,15 @@ def train(
     resume: bool = False,
     quiet: bool = False,
     until: int | None = None,
+    start_from: Path | None = None,
 ) -> dict[str, Any]:
     """Train one run into ``out`` (new, or resumed from its checkpoint; None: a new
     directory under ``runs/``); return the summary (``run_dir`` names the directory).
+
+    ``start_from``, a checkpoint of another run, makes the new run a branch of it:
+    it continues that run's model, optimizer, data order, random state and sample
+    count (so the schedule goes on where it was) at the config's first batch
+    (``bigbatch critical-batch``).
 
     With ``until`` below the budget, the run pauses after the first step that
     reaches ``until`` samples: it evaluates, checkpoints and returns a
@@ -98,7 +104,7 @@ def train(
     try:
         with StopRequest(world, config["dist.timeout"]) as stop:
             watch_launcher()
-            summary = _train(config, out, resume, quiet, world, device, stop, until)
+            summary = _train(config, out, resume, quiet, world, device, stop, until, start_from)
     except OSError as err:  # a full disk, a directory made read-only midway: one line
         raise disk_error(err, err.filename or out) from None
     except (Stopped, TooManySkippedError) as err:
@@ -157,7 +163,7 @@ def _claim(out: Path | None, resume: bool, world: World, task: str) -> tuple[Pat
     return Path(name), lock
 
 
-def _train(
+def _train(  # noqa: PLR0913 - train()'s arguments and the run's world, passed on
     config: dict[str, Any],
     out: Path,
     resume: bool,
@@ -166,11 +172,15 @@ def _train(
     device: Any,
     stop: StopRequest,
     until: int | None = None,
+    start_from: Path | None = None,
 ) -> dict[str, Any]:
     problem, loop, precision = build(config, world, device)
     writer = world.rank == 0
     if writer:
         _preflight(out, loop)
+    if start_from is not None and not resume:  # a branch of another run
+        loop.load_state_dict(load_checkpoint(Path(start_from))[0]["loop"])
+        loop.engine.batch_size = loop.engine.controller.initial
     state, keep_previous = _open_run(out, config, loop, resume, writer)
     run = _Run(config, out, loop, problem, world, stop, state, keep_previous, until)
     first_step = loop.steps_taken

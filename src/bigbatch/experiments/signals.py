@@ -37,12 +37,11 @@ LAUNCHER_PID = "BIGBATCH_LAUNCHER_PID"
 class Stopped(Exception):  # noqa: N818 - a stop on request, not an error
     """The run stopped on a signal after a checkpoint; ``code`` is the exit code."""
 
-    def __init__(self, signum: int, step: int, out: str) -> None:
+    def __init__(self, signum: int, step: int, out: str, again: str | None = None) -> None:
         self.signum, self.step, self.out = signum, step, out
         self.code = 128 + signum
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} at step {step}; resume with --resume {out}"
-        )
+        again = again or f"resume with --resume {out}"
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {again}")
 
 
 class StopRequest:
