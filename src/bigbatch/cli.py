@@ -190,6 +190,20 @@ def _compare_arguments(compare: argparse.ArgumentParser) -> None:
         "together (model.width+model.depth=64+2,32+3)",
     )
     compare.add_argument(
+        "--arm",
+        metavar="NAME:KEY=V,...",
+        action="append",
+        default=[],
+        help="an arm written out (repeatable): its name and the keys it sets; each --vary "
+        "applies to every one",
+    )
+    compare.add_argument(
+        "--widen",
+        type=int,
+        help="grid points to add, one at a time, at an end where an arm's best rate lies "
+        "(default 0)",
+    )
+    compare.add_argument(
         "--lr-grid",
         metavar="M1,M2,...",
         help="train each arm at its rate times each multiplier and keep the best (default 1)",
@@ -382,7 +396,9 @@ def _compare(args: argparse.Namespace) -> None:
     layers.append(dict(parse_assignment(a) for a in args.set))
     flags = {
         "vary": args.vary or None,
+        "arms": args.arm or None,
         "lr_grid": args.lr_grid,
+        "widen": args.widen,
         "seeds": args.seeds,
         "rank": args.rank,
         "jobs": args.jobs,

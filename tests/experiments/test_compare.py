@@ -3,14 +3,17 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
 from bigbatch import cli
 from bigbatch.experiments.compare import parse_axis, plan, run_comparison
-from bigbatch.experiments.config import ConfigError, resolve
+from bigbatch.experiments.config import ConfigError, load_toml, resolve
 
 from .fake_runs import critical_batch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args):
@@ -110,3 +113,81 @@ def test_a_tuned_comparison_searches_each_arms_rate_over_the_grid_range(trained,
     assert "searched by `bigbatch tune`" in report and "tuned: 9 trials" in report
     with pytest.raises(ConfigError, match="give two multipliers or more"):
         plan(base, vary=["batch.initial=64,256"], tune=True)
+
+
+ARMS_RECIPE = """
+task = "digits"
+[compare]
+vary = ["model.width=16,32"]
+lr_grid = [0.5, 1]
+widen = 2
+[[compare.arms]]
+name = "static 64"
+lr = 0.001
+batch.controller = "constant"
+batch.initial = 64
+[[compare.arms]]
+name = "seesaw x2"
+lr = 0.001
+batch.controller = "seesaw"
+batch.max_growth = 2
+"""
+
+
+def test_arms_written_out_times_the_axes_and_a_widened_grid(trained, tmp_path):
+    recipe = tmp_path / "arms.toml"
+    recipe.write_text(ARMS_RECIPE)
+    out = tmp_path / "cmp"
+    assert run_cli("compare", "--config", recipe, "--out", out, "--quiet") == 0
+    arms = json.loads((out / "compare.json").read_text())["arms"]
+    assert [a["name"] for a in arms] == [
+        "static 64, model.width=16",
+        "static 64, model.width=32",
+        "seesaw x2, model.width=16",
+        "seesaw x2, model.width=32",
+    ]
+    assert arms[2]["overrides"] == {
+        "lr": 0.001, "batch.controller": "seesaw", "batch.max_growth": 2, "model.width": 16
+    }  # fmt: skip
+    # the fake's best rate is 0.004: the grid (0.0005, 0.001) widens twice to reach it
+    assert [round(lr, 6) for lr in arms[0]["lrs"]] == [0.0005, 0.001, 0.002, 0.004]
+    assert len(trained) == 4 * 4  # every arm's four rates on one seed
+
+
+def test_an_arm_from_the_command_line_and_the_errors_of_arms():
+    comparison = plan(
+        resolve({"task": "digits"}),
+        arms=["static 16:batch.controller=constant,batch.initial=16", "default:"],
+    )
+    assert [(a.name, a.overrides) for a in comparison.arms] == [
+        ("static 16", {"batch.controller": "constant", "batch.initial": 16}),
+        ("default", {}),
+    ]
+    base = resolve({"task": "digits"})
+    with pytest.raises(ConfigError, match="--arm takes NAME:KEY=V"):
+        plan(base, arms=["static 16"])
+    with pytest.raises(ConfigError, match="two arms share a name"):
+        plan(base, arms=["a:seed=1", "a:seed=2"])
+    with pytest.raises(ConfigError, match="which --vary also varies"):
+        plan(base, arms=["a:seed=1"], vary=["seed=2,3"])
+    with pytest.raises(ConfigError, match="widen takes"):
+        plan(base, arms=["a:seed=1"], widen=-1)
+    with pytest.raises(ConfigError, match=r"batch\.intial"):
+        plan(base, arms=["a:batch.intial=1"])
+
+
+STUDIES = sorted(
+    [
+        *(ROOT / "benchmarks" / "studies").glob("*.toml"),
+        *(ROOT / "examples" / "recipes").glob("*.toml"),
+    ]
+)
+
+
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
+def test_every_study_file_plans_every_arm(study):
+    """A study file is data: its config and every arm resolve (no training here)."""
+    table = load_toml(study)
+    options = {k.removeprefix("compare."): v for k, v in table.items() if k.startswith("compare.")}
+    base = resolve({k: v for k, v in table.items() if not k.startswith("compare.")})
+    assert plan(base, **options).arms

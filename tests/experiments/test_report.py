@@ -6,7 +6,7 @@ from bigbatch.experiments.arms import ArmResult
 from bigbatch.experiments.report import _near_best
 
 
-def _arm(root, name, curves):
+def _arm(root, name, curves, controller="BatchWarmup()"):
     """An arm whose seeds' eval losses are ``curves`` (lists of (step, loss))."""
     dirs, runs = [], []
     for seed, curve in enumerate(curves):
@@ -16,21 +16,38 @@ def _arm(root, name, curves):
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         dirs.append(run.name)
         runs.append(
-            {"final_eval_loss": curve[-1][1], "steps": curve[-1][0], "target_metric": "eval_loss"}
+            {
+                "final_eval_loss": curve[-1][1],
+                "steps": curve[-1][0],
+                "target_metric": "eval_loss",
+                "controller": controller,
+            }
         )
     return ArmResult(name, {}, [0.01], 0, [], runs, dirs)
 
 
 def test_steps_to_the_best_final_loss_plus_the_tolerance(tmp_path):
-    static = _arm(tmp_path, "static", [[(100, 2.0), (900, 1.505), (1000, 1.50)]] * 2)
+    static = _arm(
+        tmp_path, "static", [[(100, 2.0), (900, 1.505), (1000, 1.50)]] * 2, "Constant(64)"
+    )
     fast = _arm(tmp_path, "schedule", [[(100, 2.0), (400, 1.509), (500, 1.505)]] * 2)
     never = _arm(tmp_path, "large", [[(10, 2.0), (50, 1.60)], [(10, 2.0), (50, 1.51)]])
     lines = _near_best(tmp_path, [static, fast, never], loss=True, score="eval loss")
     text = "\n".join(lines)
     assert "T = 1.51" in text  # the best final (1.50) + 0.01
-    rows = {r.split(" | ")[0].strip("| "): r for r in lines if r.startswith("| ")}
+    split = next(i for i, line in enumerate(lines) if line.startswith("Steps to targets"))
+    rows = {r.split(" | ")[0].strip("| "): r for r in lines[:split] if r.startswith("| ")}
     assert rows["static"].endswith("| 900 ± 0 (2/2) | 2.25 |")
     assert rows["schedule"].endswith("| 400 ± 0 (2/2) | 1.00 |")  # the fewest
     assert "+0.0050" in rows["schedule"]
     assert rows["large"].endswith("(1/2) | — |")  # one seed short of T: no ratio
     assert (tmp_path / "steps_final.png").is_file()
+
+    # the looser targets, from halfway (1.755) to T: against the static batch's steps
+    assert "from the first evaluation (2) to T" in lines[split] and "static batch" in lines[split]
+    targets = {r.split(" | ")[0].strip("| "): r for r in lines[split:] if r.startswith("| ")}
+    assert targets["arm"].startswith("| arm | 50%: 1.755 |")
+    assert targets["static"] == "| static | " + " | ".join(["900 (1.00×)"] * 6) + " |"
+    assert targets["schedule"].startswith("| schedule | 400 (0.44×) |")
+    assert targets["large"].startswith("| large | 50 (0.06×) |")  # below the static batch
+    assert targets["large"].endswith("| 1/2 reached |")  # T itself: one seed short

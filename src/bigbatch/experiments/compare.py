@@ -2,16 +2,21 @@
 
 Each ``--vary KEY=V1,V2,...`` is an axis of the grid; keys joined by ``+``
 vary together, so ``model.width+model.depth=64+2,32+3`` is one axis of two
-shapes. The arms are every combination of the axes' values. Each arm trains
-through :func:`bigbatch.experiments.sweep.sweep`: its rate times each
-multiplier of ``lr_grid`` on the first seed, then the best of those
-(``rank``) on ``seeds`` seeds.
+shapes. Each ``--arm NAME:KEY=V,...`` (or ``[[compare.arms]]`` table of a
+recipe: ``name`` and config keys) is an arm written out, for arms that are
+no product (static batches beside a controller's settings). The arms are
+every explicit arm (or one arm of the base config) times every combination
+of the axes' values. Each arm trains through
+:func:`bigbatch.experiments.sweep.sweep`: its rate times each multiplier of
+``lr_grid`` on the first seed (widened by ``widen`` points at an end where
+the best rate lies), then the best of those (``rank``) on ``seeds`` seeds.
 
 A comparison directory holds ``compare.json`` (the plan, then what each arm
 chose), one run directory per run, and the report. Running the same
 comparison into the same directory again continues it: finished runs are
 reused. A recipe is a TOML file of config keys with the comparison in a
-``[compare]`` table (``vary``, ``lr_grid``, ``seeds``, ``rank``, ``jobs``);
+``[compare]`` table (``vary``, ``arms``, ``lr_grid``, ``widen``, ``seeds``, ``rank``,
+``jobs``, ``tune``);
 ``examples/recipes/`` has some.
 """
 
@@ -19,11 +24,12 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, parse_assignment, resolve
+from .config import ConfigError, flatten, parse_assignment, resolve
 from .report import render_comparison
 from .rundir import check_new_run_dir, new_run_dir
 from .sweep import Arm, check_protocol, sweep
@@ -42,9 +48,11 @@ class Comparison:
     jobs: int
     #: each arm's rate by a ``bigbatch tune`` study over the grid's range
     tune: bool = False
+    #: points the rate grid may grow by at an end where an arm's best rate lies
+    widen: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        plan = {
             "varied": self.varied,
             "lr_grid": self.lr_grid,
             "seeds": self.seeds,
@@ -53,6 +61,9 @@ class Comparison:
             "base": self.base,
             "arms": [{"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms],
         }
+        if self.widen:  # absent otherwise, as in the plans of comparisons saved before it
+            plan["widen"] = self.widen
+        return plan
 
 
 def parse_axis(text: str) -> tuple[list[str], list[dict[str, Any]]]:
@@ -72,6 +83,23 @@ def parse_axis(text: str) -> tuple[list[str], list[dict[str, Any]]]:
     return keys, points
 
 
+def parse_arm(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An arm written out: ``NAME:KEY=V,...`` (``--arm``) or a table with ``name`` and config
+    keys (``[[compare.arms]]``); its name and overrides."""
+    if isinstance(spec, Mapping):
+        settings = flatten(spec)
+        name = settings.pop("name", None)
+        pairs = list(settings.items())
+    else:
+        name, sep, text = str(spec).partition(":")
+        if not sep:
+            raise ConfigError(f"--arm takes NAME:KEY=V,..., got {spec!r}")
+        pairs = [parse_assignment(part.strip()) for part in text.split(",") if part.strip()]
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"an arm needs a name, got {spec!r}")
+    return name.strip(), dict(pairs)
+
+
 def _multipliers(lr_grid: Any) -> list[float]:
     values = lr_grid.split(",") if isinstance(lr_grid, str) else lr_grid
     try:
@@ -86,33 +114,40 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     Every arm's config is resolved here, so a bad value stops the comparison
     before any run starts.
     """
-    known = {"vary", "lr_grid", "seeds", "rank", "jobs", "tune"}
+    known = {"vary", "arms", "lr_grid", "widen", "seeds", "rank", "jobs", "tune"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(
             f"unknown comparison option {unknown[0]!r}; [compare] takes {', '.join(sorted(known))}"
         )
-    vary = options.get("vary") or []
-    if isinstance(vary, str):
-        vary = [vary]
-    if not vary:
-        raise ConfigError("compare needs at least one --vary KEY=V1,V2,...")
-    axes = [parse_axis(text) for text in vary]
+    axes = [parse_axis(text) for text in _listed(options.get("vary"))]
+    explicit = [parse_arm(spec) for spec in _listed(options.get("arms"))]
+    if not axes and not explicit:
+        raise ConfigError("compare needs at least one --vary KEY=V1,V2,... or --arm NAME:KEY=V")
+    if len({name for name, _ in explicit}) < len(explicit):
+        raise ConfigError(f"two arms share a name: {[name for name, _ in explicit]}")
     varied = [k for keys, _ in axes for k in keys]
     if len(set(varied)) < len(varied):
         raise ConfigError(f"a key is varied twice: {varied}")
     lr_grid = _multipliers(options.get("lr_grid", [1.0]))
     seeds, rank, jobs = options.get("seeds", 1), options.get("rank", "best"), options.get("jobs", 1)
-    tune = options.get("tune", False)
+    tune, widen = options.get("tune", False), options.get("widen", 0)
     if not isinstance(tune, bool):
         raise ConfigError(f"tune must be true or false, got {tune!r}")
+    if not isinstance(widen, int) or isinstance(widen, bool) or widen < 0:
+        raise ConfigError(f"widen takes a number of grid points >= 0, got {widen!r}")
     check_protocol(lr_grid, seeds, rank, jobs, tuned=tune)
     arms = []
-    for i, combo in enumerate(itertools.product(*(points for _, points in axes))):
-        overrides = {k: v for point in combo for k, v in point.items()}
-        resolve(base, overrides)  # checked before any training
-        label = ", ".join(f"{k}={v}" for k, v in overrides.items())
-        arms.append(Arm(label, overrides, f"run{i:02d}"))
+    combos = itertools.product(explicit or [("", {})], *(points for _, points in axes))
+    for i, (written, *combo) in enumerate(combos):
+        name, overrides = written
+        grid = {k: v for point in combo for k, v in point.items()}
+        if clash := sorted(overrides.keys() & grid.keys()):
+            raise ConfigError(f"arm {name!r} sets {clash[0]!r}, which --vary also varies")
+        resolve(base, {**overrides, **grid})  # checked before any training
+        label = ", ".join([name] * bool(name) + [f"{k}={v}" for k, v in grid.items()])
+        label = label or ", ".join(f"{k}={v}" for k, v in overrides.items())
+        arms.append(Arm(label, {**overrides, **grid}, f"run{i:02d}"))
     return Comparison(
         base=dict(base),
         varied=varied,
@@ -122,7 +157,15 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         rank=rank,
         jobs=jobs,
         tune=tune,
+        widen=widen,
     )
+
+
+def _listed(value: Any) -> list[Any]:
+    """An option that may be one value or a list of them, as a list (None: empty)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _tune_settings() -> Any:
@@ -156,6 +199,7 @@ def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = Fa
         rank=comparison.rank,
         jobs=comparison.jobs,
         quiet=quiet or comparison.jobs > 1,
+        widen=comparison.widen,
         tune=_tune_settings() if comparison.tune else None,
     )
     index = {"plan": planned, "arms": [r.to_dict() for r in results]}
