@@ -48,3 +48,48 @@ def test_a_controllers_row_lists_its_constructors_defaults(name):
     rows = documented()
     assert name in rows, f"docs/adaptive_batching.md has no row for {name}"
     assert rows[name] == pytest.approx(defaults)
+
+
+def table_rows(page: str, header: str) -> list[list[str]]:
+    """The cells of the rows of the table whose header line starts with ``header``."""
+    lines = (ROOT / "docs" / page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def numbers(text: str) -> list[float]:
+    return [float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?:e-?\d+)?", text)]
+
+
+def test_the_recipes_table_says_what_each_optimizer_gets():
+    from bigbatch.optim import RECIPES
+
+    rows = table_rows("optimizers.md", "| optimizers | weight decay |")
+    assert sorted(n for row in rows for n in re.findall(r"`([\w-]+)`", row[0])) == sorted(RECIPES)
+    for names, decay, shape, settings, _ in rows:
+        for name in re.findall(r"`([\w-]+)`", names):
+            recipe = RECIPES[name]
+            assert numbers(decay)[0] == recipe.weight_decay, name
+            assert f"{recipe.warmup:.0%}, {recipe.schedule}" == shape, name
+            if "gamma" in recipe.options:
+                assert f"γ {recipe.options['gamma']:g}" in settings, name
+            if "trust_coefficient" in recipe.options and name in ("lars", "larc"):
+                assert f"trust coefficient {recipe.options['trust_coefficient']:g}" in settings
+
+
+def test_the_tasks_table_gives_each_tasks_shape_target_and_rates():
+    from bigbatch.experiments.tasks import TASKS
+
+    rows = table_rows("cli.md", "| task | data | model")
+    assert [row[0].strip("`") for row in rows] == list(TASKS)
+    for name, _, model, target, rates in rows:
+        task = TASKS[name.strip("`")]
+        shape = re.search(r"\((\d+), (\d+)\)", model)
+        assert shape and [int(shape[1]), int(shape[2])] == [task.width, task.depth], name
+        assert numbers(target)[0] == task.target, name
+        assert numbers(rates)[:2] == [task.lrs["adam"], task.lrs["adam/held"]], name

@@ -1,5 +1,6 @@
 """Controllers are pure: statistics and state in, batch size out."""
 
+import inspect
 import itertools
 import math
 import random
@@ -8,6 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import bigbatch.batch
 from bigbatch.batch import (
     BatchWarmup,
     Constant,
@@ -640,3 +642,23 @@ def test_seesaw_is_monotone_and_bounded(schedule, growth, granularity, low):
         if growth:
             assert new <= max(low, growth * low)
         batch = new
+
+
+@pytest.mark.parametrize(
+    "controller",
+    [
+        BatchWarmup(multiple=0.5, initial=32, window=10),
+        Seesaw(initial=32, growth=4),
+        CriticalBatchRamp(shrink=True),
+        DampedSimiGrad(target=0.2, warmup=100),
+        SimiGrad(interval=2),
+        NoiseScale(threshold=0.1),
+    ],
+    ids=lambda c: type(c).__name__,
+)
+def test_a_controllers_repr_is_its_constructor_call(controller):
+    """The summary and the logs name a controller by its settings: every argument, as the
+    constructor takes it, so the text rebuilds the same controller."""
+    rebuilt = eval(repr(controller), vars(bigbatch.batch))
+    assert repr(rebuilt) == repr(controller)
+    assert len(inspect.signature(type(controller)).parameters) == repr(controller).count("=")

@@ -32,6 +32,7 @@ instead, is in ``docs/algorithms.md`` ("Batch-size controllers").
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections import deque
@@ -175,9 +176,7 @@ class SimiGrad:
         self._steps = int(state["steps"])
 
     def __repr__(self) -> str:
-        return _settings(
-            self, "target", "initial", "min", "max", "window", "interval", "growth", "shrink"
-        )
+        return _settings(self)
 
 
 class CriticalBatchRamp:
@@ -279,10 +278,7 @@ class CriticalBatchRamp:
         self._warming.last = float(state["schedule"])
 
     def __repr__(self) -> str:
-        return _settings(
-            self, "multiple", "initial", "min", "max", "factor", "confidence", "window",
-            "warmup", "shrink",
-        )  # fmt: skip
+        return _settings(self)
 
 
 class BatchWarmup:
@@ -494,10 +490,7 @@ class BatchWarmup:
             self._warmed = bool(state["warmed"])
 
     def __repr__(self) -> str:
-        return _settings(
-            self, "multiple", "initial", "min", "max", "factor", "confidence", "window",
-            "decay_power", "clip", "loss_lag", "max_multiple", "slope_span",
-        )  # fmt: skip
+        return _settings(self)
 
 
 class Seesaw:
@@ -663,10 +656,7 @@ class Seesaw:
         self._decay = float(state["decay"])
 
     def __repr__(self) -> str:
-        return _settings(
-            self, "initial", "min", "max", "growth", "granularity", "critical_multiple",
-            "confidence", "window", "clip",
-        )  # fmt: skip
+        return _settings(self)
 
 
 class DampedSimiGrad:
@@ -781,10 +771,7 @@ class DampedSimiGrad:
         self._warming.last = float(state["schedule"])
 
     def __repr__(self) -> str:
-        return _settings(
-            self, "target", "initial", "min", "max", "window", "confidence", "dead_band",
-            "integral", "proportional", "max_rate", "min_change", "warmup",
-        )  # fmt: skip
+        return _settings(self)
 
 
 class _WarmUp:
@@ -803,8 +790,11 @@ class _WarmUp:
         return samples < self.samples or rising
 
 
-def _settings(controller: object, *names: str) -> str:
-    """``Name(key=value, ...)``: a controller's settings, for logs and error messages."""
+def _settings(controller: object) -> str:
+    """``Name(key=value, ...)``: a controller's settings, for logs and error messages, one
+    per argument of its constructor, in the signature's order (each kept as an attribute
+    of the same name)."""
+    names = inspect.signature(type(controller)).parameters
     args = ", ".join(f"{name}={getattr(controller, name)!r}" for name in names)
     return f"{type(controller).__name__}({args})"
 
@@ -866,7 +856,7 @@ class NoiseScale:
             self._noise.load_state_dict(state["noise"])
 
     def __repr__(self) -> str:
-        return _settings(self, "multiple", "initial", "min", "max", "threshold", "window")
+        return _settings(self)
 
 
 class Constant:
