@@ -30,13 +30,13 @@ import importlib.util
 import inspect
 import statistics
 import sys
-import time
 import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from _timing import seconds
 from bigbatch.optim import LAMB, LARS, MERIT, _blocks
 from bigbatch.testing import host_syncs
 
@@ -86,27 +86,12 @@ def groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
     ]
 
 
-def timed(fn: Callable[[], object], device: str) -> float:
-    """Seconds ``fn`` takes: CUDA events on a GPU, the wall clock on the CPU."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
-    start_time = time.perf_counter()
-    fn()
-    return time.perf_counter() - start_time
-
-
 def median_step_ms(
     optimizer: torch.optim.Optimizer, warmup: int, repeat: int, device: str = "cpu"
 ) -> float:
     for _ in range(warmup):
         optimizer.step()
-    return statistics.median(timed(optimizer.step, device) for _ in range(repeat)) * 1e3
+    return statistics.median(seconds(optimizer.step, device) for _ in range(repeat)) * 1e3
 
 
 def count_host_syncs(fn: Callable[[], object], device: str) -> int | None:
@@ -127,7 +112,7 @@ def inplace_mul_bandwidth(
     return (
         2
         * nbytes
-        / statistics.median(timed(lambda: x.mul_(1.0000001), device) for _ in range(repeat))
+        / statistics.median(seconds(lambda: x.mul_(1.0000001), device) for _ in range(repeat))
     )
 
 
@@ -257,7 +242,7 @@ def run_table(args: argparse.Namespace) -> None:
         floor *= 1e3
         optimizer = factory(params)
         # state creation and, for impl="compiled", compilation
-        first = timed(optimizer.step, args.device)
+        first = seconds(optimizer.step, args.device)
         ms = median_step_ms(optimizer, args.warmup, args.repeat, args.device)
         syncs = count_host_syncs(optimizer.step, args.device)
         results[label] = ms

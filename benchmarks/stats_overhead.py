@@ -23,14 +23,14 @@ statistics allocate (the half-batch gradient, and the Welford M2 with
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import bigbatch as bb
+from _timing import interleaved, medians
 
 
 class TinyLM(nn.Module):
@@ -96,13 +96,11 @@ def make_loop(setup, micro: int, **options):
     return loop, loss_fn
 
 
-def one_step(loop, loss_fn) -> float:
-    start = time.perf_counter()
+def one_step(loop, loss_fn) -> None:
     step = next(loop.steps(max_steps=loop.steps_taken + 1))
     for batch in step.micro_batches():
         step.backward(loss_fn(batch))
     step.apply()
-    return time.perf_counter() - start
 
 
 def extra_bytes(loop) -> int:
@@ -115,17 +113,9 @@ def compare(name: str, setup, micro: int, steps: int) -> None:
         "on": make_loop(setup, micro, statistics=True),
         "on + gsnr": make_loop(setup, micro, statistics=True, gsnr=True),
     }
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    for _ in range(2):  # warm-up
-        for loop, loss_fn in arms.values():
-            one_step(loop, loss_fn)
-    names = list(arms)
-    for i in range(steps):
-        # rotate the order every round, so no arm always runs first or last
-        for arm in names[i % len(names) :] + names[: i % len(names)]:
-            loop, loss_fn = arms[arm]
-            times[arm].append(one_step(loop, loss_fn))
-    base = statistics.median(times["off"])
+    steppers = {name: functools.partial(one_step, *parts) for name, parts in arms.items()}
+    times = medians(interleaved(steppers, steps))
+    base = times["off"]
     params = sum(p.numel() for p in arms["off"][0].model.parameters())
     print(
         f"\n{name}: {params / 1e6:.2f}M parameters, 4 micro-batches of {micro}, "
@@ -134,7 +124,7 @@ def compare(name: str, setup, micro: int, steps: int) -> None:
     print("| statistics | median step ms | overhead | extra µs per micro-batch | extra memory |")
     print("|---|---|---|---|---|")
     for arm, (loop, _) in arms.items():
-        med = statistics.median(times[arm])
+        med = times[arm]
         per_micro = (med - base) / 4 * 1e6
         print(
             f"| {arm} | {med * 1e3:.1f} | {100 * (med / base - 1):+.1f}% | {per_micro:+.0f} | "

@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
-import time
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import bigbatch as bb
+from _timing import interleaved, medians
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import resolve
 from bigbatch.experiments.tasks import TASKS, TinyTransformer
@@ -107,38 +106,15 @@ class Arm:
         step.apply()
 
 
-def timed(arm: Arm) -> float:
-    if arm.device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        arm.step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
-    began = time.perf_counter()
-    arm.step()
-    return time.perf_counter() - began
-
-
 def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
     vocab, width, depth, heads, _ = MODELS[model_name]
     data = token_data(vocab, context, max(4 * batch, 256))
     torch.manual_seed(0)
     model = TinyTransformer(vocab, context, width, depth, heads=heads).to(args.device)
     arms = [Arm(name, copy.deepcopy(model), data, batch, args) for name in ARMS]
-    times: dict[str, list[float]] = {a.name: [] for a in arms}
-    for arm in arms:  # warm-up: allocators, kernels, the loader
-        for _ in range(2):
-            arm.step()
-    for i in range(steps):
-        for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
-            times[arm.name].append(timed(arm))
-    plain = statistics.median(times["plain"])
-    cells = " | ".join(
-        f"{statistics.median(times[a]) * 1e3:.1f} ms ({statistics.median(times[a]) / plain:.2f}x)"
-        for a in ARMS[1:]
-    )
+    times = medians(interleaved({a.name: a.step for a in arms}, steps, device=args.device))
+    plain = times["plain"]
+    cells = " | ".join(f"{times[a] * 1e3:.1f} ms ({times[a] / plain:.2f}x)" for a in ARMS[1:])
     print(f"| {model_name} | {batch} | {plain * 1e3:.1f} ms | {cells} |", flush=True)
 
 
