@@ -191,3 +191,17 @@ def test_every_study_file_plans_every_arm(study):
     options = {k.removeprefix("compare."): v for k, v in table.items() if k.startswith("compare.")}
     base = resolve({k: v for k, v in table.items() if not k.startswith("compare.")})
     assert plan(base, **options).arms
+
+
+def test_the_report_adds_the_train_accuracy_and_the_gap_where_runs_measured_them(trained, tmp_path):
+    out = tmp_path / "gap"
+    args = ["compare", "--task", "digits", "--arm", "a:seed=0", "--out", out, "--quiet"]
+    assert run_cli(*args, "--set", "train_samples=500") == 0
+    header = next(
+        line for line in (out / "report.md").read_text().splitlines() if "lr (grid)" in line
+    )
+    assert header.endswith("| final train accuracy | gap (train − test) |")
+    row = next(
+        line for line in (out / "report.md").read_text().splitlines() if line.startswith("| a |")
+    )
+    assert row.count("|") == header.count("|")

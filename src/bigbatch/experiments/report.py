@@ -220,9 +220,12 @@ def render_comparison(root: Path) -> Path:
             "",
         ]
     columns = f"best {score} | final {score} | steps to target | samples to target | steps"
+    # where the runs measured their training accuracy (a cut training set): the gap too
+    gaps = any("generalization_gap" in r for a in arms for r in a.runs)
+    extra = " | final train accuracy | gap (train − test)" if gaps else ""
     lines += [
-        f"| arm | lr (grid) | {columns} | average batch | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| arm | lr (grid) | {columns} | average batch | wall s{extra} |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * (2 * gaps),
     ]
     digits = 4
     for arm in arms:
@@ -242,6 +245,12 @@ def render_comparison(root: Path) -> Path:
             f"| {_mean_std_text(arm.values('steps'), 0)} "
             f"| {_mean_std_text(arm.values('avg_batch_size'), 0)} "
             f"| {_mean_std_text(arm.values('wall_seconds'), 0)} |"
+            + (
+                f" {_mean_std_text(arm.values('final_train_accuracy'), digits)} "
+                f"| {_mean_std_text(arm.values('generalization_gap'), digits)} |"
+                if gaps
+                else ""
+            )
         )
     lines += ["", f"![test {score} vs samples and steps](curves.png)", ""]
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
