@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ._checks import positive_int
-from ._tensors import norms
+from ._tensors import sq_norms
 from .assembly import assemble, check_statistics, describe, fewest_sub_batches
 from .batch.controllers import Controller
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
@@ -325,7 +325,8 @@ def _mean_loss_and_finiteness(
     without statistics: one all-reduce (a NaN on any rank reaches all) and one host read."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
     present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
-    total = torch.stack(norms(present)).sum() if present else torch.zeros(())
-    packed = torch.stack([loss.double().reshape(()), total.to(loss.device, torch.float64)])
-    value, total_norm = world.all_reduce_sum(packed / world.size).tolist()
-    return value, math.isfinite(value + total_norm)
+    # squared norms: a NaN or an infinity survives the sum, and no square root is needed
+    total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
+    packed = torch.stack([loss.double().reshape(()), total.to(loss.device)])
+    value, total_sq = world.all_reduce_sum(packed / world.size).tolist()
+    return value, math.isfinite(value + total_sq)
