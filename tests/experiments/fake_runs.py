@@ -60,6 +60,8 @@ def fake_train(
         "avg_batch_size": float(batch),
         "wall_seconds": 1.0,
     }
+    if config["task"] == "lm":  # a transformer: the runner logs its largest attention logit
+        summary["max_attention_logit"] = 10.0 * config["lr"] / 0.004
     if config.get("train_samples"):  # a cut training set: the runner measures the gap
         summary.update(final_train_accuracy=1.0, generalization_gap=1.0 - summary["final_accuracy"])
     rows = [{"step": s, "samples": s * batch, "eval_accuracy": accuracy} for s in (1, steps)]

@@ -205,3 +205,12 @@ def test_the_report_adds_the_train_accuracy_and_the_gap_where_runs_measured_them
         line for line in (out / "report.md").read_text().splitlines() if line.startswith("| a |")
     )
     assert row.count("|") == header.count("|")
+
+
+def test_the_report_adds_the_largest_attention_logit_on_a_transformer_task(trained, tmp_path):
+    out = tmp_path / "logit"
+    assert run_cli("compare", "--task", "lm", "--arm", "a:seed=0", "--out", out, "--quiet") == 0
+    lines = (out / "report.md").read_text().splitlines()
+    header = next(line for line in lines if "lr (grid)" in line)
+    assert header.endswith("| wall s | largest attention logit |")
+    assert next(line for line in lines if line.startswith("| a |")).endswith("| 5.00 ± 0.00 |")

@@ -222,10 +222,13 @@ def render_comparison(root: Path) -> Path:
     columns = f"best {score} | final {score} | steps to target | samples to target | steps"
     # where the runs measured their training accuracy (a cut training set): the gap too
     gaps = any("generalization_gap" in r for a in arms for r in a.runs)
-    extra = " | final train accuracy | gap (train − test)" if gaps else ""
+    # a transformer task logs its largest attention logit (MERIT's claim)
+    logits = any("max_attention_logit" in r for a in arms for r in a.runs)
+    extra = " | final train accuracy | gap (train − test)" * gaps
+    extra += " | largest attention logit" * logits
     lines += [
         f"| arm | lr (grid) | {columns} | average batch | wall s{extra} |",
-        "|---|---|---|---|---|---|---|---|---|" + "---|" * (2 * gaps),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * (2 * gaps + logits),
     ]
     digits = 4
     for arm in arms:
@@ -251,6 +254,7 @@ def render_comparison(root: Path) -> Path:
                 if gaps
                 else ""
             )
+            + (f" {_mean_std_text(arm.values('max_attention_logit'), 2)} |" if logits else "")
         )
     lines += ["", f"![test {score} vs samples and steps](curves.png)", ""]
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
