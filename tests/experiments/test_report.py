@@ -12,7 +12,10 @@ def _arm(root, name, curves, controller="BatchWarmup()"):
     for seed, curve in enumerate(curves):
         run = root / f"{name}-seed{seed}"
         run.mkdir()
-        rows = [{"step": s, "samples": 16 * s, "eval_loss": v} for s, v in curve]
+        rows = [
+            {"step": s, "samples": 16 * s, "eval_loss": v, "wall_seconds": s / 100}
+            for s, v in curve
+        ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         dirs.append(run.name)
         runs.append(
@@ -37,10 +40,10 @@ def test_steps_to_the_best_final_loss_plus_the_tolerance(tmp_path):
     assert "T = 1.51" in text  # the best final (1.50) + 0.01
     split = next(i for i, line in enumerate(lines) if line.startswith("Steps to targets"))
     rows = {r.split(" | ")[0].strip("| "): r for r in lines[:split] if r.startswith("| ")}
-    assert rows["static"].endswith("| 900 ± 0 (2/2) | 2.25 |")
-    assert rows["schedule"].endswith("| 400 ± 0 (2/2) | 1.00 |")  # the fewest
+    assert rows["static"].endswith("| 900 ± 0 (2/2) | 2.25 | 9 ± 0 |")  # 9 s to T
+    assert rows["schedule"].endswith("| 400 ± 0 (2/2) | 1.00 | 4 ± 0 |")  # the fewest
     assert "+0.0050" in rows["schedule"]
-    assert rows["large"].endswith("(1/2) | — |")  # one seed short of T: no ratio
+    assert rows["large"].endswith("(1/2) | — | 0 |")  # one seed short of T: no ratio
     assert (tmp_path / "steps_final.png").is_file()
 
     # the looser targets, from halfway (1.755) to T: against the static batch's steps

@@ -289,9 +289,12 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
     tolerance = NEAR_BEST["loss" if loss else "accuracy"]
     target = best + tolerance if loss else best - tolerance
     reached: dict[str, list[int | None]] = {}
-    for arm in arms:
-        hits = [first_reaching(read_metrics(root / d), target, key, loss) for d in arm.dirs]
+    seconds: dict[str, list[float | None]] = {}  # wall-clock to T (runs that shared the machine
+    for arm in arms:  # slow each other; a reused run keeps the time of the call that trained it)
+        runs = [read_metrics(root / d) for d in arm.dirs]
+        hits = [first_reaching(rows, target, key, loss) for rows in runs]
         reached[arm.name] = [h[0] if h else None for h in hits]
+        seconds[arm.name] = [_wall_at(rows, h[0]) if h else None for rows, h in zip(runs, hits)]
     fewest = min(
         (mean_std(s)[0] for s in reached.values() if s and all(x is not None for x in s)),
         default=math.nan,
@@ -302,8 +305,8 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
         f"{'+' if loss else '−'} {tolerance:g} (seed means; a ratio only where every "
         "seed reached T):",
         "",
-        f"| arm | final {score} | against the best | steps to T | × the fewest |",
-        "|---|---|---|---|---|",
+        f"| arm | final {score} | against the best | steps to T | × the fewest | wall s to T |",
+        "|---|---|---|---|---|---|",
     ]
     for arm in arms:
         steps = reached[arm.name]
@@ -313,10 +316,16 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
         lines.append(
             f"| {arm.name} | {_mean_std_text(arm.values(final), 4)} "
             f"| {means[arm.name] - best:+.4f} | {_mean_std_text(got, 0)} "
-            f"({len(got)}/{len(steps)}) | {ratio} |"
+            f"({len(got)}/{len(steps)}) | {ratio} "
+            f"| {_mean_std_text([t for t in seconds[arm.name] if t is not None], 0)} |"
         )
     lines += ["", f"![optimizer steps vs final {score}](steps_final.png)", ""]
     return lines + _at_targets(root, arms, target, key, loss)
+
+
+def _wall_at(rows: list[dict[str, Any]], step: int) -> float | None:
+    """The wall-clock seconds a run had trained when it logged ``step`` (None: not logged)."""
+    return next((r.get("wall_seconds") for r in rows if r["step"] == step), None)
 
 
 #: how far from the first evaluation to T each target of the looser-targets table lies
