@@ -53,3 +53,26 @@ def test_elapsed_reads_each_unit_from_samples_and_steps():
     assert Duration.parse("10%").elapsed(**at, budget=4000) == 0.25
     with pytest.raises(ValueError, match="give budget"):
         Duration.parse("10%").elapsed(**at)
+
+
+def test_an_interval_ticks_where_the_run_passes_each_multiple():
+    every = Duration.parse("10%")
+    budget = 1000
+    ticks = [s for s in range(64, 1001, 64) if every.crossed((s - 64, 0), (s, 0), budget=budget)]
+    # each multiple of 100 samples is passed by exactly one step
+    assert ticks == [128, 256, 320, 448, 512, 640, 704, 832, 960]
+    # a share of the budget is a float: 0.3 / 0.1 must count as 3, not 2.999...
+    assert every.crossed((299, 0), (300, 0), budget=1000)
+    assert Duration.parse("1k tokens").crossed((30, 0), (32, 0), tokens_per_sample=32)
+    assert Duration.parse("3 steps").crossed((0, 2), (16, 3)) and not (
+        Duration.parse("3 steps").crossed((0, 3), (16, 4))
+    )
+
+
+def test_an_interval_is_a_count_of_steps_or_a_duration_longer_than_zero():
+    assert Duration.interval(25) == 25
+    assert Duration.interval("10%") == Duration(0.1, "budget")
+    with pytest.raises(ValueError, match="longer than 0"):
+        Duration.interval("0 steps")
+    with pytest.raises(ValueError, match="longer than 0"):
+        Duration.parse("0").crossed((0, 0), (1, 1))

@@ -97,6 +97,36 @@ class Duration:
             return float(samples) * tokens_per_sample  # type: ignore[operator]
         return samples / budget  # type: ignore[operator]
 
+    def crossed(
+        self,
+        before: tuple[int, int],
+        after: tuple[int, int],
+        *,
+        tokens_per_sample: int | None = None,
+        budget: int | None = None,
+    ) -> bool:
+        """Whether a run that went from ``before`` to ``after`` (samples, optimizer steps)
+        passed a whole multiple of this duration: the tick of an interval ("evaluate
+        every 10%"), read from the counts a checkpoint holds, so a resumed run ticks at the
+        same steps."""
+        if self.value <= 0:
+            raise ValueError(f"an interval is longer than 0, got {self}")
+        facts = {"tokens_per_sample": tokens_per_sample, "budget": budget}
+        start, end = self.elapsed(*before, **facts), self.elapsed(*after, **facts)
+        # a share of the budget is a float: 0.3 / 0.1 is 2.9999999999999996
+        return math.floor(end / self.value + 1e-9) > math.floor(start / self.value + 1e-9)
+
+    @classmethod
+    def interval(cls, text: str | int) -> int | Duration:
+        """An interval as a config key gives it: a whole number of optimizer steps, or a
+        duration's text ("10%", "50k samples", "1M tokens", "200 steps") longer than 0."""
+        if isinstance(text, int) and not isinstance(text, bool):
+            return text
+        duration = cls.parse(text)
+        if duration.value <= 0:
+            raise ValueError(f"an interval is longer than 0, got {text!r}")
+        return duration
+
     def check(self, *, tokens_per_sample: int | None = None, budget: int | None = None) -> None:
         """Raise where this duration needs a fact of the run that was not given."""
         if self.unit == "tokens" and not tokens_per_sample:

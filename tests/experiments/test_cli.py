@@ -344,3 +344,19 @@ def test_without_a_toml_reader_the_command_names_the_extra(monkeypatch, capsys):
     monkeypatch.setattr(config, "tomllib", None)
     assert cli.main(["train", "--set", "lr=0.1"]) == 2
     assert "needs the cli extra (tomli is not installed)" in capsys.readouterr().err
+
+
+def test_intervals_in_a_share_of_the_budget_evaluate_and_checkpoint_where_it_is_passed(
+    tmp_path,
+):
+    out = tmp_path / "every"
+    args = ["--set", "eval_every=25%", "--set", "checkpoint_every=1k samples"]
+    assert run_cli("train", *SMALL, *args, "--set", "max_samples=4000", "--out", out) == 0
+    logged = rows(out)
+    evaluated = [r["samples"] for r in logged if "eval_loss" in r]
+    quarters = [r["samples"] for i, r in enumerate(logged) if i and any(
+        (logged[i - 1]["samples"] < q * 1000 <= r["samples"]) for q in (1, 2, 3, 4)
+    )]  # fmt: skip
+    assert evaluated == [logged[0]["samples"], *quarters]  # the first step, then each quarter
+    assert json.loads((out / "summary.json").read_text())["ended"] == "budget"
+    assert 'eval_every = "25%"' in (out / "config.toml").read_text()  # saved as written

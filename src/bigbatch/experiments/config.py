@@ -33,6 +33,7 @@ from ..assembly import fewest_sub_batches
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
 from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
+from ..duration import Duration
 from ..knobs import NO_DEFAULT, Knob, signature_defaults
 from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
 from ..optim.agvm import GROUPS_CONFIG
@@ -267,8 +268,21 @@ def _machine_keys() -> list[Key]:
             "statistics, 1 for per-example ones)",
             low=0,
         ),
-        Key("eval_every", 25, "evaluate on the test set every this many steps", low=1),
-        Key("checkpoint_every", 100, "write a checkpoint every this many steps", low=1),
+        Key(
+            "eval_every",
+            25,
+            "evaluate on the test set every this many optimizer steps, or every duration "
+            "('10%', '50k samples', '1M tokens')",
+            low=1,
+            parse=Duration.interval,
+        ),
+        Key(
+            "checkpoint_every",
+            100,
+            "write a checkpoint every this many optimizer steps, or every duration ('5%')",
+            low=1,
+            parse=Duration.interval,
+        ),
         Key("threads", 0, "torch CPU threads; 0: torch's default", low=0),
         Key(
             "device",
@@ -560,6 +574,8 @@ def _parsed_text(key: Key, value: Any) -> Any:
 def _check(key: Key, value: Any) -> Any:
     if key.from_recipe and value == AUTO:
         return value
+    if key.kind is int and key.parse is not None and isinstance(value, str):
+        return _parsed_text(key, value)  # a count, or a duration's text
     value = _check_kind(key, value)
     if key.kind is bool or key.kind is str:
         return value

@@ -3,8 +3,8 @@
 A run directory holds ``config.toml`` (the resolved config), ``metrics.jsonl``
 (one JSON object per optimizer step; evaluation steps add ``eval_loss`` and
 ``eval_accuracy``), ``checkpoint.pt`` (written atomically every
-``checkpoint_every`` steps and at the end), ``summary.json`` (however the run ends:
-``ended`` says how), the PNG plots and
+``checkpoint_every`` steps or duration, and at the end), ``summary.json``
+(however the run ends: ``ended`` says how), the PNG plots and
 ``report.md``. A killed run resumed with ``resume`` continues from its last
 checkpoint to the result it would have had.
 
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..dist.world import World, init_from_env
+from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..sinks import Sinks
 from .build import build, train_step, with_task_defaults
@@ -245,6 +246,8 @@ class _Run:
         self.start = time.perf_counter() - state["wall_seconds"]
         self.evaluation: dict[str, float] = {}
         self.ended = "budget"
+        self.eval_every = Duration.interval(config["eval_every"])
+        self.checkpoint_every = Duration.interval(config["checkpoint_every"])
         self.bar: Any = None
         self.log: Any = None
         self.sinks: Sinks = Sinks()
@@ -256,7 +259,8 @@ class _Run:
         row = dict(step.metrics)
         last = loop.samples >= config["max_samples"]
         pause = self.pause_at is not None and loop.samples >= self.pause_at
-        due = loop.steps_taken % config["eval_every"] == 0 or loop.steps_taken == 1 or pause
+        before = (loop.samples - step.batch_size, loop.steps_taken - 1)
+        due = self._tick(self.eval_every, before) or loop.steps_taken == 1 or pause
         if self.evaluates and (due or last):
             self.evaluation = self.problem.evaluate(self.problem.model)
             row.update(self.evaluation)
@@ -269,13 +273,26 @@ class _Run:
             self.log.write(json.dumps(row) + "\n")
         self.sinks.record(row)
         halt = _halt(self.stop, loop, config["skip_limit"], self.out)
-        if loop.steps_taken % config["checkpoint_every"] == 0 or last or halt or pause:
+        if self._tick(self.checkpoint_every, before) or last or halt or pause:
             _checkpoint(self.out, loop, self.state, self.writer, self.log, self.keep_previous)
             self.keep_previous = True
         _show(self.bar, step.batch_size, loop.steps_taken, row, self.evaluation)
         if halt is not None:
             raise halt
         return "last" if last else "pause" if pause else None
+
+    def _tick(self, every: int | Duration, before: tuple[int, int]) -> bool:
+        """Whether the step just taken ends an interval: every ``every`` optimizer steps, or
+        at each multiple of a duration the run passed in it."""
+        loop = self.loop
+        if isinstance(every, int):
+            return loop.steps_taken % every == 0
+        return every.crossed(
+            before,
+            (loop.samples, loop.steps_taken),
+            tokens_per_sample=self.config["model.context"] or None,
+            budget=self.config["max_samples"],
+        )
 
 
 def _leave_summary(run: _Run, err: BaseException) -> None:
