@@ -29,20 +29,17 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import runner
 from .build import make_controller, with_task_defaults
 from .config import ConfigError, resolve
 from .plots import pyplot
-from .rundir import CHECKPOINT, check_new_run_dir, read_metrics, save_atomically
+from .rundir import CHECKPOINT, check_new_run_dir, copy_atomically, read_metrics, resumable
 from .signals import Stopped
 from .summary import finished_summary
 
@@ -128,18 +125,23 @@ def measure(
     _claim(out, plan)
     marks = sorted(math.ceil(p * budget) for p in points)
     try:
-        return _measure(config, out, plan, marks, quiet)
+        return _measure(config, base, out, plan, marks, quiet)
     except Stopped as err:  # a signal stopped a run inside: the measurement goes on as a whole
         again = f"run the same command again (--out {out}) to continue"
         raise Stopped(err.signum, err.step, str(out), again) from None
 
 
 def _measure(
-    config: dict[str, Any], out: Path, plan: dict[str, Any], marks: list[int], quiet: bool
+    config: dict[str, Any],
+    base: dict[str, Any],
+    out: Path,
+    plan: dict[str, Any],
+    marks: list[int],
+    quiet: bool,
 ) -> list[Point]:
+    """The base run ``base`` (the config at the smallest batch), its branches, the points."""
     batches, lr_rule = plan["batches"], plan["lr_rule"]
     small, branch_samples, tolerance = batches[0], plan["branch_samples"], plan["tolerance"]
-    base = _config(config, small, small, lr_rule)
     snapshots = _train_base(base, out, marks, quiet)
     # the config's own controller replays the base run without deciding anything, so each
     # point shows what it would have compared with the next size there
@@ -202,11 +204,8 @@ def _train_base(config: dict[str, Any], out: Path, marks: list[int], quiet: bool
     for index, mark in enumerate(marks):
         snapshot = out / f"snapshot-{index}.pt"
         if not snapshot.is_file():
-            resume = (base / CHECKPOINT).is_file()
-            if base.exists() and not resume:  # killed before its first checkpoint
-                shutil.rmtree(base)
-            record = runner.train(config, base, resume=resume, quiet=quiet, until=mark)
-            save_atomically(torch.load(base / CHECKPOINT, weights_only=True), snapshot)
+            record = runner.train(config, base, resume=resumable(base), quiet=quiet, until=mark)
+            copy_atomically(base / CHECKPOINT, snapshot)
             if not quiet:
                 print(f"snapshot at {record['samples']:,} samples (step {record['steps']})")
         snapshots.append(snapshot)
@@ -232,9 +231,7 @@ def _branch(config: dict[str, Any], out: Path, snapshot: Path, until: int) -> fl
     done = finished_summary(out)
     if done is not None:
         return done["final_eval_loss"]
-    resume = (out / CHECKPOINT).is_file()
-    if out.exists() and not resume:  # killed before its first checkpoint
-        shutil.rmtree(out)
+    resume = resumable(out)
     record = runner.train(
         config, out, resume=resume, quiet=True, until=until, start_from=None if resume else snapshot
     )

@@ -290,8 +290,10 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
     target = best + tolerance if loss else best - tolerance
     reached: dict[str, list[int | None]] = {}
     seconds: dict[str, list[float | None]] = {}  # wall-clock to T (runs that shared the machine
+    evals: dict[str, list[list[dict[str, Any]]]] = {}  # each seed's evaluation rows
     for arm in arms:  # slow each other; a reused run keeps the time of the call that trained it)
-        runs = [read_metrics(root / d) for d in arm.dirs]
+        runs = [[r for r in read_metrics(root / d) if key in r] for d in arm.dirs]
+        evals[arm.name] = runs
         hits = [first_reaching(rows, target, key, loss) for rows in runs]
         reached[arm.name] = [h[0] if h else None for h in hits]
         seconds[arm.name] = [_wall_at(rows, h[0]) if h else None for rows, h in zip(runs, hits)]
@@ -320,7 +322,7 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
             f"| {_mean_std_text([t for t in seconds[arm.name] if t is not None], 0)} |"
         )
     lines += ["", f"![optimizer steps vs final {score}](steps_final.png)", ""]
-    return lines + _at_targets(root, arms, target, key, loss)
+    return lines + _at_targets(evals, arms, target, key, loss)
 
 
 def _wall_at(rows: list[dict[str, Any]], step: int) -> float | None:
@@ -337,15 +339,16 @@ def _static(arm: ArmResult) -> bool:
 
 
 def _at_targets(
-    root: Path, arms: list[ArmResult], target: float, key: str, loss: bool
+    evals: dict[str, list[list[dict[str, Any]]]],
+    arms: list[ArmResult],
+    target: float,
+    key: str,
+    loss: bool,
 ) -> list[str]:
     """Steps to targets from halfway to T (fractions of the way from the first evaluation,
     seed means): each arm's mean steps and, where every seed got there, the ratio to the
     fewest steps of a static batch (of any arm, where no arm is static) that got there on
     every seed; the claim that a schedule saves steps at every loss, not only at the end."""
-    evals = {
-        a.name: [[r for r in read_metrics(root / d) if key in r] for d in a.dirs] for a in arms
-    }
     firsts = [runs[0][0][key] for runs in evals.values() if runs and runs[0]]
     if not firsts:
         return []

@@ -174,15 +174,31 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
             raise disk_error(err, path) from None
         raise ConfigError(f"writing {str(path)!r} failed: {err}") from None
     if keep_previous and path.exists():
-        # a link, then a rename: checkpoint.pt exists at every moment
-        staged = path.with_name(f".{previous(path).name}.tmp")
-        staged.unlink(missing_ok=True)
-        try:
-            os.link(path, staged)
-        except OSError:  # a file system without hard links
-            shutil.copy2(path, staged)
-        os.replace(staged, previous(path))
+        copy_atomically(path, previous(path))  # checkpoint.pt exists at every moment
     os.replace(tmp, path)
+
+
+def copy_atomically(source: Path, target: Path) -> None:
+    """``target`` becomes a copy of ``source`` in one rename: a hard link where the file
+    system has them (``source`` is later replaced by a rename, never written in place, so
+    the link keeps today's content), else a copy; a half-made copy is never ``target``."""
+    staged = target.with_name(f".{target.name}.tmp")
+    staged.unlink(missing_ok=True)
+    try:
+        os.link(source, staged)
+    except OSError:  # a file system without hard links
+        shutil.copy2(source, staged)
+    os.replace(staged, target)
+
+
+def resumable(path: Path) -> bool:
+    """Whether the unfinished run in ``path`` resumes from its checkpoint; a directory that
+    a kill left before the first checkpoint is removed, so the run starts again there."""
+    if (path / CHECKPOINT).is_file():
+        return True
+    if path.exists():
+        shutil.rmtree(path)
+    return False
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, Any], Path]:

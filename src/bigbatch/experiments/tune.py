@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from .arms import metric
 from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .pool import in_processes
-from .rundir import CHECKPOINT, RunLock, claim_new_run_dir
+from .rundir import RunLock, claim_new_run_dir, resumable
 from .summary import finished_summary
 from .tasks import TASKS
 
@@ -426,9 +425,7 @@ def _train_trial(job: tuple[dict[str, Any], str, int | None, bool]) -> dict[str,
     if done is not None:
         return done
     # a trial stopped by a signal or an error continues from its checkpoint
-    resume = (path / CHECKPOINT).is_file()
-    if path.exists() and not resume:  # killed before its first checkpoint
-        shutil.rmtree(path)
+    resume = resumable(path)
     try:
         return runner.train(config, path, resume=resume, quiet=quiet, until=until)
     except runner.TooManySkippedError as err:

@@ -1,0 +1,25 @@
+"""Run-directory helpers: a copy made in one rename, and what a killed run leaves."""
+
+from bigbatch.experiments.rundir import CHECKPOINT, copy_atomically, resumable, save_atomically
+
+
+def test_a_copy_keeps_the_content_it_was_made_from(tmp_path):
+    source, target = tmp_path / "checkpoint.pt", tmp_path / "snapshot-0.pt"
+    save_atomically({"step": 1}, source)
+    copy_atomically(source, target)
+    save_atomically({"step": 2}, source, keep_previous=True)  # replaced by a rename
+    assert target.read_bytes() == (tmp_path / "checkpoint.prev.pt").read_bytes()
+    assert target.read_bytes() != source.read_bytes()
+    assert not list(tmp_path.glob(".*.tmp"))  # nothing staged is left behind
+
+
+def test_a_run_resumes_from_its_checkpoint_and_a_run_killed_before_one_starts_again(tmp_path):
+    assert not resumable(tmp_path / "never")  # nothing there: a new run
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "metrics.jsonl").write_text("")
+    assert not resumable(killed) and not killed.exists()  # cleared for the new run
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    save_atomically({"step": 3}, stopped / CHECKPOINT)
+    assert resumable(stopped) and (stopped / CHECKPOINT).is_file()
