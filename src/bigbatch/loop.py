@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ._checks import positive_int
 from .batch.controllers import Controller
-from .batch.plan import StepPlan, plan_step
+from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
 from .dist import ddp, fsdp
 from .dist.hooks import CommHook
@@ -145,10 +145,13 @@ class AdaptiveBatch:
             :class:`~bigbatch.batch.BatchWarmup` (from batch 16, the batch doubles
             once a quarter of the smoothed noise scale has grown past the next
             size).
-        max_micro_batch: the largest micro-batch that fits in memory.
-        min_sub_batches: the fewest micro-batches per step; default: what the
-            statistics need (4 for sub-batch statistics, 1 with ``noise_from="examples"``
-            or without statistics, 2 for a per-example run's split similarity).
+        max_micro_batch: the largest micro-batch that fits in memory (default
+            ``bigbatch.batch.plan.MAX_MICRO_BATCH``, 1,024, the same as ``bigbatch train``'s).
+        min_sub_batches: the fewest micro-batches of a step that measures the statistics;
+            default: what they need (4 for sub-batch statistics, 1 with
+            ``noise_from="examples"`` or without statistics, 2 for a per-example run's
+            split similarity). A step between measurements (``statistics_every``) splits
+            only where ``max_micro_batch`` asks.
         options: the per-step rules (:class:`~bigbatch.StepOptions`): how the
             rate follows the batch (``lr_scaling``, ``base_batch_size``,
             ``schedule``, ``max_lr_factor``), which statistics to collect (``statistics``,
@@ -179,7 +182,7 @@ class AdaptiveBatch:
         *,
         controller: Controller | None = None,
         options: StepOptions | None = None,
-        max_micro_batch: int = 256,
+        max_micro_batch: int = MAX_MICRO_BATCH,
         min_sub_batches: int | None = None,
         scaler: torch.amp.GradScaler | None = None,
         comm_hook: tuple[Any, CommHook] | None = None,
@@ -281,7 +284,7 @@ class AdaptiveBatch:
             rank=self.world.rank,
             world_size=self.world.size,
             max_micro_batch=self.max_micro_batch,
-            min_sub_batches=self.min_sub_batches,
+            min_sub_batches=self.engine.next_sub_batches,
             weight_fn=self.source.weight_fn,
         )
 

@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from .._checks import choice, positive_int
 
 LOSS_REDUCTIONS = ("mean", "sum")
+#: the default largest micro-batch (per process) of every loop and of ``bigbatch train``:
+#: one forward/backward of a small model's whole batch up to 1,024 samples, which a GPU runs
+#: fastest; set it to what fits in memory for a larger model (on a CPU, 256 can be faster)
+MAX_MICRO_BATCH = 1024
 
 
 def loss_weights(

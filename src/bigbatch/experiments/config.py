@@ -32,6 +32,7 @@ from .._checks import batch_bounds
 from ..assembly import fewest_sub_batches
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
+from ..batch.plan import MAX_MICRO_BATCH
 from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..duration import Duration
 from ..knobs import NO_DEFAULT, Knob, signature_defaults
@@ -260,12 +261,12 @@ def _machine_keys() -> list[Key]:
     """How a run uses its machine: micro-batches, evaluation, checkpoints, device, precision,
     non-finite steps."""
     return [
-        Key("max_micro_batch", 1024, "largest micro-batch per forward/backward", low=1),
+        Key("max_micro_batch", MAX_MICRO_BATCH, "largest micro-batch per forward/backward", low=1),
         Key(
             "min_sub_batches",
             0,
-            "fewest micro-batches per step; 0: what the statistics need (4 for sub-batch "
-            "statistics, 1 for per-example ones)",
+            "fewest micro-batches of a step that measures the statistics; 0: what they need "
+            "(4 for sub-batch statistics, 1 for per-example ones)",
             low=0,
         ),
         Key(
@@ -383,6 +384,13 @@ def _batch_keys() -> list[Key]:
             "noise_from=examples: the examples of each micro-batch whose gradient norms are "
             "measured (an unbiased sample); 0: all",
             low=0,
+        ),
+        Key(
+            "statistics_every",
+            1,
+            "measure the statistics at every this many optimizer steps; the steps between run "
+            "unsplit, as a plain step, and a controller that reads statistics keeps its batch",
+            low=1,
         ),
         Key(
             "batch.similarity",

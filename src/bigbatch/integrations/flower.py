@@ -57,6 +57,7 @@ except ImportError:  # pragma: no cover - Flower releases whose messages need no
     TaskIdentity = None
 
 from ..batch.controllers import Constant
+from ..batch.plan import MAX_MICRO_BATCH
 from ..federated import ClientReport, RoundPlan, RoundPlanner, finite_mean
 from ..loop import AdaptiveBatch
 
@@ -90,7 +91,7 @@ class ClientSetup:
     dataset: Dataset
     loss_fn: Callable[[nn.Module, Any], Tensor]
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-    max_micro_batch: int = 256
+    max_micro_batch: int = MAX_MICRO_BATCH
     min_sub_batches: int = 4
     seed: int = 0
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
