@@ -13,7 +13,10 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
 - ``examples``: the same with the per-example statistics (``noise_from="examples"``: one
   micro-batch, the noise from the gradient norms of 32 of its examples, taken in the
   same backward); ``all examples``: every example's norm;
-- ``off``: the same with ``statistics=False``.
+- ``off``: the same with ``statistics=False``;
+- with ``--every K``, ``sub-batches/K`` and ``examples/K``: the statistics measured at
+  every K-th step only (``statistics_every=K``), the steps between unsplit; each timed
+  unit is K steps (one measured), so the time is the mean step over the cycle.
 
 Models: the ``text`` task's byte GPT (vocabulary 256, context 32, width 64, 2 layers),
 the same at GPU scale (``text-gpu``: context 256, width 256, 4 layers) and a GPT-2-small
@@ -44,6 +47,13 @@ from bigbatch.experiments.tasks import TASKS, TinyTransformer
 from bigbatch.stats import MicroBatchStatistics
 
 ARMS = ("plain", "sub-batches", "examples", "all examples", "off")
+
+
+def arms_of(every: int) -> tuple[str, ...]:
+    """The arms timed: :data:`ARMS`, and the two estimators measuring every ``every``-th step."""
+    return ARMS if every == 1 else (*ARMS, f"sub-batches/{every}", f"examples/{every}")
+
+
 MODELS = {
     # name: (vocabulary, width, depth, heads, context)
     "text": (256, 64, 2, 4, 32),
@@ -71,6 +81,9 @@ class Arm:
         )
         self.data, self.batch, self.position = data, batch, 0
         self.loop = None
+        base, _, every = name.partition("/")
+        #: optimizer steps per timed unit: a whole cycle of statistics_every
+        self.every = int(every or 1)
         if name != "plain":
             self.loop = bb.AdaptiveBatch(
                 model,
@@ -79,8 +92,9 @@ class Arm:
                 controller=bb.batch.Constant(batch),
                 max_micro_batch=max(batch, 1024),
                 statistics=name != "off",
-                noise_from="sub_batches" if name == "sub-batches" else "examples",
+                noise_from="sub_batches" if base == "sub-batches" else "examples",
                 noise_examples=None if name == "all examples" else 32,
+                statistics_every=self.every,
                 loader_options={"pin_memory": args.device.type == "cuda"},
             )
 
@@ -100,10 +114,10 @@ class Arm:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             return
-        step = next(self.loop.steps(max_steps=self.loop.steps_taken + 1))
-        for x, y in step.micro_batches():
-            step.backward(self.loss(x, y))
-        step.apply()
+        for step in self.loop.steps(max_steps=self.loop.steps_taken + self.every):
+            for x, y in step.micro_batches():
+                step.backward(self.loss(x, y))
+            step.apply()
 
 
 def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
@@ -111,10 +125,12 @@ def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
     data = token_data(vocab, context, max(4 * batch, 256))
     torch.manual_seed(0)
     model = TinyTransformer(vocab, context, width, depth, heads=heads).to(args.device)
-    arms = [Arm(name, copy.deepcopy(model), data, batch, args) for name in ARMS]
+    names = arms_of(args.every)
+    arms = [Arm(name, copy.deepcopy(model), data, batch, args) for name in names]
     times = medians(interleaved({a.name: a.step for a in arms}, steps, device=args.device))
+    times = {a.name: times[a.name] / a.every for a in arms}  # per optimizer step
     plain = times["plain"]
-    cells = " | ".join(f"{times[a] * 1e3:.1f} ms ({times[a] / plain:.2f}x)" for a in ARMS[1:])
+    cells = " | ".join(f"{times[a] * 1e3:.1f} ms ({times[a] / plain:.2f}x)" for a in names[1:])
     print(f"| {model_name} | {batch} | {plain * 1e3:.1f} ms | {cells} |", flush=True)
 
 
@@ -194,6 +210,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per arm")
     parser.add_argument("--gpt2-steps", type=int, default=None, help="default: --steps")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument(
+        "--every", type=int, default=1, help="also time statistics measured every K-th step"
+    )
     parser.add_argument("--tasks", default="text,mnist1d,lm")
     parser.add_argument("--warm-steps", type=int, default=200)
     parser.add_argument("--batches-measured", type=int, default=100)
@@ -204,8 +223,9 @@ def main() -> None:
     cpu = args.device.type == "cpu"
     print(f"# torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     if args.part in ("cost", "both"):
-        print("\n| model | batch | plain | sub-batches | examples (32) | all examples | off |")
-        print("|---|---|---|---|---|---|---|")
+        names = ["examples (32)" if a == "examples" else a for a in arms_of(args.every)[1:]]
+        print(f"\n| model | batch | plain | {' | '.join(names)} |")
+        print("|---|---|---|" + "---|" * len(names))
         for name in args.models.split(","):
             batches, context = args.batches, MODELS[name][4]
             if name == "gpt2":

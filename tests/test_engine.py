@@ -210,3 +210,70 @@ def test_under_seesaw_the_rate_over_the_familys_invariant_is_the_schedule(optimi
         opt.zero_grad()
     assert batches[0] == 4 and max(batches) == 16 and batches == sorted(batches)
     assert result.metrics["lr_factor"] < 0.05  # capped at 16: the run still ends annealed
+
+
+class Recording(bb.batch.CriticalBatchRamp):
+    """A statistics-reading controller that records the steps it was asked at."""
+
+    def __init__(self) -> None:
+        super().__init__(0.5, initial=16, window=2)
+        self.asked: list[int] = []
+
+    def next(self, measured, batch_size, samples):
+        self.asked.append(samples // 16)
+        return super().next(measured, batch_size, samples)
+
+
+def test_statistics_every_k_measures_steps_1_k_plus_1_and_the_controller_decides_only_there():
+    model, opt, engine = setup(Recording(), statistics_every=3)
+    measured = []
+    for seed in range(7):
+        assert engine.next_sub_batches == (4 if seed % 3 == 0 else 1)
+        plan = FOUR if seed % 3 == 0 else StepPlan(((16,),))
+        result = run_step(model, engine, plan=plan, seed=seed)
+        engine.after_optimizer_step(result)
+        opt.zero_grad()
+        measured.append(result.stats is not None)
+        assert ("trace" in result.metrics) == measured[-1]
+        assert result.metrics["loss"] > 0 and result.metrics["step"] == seed + 1
+    assert measured == [True, False, False, True, False, False, True]
+    assert engine.controller.asked == [1, 4, 7]  # its windows count measured steps
+    assert engine.collector.state_dict()["ema_steps"] == 3
+
+
+def test_a_controller_that_reads_no_statistics_decides_at_every_step_between_measurements():
+    ramp = bb.batch.Ramp(points=[(0, 16), (32, 32)])
+    model, opt, engine = setup(ramp, lr_scaling="none", statistics_every=4)
+    first = run_step(model, engine)
+    engine.after_optimizer_step(first)
+    opt.zero_grad()
+    second = run_step(model, engine, plan=StepPlan(((16,),)))
+    assert second.stats is None and engine.batch_size == 32
+
+
+def test_adascale_between_measurements_uses_the_last_averages_and_they_resume():
+    model, opt, engine = setup(lr_scaling="adascale", base_batch_size=4, statistics_every=2)
+    first = run_step(model, engine)
+    engine.after_optimizer_step(first)
+    opt.zero_grad()
+    second = run_step(model, engine, plan=StepPlan(((16,),)), seed=1)
+    assert second.stats is None
+    assert second.metrics["lr_factor"] == pytest.approx(first.metrics["lr_factor"])
+    assert 1.0 < first.metrics["lr_factor"] <= 4.0  # AdaScale's gain at 4x its base batch
+    _, _, other = setup(lr_scaling="adascale", base_batch_size=4, statistics_every=2)
+    other.load_state_dict(engine.state_dict())
+    other.steps_taken = 3  # the step after a measured one again: between measurements
+    model.zero_grad()
+    again = run_step(model, other, plan=StepPlan(((16,),)), seed=1)
+    assert again.metrics["lr_factor"] == pytest.approx(first.metrics["lr_factor"])
+
+
+def test_statistics_every_is_refused_where_every_steps_statistics_are_read():
+    model = nn.Linear(4, 2)
+    vrgd = bb.optim.VRGD(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="statistics_every=2 measures only some steps, but VR"):
+        StepEngine.build(
+            vrgd, bb.batch.Constant(16), bb.StepOptions(statistics_every=2), model=model
+        )
+    with pytest.raises(ValueError, match="statistics_every"):
+        bb.StepOptions(statistics_every=0)

@@ -252,3 +252,31 @@ def test_simigrad_keeps_its_measured_cosine_under_per_example_statistics():
     _, loop = make_run(noise_from="examples")  # make_run's controller is SimiGrad
     assert loop.collector.per_example is not None
     assert (loop.collector.similarity, loop.min_sub_batches) == ("split", 2)
+
+
+def test_statistics_every_k_splits_only_the_measured_steps_and_resumes_exactly():
+    """SimiGrad decides at steps 1, 4, 7, ...; the steps between are one micro-batch each,
+    and a run resumed between two measurements ends where the straight run does."""
+    model, loop = make_run(statistics_every=3)
+    splits, measured = [], []
+    for step in loop.steps(max_steps=7):
+        splits.append(len(step.plan.sizes))
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        step.apply()
+        measured.append("similarity" in step.metrics)
+    assert splits == [4, 1, 1, 4, 1, 1, 4]
+    assert measured == [True, False, False, True, False, False, True]
+    train(loop, model, max_steps=40)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    model, loop = make_run(statistics_every=3)
+    train(loop, model, max_steps=11)
+    buffer = io.BytesIO()
+    torch.save(loop.state_dict(), buffer)
+    buffer.seek(0)
+    model, resumed = make_run(seed=99, statistics_every=3)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    train(resumed, model, max_steps=40)
+    for p, q in zip(model.parameters(), expected):
+        assert torch.equal(p.detach(), q)

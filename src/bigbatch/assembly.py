@@ -92,9 +92,8 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         options: the per-step rules.
         model: the trained module, its ``DistributedDataParallel`` or an FSDP2
             ``fully_shard`` model: its world (one process without one).
-        sub_batches: micro-batches per rank per optimizer step (the fewest, for a
-            loop that splits a batch into more when it must); None: the fewest the
-            statistics need (4 for sub-batch statistics, 1 for per-example ones or none).
+        sub_batches: the fewest micro-batches per rank of a step that measures; None:
+            what the statistics need (4 for sub-batch statistics, 1 for per-example ones).
         first_batch: the batch a sampler starts at; the controller must start there.
         dataset_size: samples in a finite dataset (for the finite-population
             correction; None for a stream or a batch counted in weight).
@@ -117,6 +116,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     controller = resolve_controller(controller, first_batch)
     wrapped = isinstance(optimizer, StatisticsWrapper)
     gsnr = options.gsnr or (wrapped and "gsnr" in optimizer.requirements())
+    _check_every(options, type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else "")
     obstacles = _per_example_obstacles(framework is not None, gsnr, comm_hook, weighted)
     per_example = _per_example_model(options, model, optimizer, obstacles)
     options = _similarity_for(options, controller, per_example, world)
@@ -313,6 +313,15 @@ def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any]
         "lossy_reduction": collector.lossy_reduction,
         "per_example": collector.per_example.sample if collector.per_example else False,
     }
+
+
+def _check_every(options: StepOptions, reader: str) -> None:
+    """One error if ``statistics_every`` skips steps whose statistics ``reader`` reads."""
+    if options.statistics_every > 1 and reader:
+        raise ValueError(
+            f"statistics_every={options.statistics_every} measures only some steps, but "
+            f"{reader} reads every step's statistics: use statistics_every=1"
+        )
 
 
 def _check_sub_batches(

@@ -21,6 +21,11 @@ learning rates by the batch rule and the schedule, counts the step and asks
 the controller for the next batch size. A step whose gradient or loss is not
 finite is dropped (``nonfinite="skip"``) or raises :class:`NonFiniteError`
 (``"raise"``) before anything learns from it.
+
+With ``statistics_every = k`` only every k-th step measures (steps 1, k + 1,
+2k + 1, ...); the others run as a plain step: no statistics, one micro-batch
+unless memory asks for more (:attr:`StepEngine.next_sub_batches`), and a
+controller that reads statistics keeps the batch it chose.
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ class StepEngine:
         scaler: the loop's ``torch.amp.GradScaler``, if any.
         options: the per-step rules (:class:`~bigbatch.StepOptions`); its fields may
             also be given as keywords (``lr_scaling=``, ``schedule=``, ...).
-        sub_batches: the fewest micro-batches per rank per step (None: what the
-            collector needs, :func:`~bigbatch.assembly.fewest_sub_batches`).
+        sub_batches: the fewest micro-batches per rank of a step that measures the
+            statistics (None: what the collector needs,
+            :func:`~bigbatch.assembly.fewest_sub_batches`).
     """
 
     def __init__(
@@ -118,18 +124,20 @@ class StepEngine:
         #: the batch size of the next step
         self.batch_size = controller.initial
         #: optimizer steps taken (skipped ones included) and samples trained on
-        self.steps_taken = 0
-        self.samples = 0
+        self.steps_taken = self.samples = 0
         #: optimizer steps whose update was dropped for a non-finite gradient or loss
         self.skipped_steps = 0
         self._lr = LRScaling()
-        #: the fewest micro-batches per rank per step (a loop splits a batch into more where
-        #: memory asks): ``sub_batches``, or what the statistics need
+        #: the fewest micro-batches per rank of a step that measures (more where memory asks)
         self.sub_batches = sub_batches or fewest_sub_batches(
             collector is not None,
             collector is not None and collector.per_example is not None,
             collector is not None and collector.similarity == "split",
         )
+        #: whether the step under way measures the statistics (``statistics_every``)
+        self.measuring = False
+        #: the last measured noise averages, for a rate rule between measurements (AdaScale)
+        self._averages: dict[str, float] = {}
         #: the logged noise scale of a controller that has none of its own
         self._noise = SmoothedNoise(20)
         self._plan: StepPlan | None = None
@@ -172,6 +180,17 @@ class StepEngine:
 
     # ------------------------------------------------------------ the micro-batches
 
+    def measures(self, step: int | None = None) -> bool:
+        """Whether the step after ``step`` optimizer steps (default: the next step) measures
+        the statistics: every ``statistics_every``-th, from the first; never without them."""
+        taken = self.steps_taken if step is None else step
+        return self.collector is not None and taken % self.options.statistics_every == 0
+
+    @property
+    def next_sub_batches(self) -> int:
+        """The next step's fewest micro-batches per rank: 1 between measurements."""
+        return self.sub_batches if self.collector is None or self.measures() else 1
+
     def begin(self, plan: StepPlan, loss_weights: list[float] | None = None) -> None:
         """Start a step; ``loss_weights`` if the loop weights micro-batch losses itself
         (Lightning and the Hugging Face Trainer use ``1/k``), else ``W b_i / B``."""
@@ -182,7 +201,8 @@ class StepEngine:
             else plan.loss_weights(self.loss_reduction)
         )
         self._loss = None
-        if self.collector is not None:
+        self.measuring = self.measures()
+        if self.measuring:
             self.collector.begin(plan.sizes, plan.rank_sizes, loss_weights=self._weights)
 
     def loss_weight(self, index: int) -> float:
@@ -190,7 +210,7 @@ class StepEngine:
         return self._weights[index]
 
     def before_backward(self, index: int) -> None:
-        if self.collector is not None:
+        if self.measuring:
             self.collector.before_backward(index)
 
     def add_loss(self, weighted: Tensor) -> None:
@@ -207,7 +227,12 @@ class StepEngine:
         self._lr.restore(self.optimizer)  # a scaling a framework's skipped step left behind
         batch = self._plan.batch_size
         reported = self._loss is not None
-        stats, metrics, finite = self._measure()
+        loss = self._loss if self._loss is not None else torch.zeros(())
+        if self.measuring:
+            stats, metrics, finite = _statistics(self.collector, self.scaler, loss)
+        else:
+            stats = None
+            metrics, finite = _mean_loss_and_finiteness(self.optimizer, self.world, loss)
         if not reported:  # a loop that never gave its loss (add_loss) has none, not a loss of 0
             del metrics["loss"]
         self._plan = None
@@ -221,29 +246,31 @@ class StepEngine:
             self._count(batch, metrics)
             metrics.update(skipped=1.0, lr_factor=0.0, lr=0.0, next_batch_size=self.batch_size)
             return StepResult(stats, metrics, skip=True)
-        if finite and stats is not None and isinstance(self.optimizer, StatisticsWrapper):
-            self.optimizer.observe(stats)
-        factor = lr_factor(
-            self.lr_scaling,
-            batch,
-            self.base_batch_size,
-            grad_sq_norm=metrics.get("grad_sq_norm_ema"),
-            trace=metrics.get("trace_ema"),
-        )
+        if finite and stats is not None:
+            if isinstance(self.optimizer, StatisticsWrapper):
+                self.optimizer.observe(stats)
+            # AdaScale's gain reads the averages: kept for the steps between measurements
+            self._averages = dict(
+                grad_sq_norm=metrics["grad_sq_norm_ema"], trace=metrics["trace_ema"]
+            )
         if self.schedule is not None:
             # controllers may hold the batch while the schedule still rises (a warm-up)
             metrics["schedule"] = float(self.schedule(self.samples))
-            factor *= metrics["schedule"]
-        if self.options.max_lr_factor is not None:  # the rate's stability ceiling
-            factor = min(factor, self.options.max_lr_factor)
-        metrics["lr_factor"] = factor
+        factor = metrics["lr_factor"] = _rate_factor(
+            lr_factor(self.lr_scaling, batch, self.base_batch_size, **self._averages),
+            metrics.get("schedule"),
+            self.options.max_lr_factor,
+        )
         lr = self.optimizer.param_groups[0]["lr"]
         if not isinstance(lr, Tensor) or lr.device.type == "cpu":
             metrics["lr"] = float(lr) * factor
         self._lr.apply(self.optimizer, factor)
         self._count(batch, metrics)
-        if finite:  # an overflowed GradScaler step teaches the controller nothing
+        # an overflowed GradScaler step teaches the controller nothing, and a step between
+        # measurements nothing a controller that reads statistics could use
+        if finite and (stats is not None or not self.controller.needs_statistics):
             self.batch_size = int(self.controller.next(metrics, batch, self.samples))
+        if finite:
             self._log_noise_scale(metrics)
         metrics["next_batch_size"] = self.batch_size
         return StepResult(stats, metrics)
@@ -270,30 +297,6 @@ class StepEngine:
         self.samples += batch
         metrics.update(step=self.steps_taken, samples=self.samples, batch_size=batch)
 
-    def _measure(self) -> tuple[GradientStats | None, dict[str, float], bool]:
-        """The statistics and loss as floats, and whether the step is finite: one host read.
-
-        The finiteness of the gradient rides on ``|g|²``, which the statistics
-        reduce anyway (a NaN anywhere, on any rank, makes it NaN).
-        """
-        loss = self._loss if self._loss is not None else torch.zeros(())
-        if self.collector is not None:
-            stats = self.collector.finish(loss_scale=self._loss_scale(), loss=loss)
-            metrics = stats.as_floats()
-            # the collector's β-average ratio is not what any controller decides on: the logged
-            # noise_scale is the deciding estimate (_log_noise_scale)
-            del metrics["noise_scale"]
-            return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
-        value, finite = _mean_loss_and_finiteness(self.optimizer, self.world, loss)
-        return None, {"loss": value}, finite
-
-    def _loss_scale(self) -> Tensor | None:
-        """The ``GradScaler``'s current scale as a device tensor (``get_scale()`` would sync)."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return None
-        device = self.collector.layout.device if self.collector is not None else "cpu"
-        return self.scaler.scale(torch.ones((), device=device))
-
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
@@ -301,6 +304,7 @@ class StepEngine:
             "controller": self.controller.state_dict(),
             "statistics": self.collector.state_dict() if self.collector is not None else None,
             "noise": self._noise.state_dict(),
+            "averages": dict(self._averages),
             "batch_size": self.batch_size,
             "skipped_steps": self.skipped_steps,
             "step": self.steps_taken,
@@ -313,14 +317,39 @@ class StepEngine:
             self.collector.load_state_dict(state["statistics"])
         if "noise" in state:  # absent from checkpoints that logged the collector's average
             self._noise.load_state_dict(state["noise"])
+        self._averages = dict(state.get("averages", {}))
         self.batch_size = int(state["batch_size"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
 
 
+def _rate_factor(rule: float, schedule: float | None, ceiling: float | None) -> float:
+    """The step's rate multiplier: the batch rule's factor times the schedule's, at most the
+    rate's stability ceiling (``max_lr_factor``)."""
+    factor = rule * schedule if schedule is not None else rule
+    return min(factor, ceiling) if ceiling is not None else factor
+
+
+def _statistics(
+    collector: MicroBatchStatistics, scaler: torch.amp.GradScaler | None, loss: Tensor
+) -> tuple[GradientStats, dict[str, float], bool]:
+    """The step's statistics, as tensors and floats (the loss among them), and whether the
+    step is finite: one host read. The gradient's finiteness rides on ``|g|²``, which the
+    statistics reduce anyway (a NaN anywhere, on any rank, makes it NaN)."""
+    scale = None
+    if scaler is not None and scaler.is_enabled():  # a device tensor: get_scale() would sync
+        scale = scaler.scale(torch.ones((), device=collector.layout.device))
+    stats = collector.finish(loss_scale=scale, loss=loss)
+    metrics = stats.as_floats()
+    # the collector's β-average ratio is not what any controller decides on: the logged
+    # noise_scale is the deciding estimate (StepEngine._log_noise_scale)
+    del metrics["noise_scale"]
+    return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
+
+
 def _mean_loss_and_finiteness(
     optimizer: torch.optim.Optimizer, world: World, loss: Tensor
-) -> tuple[float, bool]:
+) -> tuple[dict[str, float], bool]:
     """The batch's mean loss and whether it and every gradient are finite, on every rank,
     without statistics: one all-reduce (a NaN on any rank reaches all) and one host read."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
@@ -329,4 +358,4 @@ def _mean_loss_and_finiteness(
     total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
     packed = torch.stack([loss.double().reshape(()), total.to(loss.device)])
     value, total_sq = world.all_reduce_sum(packed / world.size).tolist()
-    return value, math.isfinite(value + total_sq)
+    return {"loss": value}, math.isfinite(value + total_sq)

@@ -69,6 +69,12 @@ class StepOptions:
     #: measured (an unbiased sample of a shuffled batch, at a cost that stops growing with
     #: the micro-batch; None: all of them)
     noise_examples: int | None = 32
+    #: measure the statistics at every ``statistics_every``-th optimizer step (1: every
+    #: step). The steps between run as a plain step would: no statistics, no split into
+    #: micro-batches beyond what memory asks, and a controller that reads statistics
+    #: holds the batch; its windows and the averages count measured steps. Not with
+    #: VRGD, AGVM or ``gsnr``, which read every step's statistics
+    statistics_every: int = 1
     #: smoothing of the statistics' noise-scale averages (gpt-neox: 0.99)
     ema_beta: float = 0.99
     #: correct the noise for batches that are a large fraction of a finite dataset
@@ -96,6 +102,7 @@ class StepOptions:
         choice("noise_from", self.noise_from, NOISE_SOURCES)
         if self.noise_examples is not None:
             positive_int("noise_examples", self.noise_examples)
+        positive_int("statistics_every", self.statistics_every)
         check_number("ema_beta", self.ema_beta, high=1.0, high_open=True)
         check_flag("finite_correction", self.finite_correction)
         choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)

@@ -318,6 +318,7 @@ def _loop(
         min_sub_batches=config["min_sub_batches"] or None,
         noise_from=config["noise_from"],
         noise_examples=config["noise_examples"] or None,
+        statistics_every=config["statistics_every"],
         lr_scaling=config["batch.lr_scaling"],
         base_batch_size=config["batch.base"],
         schedule=make_schedule(config),
