@@ -60,7 +60,7 @@ def test_the_batch_adapts_and_training_converges():
 
 
 def test_micro_batches_follow_the_plan():
-    model, loop = make_run(controller=bb.batch.Constant(150))
+    model, loop = make_run(controller=bb.batch.Constant(150), noise_from="sub_batches")
     step = next(loop.steps(max_steps=1))
     shapes = [x.shape[0] for x, _ in step.micro_batches()]
     assert shapes == [38, 38, 37, 37]
@@ -158,7 +158,7 @@ def test_misuse_is_reported():
     with pytest.raises(RuntimeError, match="backward ran 0 times"):
         step.apply()
     with pytest.raises(ValueError, match="below min_sub_batches"):
-        make_run(controller=bb.batch.SimiGrad(initial=4, min=2, max=64))
+        make_run(controller=bb.batch.SimiGrad(initial=4, min=2, max=64), noise_from="sub_batches")
     with pytest.raises(ValueError, match="needs statistics=True"):
         make_run(statistics=False)
     with pytest.raises(ValueError, match="lr_scaling"):
@@ -209,7 +209,7 @@ def test_a_nan_step_can_stop_the_run_before_any_update():
 
 def test_per_example_statistics_need_no_split_of_the_step():
     controller = bb.batch.Constant(48)
-    sub_model, sub = make_run(controller=controller)
+    sub_model, sub = make_run(controller=controller, noise_from="sub_batches")
     one_model, one = make_run(controller=copy.deepcopy(controller), noise_from="examples")
     _, off = make_run(controller=copy.deepcopy(controller), statistics=False)
     assert (sub.min_sub_batches, one.min_sub_batches, off.min_sub_batches) == (4, 1, 1)
@@ -257,7 +257,7 @@ def test_simigrad_keeps_its_measured_cosine_under_per_example_statistics():
 def test_statistics_every_k_splits_only_the_measured_steps_and_resumes_exactly():
     """SimiGrad decides at steps 1, 4, 7, ...; the steps between are one micro-batch each,
     and a run resumed between two measurements ends where the straight run does."""
-    model, loop = make_run(statistics_every=3)
+    model, loop = make_run(statistics_every=3, noise_from="sub_batches")
     splits, measured = [], []
     for step in loop.steps(max_steps=7):
         splits.append(len(step.plan.sizes))
@@ -270,12 +270,12 @@ def test_statistics_every_k_splits_only_the_measured_steps_and_resumes_exactly()
     train(loop, model, max_steps=40)
     expected = [p.detach().clone() for p in model.parameters()]
 
-    model, loop = make_run(statistics_every=3)
+    model, loop = make_run(statistics_every=3, noise_from="sub_batches")
     train(loop, model, max_steps=11)
     buffer = io.BytesIO()
     torch.save(loop.state_dict(), buffer)
     buffer.seek(0)
-    model, resumed = make_run(seed=99, statistics_every=3)
+    model, resumed = make_run(seed=99, statistics_every=3, noise_from="sub_batches")
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     train(resumed, model, max_steps=40)
     for p, q in zip(model.parameters(), expected):

@@ -38,7 +38,7 @@ from ..duration import Duration
 from ..knobs import NO_DEFAULT, Knob, signature_defaults
 from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
 from ..optim.agvm import GROUPS_CONFIG
-from ..options import NOISE_SOURCES, NONFINITE_POLICIES
+from ..options import NOISE_SOURCES, NONFINITE_POLICIES, StepOptions
 from ..stats import SIMILARITY_MODES
 from .device import PRECISIONS
 from .tasks import TASKS
@@ -371,7 +371,7 @@ def _batch_keys() -> list[Key]:
         Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),
         Key(
             "noise_from",
-            "sub_batches",
+            StepOptions.noise_from,
             "the noise scale's small-batch norms: sub_batches (each step split into "
             "min_sub_batches micro-batches), examples (each example's gradient norm from the "
             "one backward: no split; the model's layers must all be covered), auto (examples "
@@ -380,14 +380,14 @@ def _batch_keys() -> list[Key]:
         ),
         Key(
             "noise_examples",
-            32,
+            StepOptions.noise_examples,
             "noise_from=examples: the examples of each micro-batch whose gradient norms are "
             "measured (an unbiased sample); 0: all",
             low=0,
         ),
         Key(
             "statistics_every",
-            1,
+            StepOptions.statistics_every,
             "measure the statistics at every this many optimizer steps; the steps between run "
             "unsplit, as a plain step, and a controller that reads statistics keeps its batch",
             low=1,
