@@ -45,6 +45,8 @@ def _train(task_name: str, optimizer: str, problem, initial_model) -> dict[str, 
                 "optimizer": optimizer,
                 "max_samples": BUDGET[task_name],
                 "device": "cpu",
+                # one micro-batch a step where the model allows: the optimizer is on trial here
+                "noise_from": "auto",
             }
         )
     )
