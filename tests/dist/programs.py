@@ -49,6 +49,7 @@ def make_loop(
     optimizer: str = "sgd",
     fsdp: bool = False,
     noise_from: str = "sub_batches",
+    statistics_every: int = 1,
 ) -> AdaptiveBatch:
     model = make_model()
     if fsdp:
@@ -79,6 +80,7 @@ def make_loop(
         similarity=similarity,
         gsnr=gsnr,
         noise_from=noise_from,
+        statistics_every=statistics_every,
     )
 
 
@@ -94,7 +96,8 @@ def shard(model: nn.Module) -> nn.Module:
 def train(loop: AdaptiveBatch, steps: int) -> dict[str, list]:
     """Run ``steps`` steps; what every rank saw and decided."""
     record: dict[str, list] = {
-        "batch": [], "similarity": [], "loss": [], "indices": [], "noise_scale": []
+        "batch": [], "similarity": [], "loss": [], "indices": [], "noise_scale": [],
+        "micro_batches": [],
     }  # fmt: skip
     for step in loop.steps(max_steps=loop.steps_taken + steps):
         for x, y in step.micro_batches():
@@ -105,6 +108,7 @@ def train(loop: AdaptiveBatch, steps: int) -> dict[str, list]:
         record["noise_scale"].append(step.metrics.get("noise_scale"))
         record["loss"].append(step.metrics["loss"])
         record["indices"].append([i for b in step.indices for i in b])
+        record["micro_batches"].append(len(step.plan.sizes))
     return record
 
 
@@ -117,11 +121,26 @@ def flat_params(loop: AdaptiveBatch) -> torch.Tensor:
 # ---------------------------------------------------------------- programs
 
 
-def adaptive_run(steps: int, similarity: str, fsdp: bool = False, optimizer: str = "sgd") -> dict:
+def adaptive_run(  # noqa: PLR0913 - each a variant some test runs
+    steps: int,
+    similarity: str,
+    fsdp: bool = False,
+    optimizer: str = "sgd",
+    every: int = 1,
+    max_micro_batch: int = 8,
+) -> dict:
     world = dist.get_world_size()
     controller = SimiGrad(target=0.5, initial=16 * world, min=2 * world, max=512, window=5)
     lr = 0.05 if optimizer == "sgd" else 0.01
-    loop = make_loop(controller, similarity=similarity, fsdp=fsdp, optimizer=optimizer, lr=lr)
+    loop = make_loop(
+        controller,
+        similarity=similarity,
+        fsdp=fsdp,
+        optimizer=optimizer,
+        lr=lr,
+        statistics_every=every,
+        max_micro_batch=max_micro_batch,
+    )
     record = train(loop, steps)
     record["params"] = flat_params(loop)
     return record

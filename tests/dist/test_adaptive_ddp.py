@@ -1,5 +1,7 @@
 """AdaptiveBatch under DDP with gloo: same decisions on every rank, exact statistics, sharding."""
 
+import math
+
 import pytest
 import torch
 
@@ -47,6 +49,22 @@ def test_every_rank_makes_the_same_batch_decisions_for_200_steps(cluster):
         assert other["loss"] == results[0]["loss"]
         assert torch.equal(other["params"], results[0]["params"])
     assert results[0]["loss"][-1] < 0.5 * results[0]["loss"][0]
+
+
+def test_statistics_every_third_step_decides_the_same_on_every_rank(cluster2):
+    """The ranks agree on which steps measure (the step counter decides): one micro-batch
+    per rank between measurements, the same batches and parameters on every rank."""
+    results = cluster2.run(programs.adaptive_run, 30, "scalar", every=3, max_micro_batch=64)
+    first = results[0]
+    assert [s is not None for s in first["similarity"]] == [i % 3 == 0 for i in range(30)]
+    # min_sub_batches (2) on a measured step, else only what max_micro_batch (64) asks
+    fewest = [2 if i % 3 == 0 else 1 for i in range(30)]
+    memory = [math.ceil(math.ceil(b / 2) / 64) for b in first["batch"]]
+    assert first["micro_batches"] == [max(f, m) for f, m in zip(fewest, memory)]
+    assert 1 in first["micro_batches"]
+    assert len(set(first["batch"])) > 1  # the batch adapts at the measured steps
+    assert results[1]["batch"] == first["batch"] and results[1]["loss"] == first["loss"]
+    assert torch.equal(results[1]["params"], first["params"])
 
 
 def test_split_mode_also_decides_the_same_on_every_rank(cluster2):
