@@ -157,6 +157,10 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch, extra):
         (["train", "--set", "agvm.rule=yolo"], "agvm.rule = 'yolo' is not one of"),
         (["train", "--set", "vrgd.gamma=0"], "vrgd.gamma must be > 0"),
         (["train", "--set", "batch.ramp_over=soon"], "batch.ramp_over = 'soon': not a duration"),
+        (  # MNIST-1D's samples are not sequences: an interval in tokens cannot be measured
+            ["train", "--set", "eval_every=1M tokens"],
+            "eval_every = '1M tokens': 1000000 tokens counts tokens",
+        ),
         (["train", "--nproc", "0"], "--nproc must be at least 1"),
     ],
 )

@@ -187,12 +187,33 @@ def make_controller(config: dict[str, Any]) -> Controller:
     return cls(**_declared(config, "batch.", cls.CONFIG), **_run_facts(cls, config))
 
 
+def run_facts(config: dict[str, Any]) -> dict[str, Any]:
+    """What converting a duration needs to know of a run (:meth:`Duration.elapsed`'s
+    keywords): its budget in samples and a sequence's tokens."""
+    return {"budget": config["max_samples"], "tokens_per_sample": config["model.context"] or None}
+
+
 def _run_facts(component: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """What a component that reads durations (:class:`~bigbatch.batch.Ramp`) needs to know
-    of the run to convert them: its budget in samples and a sequence's tokens."""
-    facts = {"budget": config["max_samples"], "tokens_per_sample": config["model.context"] or None}
+    """The :func:`run_facts` a component that reads durations (:class:`~bigbatch.batch.Ramp`)
+    takes."""
     accepted = inspect.signature(component).parameters
-    return {name: value for name, value in facts.items() if name in accepted}
+    return {name: value for name, value in run_facts(config).items() if name in accepted}
+
+
+def intervals(config: dict[str, Any]) -> dict[str, int | Duration]:
+    """``eval_every`` and ``checkpoint_every`` as a run ticks them: a whole number of
+    optimizer steps, or a duration the run can measure (a :class:`ConfigError` naming the
+    key where it cannot: tokens on a task without sequences)."""
+    out: dict[str, int | Duration] = {}
+    for key in ("eval_every", "checkpoint_every"):
+        every = Duration.interval(config[key])
+        if isinstance(every, Duration):
+            try:
+                every.check(**run_facts(config))
+            except ValueError as err:
+                raise ConfigError(f"{key} = {config[key]!r}: {err}") from None
+        out[key] = every
+    return out
 
 
 def _declared(config: dict[str, Any], prefix: str, knobs: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from ..dist.world import World, init_from_env
 from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..sinks import Sinks
-from .build import build, train_step, with_task_defaults
+from .build import build, intervals, run_facts, train_step, with_task_defaults
 from .config import ConfigError, resolve, to_toml
 from .device import resolve_device, set_tf32, set_threads
 from .report import render_run
@@ -91,6 +91,7 @@ def train(
     with a checkpoint (:class:`~bigbatch.experiments.signals.Stopped`).
     """
     config = with_task_defaults(config)
+    intervals(config)  # an interval this run cannot measure: one line, before ``out`` is claimed
     try:
         device = resolve_device(config["device"])
     except ValueError as err:
@@ -246,8 +247,9 @@ class _Run:
         self.start = time.perf_counter() - state["wall_seconds"]
         self.evaluation: dict[str, float] = {}
         self.ended = "budget"
-        self.eval_every = Duration.interval(config["eval_every"])
-        self.checkpoint_every = Duration.interval(config["checkpoint_every"])
+        every = intervals(config)
+        self.eval_every, self.checkpoint_every = every["eval_every"], every["checkpoint_every"]
+        self.facts = run_facts(config)  # what the durations' ticks are read with
         self.bar: Any = None
         self.log: Any = None
         self.sinks: Sinks = Sinks()
@@ -287,12 +289,7 @@ class _Run:
         loop = self.loop
         if isinstance(every, int):
             return loop.steps_taken % every == 0
-        return every.crossed(
-            before,
-            (loop.samples, loop.steps_taken),
-            tokens_per_sample=self.config["model.context"] or None,
-            budget=self.config["max_samples"],
-        )
+        return every.crossed(before, (loop.samples, loop.steps_taken), **self.facts)
 
 
 def _leave_summary(run: _Run, err: BaseException) -> None:
