@@ -180,11 +180,11 @@ class StepEngine:
 
     # ------------------------------------------------------------ the micro-batches
 
-    def measures(self, step: int | None = None) -> bool:
-        """Whether the step after ``step`` optimizer steps (default: the next step) measures
-        the statistics: every ``statistics_every``-th, from the first; never without them."""
-        taken = self.steps_taken if step is None else step
-        return self.collector is not None and taken % self.options.statistics_every == 0
+    def measures(self) -> bool:
+        """Whether the next step measures the statistics: every ``statistics_every``-th, from
+        the first (the step counter decides, so every rank and a resumed run agree)."""
+        every = self.options.statistics_every
+        return self.collector is not None and self.steps_taken % every == 0
 
     @property
     def next_sub_batches(self) -> int:

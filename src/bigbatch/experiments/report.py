@@ -224,8 +224,8 @@ def render_comparison(root: Path) -> Path:
     gaps = any("generalization_gap" in r for a in arms for r in a.runs)
     # a transformer task logs its largest attention logit (MERIT's claim)
     logits = any("max_attention_logit" in r for a in arms for r in a.runs)
-    extra = " | final train accuracy | gap (train − test)" * gaps
-    extra += " | largest attention logit" * logits
+    extra = " | final train accuracy | gap (train − test)" if gaps else ""
+    extra += " | largest attention logit" if logits else ""
     lines += [
         f"| arm | lr (grid) | {columns} | average batch | wall s{extra} |",
         "|---|---|---|---|---|---|---|---|---|" + "---|" * (2 * gaps + logits),
@@ -289,9 +289,11 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
     tolerance = NEAR_BEST["loss" if loss else "accuracy"]
     target = best + tolerance if loss else best - tolerance
     reached: dict[str, list[int | None]] = {}
-    seconds: dict[str, list[float | None]] = {}  # wall-clock to T (runs that shared the machine
-    evals: dict[str, list[list[dict[str, Any]]]] = {}  # each seed's evaluation rows
-    for arm in arms:  # slow each other; a reused run keeps the time of the call that trained it)
+    # each seed's evaluation rows, and its wall-clock to T (runs that shared the machine slow
+    # each other; a reused run keeps the time of the call that trained it)
+    evals: dict[str, list[list[dict[str, Any]]]] = {}
+    seconds: dict[str, list[float | None]] = {}
+    for arm in arms:
         runs = [[r for r in read_metrics(root / d) if key in r] for d in arm.dirs]
         evals[arm.name] = runs
         hits = [first_reaching(rows, target, key, loss) for rows in runs]
