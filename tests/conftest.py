@@ -1,5 +1,11 @@
 """Tests marked ``cuda`` need a GPU: they are skipped, with the reason, where there is none.
 
+The suite runs in two pytest-xdist workers (``python -m pytest -n 2``, the README's
+command): each worker, and every process a test starts, trains on one CPU thread, so two
+workers share two cores instead of four threads fighting over them. The fault injections
+(marked ``faults``) wait on signals, timeouts and checkpoints; they run one after another
+in one worker (``--dist loadgroup``), beside the other worker's tests.
+
 Without a GPU, Triton (where installed) runs ``impl="fused"``'s kernels in its
 interpreter on CPU tensors (tests/optim/test_fused.py). The variable must be
 set before anything imports Triton, so it is set here, first.
@@ -13,11 +19,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the processes tests start inherit it (torch reads it when it starts)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
+    distributed = config.pluginmanager.hasplugin("xdist")
     for item in items:
-        if "cuda" in item.keywords:
+        if distributed and "faults" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("faults"))
+        if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
