@@ -28,3 +28,69 @@ def test_defaults_come_from_the_signature():
 def test_a_run_default_replaces_even_a_required_argument():
     knobs = {"c.rate": Knob("rate", "", run_default=0.1), "c.w": Knob("window", "", unset=3)}
     assert signature_defaults(Component, knobs) == {"c.rate": 0.1, "c.w": 8}
+
+
+# ---------------------------------------------------------------- settings dataclasses
+
+import math  # noqa: E402
+from dataclasses import KW_ONLY  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bigbatch.batch.controllers import CONTROLLERS  # noqa: E402
+from bigbatch.knobs import check_settings, setting, settings  # noqa: E402
+
+
+@settings
+class Toy:
+    rate: float = setting(help="required", key="lr", low=0, low_open=True)
+    _: KW_ONLY
+    window: int = setting(8, "a count", key="window", low=1)
+    share: float = setting(0.5, "a share", low=0, high=1, high_open=True)
+    on: bool = setting(True, "a flag")
+    mode: str = setting("a", "one of two", key="mode", choices=("a", "b"))
+
+    def __post_init__(self):
+        check_settings(self)
+
+
+def test_settings_give_the_constructor_its_checks_repr_and_config_keys():
+    toy = Toy(2)
+    assert toy.rate == 2.0 and isinstance(toy.rate, float)  # a number is stored as a float
+    assert repr(toy) == "Toy(rate=2.0, window=8, share=0.5, on=True, mode='a')"
+    assert list(Toy.CONFIG) == ["lr", "window", "mode"]  # only the fields with a key
+    assert Toy.CONFIG["lr"] == Knob("rate", "required", low=0, low_open=True)
+    assert signature_defaults(Toy, Toy.CONFIG) == {"lr": NO_DEFAULT, "window": 8, "mode": "a"}
+    with pytest.raises(TypeError):
+        Toy(1, 8)  # keyword-only after KW_ONLY, as a hand-written signature would say
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"rate": 0}, "rate must be a finite number in \\(0"),
+        ({"rate": math.nan}, "rate must"),
+        ({"rate": "fast"}, "rate must be a number, got 'fast'"),
+        ({"rate": 1, "window": 0}, "window must be a whole number >= 1, got 0"),
+        ({"rate": 1, "window": 2.0}, "window must be a whole number"),
+        ({"rate": 1, "share": 1.0}, "share must be a finite number in \\[0, 1\\)"),
+        ({"rate": 1, "on": 1}, "on must be True or False"),
+        ({"rate": 1, "mode": "c"}, "mode must be one of 'a', 'b', got 'c'"),
+    ],
+)
+def test_a_bad_setting_is_one_error_naming_it(values, message):
+    with pytest.raises(ValueError, match=message):
+        Toy(**values)
+
+
+@pytest.mark.parametrize("name", sorted(set(CONTROLLERS) - {"ramp"}))
+def test_a_controllers_config_bounds_are_the_ones_it_checks(name):
+    """One bound, in one place: a value a key's bounds refuse, the constructor refuses."""
+    cls = CONTROLLERS[name]
+    for key, knob in cls.CONFIG.items():
+        if knob.low is None or key in ("initial", "min", "max"):
+            continue
+        below = knob.low if knob.low_open else knob.low - 1
+        args = {"batch_size": 16} if name == "constant" else {}
+        with pytest.raises(ValueError, match=knob.param):
+            cls(**{**args, knob.param: below})

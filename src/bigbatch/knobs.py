@@ -7,16 +7,25 @@ the constructor's signature, so every knob has one default, in one place;
 the key's help and bounds sit beside it. The command line's schema is
 generated from these declarations (``bigbatch.experiments.config``), the way
 timm's registry keeps models as data.
+
+A component whose constructor only stores its settings declares them once, as
+the fields of a dataclass (:func:`settings`): each field's default, bounds and
+help sit in one :func:`setting`, from which come the constructor, its checks
+(:func:`check_settings`, naming the argument and the value), its ``repr`` (the
+constructor call) and, for the fields with a config key, ``CONFIG``.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, TypeVar
 
-__all__ = ["Knob", "signature_defaults"]
+from ._checks import check_flag, check_number, choice, whole_number
+
+__all__ = ["Knob", "check_settings", "setting", "settings", "signature_defaults"]
 
 #: a knob whose default the signature does not give (a required argument)
 NO_DEFAULT = inspect.Parameter.empty
@@ -34,6 +43,9 @@ class Knob:
     high: float | None = None
     low_open: bool = False
     choices: tuple[str, ...] | None = None
+    #: the constructor refuses ``high`` itself (the config's key does not: its bound is
+    #: the first owner's)
+    high_open: bool = False
     #: the config's value for "not set" where the signature has none to give (e.g. 0 for a
     #: length the run derives from its budget)
     unset: Any = None
@@ -55,3 +67,60 @@ def signature_defaults(component: Any, knobs: Mapping[str, Knob]) -> dict[str, A
             default = knob.run_default
         out[key] = knob.unset if default is None else default
     return out
+
+
+_T = TypeVar("_T")
+
+
+def setting(
+    default: Any = MISSING, help: str = "", *, key: str | None = None, **bounds: Any
+) -> Any:
+    """A setting as a dataclass field: its default, and beside it its ``help``, its bounds
+    (``low``, ``high``, ``low_open``, ``high_open``, ``choices``: :class:`Knob`'s) and, where
+    a run's config sets it, its config ``key``."""
+    knob = Knob("", help, **bounds)
+    return field(default=default, metadata={"knob": knob, "key": key})
+
+
+def settings(cls: type[_T]) -> type[_T]:
+    """Make ``cls`` a dataclass of its :func:`setting` fields (compared by identity: it
+    may hold state beside them) with ``CONFIG``, its config keys, generated from them.
+
+    Its ``__post_init__`` calls :func:`check_settings` first, then builds its state."""
+    cls = dataclass(eq=False)(cls)
+    config = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get("key"):
+            config[f.metadata["key"]] = replace(f.metadata["knob"], param=f.name)
+    cls.CONFIG = config  # type: ignore[attr-defined]
+    return cls
+
+
+def check_settings(component: Any) -> None:
+    """Check every :func:`setting` field of ``component`` against its bounds, by its
+    annotated type (a whole number, a number, a flag, one of ``choices``): one
+    ``ValueError`` naming the argument and the value; a number is stored as a float."""
+    for f in fields(component):
+        knob = f.metadata.get("knob")
+        if knob is None:
+            continue
+        value = getattr(component, f.name)
+        # the annotation is text where the module defers them (``from __future__ import
+        # annotations``), else the type itself
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if knob.choices is not None:
+            value = choice(f.name, value, knob.choices)
+        elif kind == "bool":
+            value = check_flag(f.name, value)
+        elif kind == "int":
+            value = whole_number(f.name, value, int(knob.low or 0))
+        elif kind == "float":
+            value = check_number(
+                f.name,
+                value,
+                low=-math.inf if knob.low is None else knob.low,
+                high=math.inf if knob.high is None else knob.high,
+                low_open=knob.low_open,
+                high_open=knob.high_open,
+            )
+        setattr(component, f.name, value)

@@ -28,44 +28,50 @@ model, so all are tested without one.
 
 Why the published SimiGrad rule cycles, and what the two new controllers do
 instead, is in ``docs/algorithms.md`` ("Batch-size controllers").
+
+Every controller but :class:`Ramp` (whose constructor reads durations and
+tables) is a dataclass of its settings (:func:`bigbatch.knobs.settings`):
+each argument's default, bounds, help and config key are written once, as a
+field; the checks, the ``repr`` and ``CONFIG`` come from them. The state a
+controller learns is kept apart, in private attributes that ``state_dict``
+returns.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import KW_ONLY
 from typing import Any, ClassVar, Protocol
 
-from .._checks import batch_bounds, check_flag, check_number, positive_int, whole_number
+from .._checks import batch_bounds, positive_int
 from ..duration import Duration
-from ..knobs import Knob
+from ..knobs import Knob, check_settings, setting, settings
 from .smoothing import LossSlope, SmoothedNoise, SmoothedValue
 
-# The config keys (``batch.<key>``) each controller takes, as data: the defaults are the
-# constructors' own (bigbatch.knobs).
-_BOUNDS = {
-    "initial": Knob("initial", "first batch size (samples)", low=1),
-    "min": Knob("min", "smallest batch size", low=1),
-    "max": Knob("max", "largest batch size", low=1),
-}
-_WINDOW = Knob("window", "steps of evidence averaged per decision", low=1)
-_MULTIPLE = Knob(
-    "multiple",
-    "kappa: the batch follows kappa * B_simple (the critical batch at 1)",
+# The settings several controllers share (bigbatch.knobs.setting's arguments): the config
+# key (``batch.<key>``), its help and its bounds, written once
+_INITIAL = dict(key="initial", help="first batch size (samples)", low=1)
+_MIN = dict(key="min", help="smallest batch size", low=1)
+_MAX = dict(key="max", help="largest batch size", low=1)
+_WINDOW = dict(key="window", help="steps of evidence averaged per decision", low=1)
+_MULTIPLE = dict(
+    key="noise_multiple",
+    help="kappa: the batch follows kappa * B_simple (the critical batch at 1)",
     low=0,
     low_open=True,
 )
-_FACTOR = Knob("factor", "growth factor of each change", low=1, low_open=True)
-_CONFIDENCE = Knob("confidence", "standard errors of evidence a change needs", low=0)
-_TARGET = Knob(
-    "target",
-    "similarity s* held (B settles near 2 B_simple s*/(1-s*); 1/3: the critical batch)",
+_FACTOR = dict(key="factor", help="growth factor of each change", low=1, low_open=True)
+_CONFIDENCE = dict(key="confidence", help="standard errors of evidence a change needs", low=0)
+_TARGET = dict(
+    key="target",
+    help="similarity s* held (B settles near 2 B_simple s*/(1-s*); 1/3: the critical batch)",
     low=-1,
     high=1,
 )
+_CLIP = dict(low=0, low_open=True)
 
 
 class Controller(Protocol):
@@ -102,6 +108,7 @@ class Controller(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@settings
 class SimiGrad:
     """SimiGrad's controller: hold the mean half-batch gradient cosine at ``target``.
 
@@ -125,32 +132,23 @@ class SimiGrad:
     settles).
     """
 
+    target: float = setting(1 / 3, **_TARGET)
+    initial: int = setting(64, **_INITIAL)
+    min: int = setting(16, **_MIN)
+    max: int = setting(16384, **_MAX)
+    _: KW_ONLY
+    window: int = setting(20, **_WINDOW)
+    interval: int = setting(1, "steps between decisions", low=1)
+    growth: float = setting(1.1, "factor of a growth", low=1, low_open=True)
+    shrink: float = setting(0.9, "factor of a shrink", low=0, high=1, low_open=True, high_open=True)
+
     needs_statistics = True
     #: decides on the measured half-batch cosine: keep the split (two micro-batches)
     reads_similarity = True
     holds_lr = False
-    CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "target": _TARGET, "window": _WINDOW}
 
-    def __init__(
-        self,
-        target: float = 1 / 3,
-        initial: int = 64,
-        min: int = 16,
-        max: int = 16384,
-        *,
-        window: int = 20,
-        interval: int = 1,
-        growth: float = 1.1,
-        shrink: float = 0.9,
-    ) -> None:
-        self.target = check_number("target", target, low=-1.0, high=1.0)
-        self.initial, self.min, self.max = batch_bounds(initial, min, max)
-        self.window = positive_int("window", window)
-        self.interval = positive_int("interval", interval)
-        self.growth = check_number("growth", growth, low=1.0, low_open=True)
-        self.shrink = check_number(
-            "shrink", shrink, low=0.0, high=1.0, low_open=True, high_open=True
-        )
+    def __post_init__(self) -> None:
+        _check(self)
         self._recent: deque[float] = deque(maxlen=self.window)
         self._steps = 0
 
@@ -175,10 +173,8 @@ class SimiGrad:
         self._recent = deque((float(s) for s in state["recent"]), maxlen=self.window)
         self._steps = int(state["steps"])
 
-    def __repr__(self) -> str:
-        return _settings(self)
 
-
+@settings
 class CriticalBatchRamp:
     """Grow the batch by ``factor`` once ``multiple · B_simple`` is confidently above the next size.
 
@@ -218,37 +214,22 @@ class CriticalBatchRamp:
     is 64, as for every controller.
     """
 
+    multiple: float = setting(6.0, **_MULTIPLE)
+    initial: int = setting(64, **_INITIAL)
+    min: int = setting(16, **_MIN)
+    max: int = setting(16384, **_MAX)
+    _: KW_ONLY
+    factor: float = setting(2.0, **_FACTOR)
+    confidence: float = setting(1.0, **_CONFIDENCE)
+    window: int = setting(20, **_WINDOW)
+    warmup: int = setting(0, "samples before the first decision", low=0)
+    shrink: bool = setting(False, "also shrink when the noise scale falls", key="shrink")
+
     needs_statistics = True
     holds_lr = True
-    CONFIG: ClassVar[dict[str, Knob]] = {
-        **_BOUNDS,
-        "noise_multiple": _MULTIPLE,
-        "factor": _FACTOR,
-        "confidence": _CONFIDENCE,
-        "window": _WINDOW,
-        "shrink": Knob("shrink", "also shrink when the noise scale falls"),
-    }
 
-    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
-        self,
-        multiple: float = 6.0,
-        initial: int = 64,
-        min: int = 16,
-        max: int = 16384,
-        *,
-        factor: float = 2.0,
-        confidence: float = 1.0,
-        window: int = 20,
-        warmup: int = 0,
-        shrink: bool = False,
-    ) -> None:
-        self.multiple = check_number("noise_multiple", multiple, low_open=True)
-        self.initial, self.min, self.max = batch_bounds(initial, min, max)
-        self.factor = check_number("factor", factor, low=1.0, low_open=True)
-        self.confidence = check_number("confidence", confidence)
-        self.window = positive_int("window", window)
-        self.warmup = whole_number("warmup", warmup)
-        self.shrink = check_flag("shrink", shrink)
+    def __post_init__(self) -> None:
+        _check(self)
         self._noise = SmoothedNoise(self.window)
         self._warming = _WarmUp(self.warmup)
 
@@ -277,10 +258,8 @@ class CriticalBatchRamp:
         self._noise.load_state_dict(state["noise"])
         self._warming.last = float(state["schedule"])
 
-    def __repr__(self) -> str:
-        return _settings(self)
 
-
+@settings
 class BatchWarmup:
     """Start small; double the batch once a fraction of the noise scale has grown past it.
 
@@ -340,74 +319,56 @@ class BatchWarmup:
     (docs/results.md, "Adaptive batching on a task nobody tuned it on").
     """
 
+    multiple: float = setting(0.25, **_MULTIPLE)
+    initial: int = setting(16, **_INITIAL)
+    min: int = setting(16, **_MIN)
+    max: int = setting(16384, **_MAX)
+    _: KW_ONLY
+    factor: float = setting(2.0, **_FACTOR)
+    confidence: float = setting(1.0, **_CONFIDENCE)
+    window: int = setting(20, **_WINDOW)
+    decay_power: float = setting(
+        0.0,
+        "the noise scale is weighed by the schedule's LR multiplier to this power, so its "
+        "rise where the rate is small (warm-up, decay) grows the batch less (0: off)",
+        key="decay_power",
+        low=0,
+    )
+    clip: float = setting(
+        3.0,
+        "each step's |G|^2 and tr(Sigma) are held within this many spreads of their "
+        "averages (one outlier step cannot change the batch)",
+        key="clip",
+        **_CLIP,
+    )
+    loss_lag: float = setting(
+        0.015,
+        "where the loss falls slowly with more samples (after the schedule's warm-up), "
+        "kappa rises so that the batch leaves the loss behind by at most this much "
+        "(loss units; 0: kappa fixed)",
+        key="loss_lag",
+        low=0,
+    )
+    max_multiple: float = setting(
+        1.0,
+        "the largest kappa the loss_lag rule may choose (at or below noise_multiple: off)",
+        key="max_multiple",
+        low=0,
+        low_open=True,
+    )
+    slope_span: float = setting(
+        1.0,
+        "e-folds of samples over which the loss's slope is fitted (the loss_lag rule)",
+        key="slope_span",
+        low=0,
+        low_open=True,
+    )
+
     needs_statistics = True
     holds_lr = False
-    CONFIG: ClassVar[dict[str, Knob]] = {
-        **_BOUNDS,
-        "noise_multiple": _MULTIPLE,
-        "factor": _FACTOR,
-        "confidence": _CONFIDENCE,
-        "window": _WINDOW,
-        "decay_power": Knob(
-            "decay_power",
-            "the noise scale is weighed by the schedule's LR multiplier to this power, so its "
-            "rise where the rate is small (warm-up, decay) grows the batch less (0: off)",
-            low=0,
-        ),
-        "clip": Knob(
-            "clip",
-            "each step's |G|^2 and tr(Sigma) are held within this many spreads of their "
-            "averages (one outlier step cannot change the batch)",
-            low=0,
-            low_open=True,
-        ),
-        "loss_lag": Knob(
-            "loss_lag",
-            "where the loss falls slowly with more samples (after the schedule's warm-up), "
-            "kappa rises so that the batch leaves the loss behind by at most this much "
-            "(loss units; 0: kappa fixed)",
-            low=0,
-        ),
-        "max_multiple": Knob(
-            "max_multiple",
-            "the largest kappa the loss_lag rule may choose (at or below noise_multiple: off)",
-            low=0,
-            low_open=True,
-        ),
-        "slope_span": Knob(
-            "slope_span",
-            "e-folds of samples over which the loss's slope is fitted (the loss_lag rule)",
-            low=0,
-            low_open=True,
-        ),
-    }
 
-    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
-        self,
-        multiple: float = 0.25,
-        initial: int = 16,
-        min: int = 16,
-        max: int = 16384,
-        *,
-        factor: float = 2.0,
-        confidence: float = 1.0,
-        window: int = 20,
-        decay_power: float = 0.0,
-        clip: float = 3.0,
-        loss_lag: float = 0.015,
-        max_multiple: float = 1.0,
-        slope_span: float = 1.0,
-    ) -> None:
-        self.multiple = check_number("noise_multiple", multiple, low_open=True)
-        self.initial, self.min, self.max = batch_bounds(initial, min, max)
-        self.factor = check_number("factor", factor, low=1.0, low_open=True)
-        self.confidence = check_number("confidence", confidence)
-        self.window = positive_int("window", window)
-        self.decay_power = check_number("decay_power", decay_power)
-        self.clip = check_number("clip", clip, low_open=True)
-        self.loss_lag = check_number("loss_lag", loss_lag)
-        self.max_multiple = check_number("max_multiple", max_multiple, low_open=True)
-        self.slope_span = check_number("slope_span", slope_span, low_open=True)
+    def __post_init__(self) -> None:
+        _check(self)
         self._noise = SmoothedNoise(self.window)
         self._slope = LossSlope(span=self.slope_span)
         self._schedule = 1.0  # the last step's rate multiplier
@@ -489,10 +450,8 @@ class BatchWarmup:
             self._warming.last = float(state["warming"])
             self._warmed = bool(state["warmed"])
 
-    def __repr__(self) -> str:
-        return _settings(self)
 
-
+@settings
 class Seesaw:
     """Grow the batch where the schedule lowers the rate, up to the critical batch.
 
@@ -536,57 +495,46 @@ class Seesaw:
     docs/results.md.
     """
 
+    initial: int = setting(16, **_INITIAL)
+    min: int = setting(16, **_MIN)
+    max: int = setting(16384, **_MAX)
+    _: KW_ONLY
+    growth: float = setting(
+        8.0,
+        "the batch grows to at most this multiple of batch.initial (0: no such cap)",
+        key="max_growth",
+        low=0,
+    )
+    granularity: float = setting(
+        1.0,
+        "the batch moves in powers of this factor (1: follows the schedule "
+        "continuously; 2: doublings)",
+        key="granularity",
+        low=1,
+    )
+    critical_multiple: float = setting(
+        0.5,
+        "the batch stops at this multiple of the noise scale B_simple's upper "
+        "bound, the run's critical-batch estimate (0: no such cap)",
+        key="critical_multiple",
+        low=0,
+    )
+    confidence: float = setting(1.0, **_CONFIDENCE)
+    window: int = setting(20, **_WINDOW)
+    clip: float = setting(3.0, "spreads each step's |G|^2 and tr(Sigma) are held within", **_CLIP)
+
+    #: False without the noise cap (set by the settings)
     needs_statistics = True
     holds_lr = False
     #: the batch replaces the schedule's decay: ``lr_scaling="auto"`` is the optimizer
     #: family's equivalence rule (``bigbatch.batch.lr.FAMILY_RULES``), never a rule measured
     #: for a static batch
     family_lr_rule = True
-    CONFIG: ClassVar[dict[str, Knob]] = {
-        **_BOUNDS,
-        "max_growth": Knob(
-            "growth",
-            "the batch grows to at most this multiple of batch.initial (0: no such cap)",
-            low=0,
-        ),
-        "granularity": Knob(
-            "granularity",
-            "the batch moves in powers of this factor (1: follows the schedule "
-            "continuously; 2: doublings)",
-            low=1,
-        ),
-        "critical_multiple": Knob(
-            "critical_multiple",
-            "the batch stops at this multiple of the noise scale B_simple's upper "
-            "bound, the run's critical-batch estimate (0: no such cap)",
-            low=0,
-        ),
-        "confidence": _CONFIDENCE,
-        "window": _WINDOW,
-    }
 
-    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
-        self,
-        initial: int = 16,
-        min: int = 16,
-        max: int = 16384,
-        *,
-        growth: float = 8.0,
-        granularity: float = 1.0,
-        critical_multiple: float = 0.5,
-        confidence: float = 1.0,
-        window: int = 20,
-        clip: float = 3.0,
-    ) -> None:
-        self.initial, self.min, self.max = batch_bounds(initial, min, max)
-        self.growth = check_number("growth", growth)
+    def __post_init__(self) -> None:
+        _check(self)
         if 0 < self.growth < 1:
-            raise ValueError(f"growth must be 0 (no cap) or at least 1, got {growth!r}")
-        self.granularity = check_number("granularity", granularity, low=1.0)
-        self.critical_multiple = check_number("critical_multiple", critical_multiple)
-        self.confidence = check_number("confidence", confidence)
-        self.window = positive_int("window", window)
-        self.clip = check_number("clip", clip, low_open=True)
+            raise ValueError(f"growth must be 0 (no cap) or at least 1, got {self.growth!r}")
         self.needs_statistics = self.critical_multiple > 0
         self._noise = SmoothedNoise(self.window)
         self._peak = -math.inf  # the schedule's largest multiplier so far
@@ -655,10 +603,8 @@ class Seesaw:
         self._peak, self._warming.last = float(state["peak"]), float(state["last"])
         self._decay = float(state["decay"])
 
-    def __repr__(self) -> str:
-        return _settings(self)
 
-
+@settings
 class DampedSimiGrad:
     """SimiGrad's target similarity, held by a damped log-space PI loop that settles.
 
@@ -688,40 +634,28 @@ class DampedSimiGrad:
     published controller is :class:`SimiGrad`.
     """
 
+    # a logit's domain: (0, 1)
+    target: float = setting(1 / 3, **{**_TARGET, "low": 0, "low_open": True, "high_open": True})
+    initial: int = setting(64, **_INITIAL)
+    min: int = setting(16, **_MIN)
+    max: int = setting(16384, **_MAX)
+    _: KW_ONLY
+    window: int = setting(20, **_WINDOW)
+    confidence: float = setting(2.0, "standard errors of the similarity's interval", low=0)
+    dead_band: float = setting(0.2, "log-batch error ignored around the target", low=0)
+    integral: float = setting(0.2, "integral gain", low=0, low_open=True)
+    proportional: float = setting(0.5, "proportional gain", low=0)
+    max_rate: float = setting(0.1, "largest move of log B per step", low=0, low_open=True)
+    min_change: float = setting(0.25, "smallest move of log B that changes the batch", low=0)
+    warmup: int = setting(0, "samples before the first decision", low=0)
+
     needs_statistics = True
     #: decides on the measured half-batch cosine: keep the split (two micro-batches)
     reads_similarity = True
     holds_lr = True
-    CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "target": _TARGET, "window": _WINDOW}
 
-    def __init__(  # noqa: PLR0913 - every tuning knob is a keyword with a default
-        self,
-        target: float = 1 / 3,
-        initial: int = 64,
-        min: int = 16,
-        max: int = 16384,
-        *,
-        window: int = 20,
-        confidence: float = 2.0,
-        dead_band: float = 0.2,
-        integral: float = 0.2,
-        proportional: float = 0.5,
-        max_rate: float = 0.1,
-        min_change: float = 0.25,
-        warmup: int = 0,
-    ) -> None:
-        self.target = check_number(
-            "target", target, low=0.0, high=1.0, low_open=True, high_open=True
-        )
-        self.initial, self.min, self.max = batch_bounds(initial, min, max)
-        self.window = positive_int("window", window)
-        self.confidence = check_number("confidence", confidence)
-        self.dead_band = check_number("dead_band", dead_band)
-        self.integral = check_number("integral", integral, low_open=True)
-        self.proportional = check_number("proportional", proportional)
-        self.max_rate = check_number("max_rate", max_rate, low_open=True)
-        self.min_change = check_number("min_change", min_change)
-        self.warmup = whole_number("warmup", warmup)
+    def __post_init__(self) -> None:
+        _check(self)
         self._similarity = SmoothedValue(self.window)
         self._error = 0.0
         self._log_batch = math.log(self.initial)
@@ -770,9 +704,6 @@ class DampedSimiGrad:
         self._log_batch = float(state["log_batch"])
         self._warming.last = float(state["schedule"])
 
-    def __repr__(self) -> str:
-        return _settings(self)
-
 
 class _WarmUp:
     """Whether the learning rate is still warming up: before ``samples`` or while the
@@ -790,19 +721,17 @@ class _WarmUp:
         return samples < self.samples or rising
 
 
-def _settings(controller: object) -> str:
-    """``Name(key=value, ...)``: a controller's settings, for logs and error messages, one
-    per argument of its constructor, in the signature's order (each kept as an attribute
-    of the same name)."""
-    names = inspect.signature(type(controller)).parameters
-    args = ", ".join(f"{name}={getattr(controller, name)!r}" for name in names)
-    return f"{type(controller).__name__}({args})"
+def _check(controller: Any) -> None:
+    """A controller's settings against their bounds, and ``min <= initial <= max``."""
+    check_settings(controller)
+    batch_bounds(controller.initial, controller.min, controller.max)
 
 
 def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
+@settings
 class NoiseScale:
     """``B = multiple · B_simple``, clamped, re-chosen when it moves by more than ``threshold``.
 
@@ -813,24 +742,19 @@ class NoiseScale:
     keeps the batch.
     """
 
+    multiple: float = setting(1.0, **_MULTIPLE)
+    initial: int = setting(64, **_INITIAL)
+    min: int = setting(16, **_MIN)
+    max: int = setting(16384, **_MAX)
+    _: KW_ONLY
+    threshold: float = setting(0.05, "relative move of the wanted batch that changes it", low=0)
+    window: int = setting(20, **_WINDOW)
+
     needs_statistics = True
     holds_lr = True
-    CONFIG: ClassVar[dict[str, Knob]] = {**_BOUNDS, "noise_multiple": _MULTIPLE, "window": _WINDOW}
 
-    def __init__(
-        self,
-        multiple: float = 1.0,
-        initial: int = 64,
-        min: int = 16,
-        max: int = 16384,
-        *,
-        threshold: float = 0.05,
-        window: int = 20,
-    ) -> None:
-        self.multiple = check_number("noise_multiple", multiple, low_open=True)
-        self.initial, self.min, self.max = batch_bounds(initial, min, max)
-        self.threshold = check_number("threshold", threshold)
-        self.window = positive_int("window", window)
+    def __post_init__(self) -> None:
+        _check(self)
         self._noise = SmoothedNoise(self.window)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
@@ -855,21 +779,19 @@ class NoiseScale:
         if "noise" in state:  # checkpoints before the controller smoothed for itself have none
             self._noise.load_state_dict(state["noise"])
 
-    def __repr__(self) -> str:
-        return _settings(self)
 
-
+@settings
 class Constant:
     """A static batch: the baseline every adaptive method is compared with."""
 
+    batch_size: int = setting(**_INITIAL)
+
     needs_statistics = False
     holds_lr = False
-    CONFIG: ClassVar[dict[str, Knob]] = {
-        "initial": Knob("batch_size", "first batch size (samples)", low=1)
-    }
 
-    def __init__(self, batch_size: int) -> None:
-        self.initial = self.min = self.max = positive_int("batch_size", batch_size)
+    def __post_init__(self) -> None:
+        check_settings(self)
+        self.initial = self.min = self.max = self.batch_size
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
         return self.initial
