@@ -40,6 +40,11 @@ class ArmResult:
     #: the rate ceiling the chosen point trained under (``lr_max``; 0: none), which a run
     #: at the chosen rate needs as well (a task's ceiling scales with the grid's rate)
     lr_max: float = 0.0
+    #: the run directory of each rate of ``lrs`` (first seed), relative to the sweep's root
+    grid_dirs: list[str] = field(default_factory=list)
+    #: the index in ``lrs`` of the arm's own rate (x1 of the grid: the rate a user gets
+    #: with these settings); None where the grid has no x1 point
+    own: int | None = None
 
     @property
     def lr(self) -> float:
@@ -64,6 +69,8 @@ class ArmResult:
             "lr_max": self.lr_max,
             "dirs": self.dirs,
             "tuned": self.tuned,
+            "grid_dirs": self.grid_dirs,
+            "own": self.own,
         }
 
 

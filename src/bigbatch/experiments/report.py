@@ -162,6 +162,8 @@ def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
                     dirs,
                     entry.get("tuned"),
                     entry.get("lr_max", 0.0),  # compare.json from before the ceiling: none
+                    entry.get("grid_dirs", []),
+                    entry.get("own"),  # compare.json from before it: none
                 )
             )
     return index.get("plan", {}), arms
@@ -259,6 +261,7 @@ def render_comparison(root: Path) -> Path:
     lines += ["", f"![test {score} vs samples and steps](curves.png)", ""]
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
     lines += _near_best(root, arms, loss, score)
+    lines += _own_rates(root, arms, loss, score)
     axis = _axis(plan, arms)
     if axis is not None:
         lines += _by_axis(root, plan, arms, axis, loss, score)
@@ -325,6 +328,37 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
         )
     lines += ["", f"![optimizer steps vs final {score}](steps_final.png)", ""]
     return lines + _at_targets(evals, arms, target, key, loss)
+
+
+def _own_rates(root: Path, arms: list[ArmResult], loss: bool, score: str) -> list[str]:
+    """Each arm's final score at its own rate (x1 of the grid: what its settings give a user
+    who tunes nothing, e.g. an optimizer's recipe) beside the chosen rate's, first seed:
+    how far from its tuned best a default leaves an arm."""
+    final = "final_eval_loss" if loss else "final_accuracy"
+    rows = []
+    for arm in arms:
+        if arm.own is None or len(arm.lrs) < 2 or arm.own >= len(arm.grid_dirs):
+            continue
+        own = finished_summary(root / arm.grid_dirs[arm.own])
+        if own is None or own.get(final) is None or arm.runs[0].get(final) is None:
+            continue
+        edge = " (an end of the grid)" if arm.at_edge else ""
+        rows.append(
+            f"| {arm.name} | {arm.lrs[arm.own]:.4g} | {own[final]:.4f} "
+            f"| {arm.lr:.4g}{edge} | {arm.runs[0][final]:.4f} "
+            f"| {own[final] - arm.runs[0][final]:+.4f} |"
+        )
+    if not rows:
+        return []
+    return [
+        f"Each arm at its own rate (× 1 of the grid) against its chosen rate, final {score} "
+        "on the first seed:",
+        "",
+        f"| arm | own rate | final {score} | chosen rate | final {score} | own − chosen |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _wall_at(rows: list[dict[str, Any]], step: int) -> float | None:

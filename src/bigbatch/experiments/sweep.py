@@ -199,6 +199,7 @@ def _arm_result(
     """An arm's grid, its chosen rate and that rate's runs on every seed."""
     order = sorted(grid)
     names = [_run_name(arm, pick, first_seed + k) for k in range(seeds)]
+    own = next((i for i in order if grid[i] == 1.0), None)
     return ArmResult(
         name=arm.name,
         overrides=dict(arm.overrides),
@@ -208,6 +209,8 @@ def _arm_result(
         runs=[done[n] for n in names],
         dirs=names,
         lr_max=lr_max,
+        grid_dirs=[_run_name(arm, i, first_seed) for i in order],
+        own=None if own is None else order.index(own),
     )
 
 

@@ -64,7 +64,7 @@ class Task:
     #: family's (``bigbatch.batch.lr.FAMILY_RULES``); the held rate (``key + "/held"``) is
     #: the one at every batch, for controllers that hold the rate while the batch follows
     #: the noise and wherever the task's rule is ``none``. Measured by the evidence grids and
-    #: benchmarks/recipes.py (docs/results.md, "Recipes")
+    #: benchmarks/studies/recipes.toml (docs/results.md, "Recipes")
     lrs: Mapping[str, float]
     max_samples: int
     width: int

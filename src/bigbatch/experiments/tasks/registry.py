@@ -17,7 +17,8 @@ TASKS: dict[str, Task] = {
             lrs={
                 "adam": 4e-3,
                 "adam/held": 1.6e-2,
-                # momentum SGD, LARS and the VR forms at their recipes (benchmarks/recipes.py)
+                # momentum SGD, LARS and the VR forms at their recipes
+                # (benchmarks/studies/recipes.toml)
                 "sgd": 0.05,
                 "sgd/held": 0.2,
                 "plain-sgd": 0.125,
@@ -46,8 +47,8 @@ TASKS: dict[str, Task] = {
                 "adam": 4e-3,
                 "adam/held": 1.6e-2,
                 # momentum SGD (and vr-momentum, which follows it), LARS and vr-lars at
-                # their recipes (benchmarks/recipes.py, docs/results.md "Recipes"): sgd and
-                # vr-lars the best of their ×2 grids at batch 256 and under the default
+                # their recipes (benchmarks/studies/recipes.toml, docs/results.md "Recipes"):
+                # sgd and vr-lars the best of their ×2 grids at batch 256 and under the default
                 # controller, lars the default controller's best (b256's is half of it)
                 "sgd": 0.0625,
                 "lars": 3.16,
@@ -130,7 +131,7 @@ TASKS: dict[str, Task] = {
             lrs={
                 # Adam-type rates measured by the evidence benchmark at batch 64 (LAMB:
                 # 0.008 at 16, 0.032 at 256 by sqrt); MERIT, NVLAMB and VR-LAMB share them
-                # at 256 (benchmarks/recipes.py, docs/results.md "Recipes")
+                # at 256 (benchmarks/studies/recipes.toml, docs/results.md "Recipes")
                 "adam": 1.6e-2,
                 # held: static 64's best (where the held-rate controllers start). Under
                 # critical_ramp LAMB's best is 0.032 on three seeds (0.23 nats lower), under
@@ -156,7 +157,7 @@ TASKS: dict[str, Task] = {
                 "adamw/held": 1.6e-2,
                 "vr-adam": 1.6e-2,
                 "vr-adam/held": 1.6e-2,
-                # the SGD- and LARS-type forms (benchmarks/recipes.py, docs/results.md
+                # the SGD- and LARS-type forms (benchmarks/studies/recipes.toml, docs/results.md
                 # "Recipes"): each form's best rate at constant batch 256 and its best under
                 # the default controller (batch 16 for most of the run) are joined by the
                 # batch rule in lr_rules; the scaled rate is that rule's rate at batch 64,
