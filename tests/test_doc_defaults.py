@@ -93,3 +93,23 @@ def test_the_tasks_table_gives_each_tasks_shape_target_and_rates():
         assert shape and [int(shape[1]), int(shape[2])] == [task.width, task.depth], name
         assert numbers(target)[0] == task.target, name
         assert numbers(rates)[:2] == [task.lrs["adam"], task.lrs["adam/held"]], name
+
+
+def test_the_compare_options_table_gives_the_protocols_defaults():
+    from bigbatch.experiments.arms import PROTOCOL_DEFAULTS
+
+    lines = (ROOT / "docs" / "cli.md").read_text().splitlines()
+    start = lines.index("| option | meaning | default |")
+    documented = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        flag, default = cells[0].strip("`").split()[0], cells[-1].strip("`")
+        documented[flag.removeprefix("--").replace("-", "_")] = default
+    expected = {
+        key: "off" if value is False else ",".join(f"{v:g}" for v in value)
+        if isinstance(value, list) else str(value)
+        for key, value in PROTOCOL_DEFAULTS.items()
+    }  # fmt: skip
+    assert documented == expected

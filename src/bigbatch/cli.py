@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .experiments.arms import RANKS
+from .experiments.arms import PROTOCOL_DEFAULTS, RANKS
 from .experiments.config import (
     ConfigError,
     help_text,
@@ -201,23 +201,31 @@ def _compare_arguments(compare: argparse.ArgumentParser) -> None:
         "--widen",
         type=int,
         help="grid points to add, one at a time, at an end where an arm's best rate lies "
-        "(default 0)",
+        f"(default {PROTOCOL_DEFAULTS['widen']})",
     )
     compare.add_argument(
         "--lr-grid",
         metavar="M1,M2,...",
-        help="train each arm at its rate times each multiplier and keep the best (default 1)",
+        help="train each arm at its rate times each multiplier and keep the best "
+        f"(default {','.join(f'{m:g}' for m in PROTOCOL_DEFAULTS['lr_grid'])})",
     )
     compare.add_argument(
-        "--seeds", type=int, help="seeds at each arm's chosen rate (default 1; the first is seed)"
+        "--seeds",
+        type=int,
+        help=f"seeds at each arm's chosen rate (default {PROTOCOL_DEFAULTS['seeds']}; the first "
+        "is seed)",
     )
     compare.add_argument(
         "--rank",
         choices=tuple(RANKS),
         help="how the rate grid is ranked: steps (fewest to the task's target), best or final "
-        "score (default best)",
+        f"score (default {PROTOCOL_DEFAULTS['rank']})",
     )
-    compare.add_argument("--jobs", type=int, help="runs at a time, each in its own process")
+    compare.add_argument(
+        "--jobs",
+        type=int,
+        help=f"runs at a time, each in its own process (default {PROTOCOL_DEFAULTS['jobs']})",
+    )
     compare.add_argument(
         "--tune",
         action="store_true",

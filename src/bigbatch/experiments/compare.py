@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .arms import PROTOCOL_DEFAULTS
 from .config import ConfigError, flatten, parse_assignment, resolve
 from .report import render_comparison
 from .rundir import check_new_run_dir, new_run_dir
@@ -114,7 +115,7 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     Every arm's config is resolved here, so a bad value stops the comparison
     before any run starts.
     """
-    known = {"vary", "arms", "lr_grid", "widen", "seeds", "rank", "jobs", "tune"}
+    known = {"vary", "arms", *PROTOCOL_DEFAULTS}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(
@@ -129,9 +130,10 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     varied = [k for keys, _ in axes for k in keys]
     if len(set(varied)) < len(varied):
         raise ConfigError(f"a key is varied twice: {varied}")
-    lr_grid = _multipliers(options.get("lr_grid", [1.0]))
-    seeds, rank, jobs = options.get("seeds", 1), options.get("rank", "best"), options.get("jobs", 1)
-    tune, widen = options.get("tune", False), options.get("widen", 0)
+    options = {**PROTOCOL_DEFAULTS, **options}
+    lr_grid = _multipliers(options["lr_grid"])
+    seeds, rank, jobs = options["seeds"], options["rank"], options["jobs"]
+    tune, widen = options["tune"], options["widen"]
     if not isinstance(tune, bool):
         raise ConfigError(f"tune must be true or false, got {tune!r}")
     if not isinstance(widen, int) or isinstance(widen, bool) or widen < 0:
