@@ -31,6 +31,15 @@ CLI_CASES = [
     (["train", "--set", "lr=-1"], "lr must be >= 0, got -1"),
     (["train", "--set", "lr=fast"], "fast"),
     (["train", "--set", "batch.target=2"], "batch.target must be <= 1, got 2"),
+    # rules the controller holds beyond the key's bounds: the key, then the argument's error
+    (
+        ["train", "--set", "batch.controller=seesaw", "--set", "batch.max_growth=0.5"],
+        "batch.max_growth = 0.5: growth must be 0 (no cap) or at least 1, got 0.5",
+    ),
+    (
+        ["train", "--set", "batch.controller=damped_simigrad", "--set", "batch.target=1"],
+        "batch.target = 1.0: target must be a finite number in (0, 1), got 1.0",
+    ),
     (["train", "--set", "batch.initial=-1"], "batch.initial must be >= 0, got -1"),
     (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
     (

@@ -184,7 +184,14 @@ def make_controller(config: dict[str, Any]) -> Controller:
     controllers hold the batch while the rate warms up by watching the schedule
     multiplier, so the sample budget is not theirs to know."""
     cls = CONTROLLERS[config["batch.controller"]]
-    return cls(**_declared(config, "batch.", cls.CONFIG), **_run_facts(cls, config))
+    try:
+        return cls(**_declared(config, "batch.", cls.CONFIG), **_run_facts(cls, config))
+    except ValueError as err:
+        # a rule the keys' own bounds do not hold (Seesaw's growth of 0 or >= 1): the error
+        # names the argument; say which key set it
+        named = str(err).split(maxsplit=1)[0]
+        key = next((f"batch.{k}" for k, knob in cls.CONFIG.items() if knob.param == named), None)
+        raise ConfigError(f"{key} = {config[key]!r}: {err}" if key else str(err)) from None
 
 
 def run_facts(config: dict[str, Any]) -> dict[str, Any]:
