@@ -164,7 +164,7 @@ class SimiGrad:
             batch_size = max(batch_size + 1, math.floor(self.growth * batch_size))
         elif mean > self.target:
             batch_size = max(1, min(batch_size - 1, math.floor(self.shrink * batch_size)))
-        return int(min(self.max, max(self.min, batch_size)))
+        return _clamp(self, batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self._recent), "steps": self._steps}
@@ -245,7 +245,7 @@ class CriticalBatchRamp:
         smaller = max(self.min, math.floor(batch_size / self.factor))
         if self.shrink and smaller < batch_size and self.multiple * upper < smaller:
             return smaller
-        return int(min(self.max, max(self.min, batch_size)))
+        return _clamp(self, batch_size)
 
     def estimate(self) -> dict[str, float]:
         """What decides, for logging: the smoothed ``B_simple`` and its bounds."""
@@ -424,7 +424,7 @@ class BatchWarmup:
         if bigger > batch_size and self.critical_batch() >= bigger:
             self._noise.reset()
             return bigger
-        return int(min(self.max, max(self.min, batch_size)))
+        return _clamp(self, batch_size)
 
     def estimate(self) -> dict[str, float]:
         """What decides, for logging: ``B_simple`` with its bounds, and the critical batch."""
@@ -579,7 +579,7 @@ class Seesaw:
         # the cap is at most max, so this is finite; round down to a whole batch, never below
         # the current one: the batch never shrinks
         new = max(batch_size, math.floor(min(self.wanted(), self.cap()) + 1e-9))
-        return int(min(self.max, max(self.min, new)))
+        return _clamp(self, new)
 
     def estimate(self) -> dict[str, float]:
         """What decides, for logging: ``B_simple`` with its bounds, the schedule's decay
@@ -688,7 +688,7 @@ class DampedSimiGrad:
         # round away from the current size, so the move is never below min_change
         target = math.exp(self._log_batch)
         new = math.ceil(target) if target > batch_size else math.floor(target)
-        return int(min(self.max, max(self.min, new)))
+        return _clamp(self, new)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -719,6 +719,12 @@ class _WarmUp:
         if math.isfinite(schedule):
             self.last = schedule
         return samples < self.samples or rising
+
+
+def _clamp(controller: Any, size: float) -> int:
+    """``size`` within the controller's ``[min, max]``, a whole batch (rounded to the
+    nearest; clamped first, so an infinite wish is ``max``)."""
+    return round(min(controller.max, max(controller.min, size)))
 
 
 def _check(controller: Any) -> None:
@@ -763,7 +769,7 @@ class NoiseScale:
         if not math.isfinite(noise) or noise <= 0:
             return batch_size
         # clamped before rounding: a noise scale near the float limit times κ is inf
-        wanted = round(min(self.max, max(self.min, self.multiple * noise)))
+        wanted = _clamp(self, self.multiple * noise)
         if abs(wanted - batch_size) <= self.threshold * batch_size:
             return batch_size
         return wanted
