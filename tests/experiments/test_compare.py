@@ -152,15 +152,22 @@ def test_arms_written_out_times_the_axes_and_a_widened_grid(trained, tmp_path):
     # the fake's best rate is 0.004: the grid (0.0005, 0.001) widens twice to reach it
     assert [round(lr, 6) for lr in arms[0]["lrs"]] == [0.0005, 0.001, 0.002, 0.004]
     assert len(trained) == 4 * 4  # every arm's four rates on one seed
-    # the report sets each arm's own rate (x1, what its settings give untuned) beside the
-    # chosen one, read from the grid's runs
+    # the report gives the final score at every rate of the grid, marks the chosen rate and
+    # the arm's own (x1, what its settings give untuned), and how far the own rate ends
     assert arms[0]["own"] == 1 and len(arms[0]["grid_dirs"]) == 4
-    own = json.loads((out / arms[0]["grid_dirs"][1] / "summary.json").read_text())
-    chosen = json.loads((out / arms[0]["dirs"][0] / "summary.json").read_text())
-    gap = own["final_accuracy"] - chosen["final_accuracy"]
-    report = (out / "report.md").read_text()
-    row = f"| static 64, model.width=16 | 0.001 | {own['final_accuracy']:.4f} | 0.004 (an end"
-    assert row in report and f"| {gap:+.4f} |" in report
+    finals = [
+        json.loads((out / d / "summary.json").read_text())["final_accuracy"]
+        for d in arms[0]["grid_dirs"]
+    ]
+    cells = ", ".join(
+        f"{lr:g}{'°' if i == 1 else ''}: {v:.4f}{'*' if i == 3 else ''}"
+        for i, (lr, v) in enumerate(zip([0.0005, 0.001, 0.002, 0.004], finals))
+    )
+    row = (
+        f"| static 64, model.width=16 | {cells} (the chosen rate is an end of the grid) "
+        f"| {finals[1] - finals[3]:+.4f} |"
+    )
+    assert row in (out / "report.md").read_text()
 
 
 def test_an_arm_from_the_command_line_and_the_errors_of_arms():

@@ -261,7 +261,7 @@ def render_comparison(root: Path) -> Path:
     lines += ["", f"![test {score} vs samples and steps](curves.png)", ""]
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
     lines += _near_best(root, arms, loss, score)
-    lines += _own_rates(root, arms, loss, score)
+    lines += _rate_grid(root, arms, loss, score)
     axis = _axis(plan, arms)
     if axis is not None:
         lines += _by_axis(root, plan, arms, axis, loss, score)
@@ -330,32 +330,34 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
     return lines + _at_targets(evals, arms, target, key, loss)
 
 
-def _own_rates(root: Path, arms: list[ArmResult], loss: bool, score: str) -> list[str]:
-    """Each arm's final score at its own rate (x1 of the grid: what its settings give a user
-    who tunes nothing, e.g. an optimizer's recipe) beside the chosen rate's, first seed:
-    how far from its tuned best a default leaves an arm."""
+def _rate_grid(root: Path, arms: list[ArmResult], loss: bool, score: str) -> list[str]:
+    """Each arm's final score at every rate of its grid (first seed; ``*`` the chosen rate,
+    ``°`` its own, × 1: what its settings give a user who tunes nothing, e.g. an
+    optimizer's recipe) and how far its own rate ends from the chosen one."""
     final = "final_eval_loss" if loss else "final_accuracy"
     rows = []
     for arm in arms:
-        if arm.own is None or len(arm.lrs) < 2 or arm.own >= len(arm.grid_dirs):
-            continue
-        own = finished_summary(root / arm.grid_dirs[arm.own])
-        if own is None or own.get(final) is None or arm.runs[0].get(final) is None:
-            continue
-        edge = " (an end of the grid)" if arm.at_edge else ""
-        rows.append(
-            f"| {arm.name} | {arm.lrs[arm.own]:.4g} | {own[final]:.4f} "
-            f"| {arm.lr:.4g}{edge} | {arm.runs[0][final]:.4f} "
-            f"| {own[final] - arm.runs[0][final]:+.4f} |"
+        if len(arm.grid_dirs) != len(arm.lrs) or len(arm.lrs) < 2:
+            continue  # a comparison saved before the grid's runs were, or a tuned rate
+        finals = [(finished_summary(root / d) or {}).get(final) for d in arm.grid_dirs]
+        cells = ", ".join(
+            f"{lr:.4g}{'°' if i == arm.own else ''}: "
+            f"{'—' if v is None else f'{v:.4f}'}{'*' if i == arm.chosen else ''}"
+            for i, (lr, v) in enumerate(zip(arm.lrs, finals))
         )
+        own = finals[arm.own] if arm.own is not None else None
+        chosen = finals[arm.chosen]
+        gap = f"{own - chosen:+.4f}" if own is not None and chosen is not None else "—"
+        edge = " (the chosen rate is an end of the grid)" if arm.at_edge else ""
+        rows.append(f"| {arm.name} | {cells}{edge} | {gap} |")
     if not rows:
         return []
     return [
-        f"Each arm at its own rate (× 1 of the grid) against its chosen rate, final {score} "
-        "on the first seed:",
+        f"Final {score} at each rate of the grid (first seed; * chosen, ° the arm's own "
+        "rate, × 1):",
         "",
-        f"| arm | own rate | final {score} | chosen rate | final {score} | own − chosen |",
-        "|---|---|---|---|---|---|",
+        "| arm | rate: final | own − chosen |",
+        "|---|---|---|",
         *rows,
         "",
     ]
