@@ -37,18 +37,32 @@ def evaluating(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def classification_eval(x: Tensor, y: Tensor, chunk: int = 4096):
+#: examples (classification) and tokens (language models) evaluated at a time, by device:
+#: on a CPU a chunk whose activations stay in the cache is faster (MNIST-1D's 10,000 test
+#: samples, one thread: 28 ms in chunks of 1,024 against 59 ms in chunks of 4,096; `text`
+#: 217 ms in 8,192 tokens against 262 ms in 65,536); a GPU wants few, large launches
+EVAL_CHUNKS = {"cpu": (1024, 8192), "cuda": (4096, 65_536)}
+
+
+def _chunk(device: torch.device, which: int) -> int:
+    return EVAL_CHUNKS.get(device.type, EVAL_CHUNKS["cuda"])[which]
+
+
+def classification_eval(x: Tensor, y: Tensor, chunk: int | None = None):
+    """Held-out cross-entropy and accuracy over ``chunk`` examples at a time (None: the
+    device's :data:`EVAL_CHUNKS`), with one host read."""
     data = OnDevice(x, y)
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         xs, ys = data.on(model)
+        size = chunk or _chunk(xs.device, 0)
         loss = torch.zeros((), dtype=torch.float64, device=xs.device)
         correct = torch.zeros((), dtype=torch.int64, device=xs.device)
         with evaluating(model):
-            for i in range(0, len(xs), chunk):
-                out = model(xs[i : i + chunk]).float()
-                loss += nn.functional.cross_entropy(out, ys[i : i + chunk], reduction="sum")
-                correct += (out.argmax(-1) == ys[i : i + chunk]).sum()
+            for i in range(0, len(xs), size):
+                out = model(xs[i : i + size]).float()
+                loss += nn.functional.cross_entropy(out, ys[i : i + size], reduction="sum")
+                correct += (out.argmax(-1) == ys[i : i + size]).sum()
         total, right = torch.stack([loss, correct.double()]).tolist()  # one read
         return {"eval_loss": total / len(xs), "eval_accuracy": right / len(xs)}
 
@@ -70,15 +84,16 @@ def next_token_loss(model: nn.Module, batch: Any) -> Tensor:
     return nn.functional.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
 
 
-def next_token_eval(x: Tensor, y: Tensor, chunk_tokens: int = 65_536):
+def next_token_eval(x: Tensor, y: Tensor, chunk_tokens: int | None = None):
     """Held-out cross-entropy per token (nats), next-token accuracy and the largest
-    attention logit, over about ``chunk_tokens`` tokens at a time (so a long context does
-    not hold every sequence's attention at once) with one host read."""
+    attention logit, over about ``chunk_tokens`` tokens at a time (None: the device's
+    :data:`EVAL_CHUNKS`; so a long context does not hold every sequence's attention at
+    once) with one host read."""
     data = OnDevice(x, y)
-    chunk = max(1, chunk_tokens // x.shape[1])
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         xs, ys = data.on(model)
+        chunk = max(1, (chunk_tokens or _chunk(xs.device, 1)) // x.shape[1])
         loss = torch.zeros((), dtype=torch.float64, device=xs.device)
         correct = torch.zeros((), dtype=torch.float64, device=xs.device)
         logit = torch.full((), -math.inf, device=xs.device)
