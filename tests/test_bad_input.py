@@ -31,6 +31,7 @@ CLI_CASES = [
     (["train", "--set", "lr=-1"], "lr must be >= 0, got -1"),
     (["train", "--set", "lr=fast"], "fast"),
     (["train", "--set", "batch.target=2"], "batch.target must be <= 1, got 2"),
+    (["train", "--set", "agvm.momentum=1"], "agvm.momentum must be < 1, got 1"),
     # rules the controller holds beyond the key's bounds: the key, then the argument's error
     (
         ["train", "--set", "batch.controller=seesaw", "--set", "batch.max_growth=0.5"],

@@ -94,3 +94,35 @@ def test_a_controllers_config_bounds_are_the_ones_it_checks(name):
         args = {"batch_size": 16} if name == "constant" else {}
         with pytest.raises(ValueError, match=knob.param):
             cls(**{**args, knob.param: below})
+
+
+@pytest.mark.parametrize("name", ["VRGD", "AGVM"])
+def test_an_optimizer_wrappers_key_bounds_are_the_ones_it_checks(name):
+    """A wrapper's constructor checks its own arguments (it wraps an optimizer, so it is no
+    settings dataclass); its keys' bounds must say the same: a value just outside each is
+    refused, one at a closed end or just inside an open one is taken."""
+    import torch
+
+    from bigbatch import optim
+
+    wrapper = getattr(optim, name)
+
+    def make(param, value):
+        # two param groups: AGVM compares module groups, each untagged group one
+        layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+        sgd = torch.optim.SGD([{"params": m.parameters()} for m in layers], lr=0.1)
+        return wrapper(sgd, **{param: value})
+
+    for knob in wrapper.CONFIG.values():
+        if knob.choices:
+            for value in knob.choices:
+                make(knob.param, value)
+            with pytest.raises(ValueError, match=knob.param):
+                make(knob.param, "nope")
+        if knob.low is not None:
+            with pytest.raises(ValueError, match=knob.param):
+                make(knob.param, knob.low if knob.low_open else knob.low - 1)
+        if knob.high is not None:
+            with pytest.raises(ValueError, match=knob.param):
+                make(knob.param, knob.high if knob.high_open else knob.high + 1e-4)
+            make(knob.param, knob.high - 1e-4 if knob.high_open else knob.high)

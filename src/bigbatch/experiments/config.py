@@ -86,6 +86,8 @@ class Key:
     from_recipe: bool = False
     #: a text key's grammar (``Knob.parse``): the value must parse; a number is taken as text
     parse: Callable[[str], Any] | None = None
+    #: ``high`` itself refused
+    high_open: bool = False
 
     @property
     def kind(self) -> type:
@@ -165,8 +167,9 @@ def component_keys(
                 low,
                 knob.high,
                 low_open,
-                owners,
+                owners=owners,
                 parse=knob.parse,
+                high_open=knob.high_open,
             )
         )
     return keys
@@ -591,8 +594,10 @@ def _check(key: Key, value: Any) -> Any:
         raise ConfigError(
             f"{key.name} must be {'>' if key.low_open else '>='} {key.low}, got {value!r}"
         )
-    if key.high is not None and value > key.high:
-        raise ConfigError(f"{key.name} must be <= {key.high}, got {value!r}")
+    if key.high is not None and (value >= key.high if key.high_open else value > key.high):
+        raise ConfigError(
+            f"{key.name} must be {'<' if key.high_open else '<='} {key.high}, got {value!r}"
+        )
     return value
 
 

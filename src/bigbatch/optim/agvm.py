@@ -182,7 +182,7 @@ class AGVM(StatisticsWrapper):
         "interval": Knob("interval", "steps between multiplier updates", low=1),
         # the paper's 500 steps are for ImageNet-length runs; the built-in tasks take 1-3k
         "start": Knob("start", "steps before the first update (paper: 500)", low=0, run_default=50),
-        "momentum": Knob("momentum", "momentum of the multipliers", low=0, high=0.999),
+        "momentum": Knob("momentum", "momentum of the multipliers", low=0, high=1, high_open=True),
     }
 
     def __init__(
