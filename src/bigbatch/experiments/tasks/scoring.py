@@ -41,11 +41,16 @@ def evaluating(model: nn.Module) -> Iterator[None]:
 #: on a CPU a chunk whose activations stay in the cache is faster (MNIST-1D's 10,000 test
 #: samples, one thread: 28 ms in chunks of 1,024 against 59 ms in chunks of 4,096; `text`
 #: 217 ms in 8,192 tokens against 262 ms in 65,536); a GPU wants few, large launches
-EVAL_CHUNKS = {"cpu": (1024, 8192), "cuda": (4096, 65_536)}
+EVAL_CHUNKS = {
+    "cpu": {"examples": 1024, "tokens": 8192},
+    "cuda": {"examples": 4096, "tokens": 65_536},
+}
 
 
-def _chunk(device: torch.device, which: int) -> int:
-    return EVAL_CHUNKS.get(device.type, EVAL_CHUNKS["cuda"])[which]
+def _chunk(device: torch.device, unit: str) -> int:
+    """The chunk, in ``unit`` (examples or tokens), for ``device`` (another than a CPU: a
+    GPU's)."""
+    return EVAL_CHUNKS.get(device.type, EVAL_CHUNKS["cuda"])[unit]
 
 
 def classification_eval(x: Tensor, y: Tensor, chunk: int | None = None):
@@ -55,7 +60,7 @@ def classification_eval(x: Tensor, y: Tensor, chunk: int | None = None):
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         xs, ys = data.on(model)
-        size = chunk or _chunk(xs.device, 0)
+        size = chunk or _chunk(xs.device, "examples")
         loss = torch.zeros((), dtype=torch.float64, device=xs.device)
         correct = torch.zeros((), dtype=torch.int64, device=xs.device)
         with evaluating(model):
@@ -93,7 +98,7 @@ def next_token_eval(x: Tensor, y: Tensor, chunk_tokens: int | None = None):
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         xs, ys = data.on(model)
-        chunk = max(1, (chunk_tokens or _chunk(xs.device, 1)) // x.shape[1])
+        chunk = max(1, (chunk_tokens or _chunk(xs.device, "tokens")) // x.shape[1])
         loss = torch.zeros((), dtype=torch.float64, device=xs.device)
         correct = torch.zeros((), dtype=torch.float64, device=xs.device)
         logit = torch.full((), -math.inf, device=xs.device)
