@@ -1,5 +1,7 @@
 """A component's config keys take their defaults from its constructor's signature."""
 
+import contextlib
+
 from bigbatch.knobs import NO_DEFAULT, Knob, signature_defaults
 
 
@@ -96,22 +98,38 @@ def test_a_controllers_config_bounds_are_the_ones_it_checks(name):
             cls(**{**args, knob.param: below})
 
 
-@pytest.mark.parametrize("name", ["VRGD", "AGVM"])
-def test_an_optimizer_wrappers_key_bounds_are_the_ones_it_checks(name):
-    """A wrapper's constructor checks its own arguments (it wraps an optimizer, so it is no
-    settings dataclass); its keys' bounds must say the same: a value just outside each is
-    refused, one at a closed end or just inside an open one is taken."""
+class _ChecksPassedError(Exception):
+    """The compression state got past its checks to the model (a stand-in here)."""
+
+
+class _NoModel:
+    @property
+    def process_group(self):
+        raise _ChecksPassedError
+
+
+@pytest.mark.parametrize("name", ["VRGD", "AGVM", "CompressionState"])
+def test_a_wrappers_key_bounds_are_the_ones_it_checks(name):
+    """A wrapper's constructor checks its own arguments (it wraps an optimizer or a DDP
+    model, so it is no settings dataclass); its keys' bounds must say the same: a value
+    just outside each is refused, one at a closed end or just inside an open one is
+    taken."""
     import torch
 
     from bigbatch import optim
+    from bigbatch.dist.compression import CompressionState
 
-    wrapper = getattr(optim, name)
+    wrapper = CompressionState if name == "CompressionState" else getattr(optim, name)
 
     def make(param, value):
+        if wrapper is CompressionState:  # its checks come before it reads the model
+            with contextlib.suppress(_ChecksPassedError):
+                CompressionState(_NoModel(), **{param: value})
+            return
         # two param groups: AGVM compares module groups, each untagged group one
         layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
         sgd = torch.optim.SGD([{"params": m.parameters()} for m in layers], lr=0.1)
-        return wrapper(sgd, **{param: value})
+        wrapper(sgd, **{param: value})
 
     for knob in wrapper.CONFIG.values():
         if knob.choices:

@@ -55,6 +55,27 @@ class Knob:
     #: ``ValueError`` names what it could not read; the config keeps the text
     parse: Callable[[str], Any] | None = None
 
+    def check(self, name: str, value: Any, kind: str) -> Any:
+        """``value`` checked against these bounds as a ``kind`` ("int", "float", "bool";
+        any with ``choices``): one ``ValueError`` naming ``name`` and the value; a number
+        is returned as a float."""
+        if self.choices is not None:
+            return choice(name, value, self.choices)
+        if kind == "bool":
+            return check_flag(name, value)
+        if kind == "int":
+            return whole_number(name, value, int(self.low or 0))
+        if kind == "float":
+            return check_number(
+                name,
+                value,
+                low=-math.inf if self.low is None else self.low,
+                high=math.inf if self.high is None else self.high,
+                low_open=self.low_open,
+                high_open=self.high_open,
+            )
+        return value
+
 
 def signature_defaults(component: Any, knobs: Mapping[str, Knob]) -> dict[str, Any]:
     """Each key's default from ``component``'s constructor (``NO_DEFAULT`` where required,
@@ -108,19 +129,5 @@ def check_settings(component: Any) -> None:
         # the annotation is text where the module defers them (``from __future__ import
         # annotations``), else the type itself
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        if knob.choices is not None:
-            value = choice(f.name, value, knob.choices)
-        elif kind == "bool":
-            value = check_flag(f.name, value)
-        elif kind == "int":
-            value = whole_number(f.name, value, int(knob.low or 0))
-        elif kind == "float":
-            value = check_number(
-                f.name,
-                value,
-                low=-math.inf if knob.low is None else knob.low,
-                high=math.inf if knob.high is None else knob.high,
-                low_open=knob.low_open,
-                high_open=knob.high_open,
-            )
+        value = knob.check(f.name, value, kind)
         setattr(component, f.name, value)

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .._checks import choice
 from ..knobs import Knob
-from .._checks import choice, whole_number
 from . import error_control
 from .error_control import METHODS, SHARED_ESTIMATE
 
@@ -120,8 +120,7 @@ class CompressionState:
     ) -> None:
         self.method = choice("method", method, METHODS)
         self.compressor = choice("compressor", compressor, COMPRESSORS)
-        if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+        ratio = self.CONFIG["ratio"].check("ratio", ratio, "float")
         if eta is None:
             eta = DEFAULT_ETA.get(self.method, 0.0)
         averaging = self.method == "ef21-sgdm"  # a weight in (0, 1]; else any η >= 0
@@ -130,8 +129,8 @@ class CompressionState:
         ):
             interval = "(0, 1]" if averaging else "[0, inf)"
             raise ValueError(f"eta of {self.method} must be in {interval}, got {eta!r}")
-        whole_number("warmup", warmup, low=1)
-        self.ratio, self.eta, self.warmup, self.seed = float(ratio), float(eta), warmup, seed
+        self.CONFIG["warmup"].check("warmup", warmup, "int")
+        self.ratio, self.eta, self.warmup, self.seed = ratio, float(eta), warmup, seed
         # The state is in the units of the bucket: with a GradScaler, loss-scaled.
         # Overflowed steps leave it untouched (see _keep_finite); a change of
         # scale rescales what it means (a bounded, transient error).
