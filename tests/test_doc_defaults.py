@@ -14,7 +14,15 @@ import bigbatch.batch as batch
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| `(\w+)\(([^`]*)\)`", re.MULTILINE)
 #: controllers whose row lists their constructor (Constant and Ramp show their forms)
-LISTED = ("BatchWarmup", "Seesaw", "CriticalBatchRamp", "DampedSimiGrad", "SimiGrad", "NoiseScale")
+LISTED = (
+    "BatchWarmup",
+    "Seesaw",
+    "WarmupSeesaw",
+    "CriticalBatchRamp",
+    "DampedSimiGrad",
+    "SimiGrad",
+    "NoiseScale",
+)
 
 
 def value(text: str) -> object:

@@ -19,6 +19,7 @@ from bigbatch.batch import (
     Ramp,
     Seesaw,
     SimiGrad,
+    WarmupSeesaw,
 )
 
 
@@ -644,10 +645,81 @@ def test_seesaw_is_monotone_and_bounded(schedule, growth, granularity, low):
         batch = new
 
 
+# ------------------------------------------------------------ WarmupSeesaw
+
+
+def test_warmup_seesaw_doubles_like_batch_warmup_while_the_rate_is_at_its_peak():
+    kwargs = dict(multiple=2.0, initial=64, min=16, max=4096, window=10)
+    a, b = WarmupSeesaw(**kwargs), BatchWarmup(**kwargs)
+    batch_a = batch_b = 64
+    for m in noisy_steps(300.0, 100, spread=0.1):
+        m = {**m, "schedule": 1.0}  # a stable phase: no decay to take over
+        batch_a, batch_b = a.next(m, batch_a, 0), b.next(m, batch_b, 0)
+        assert batch_a == batch_b
+    assert batch_a == 512 and a.estimate()["level"] == 512
+
+
+def test_warmup_seesaw_takes_over_the_decay_from_the_level_the_noise_chose():
+    # B_simple rises as the rate falls (|G|^2 = d, tr = 100: B_simple = 100 / d). Weighed
+    # by d the level's evidence stays 2 x 100 = 200: it holds 128 and the decay grows the
+    # batch as 128 / d, up to growth x level = 512
+    c = WarmupSeesaw(multiple=2.0, initial=128, max=16384, window=10, growth=4, critical_multiple=0)
+    batch, path = 128, []
+    for i in range(400):
+        d = 1.0 - i / 440
+        batch = c.next({"grad_sq_norm": d, "trace": 100.0, "schedule": d}, batch, 0)
+        assert batch == min(512, math.floor(128 / d + 1e-9))
+        path.append(batch)
+    assert c.estimate()["level"] == 128 and c.estimate()["batch_cap"] == 512
+    assert path[-1] == 512 and path == sorted(path)
+
+
+def test_warmup_seesaw_stops_at_the_critical_batch_estimate_and_never_shrinks():
+    c = WarmupSeesaw(multiple=0.25, initial=16, window=4, growth=0, critical_multiple=1.0)
+    stats = {"grad_sq_norm": 1.0, "trace": 40.0}  # B_simple 40: a quarter of it keeps 16
+    batch = c.next({"schedule": 1.0, **stats}, 16, 0)  # the peak
+    for _ in range(10):
+        batch = c.next({"schedule": 0.1, **stats}, batch, 0)  # 16 / 0.1 = 160: capped
+    assert batch == 40 and c.estimate()["batch_cap"] == pytest.approx(40.0)
+    for _ in range(40):  # the estimate falls below the batch: it stays
+        batch = c.next({"schedule": 0.05, "grad_sq_norm": 1.0, "trace": 10.0}, batch, 0)
+    assert batch == 40 and c.estimate()["level"] == 16
+
+
+def test_warmup_seesaw_checks_its_settings_and_round_trips_its_state():
+    with pytest.raises(ValueError, match="growth"):
+        WarmupSeesaw(growth=0.5)
+    with pytest.raises(ValueError, match="critical_multiple"):
+        WarmupSeesaw(critical_multiple=-1)
+    assert WarmupSeesaw.family_lr_rule and not WarmupSeesaw.holds_lr
+    rng = random.Random(0)
+    stats = [
+        {
+            "schedule": min(1.0, i / 10) * (1 - i / 200),  # a warm-up, then a decay
+            "grad_sq_norm": rng.uniform(0.5, 2),
+            "trace": rng.uniform(200, 600),
+            "loss": 3 - i / 100,
+        }
+        for i in range(160)
+    ]
+    a = WarmupSeesaw(window=6)
+    batch = 16
+    for i, measured in enumerate(stats[:80]):
+        batch = a.next(measured, batch, 16 * i)
+    b = WarmupSeesaw(window=6)
+    b.load_state_dict(a.state_dict())
+    batch_b = batch
+    for i, measured in enumerate(stats[80:], 80):
+        batch, batch_b = a.next(measured, batch, 16 * i), b.next(measured, batch_b, 16 * i)
+        assert batch == batch_b and a.estimate() == b.estimate()
+    assert batch > a.estimate()["level"]  # the decay took over
+
+
 @pytest.mark.parametrize(
     "controller",
     [
         BatchWarmup(multiple=0.5, initial=32, window=10),
+        WarmupSeesaw(initial=32, growth=4),
         Seesaw(initial=32, growth=4),
         CriticalBatchRamp(shrink=True),
         DampedSimiGrad(target=0.2, warmup=100),

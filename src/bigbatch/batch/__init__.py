@@ -11,6 +11,7 @@ from .controllers import (
     Ramp,
     Seesaw,
     SimiGrad,
+    WarmupSeesaw,
 )
 from .lr import LR_RULES, adascale_gain, lr_factor, scaled_lr
 from .plan import (
@@ -42,6 +43,7 @@ __all__ = [
     "SmoothedValue",
     "StepPlan",
     "VariableBatchSampler",
+    "WarmupSeesaw",
     "adascale_gain",
     "loss_weights",
     "lr_factor",

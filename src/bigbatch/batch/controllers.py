@@ -72,6 +72,19 @@ _TARGET = dict(
     high=1,
 )
 _CLIP = dict(low=0, low_open=True)
+# the controllers whose batch takes over the schedule's decay
+_GROWTH = dict(
+    key="max_growth",
+    help="the batch grows to at most this multiple of its start (seesaw: batch.initial; "
+    "warmup_seesaw: the batch the noise scale chose) (0: no such cap)",
+    low=0,
+)
+_CRITICAL_MULTIPLE = dict(
+    key="critical_multiple",
+    help="the batch stops at this multiple of the noise scale B_simple's upper bound, the "
+    "run's critical-batch estimate (0: no such cap)",
+    low=0,
+)
 
 
 class Controller(Protocol):
@@ -499,12 +512,7 @@ class Seesaw:
     min: int = setting(16, **_MIN)
     max: int = setting(16384, **_MAX)
     _: KW_ONLY
-    growth: float = setting(
-        8.0,
-        "the batch grows to at most this multiple of batch.initial (0: no such cap)",
-        key="max_growth",
-        low=0,
-    )
+    growth: float = setting(8.0, **_GROWTH)
     granularity: float = setting(
         1.0,
         "the batch moves in powers of this factor (1: follows the schedule "
@@ -512,13 +520,7 @@ class Seesaw:
         key="granularity",
         low=1,
     )
-    critical_multiple: float = setting(
-        0.5,
-        "the batch stops at this multiple of the noise scale B_simple's upper "
-        "bound, the run's critical-batch estimate (0: no such cap)",
-        key="critical_multiple",
-        low=0,
-    )
+    critical_multiple: float = setting(0.5, **_CRITICAL_MULTIPLE)
     confidence: float = setting(1.0, **_CONFIDENCE)
     window: int = setting(20, **_WINDOW)
     clip: float = setting(3.0, "spreads each step's |G|^2 and tr(Sigma) are held within", **_CLIP)
@@ -537,45 +539,24 @@ class Seesaw:
             raise ValueError(f"growth must be 0 (no cap) or at least 1, got {self.growth!r}")
         self.needs_statistics = self.critical_multiple > 0
         self._noise = SmoothedNoise(self.window)
-        self._peak = -math.inf  # the schedule's largest multiplier so far
-        self._warming = _WarmUp(0)  # a rising multiplier is a warm-up
-        self._decay = 1.0  # m / m_peak once the warm-up is over
+        self._decay = _Decay()
 
     def cap(self) -> float:
         """The largest batch now: ``max``, ``growth × initial``, ``critical_multiple ×
         upper(B_simple)``; 0 while that estimate has fewer than ``window / 2`` steps
         behind it (the batch holds: two steps' spread is no error bar)."""
-        cap = float(self.max)
-        if self.growth:
-            cap = min(cap, self.growth * self.initial)
-        if self.critical_multiple:
-            if self._noise.count < self.window / 2:
-                return 0.0
-            _, upper = self._noise.bounds(self.confidence)
-            cap = min(cap, self.critical_multiple * upper)
-        return cap
+        return _takeover_cap(self, self.initial, self._noise)
 
     def wanted(self) -> float:
         """The batch that takes over the decay so far: ``initial / d`` (in powers of
         ``granularity`` unless it is 1), before the cap."""
-        ratio = 1.0 / self._decay if self._decay > 0 else math.inf
-        if not math.isfinite(ratio):  # a decay to (a float's) nothing: any cap binds
-            return math.inf
-        if self.granularity > 1:
-            # the largest power the decay has passed (a hair of slack for 1/0.5 = 2.0000001)
-            ratio = self.granularity ** math.floor(math.log(ratio, self.granularity) + 1e-9)
-        return self.initial * ratio
+        return self.initial * self._decay.growth(self.granularity)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
         self._noise.update(
             measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
         )
-        schedule = measured.get("schedule", math.nan)
-        rising = self._warming(measured, samples)
-        if math.isfinite(schedule):
-            self._peak = max(self._peak, schedule)
-            if not rising and self._peak > 0:
-                self._decay = max(0.0, schedule) / self._peak
+        self._decay.update(measured, samples)
         # the cap is at most max, so this is finite; round down to a whole batch, never below
         # the current one: the batch never shrinks
         new = max(batch_size, math.floor(min(self.wanted(), self.cap()) + 1e-9))
@@ -586,22 +567,88 @@ class Seesaw:
         ``d``, and the cap the batch stops at."""
         return {
             **self._noise.estimate(self.confidence),
-            "decay": self._decay,
+            "decay": self._decay.value,
             "batch_cap": self.cap(),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "noise": self._noise.state_dict(),
-            "peak": self._peak,
-            "last": self._warming.last,
-            "decay": self._decay,
-        }
+        return {"noise": self._noise.state_dict(), **self._decay.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._noise.load_state_dict(state["noise"])
-        self._peak, self._warming.last = float(state["peak"]), float(state["last"])
-        self._decay = float(state["decay"])
+        self._decay.load_state_dict(state)
+
+
+@settings
+class WarmupSeesaw(BatchWarmup):
+    """:class:`BatchWarmup`'s doublings while the rate is at its peak, then the batch takes
+    over the schedule's decay as :class:`Seesaw` does.
+
+    Seesaw grows from a fixed start, and the start decides what it saves: below the
+    best static batch it pays for the small batch all run, above it the loss is lost
+    before the decay begins (docs/results.md, issue 53). Here the start is found as the
+    default controller finds its batch: from ``initial``, the *level* doubles once
+    ``κ · B_simple`` is confidently above the next size (:class:`BatchWarmup`, every
+    setting of which applies). Past the rate's warm-up, where the schedule has fallen to
+    ``d = m / m_peak``, the batch is ``level / d`` (Smith et al. 2018; Meterez et al.
+    2025), up to the cap: ``max``, ``growth × level`` and ``critical_multiple`` times
+    the upper end of ``B_simple`` (McCandlish et al. 2018), as for Seesaw. Beyond the
+    cap the rest of the decay stays with the rate, so the run ends annealed.
+
+    The level's evidence is the noise scale times ``d``: near a noise-dominated
+    equilibrium ``|G|²`` falls with the rate, so ``B_simple`` rises as ``1/d`` during
+    the decay. Weighed by ``d``, it is the noise scale at the peak rate, and the decay's
+    growth is the takeover's alone instead of being counted twice. The rate follows the
+    batch by the optimizer family's rule (``family_lr_rule``): ×√ratio for Adam-type
+    optimizers, at both kinds of change.
+    """
+
+    _: KW_ONLY
+    growth: float = setting(8.0, **_GROWTH)
+    critical_multiple: float = setting(0.5, **_CRITICAL_MULTIPLE)
+
+    family_lr_rule = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if 0 < self.growth < 1:
+            raise ValueError(f"growth must be 0 (no cap) or at least 1, got {self.growth!r}")
+        self._decay = _Decay()
+        self._level = self.initial  # the batch the noise asks for at the peak rate
+
+    def critical_batch(self) -> float:
+        """The estimate a doubling of the level must clear: :class:`BatchWarmup`'s, times
+        the schedule's decay ``d`` (the noise scale at the peak rate)."""
+        return super().critical_batch() * self._decay.value
+
+    def cap(self) -> float:
+        """The largest batch now: ``max``, ``growth × level``, ``critical_multiple ×
+        upper(B_simple)``; 0 while that estimate has fewer than ``window / 2`` steps."""
+        return _takeover_cap(self, self._level, self._noise)
+
+    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
+        self._decay.update(measured, samples)
+        self._level = super().next(measured, self._level, samples)
+        # the level is the noise's own choice; the cap bounds only the decay's growth on it
+        wanted = max(self._level, min(self._level * self._decay.growth(1.0), self.cap()))
+        return _clamp(self, max(batch_size, math.floor(wanted + 1e-9)))
+
+    def estimate(self) -> dict[str, float]:
+        """:class:`BatchWarmup`'s, the level, the schedule's decay and the cap."""
+        return {
+            **super().estimate(),
+            "level": float(self._level),
+            "decay": self._decay.value,
+            "batch_cap": self.cap(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "level": self._level, "takeover": self._decay.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._level = int(state["level"])
+        self._decay.load_state_dict(state["takeover"])
 
 
 @settings
@@ -719,6 +766,56 @@ class _WarmUp:
         if math.isfinite(schedule):
             self.last = schedule
         return samples < self.samples or rising
+
+
+class _Decay:
+    """The schedule's fall from its peak, ``d = m / m_peak``, once its warm-up is over
+    (1 before it, and without a schedule): what a controller that takes over the decay
+    multiplies its batch by, as ``1 / d``."""
+
+    def __init__(self) -> None:
+        self.peak = -math.inf  # the schedule's largest multiplier so far
+        self.warming = _WarmUp(0)  # a rising multiplier is a warm-up
+        self.value = 1.0
+
+    def update(self, measured: dict[str, float], samples: int) -> None:
+        schedule = measured.get("schedule", math.nan)
+        rising = self.warming(measured, samples)
+        if math.isfinite(schedule):
+            self.peak = max(self.peak, schedule)
+            if not rising and self.peak > 0:
+                self.value = max(0.0, schedule) / self.peak
+
+    def growth(self, granularity: float) -> float:
+        """``1 / d``, in powers of ``granularity`` unless it is 1 (the largest power the
+        decay has passed); infinite for a decay to (a float's) nothing."""
+        ratio = 1.0 / self.value if self.value > 0 else math.inf
+        if granularity > 1 and math.isfinite(ratio):
+            # a hair of slack for 1/0.5 = 2.0000001
+            ratio = granularity ** math.floor(math.log(ratio, granularity) + 1e-9)
+        return ratio
+
+    def state_dict(self) -> dict[str, float]:
+        return {"peak": self.peak, "last": self.warming.last, "decay": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.peak, self.warming.last = float(state["peak"]), float(state["last"])
+        self.value = float(state["decay"])
+
+
+def _takeover_cap(controller: Any, base: int, noise: SmoothedNoise) -> float:
+    """The largest batch a controller that takes over the decay may reach: its ``max``,
+    ``growth × base`` and ``critical_multiple ×`` the upper end of ``B_simple``; 0 while
+    that estimate has fewer than ``window / 2`` steps behind it."""
+    cap = float(controller.max)
+    if controller.growth:
+        cap = min(cap, controller.growth * base)
+    if controller.critical_multiple:
+        if noise.count < controller.window / 2:
+            return 0.0
+        _, upper = noise.bounds(controller.confidence)
+        cap = min(cap, controller.critical_multiple * upper)
+    return cap
 
 
 def _clamp(controller: Any, size: float) -> int:
@@ -968,6 +1065,7 @@ def parse_points(text: str) -> list[tuple[Duration, int]]:
 CONTROLLERS = {
     "batch_warmup": BatchWarmup,
     "seesaw": Seesaw,
+    "warmup_seesaw": WarmupSeesaw,
     "simigrad": SimiGrad,
     "critical_ramp": CriticalBatchRamp,
     "damped_simigrad": DampedSimiGrad,
