@@ -24,6 +24,8 @@ model, so all are tested without one.
   only when it moves by more than 5%, as AdaptDL re-chooses.
 - :class:`Seesaw`: the batch takes over the learning-rate schedule's decay
   (Smith et al. 2018; Meterez et al. 2025), capped by the critical batch.
+- :class:`WarmupSeesaw`: :class:`BatchWarmup`'s doublings find the batch while
+  the rate is at its peak, then the batch takes over the decay as in Seesaw.
 - :class:`Constant` and :class:`Ramp`: the static and scheduled baselines.
 
 Why the published SimiGrad rule cycles, and what the two new controllers do
