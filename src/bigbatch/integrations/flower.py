@@ -56,6 +56,7 @@ try:  # where Flower keeps the sending task's identity (its runtimes set it)
 except ImportError:  # pragma: no cover - Flower releases whose messages need no identity
     TaskIdentity = None
 
+from ..assembly import fewest_sub_batches
 from ..batch.controllers import Constant
 from ..batch.plan import MAX_MICRO_BATCH
 from ..federated import ClientReport, RoundPlan, RoundPlanner, finite_mean
@@ -92,7 +93,9 @@ class ClientSetup:
     loss_fn: Callable[[nn.Module, Any], Tensor]
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     max_micro_batch: int = MAX_MICRO_BATCH
-    min_sub_batches: int = 4
+    #: the fewest micro-batches of a local step (at most its batch); None: what the
+    #: statistics need, as for :class:`~bigbatch.AdaptiveBatch`
+    min_sub_batches: int | None = None
     seed: int = 0
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
 
@@ -118,6 +121,14 @@ def plan_from_config(config: Any) -> RoundPlan:
     )
 
 
+def _sub_batches(setup: ClientSetup) -> int:
+    """The client's fewest micro-batches a local step: its own, else the loop's rule for
+    the sub-batch statistics every local step measures."""
+    if setup.min_sub_batches is not None:
+        return setup.min_sub_batches
+    return fewest_sub_batches(statistics=True, per_example=False, split=False)
+
+
 def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
     """Train ``plan.local_steps`` steps of ``plan.local_batch`` samples at ``plan.lr``.
 
@@ -137,7 +148,7 @@ def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
         setup.dataset,
         controller=Constant(plan.local_batch),
         max_micro_batch=setup.max_micro_batch,
-        min_sub_batches=min(setup.min_sub_batches, plan.local_batch),
+        min_sub_batches=min(_sub_batches(setup), plan.local_batch),
         seed=setup.seed * 1_000_003 + plan.round,
         lr_scaling="none",
     )
