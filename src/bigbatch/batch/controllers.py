@@ -31,8 +31,7 @@ model, so all are tested without one.
 Why the published SimiGrad rule cycles, and what the two new controllers do
 instead, is in ``docs/algorithms.md`` ("Batch-size controllers").
 
-Every controller but :class:`Ramp` (whose constructor reads durations and
-tables) is a dataclass of its settings (:func:`bigbatch.knobs.settings`):
+Every controller is a dataclass of its settings (:func:`bigbatch.knobs.settings`):
 each argument's default, bounds, help and config key are written once, as a
 field; the checks, the ``repr`` and ``CONFIG`` come from them. The state a
 controller learns is kept apart, in private attributes that ``state_dict``
@@ -46,11 +45,11 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import KW_ONLY
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from .._checks import batch_bounds, positive_int
 from ..duration import Duration
-from ..knobs import Knob, check_settings, setting, settings
+from ..knobs import check_settings, setting, settings
 from .smoothing import LossSlope, SmoothedNoise, SmoothedValue
 
 # The settings several controllers share (bigbatch.knobs.setting's arguments): the config
@@ -911,6 +910,7 @@ class Constant:
         return f"Constant({self.initial})"
 
 
+@settings
 class Ramp:
     """A batch fixed in advance: a linear ramp, or a table of points, in the user's units.
 
@@ -932,56 +932,52 @@ class Ramp:
     ``points=``), the names before 0.3, still work with a ``DeprecationWarning``.
     """
 
+    start: int | None = setting(None, **_INITIAL)
+    end: int | None = setting(None, **_MAX)
+    over: Duration | str | int | None = setting(
+        "50%",
+        "the length of the linear ramp from batch.initial to batch.max: samples, "
+        "'N%' of max_samples, 'N tokens' or 'N steps' (e.g. '2M tokens')",
+        key="ramp_over",
+        parse=Duration.parse,
+    )
+    _: KW_ONLY
+    points: Sequence[tuple[Duration | str | int, int]] | str | None = setting(
+        None,
+        "a table of 'WHEN:BATCH' points instead of the linear ramp, each WHEN a duration "
+        "in one unit, the first 0 (e.g. '0:16, 25%:32, 50%:64'); empty: the linear ramp",
+        key="ramp_points",
+        unset="",
+        parse=lambda text: parse_points(text) if text.strip() else None,
+    )
+    #: the run's context, which ``bigbatch train`` passes (not config keys)
+    budget: int | None = None
+    tokens_per_sample: int | None = None
+    #: the names before 0.3 (``DeprecationWarning``)
+    samples: int | None = None
+    steps: Sequence[tuple[int, int]] | None = None
+
     needs_statistics = False
     holds_lr = False
     family_lr_rule = True
-    CONFIG: ClassVar[dict[str, Knob]] = {
-        "initial": Knob("start", "first batch size (samples)", low=1),
-        "max": Knob("end", "largest batch size", low=1),
-        "ramp_over": Knob(
-            "over",
-            "the length of the linear ramp from batch.initial to batch.max: samples, "
-            "'N%' of max_samples, 'N tokens' or 'N steps' (e.g. '2M tokens')",
-            parse=Duration.parse,
-        ),
-        "ramp_points": Knob(
-            "points",
-            "a table of 'WHEN:BATCH' points instead of the linear ramp, each WHEN a "
-            "duration in one unit, the first 0 (e.g. '0:16, 25%:32, 50%:64'); empty: the "
-            "linear ramp",
-            unset="",
-            parse=lambda text: parse_points(text) if text.strip() else None,
-        ),
-    }
 
-    def __init__(
-        self,
-        start: int | None = None,
-        end: int | None = None,
-        over: Duration | str | int | None = "50%",
-        *,
-        points: Sequence[tuple[Duration | str | int, int]] | str | None = None,
-        budget: int | None = None,
-        tokens_per_sample: int | None = None,
-        samples: int | None = None,
-        steps: Sequence[tuple[int, int]] | None = None,
-    ) -> None:
-        if samples is not None:
-            warnings.warn("Ramp(samples=N) is now Ramp(over=N)", DeprecationWarning, stacklevel=2)
-            over = samples
-        if steps is not None:
+    def __post_init__(self) -> None:
+        check_settings(self)  # the keyed bounds; the lengths and the table are read below
+        start, end, over, points = self.start, self.end, self.over, self.points
+        if self.samples is not None:
+            warnings.warn("Ramp(samples=N) is now Ramp(over=N)", DeprecationWarning, stacklevel=3)
+            over = self.samples
+        if self.steps is not None:
             warnings.warn(
-                "Ramp(steps=...) is now Ramp(points=...)", DeprecationWarning, stacklevel=2
+                "Ramp(steps=...) is now Ramp(points=...)", DeprecationWarning, stacklevel=3
             )
-            points = steps if points is None else points
+            points = self.steps if points is None else points
         if isinstance(points, str):
             points = parse_points(points) if points.strip() else None
-        self.budget = None if budget is None else positive_int("budget", budget)
-        self.tokens_per_sample = (
-            None
-            if tokens_per_sample is None
-            else positive_int("tokens_per_sample", tokens_per_sample)
-        )
+        if self.budget is not None:
+            self.budget = positive_int("budget", self.budget)
+        if self.tokens_per_sample is not None:
+            self.tokens_per_sample = positive_int("tokens_per_sample", self.tokens_per_sample)
         if points is not None:
             self._table = self._points(points, start)
             self._over = None
@@ -996,7 +992,6 @@ class Ramp:
             if self._over.value <= 0:
                 raise ValueError(f"Ramp's over must be a positive length, got {self._over}")
             sizes = [positive_int("start", start), positive_int("end", end)]
-        self._start, self._end = start, end
         self.min, self.max = min(sizes), max(sizes)
         self.initial = self._at(0, 0)
 
@@ -1034,7 +1029,7 @@ class Ramp:
             )
         over = self._over
         fraction = min(1.0, self._elapsed(over, samples, steps) / over.value)  # type: ignore[arg-type, union-attr]
-        return round(self._start + (self._end - self._start) * fraction)  # type: ignore[operator]
+        return round(self.start + (self.end - self.start) * fraction)  # type: ignore[operator]
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
         return self._at(samples, int(measured.get("step", 0)))
@@ -1048,7 +1043,7 @@ class Ramp:
     def __repr__(self) -> str:
         if self._table:
             return f"Ramp(points={[(str(w), b) for w, b in self._table]!r})"
-        return f"Ramp({self._start}, {self._end}, over={str(self._over)!r})"
+        return f"Ramp({self.start}, {self.end}, over={str(self._over)!r})"
 
 
 def parse_points(text: str) -> list[tuple[Duration, int]]:
