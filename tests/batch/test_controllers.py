@@ -674,6 +674,26 @@ def test_warmup_seesaw_takes_over_the_decay_from_the_level_the_noise_chose():
     assert path[-1] == 512 and path == sorted(path)
 
 
+def test_warmup_seesaw_with_the_level_as_measured_lets_the_decay_raise_it_too():
+    # the same run as above, the level's evidence not weighed: B_simple = 100 / d rises past
+    # 2 x 128 as the rate falls, the level doubles with it and the batch grows beyond what
+    # the decay alone gives (growth x the new level)
+    c = WarmupSeesaw(
+        multiple=2.0,
+        initial=128,
+        max=16384,
+        window=10,
+        growth=4,
+        critical_multiple=0,
+        level_at_peak=False,
+    )
+    batch = 128
+    for i in range(400):
+        d = 1.0 - i / 440
+        batch = c.next({"grad_sq_norm": d, "trace": 100.0, "schedule": d}, batch, 0)
+    assert c.estimate()["level"] >= 1024 and batch > 512
+
+
 def test_warmup_seesaw_stops_at_the_critical_batch_estimate_and_never_shrinks():
     c = WarmupSeesaw(multiple=0.25, initial=16, window=4, growth=0, critical_multiple=1.0)
     stats = {"grad_sq_norm": 1.0, "trace": 40.0}  # B_simple 40: a quarter of it keeps 16

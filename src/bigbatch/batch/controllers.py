@@ -607,6 +607,13 @@ class WarmupSeesaw(BatchWarmup):
     _: KW_ONLY
     growth: float = setting(8.0, **_GROWTH)
     critical_multiple: float = setting(0.5, **_CRITICAL_MULTIPLE)
+    level_at_peak: bool = setting(
+        True,
+        "the level doubles on the noise scale at the peak rate (B_simple x "
+        "the schedule's fall); false: on B_simple as measured, so the decay also raises the "
+        "level and the critical-batch cap alone bounds the batch",
+        key="level_at_peak",
+    )
 
     family_lr_rule = True
 
@@ -619,8 +626,8 @@ class WarmupSeesaw(BatchWarmup):
 
     def critical_batch(self) -> float:
         """The estimate a doubling of the level must clear: :class:`BatchWarmup`'s, times
-        the schedule's decay ``d`` (the noise scale at the peak rate)."""
-        return super().critical_batch() * self._decay.value
+        the schedule's decay ``d`` (the noise scale at the peak rate) with ``level_at_peak``."""
+        return super().critical_batch() * (self._decay.value if self.level_at_peak else 1.0)
 
     def cap(self) -> float:
         """The largest batch now: ``max``, ``growth × level``, ``critical_multiple ×
