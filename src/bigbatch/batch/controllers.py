@@ -596,12 +596,16 @@ class WarmupSeesaw(BatchWarmup):
     the upper end of ``B_simple`` (McCandlish et al. 2018), as for Seesaw. Beyond the
     cap the rest of the decay stays with the rate, so the run ends annealed.
 
-    The level's evidence is the noise scale times ``d``: near a noise-dominated
-    equilibrium ``|G|²`` falls with the rate, so ``B_simple`` rises as ``1/d`` during
-    the decay. Weighed by ``d``, it is the noise scale at the peak rate, and the decay's
-    growth is the takeover's alone instead of being counted twice. The rate follows the
-    batch by the optimizer family's rule (``family_lr_rule``): ×√ratio for Adam-type
-    optimizers, at both kinds of change.
+    With ``level_at_peak`` (the default) the level's evidence is the noise scale times
+    ``d``: near a noise-dominated equilibrium ``|G|²`` falls with the rate, so
+    ``B_simple`` rises as ``1/d`` during the decay. Weighed by ``d``, it is the noise
+    scale at the peak rate, and the decay's growth is the takeover's alone instead of
+    being counted twice; without it the level doubles on ``B_simple`` as measured and
+    only the critical-batch cap bounds the takeover. The rate follows the batch by the
+    optimizer family's rule (``family_lr_rule``): ×√ratio for Adam-type optimizers, at
+    both kinds of change. Measured against the default on four tasks (docs/results.md,
+    "The start from the noise scale"), either form trades steps for loss rather than
+    saving both, so it is not the default.
     """
 
     _: KW_ONLY
