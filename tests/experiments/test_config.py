@@ -171,9 +171,16 @@ def test_a_key_set_by_the_user_wins_over_the_recipe():
     assert (config["weight_decay"], config["schedule.kind"]) == (0.0, "poly")
 
 
-@pytest.mark.parametrize("key", ["weight_decay", "schedule.warmup", "vrgd.gamma"])
-def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key):
-    with pytest.raises(ConfigError, match=f"{key} must be a number or 'auto', got 'lots'"):
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("weight_decay", "must be a number or 'auto', got 'lots'"),
+        ("schedule.warmup", "= 'lots': not a duration"),  # it also takes a length as text
+        ("vrgd.gamma", "must be a number or 'auto', got 'lots'"),
+    ],
+)
+def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key, message):
+    with pytest.raises(ConfigError, match=f"{key} {message}"):
         resolve({key: "lots"})
     with pytest.raises(ConfigError, match=f"{key} must be >"):
         resolve({key: -1})
@@ -194,3 +201,39 @@ def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):
     from bigbatch.experiments.build import with_task_defaults
 
     assert with_task_defaults(resolve(layer))["min_sub_batches"] == fewest
+
+
+@pytest.mark.parametrize(
+    ("task", "length", "share"),
+    [
+        ("mnist1d", 0.05, 0.05),
+        ("mnist1d", "5%", 0.05),
+        ("mnist1d", "60k samples", 0.05),
+        ("mnist1d", 60000, 60000 / 1_200_000),  # a number above 1 is refused below; as text
+        ("text", "1M tokens", 1_000_000 / 32 / 150_000),
+    ],
+)
+def test_the_warm_up_is_a_share_or_a_length_in_samples_or_tokens(task, length, share):
+    from bigbatch.experiments.build import with_task_defaults
+
+    if not isinstance(length, str) and length > 1:
+        with pytest.raises(ConfigError, match=r"schedule.warmup must be <= 1"):
+            resolve({"task": task, "schedule.warmup": length})
+        length = str(length)
+    config = with_task_defaults(resolve({"task": task, "schedule.warmup": length}))
+    assert config["schedule.warmup"] == pytest.approx(share)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"schedule.warmup": "500 steps"}, "schedule.warmup = '500 steps': the schedule is laid"),
+        ({"schedule.warmup": "1M tokens"}, "schedule.warmup = '1M tokens': .*tokens_per_sample"),
+        ({"schedule.cooldown": "2M"}, "schedule.cooldown = '2M' is longer than max_samples"),
+    ],
+)
+def test_a_schedule_length_the_run_cannot_lay_out_is_one_error_naming_the_key(settings, message):
+    from bigbatch.experiments.build import with_task_defaults
+
+    with pytest.raises(ConfigError, match=message):
+        with_task_defaults(resolve({"task": "mnist1d", **settings}))

@@ -60,6 +60,7 @@ def with_task_defaults(
         if not config[key] and value:
             config[key] = value
             origins[key] = f"the {task.name} task's default"
+    _schedule_shares(config, origins)
     kind = config["batch.controller"]
     if not config["min_sub_batches"] and config["noise_from"] != "auto":
         # what the statistics need, stated in the saved config (auto decides on the model)
@@ -158,6 +159,30 @@ def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
     if own["lr_max"]:
         out["lr_max"] = own["lr_max"] * (lr / own["lr"])  # exactly the ceiling at ×1
     return out
+
+
+def _schedule_shares(config: dict[str, Any], origins: dict[str, str]) -> None:
+    """``schedule.warmup`` and ``schedule.cooldown`` given as lengths ('20k samples',
+    '1M tokens', '5%') as the fractions of ``max_samples`` the schedule takes."""
+    total = config["max_samples"]
+    for key in ("schedule.warmup", "schedule.cooldown"):
+        text = config[key]
+        if not isinstance(text, str):
+            continue
+        length = Duration.parse(text)
+        try:
+            length.check(**run_facts(config))
+        except ValueError as err:
+            raise ConfigError(f"{key} = {text!r}: {err}") from None
+        if length.unit == "budget":
+            share = length.value
+        else:
+            tokens = config["model.context"] if length.unit == "tokens" else 1
+            share = length.value / tokens / total
+        if share > 1:
+            raise ConfigError(f"{key} = {text!r} is longer than max_samples ({total:,})")
+        config[key] = share
+        origins[key] = f"{text!r} of max_samples {total:,}"
 
 
 def with_recipe(config: dict[str, Any], origins: dict[str, str] | None = None) -> dict[str, Any]:

@@ -100,6 +100,19 @@ class Key:
 AUTO = "auto"
 
 
+def share_of_budget(text: str) -> Duration:
+    """A length of the schedule as text: samples, tokens or a share ('5%'); the schedule
+    runs in samples, so optimizer steps, whose samples a changing batch decides, are not
+    one."""
+    duration = Duration.parse(text)
+    if duration.unit == "steps":
+        raise ValueError(
+            "the schedule is laid over samples: give samples, tokens or a share ('5%'), "
+            "not optimizer steps"
+        )
+    return duration
+
+
 def recipe_key(name: str, help: str, **bounds: Any) -> Key:
     """A number key that defaults to the optimizer's recipe (:data:`AUTO`)."""
     return Key(name, AUTO, f"{help}; auto: the optimizer's recipe", from_recipe=True, **bounds)
@@ -409,13 +422,22 @@ def _batch_keys() -> list[Key]:
             "LR decay over samples after the warm-up; auto: the optimizer's recipe",
             (AUTO, *SCHEDULES),
         ),
-        recipe_key("schedule.warmup", "linear warm-up, a fraction of max_samples", low=0, high=1),
+        recipe_key(
+            "schedule.warmup",
+            "linear warm-up: a fraction of max_samples, or a length in samples, tokens or "
+            "'N%' ('20k samples', '1M tokens')",
+            low=0,
+            high=1,
+            parse=share_of_budget,
+        ),
         Key(
             "schedule.cooldown",
             0.2,
-            "wsd: the linear cool-down at the end, a fraction of max_samples",
+            "wsd: the linear cool-down at the end: a fraction of max_samples, or a length as "
+            "schedule.warmup takes",
             low=0,
             high=1,
+            parse=share_of_budget,
         ),
     ]
 
@@ -585,8 +607,8 @@ def _parsed_text(key: Key, value: Any) -> Any:
 def _check(key: Key, value: Any) -> Any:
     if key.from_recipe and value == AUTO:
         return value
-    if key.kind is int and key.parse is not None and isinstance(value, str):
-        return _parsed_text(key, value)  # a count, or a duration's text
+    if key.kind in (int, float) and key.parse is not None and isinstance(value, str):
+        return _parsed_text(key, value)  # a count or a share, or a duration's text
     value = _check_kind(key, value)
     if key.kind is bool or key.kind is str:
         return value
