@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
-    report = commands.add_parser("report", help="re-render the report of a run or comparison")
+    report = commands.add_parser(
+        "report", help="re-render the report of a run, a comparison or a critical-batch measurement"
+    )
     report.add_argument("dir", metavar="DIR")
     commands.add_parser("tasks", help="list the built-in tasks")
     return parser
@@ -489,6 +491,22 @@ def _federated(args: argparse.Namespace) -> None:
     print(f"report: {out / 'report.md'}")
 
 
+def _report(path: Path) -> None:
+    """Re-render a run's, a comparison's or a critical-batch measurement's report."""
+    if (path / "critical_batch.json").is_file():
+        from .experiments.critical import render as render_critical
+
+        render_critical(path)
+        print(path / "critical_batch.md")
+        return
+    from .experiments.report import render
+
+    try:
+        print(render(path))
+    except FileNotFoundError as err:
+        raise ConfigError(f"{err}, nor a critical-batch measurement") from None
+
+
 def _tasks() -> None:
     from .experiments.tasks import TASKS
 
@@ -550,12 +568,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "federated":
         _federated(args)
     elif args.command == "report":
-        from .experiments.report import render
-
-        try:
-            print(render(Path(args.dir)))
-        except FileNotFoundError as err:
-            raise ConfigError(str(err)) from None
+        _report(Path(args.dir))
     else:
         _tasks()
     return 0

@@ -128,6 +128,10 @@ def test_the_command_writes_its_report_and_refuses_bad_options(tmp_path, capsys)
     code = cli.main([str(a) for a in [*args, "--batches", "16,32", "--points", "0.5"]])
     assert code == 0
     assert "| 0.5 |" in (out / "critical_batch.md").read_text()
+    # bigbatch report re-renders it, as it does a run's or a comparison's
+    (out / "critical_batch.md").unlink()
+    assert cli.main(["report", str(out)]) == 0
+    assert "| 0.5 |" in (out / "critical_batch.md").read_text()
     assert cli.main(["critical-batch", "--batches", "16,x", "--out", str(tmp_path / "x")]) == 2
     assert "--batches takes comma-separated numbers" in capsys.readouterr().err
     assert cli.main(["critical-batch", "--points", "2", "--out", str(tmp_path / "y")]) == 2
