@@ -86,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         )
     )
     report = commands.add_parser(
-        "report", help="re-render the report of a run, a comparison or a critical-batch measurement"
+        "report",
+        help="re-render the report of a run, a comparison, a tuning study or a critical-batch "
+        "measurement",
     )
     report.add_argument("dir", metavar="DIR")
     commands.add_parser("tasks", help="list the built-in tasks")
@@ -492,7 +494,13 @@ def _federated(args: argparse.Namespace) -> None:
 
 
 def _report(path: Path) -> None:
-    """Re-render a run's, a comparison's or a critical-batch measurement's report."""
+    """Re-render a run's, a comparison's, a tuning study's or a critical-batch
+    measurement's report."""
+    if (path / "tune.json").is_file():
+        from .experiments.tune import render_report
+
+        print(render_report(path))
+        return
     if (path / "critical_batch.json").is_file():
         from .experiments.critical import render as render_critical
 
@@ -504,7 +512,7 @@ def _report(path: Path) -> None:
     try:
         print(render(path))
     except FileNotFoundError as err:
-        raise ConfigError(f"{err}, nor a critical-batch measurement") from None
+        raise ConfigError(f"{err}, nor a tuning study or a critical-batch measurement") from None
 
 
 def _tasks() -> None:

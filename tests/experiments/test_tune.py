@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("optuna")
 
+from bigbatch import cli
 from bigbatch.experiments import runner
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import ConfigError, load_toml, resolve, to_toml
@@ -115,6 +116,10 @@ def test_the_best_config_report_and_plot_are_written(fake, tmp_path):
     report = (tmp_path / "t" / "tune.md").read_text()
     assert "of the grid" in report and f"{result.best['lr']:.4g}" in report
     assert (tmp_path / "t" / "tune.png").stat().st_size > 0
+    # bigbatch report re-renders it from the folder alone
+    (tmp_path / "t" / "tune.md").unlink()
+    assert cli.main(["report", str(tmp_path / "t")]) == 0
+    assert (tmp_path / "t" / "tune.md").read_text() == report
     # the second bracket is proposed by TPE from the first: near the best rate
     second = [t["params"]["lr"] for t in result.trials if t["bracket"] == 1]
     assert len(second) == 9

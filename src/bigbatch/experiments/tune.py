@@ -479,6 +479,15 @@ def _result(
     )
 
 
+def render_report(out: Path) -> Path:
+    """``tune.md``, ``tune.png`` and ``best.toml`` again, from a study's folder (its
+    ``tune.json`` and the study's database); the report's path."""
+    saved = json.loads((out / SETTINGS_FILE).read_text())
+    config, space = saved["config"], [Dimension(**d) for d in saved["space"]]
+    _write_outputs(out, config, _result(_study(out, config), config, space, out), space)
+    return out / "tune.md"
+
+
 def _write_outputs(
     out: Path, config: dict[str, Any], result: TuneResult, space: list[Dimension]
 ) -> None:
