@@ -194,6 +194,7 @@ def _keys() -> list[Key]:
         *_machine_keys(),
         *_log_keys(),
         *_batch_keys(),
+        *_schedule_keys(),
         *_dist_keys(),
         *_optimizer_keys(),
     ]
@@ -416,6 +417,12 @@ def _batch_keys() -> list[Key]:
             "one process, scalar under DDP",
             ("auto", *SIMILARITY_MODES),
         ),
+    ]
+
+
+def _schedule_keys() -> list[Key]:
+    """The learning rate's schedule over the samples (the rate itself is a run key)."""
+    return [
         Key(
             "schedule.kind",
             AUTO,
