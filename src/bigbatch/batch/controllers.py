@@ -536,8 +536,7 @@ class Seesaw:
 
     def __post_init__(self) -> None:
         _check(self)
-        if 0 < self.growth < 1:
-            raise ValueError(f"growth must be 0 (no cap) or at least 1, got {self.growth!r}")
+        _check_growth(self)
         self.needs_statistics = self.critical_multiple > 0
         self._noise = SmoothedNoise(self.window)
         self._decay = _Decay()
@@ -623,8 +622,7 @@ class WarmupSeesaw(BatchWarmup):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if 0 < self.growth < 1:
-            raise ValueError(f"growth must be 0 (no cap) or at least 1, got {self.growth!r}")
+        _check_growth(self)
         self._decay = _Decay()
         self._level = self.initial  # the batch the noise asks for at the peak rate
 
@@ -813,6 +811,13 @@ class _Decay:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.peak, self.warming.last = float(state["peak"]), float(state["last"])
         self.value = float(state["decay"])
+
+
+def _check_growth(controller: Any) -> None:
+    """A takeover's growth cap is off (0) or a multiple of at least 1: its key's bound
+    (``>= 0``) cannot say the hole between."""
+    if 0 < controller.growth < 1:
+        raise ValueError(f"growth must be 0 (no cap) or at least 1, got {controller.growth!r}")
 
 
 def _takeover_cap(controller: Any, base: int, noise: SmoothedNoise) -> float:
