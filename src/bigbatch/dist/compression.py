@@ -119,7 +119,7 @@ class CompressionState:
         seed: int = 0,
     ) -> None:
         self.method = choice("method", method, METHODS)
-        self.compressor = choice("compressor", compressor, COMPRESSORS)
+        self.compressor = self.CONFIG["compressor"].check("compressor", compressor, "str")
         ratio = self.CONFIG["ratio"].check("ratio", ratio, "float")
         if eta is None:
             eta = DEFAULT_ETA.get(self.method, 0.0)
