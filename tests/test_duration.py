@@ -76,3 +76,15 @@ def test_an_interval_is_a_count_of_steps_or_a_duration_longer_than_zero():
         Duration.interval("0 steps")
     with pytest.raises(ValueError, match="longer than 0"):
         Duration.parse("0").crossed((0, 0), (1, 1))
+
+
+def test_a_duration_as_a_share_of_the_budget():
+    assert Duration.parse("25%").share(budget=1000) == 0.25
+    assert Duration.parse("300k").share(budget=1_200_000) == 0.25
+    assert Duration.parse("1M tokens").share(tokens_per_sample=8, budget=500_000) == 0.25
+    with pytest.raises(ValueError, match="counts optimizer steps"):
+        Duration.parse("500 steps").share(budget=1000)
+    with pytest.raises(ValueError, match="give tokens_per_sample"):
+        Duration.parse("1M tokens").share(budget=1000)
+    with pytest.raises(ValueError, match="give budget"):
+        Duration.parse("300k").share()

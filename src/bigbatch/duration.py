@@ -97,6 +97,19 @@ class Duration:
             return float(samples) * tokens_per_sample  # type: ignore[operator]
         return samples / budget  # type: ignore[operator]
 
+    def share(self, *, tokens_per_sample: int | None = None, budget: int | None = None) -> float:
+        """This duration as a share of a budget of ``budget`` samples (0.25 for "25%"); a
+        length in optimizer steps has none (a changing batch decides its samples)."""
+        self.check(tokens_per_sample=tokens_per_sample, budget=budget)
+        if self.unit == "steps":
+            raise ValueError(f"{self} counts optimizer steps: it is no share of samples")
+        if self.unit == "budget":
+            return self.value
+        if not budget:
+            raise ValueError(f"{self} as a share of the budget: give budget (in samples)")
+        per_sample = tokens_per_sample if self.unit == "tokens" else 1
+        return self.value / per_sample / budget  # type: ignore[operator]
+
     def crossed(
         self,
         before: tuple[int, int],

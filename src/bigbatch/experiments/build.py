@@ -169,16 +169,10 @@ def _schedule_shares(config: dict[str, Any], origins: dict[str, str]) -> None:
         text = config[key]
         if not isinstance(text, str):
             continue
-        length = Duration.parse(text)
         try:
-            length.check(**run_facts(config))
+            share = Duration.parse(text).share(**run_facts(config))
         except ValueError as err:
             raise ConfigError(f"{key} = {text!r}: {err}") from None
-        if length.unit == "budget":
-            share = length.value
-        else:
-            tokens = config["model.context"] if length.unit == "tokens" else 1
-            share = length.value / tokens / total
         if share > 1:
             raise ConfigError(f"{key} = {text!r} is longer than max_samples ({total:,})")
         config[key] = share
