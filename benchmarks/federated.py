@@ -34,7 +34,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bigbatch.experiments.analysis import mean_std
-from bigbatch.experiments.federated import FederatedConfig, first_reach, simulate
+from bigbatch.experiments.federated import first_reach, simulate
+from bigbatch.experiments.options import FederatedSettings
 from bigbatch.experiments.pool import in_processes
 
 CHANCE = 0.1  # ten classes
@@ -51,11 +52,13 @@ def arms(args: argparse.Namespace) -> dict[str, dict]:
 def run_one(item: tuple[str, dict]) -> dict:
     """One simulation (reused from its directory when done)."""
     path, settings = item
-    cfg = FederatedConfig(**settings)
+    cfg = FederatedSettings(**settings)
     done = Path(path) / "summary.json"
     if done.exists():
         stored = json.loads(done.read_text())
-        if stored["config"] != asdict(cfg):  # another --rounds, --clients, ... in this --out
+        if stored["config"] != json.loads(
+            json.dumps(asdict(cfg))
+        ):  # another --rounds, --clients, ... in this --out
             raise SystemExit(f"{path} holds a run of other settings; use another --out")
         return stored
     result = simulate(cfg, Path(path), threads=1)

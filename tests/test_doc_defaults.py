@@ -103,21 +103,30 @@ def test_the_tasks_table_gives_each_tasks_shape_target_and_rates():
         assert numbers(rates)[:2] == [task.lrs["adam"], task.lrs["adam/held"]], name
 
 
-def test_the_compare_options_table_gives_the_protocols_defaults():
-    from bigbatch.experiments.arms import PROTOCOL_DEFAULTS
+def with_options_tables(text: str) -> str:
+    """docs/cli.md with the table after each ``<!-- generated: options NAME -->`` made
+    from the command's settings class (run as a script, this rewrites the page)."""
+    from bigbatch.experiments.flags import options_table
+    from bigbatch.experiments.options import SECTIONS
 
-    lines = (ROOT / "docs" / "cli.md").read_text().splitlines()
-    start = lines.index("| option | meaning | default |")
-    documented = {}
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
-        flag, default = cells[0].strip("`").split()[0], cells[-1].strip("`")
-        documented[flag.removeprefix("--").replace("-", "_")] = default
-    expected = {
-        key: "off" if value is False else ",".join(f"{v:g}" for v in value)
-        if isinstance(value, list) else str(value)
-        for key, value in PROTOCOL_DEFAULTS.items()
-    }  # fmt: skip
-    assert documented == expected
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        out.append(lines[i])
+        marker = re.fullmatch(r"<!-- generated: options (\w+) -->", lines[i])
+        i += 1
+        if marker:
+            while i < len(lines) and (lines[i].startswith("|") or not lines[i].strip()):
+                i += 1  # the old table and the blank lines around it
+            out += [options_table(SECTIONS[marker[1]]), ""]
+    return "\n".join(out) + "\n"
+
+
+def test_each_commands_options_table_is_made_from_its_settings():
+    text = (ROOT / "docs" / "cli.md").read_text()
+    assert text.count("<!-- generated: options ") == 4  # compare, critical, tune, federated
+    assert text == with_options_tables(text), "run: python tests/test_doc_defaults.py"
+
+
+if __name__ == "__main__":  # rewrite docs/cli.md's generated options tables
+    page = ROOT / "docs" / "cli.md"
+    page.write_text(with_options_tables(page.read_text()))

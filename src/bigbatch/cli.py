@@ -28,7 +28,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .experiments.arms import PROTOCOL_DEFAULTS, RANKS
 from .experiments.config import (
     ConfigError,
     help_text,
@@ -36,7 +35,15 @@ from .experiments.config import (
     parse_assignment,
     resolve,
 )
+from .experiments.flags import add_flags, given, settings_from
 from .experiments.launch import COLLECTIVE_FAILED, WorkerFailedError, report_to_launcher
+from .experiments.options import (
+    SECTIONS,
+    CriticalSettings,
+    FederatedSettings,
+    Protocol,
+    TuneSettings,
+)
 from .experiments.signals import Stopped
 
 #: what ``pip install bigbatch[cli]`` adds to the core (torch, numpy): the commands' needs
@@ -115,22 +122,8 @@ adaptive (bigbatch's controller on the clients' pooled noise statistics, from
 
 
 def _federated_arguments(p: argparse.ArgumentParser) -> None:
-    # defaults are FederatedConfig's (left None here, so building the parser imports nothing)
-    def add(flag: str, kind: type, text: str) -> None:
-        p.add_argument(flag, type=kind, help=text)
-
-    add("--task", str, "mnist1d (default), digits or teacher")
-    add("--clients", int, "clients, all trained each round (4)")
-    add("--split", str, "iid (default) or dirichlet: how the training set is shared")
-    add("--alpha", float, "the Dirichlet split's concentration (0.5)")
-    add("--rounds", int, "rounds (20)")
-    add("--local-samples", int, "samples per client per round (1024)")
-    add("--scheme", str, "fixed, switch or adaptive (default)")
-    add("--local-batch", int, "the base local batch (4)")
-    add("--large", int, "switch: the first phase's local batch (128)")
-    add("--switch", float, "switch: the fraction of the samples at --large (0.5)")
-    add("--lr", float, "the rate at --local-batch (0.025)")
-    add("--seed", int, "the seed (0)")
+    p.add_argument("--config", metavar="FILE", help="TOML file whose [federated] table sets these")
+    add_flags(p, FederatedSettings)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
 
@@ -146,7 +139,12 @@ def _config_command(
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=help_text(),
     )
-    p.add_argument("--config", metavar="FILE", help="TOML file of config keys")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file of config keys; its [compare], [tune] or [critical] table sets the "
+        "command's own options (a flag overrides them)",
+    )
     p.add_argument("--task", metavar="NAME", help="the task (the same as --set task=NAME)")
     p.add_argument(
         "--set",
@@ -201,81 +199,12 @@ def _compare_arguments(compare: argparse.ArgumentParser) -> None:
         help="an arm written out (repeatable): its name and the keys it sets; each --vary "
         "applies to every one",
     )
-    compare.add_argument(
-        "--widen",
-        type=int,
-        help="grid points to add, one at a time, at an end where an arm's best rate lies "
-        f"(default {PROTOCOL_DEFAULTS['widen']})",
-    )
-    compare.add_argument(
-        "--lr-grid",
-        metavar="M1,M2,...",
-        help="train each arm at its rate times each multiplier and keep the best "
-        f"(default {','.join(f'{m:g}' for m in PROTOCOL_DEFAULTS['lr_grid'])})",
-    )
-    compare.add_argument(
-        "--seeds",
-        type=int,
-        help=f"seeds at each arm's chosen rate (default {PROTOCOL_DEFAULTS['seeds']}; the first "
-        "is seed)",
-    )
-    compare.add_argument(
-        "--rank",
-        choices=tuple(RANKS),
-        help="how the rate grid is ranked: steps (fewest to the task's target), best or final "
-        f"score (default {PROTOCOL_DEFAULTS['rank']})",
-    )
-    compare.add_argument(
-        "--jobs",
-        type=int,
-        help=f"runs at a time, each in its own process (default {PROTOCOL_DEFAULTS['jobs']})",
-    )
-    compare.add_argument(
-        "--tune",
-        action="store_true",
-        default=None,
-        help="search each arm's rate over the --lr-grid range with bigbatch tune instead of "
-        "training every point (needs the tune extra)",
-    )
+    add_flags(compare, Protocol)
     compare.add_argument("--out", metavar="DIR", help="comparison directory (default: under runs/)")
 
 
 def _critical_arguments(critical: argparse.ArgumentParser) -> None:
-    critical.add_argument(
-        "--batches",
-        metavar="B1,B2,...",
-        default="",
-        help="branch batch sizes; the smallest is the base run's and the reference "
-        "(default: batch.initial and its doublings up to 32 times it)",
-    )
-    critical.add_argument(
-        "--points",
-        metavar="F1,F2,...",
-        default="0.1,0.25,0.5,0.75",
-        help="where branches start, as fractions of max_samples (default 0.1,0.25,0.5,0.75)",
-    )
-    critical.add_argument(
-        "--branch-samples",
-        type=int,
-        default=0,
-        help="samples each branch trains (default: 5%% of max_samples, whole steps of the "
-        "largest batch)",
-    )
-    critical.add_argument(
-        "--tolerance",
-        type=float,
-        default=0.01,
-        help="how much higher than the reference a branch's eval loss may end and still count "
-        "(absolute, in the task's eval-loss units, e.g. nats; default 0.01)",
-    )
-    critical.add_argument(
-        "--lr-rule",
-        choices=("auto", "none", "sqrt", "linear"),
-        default="auto",
-        help="a branch's rate against the base batch's (default auto: the rule the task "
-        "measured for the optimizer, else the family's: sqrt for Adam-type, linear for "
-        "SGD- and LARS-type)",
-    )
+    add_flags(critical, CriticalSettings)
     critical.add_argument("--out", metavar="DIR", help="output directory (default: under runs/)")
 
 
@@ -288,36 +217,7 @@ def _tune_arguments(tune: argparse.ArgumentParser) -> None:
         help="a number key and its range (repeatable; default: lr from 1/8 to 8 times the "
         "task's rate, log)",
     )
-    tune.add_argument(
-        "--trials", type=int, default=9, help="trials each bracket starts (default 9)"
-    )
-    tune.add_argument(
-        "--brackets", type=int, default=1, help="brackets, the later ones proposed by TPE"
-    )
-    tune.add_argument(
-        "--reduction", type=int, default=3, help="keep 1 in this many at each fidelity (3)"
-    )
-    tune.add_argument(
-        "--min-fidelity",
-        type=float,
-        default=1 / 27,
-        help="the first pause, as a fraction of max_samples (default 1/27)",
-    )
-    tune.add_argument(
-        "--after-warmup",
-        type=float,
-        default=2.0,
-        help="no pause before this many warm-ups (default 2: after a 5%% warm-up, the first "
-        "pause is at 1/9)",
-    )
-    tune.add_argument(
-        "--budget",
-        type=float,
-        help="run no bracket past this fraction of the samples of a ×2 grid over the same "
-        "range (e.g. 0.25)",
-    )
-    tune.add_argument("--jobs", type=int, default=1, help="trials at a time, each a process")
-    tune.add_argument("--search-seed", type=int, default=0, help="seeds the proposals")
+    add_flags(tune, TuneSettings)
     tune.add_argument(
         "--out", metavar="DIR", help="study folder, new or one to continue (default: under runs/)"
     )
@@ -327,8 +227,27 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     return resolve(*_layers(args))
 
 
+def _file(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--config`` file's keys, flattened (none without one)."""
+    return load_toml(args.config) if getattr(args, "config", None) else {}
+
+
+def _section(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The ``[name]`` table of the ``--config`` file: a command's own options."""
+    prefix = f"{name}."
+    return {k.removeprefix(prefix): v for k, v in _file(args).items() if k.startswith(prefix)}
+
+
+def _settings(args: argparse.Namespace, name: str) -> Any:
+    """A command's settings: their defaults, the file's ``[name]`` table, the flags."""
+    cls = SECTIONS[name]
+    return settings_from(cls, name, _section(args, name), given(cls, args))
+
+
 def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
-    layers = [load_toml(args.config)] if args.config else []
+    """The run keys: the ``--config`` file's (less the commands' tables), --task, --set."""
+    commands = tuple(f"{name}." for name in SECTIONS)
+    layers = [{k: v for k, v in _file(args).items() if not k.startswith(commands)}]
     if args.task:
         layers.append({"task": args.task})
     layers.append(dict(parse_assignment(a) for a in args.set))
@@ -395,83 +314,30 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
 def _compare(args: argparse.Namespace) -> None:
     from .experiments.compare import plan, run_comparison
 
-    recipe: dict[str, Any] = {}
-    layers = []
-    if args.config:  # a recipe file may carry the comparison itself in a [compare] table
-        table = load_toml(args.config)
-        recipe = {
-            k.removeprefix("compare."): v for k, v in table.items() if k.startswith("compare.")
-        }
-        layers.append({k: v for k, v in table.items() if not k.startswith("compare.")})
-    if args.task:
-        layers.append({"task": args.task})
-    layers.append(dict(parse_assignment(a) for a in args.set))
-    flags = {
-        "vary": args.vary or None,
-        "arms": args.arm or None,
-        "lr_grid": args.lr_grid,
-        "widen": args.widen,
-        "seeds": args.seeds,
-        "rank": args.rank,
-        "jobs": args.jobs,
-        "tune": args.tune,
-    }
-    options = {**recipe, **{k: v for k, v in flags.items() if v is not None}}
-    comparison = plan(resolve(*layers), **options)
+    options = {**_section(args, "compare"), **given(Protocol, args)}
+    options.update({k: v for k, v in (("vary", args.vary), ("arms", args.arm)) if v})
+    comparison = plan(_config(args), **options)
     out = Path(args.out) if args.out else None
     print(f"comparison report: {run_comparison(comparison, out, quiet=args.quiet)}")
 
 
-def _numbers(flag: str, text: str, kind: type) -> list[Any]:
-    try:
-        return [kind(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-
-
 def _critical_batch(args: argparse.Namespace) -> None:
-    from .experiments.build import with_task_defaults
     from .experiments.critical import measure
     from .experiments.rundir import new_run_dir
 
-    config = _config(args)
-    batches = _numbers("--batches", args.batches, int)
-    if not batches:  # the first batch the config's controller would train at, and doublings
-        first = with_task_defaults(config)["batch.initial"]
-        batches = [first * 2**k for k in range(6)]
-    points = _numbers("--points", args.points, float)
+    config, settings = _config(args), _settings(args, "critical")
     out = Path(args.out) if args.out else new_run_dir(task=f"critical-{config['task']}")
-    measured = measure(
-        config,
-        out,
-        batches=batches,
-        points=points,
-        branch_samples=args.branch_samples,
-        tolerance=args.tolerance,
-        lr_rule=args.lr_rule,
-        quiet=args.quiet,
-    )
+    measured = measure(config, out, settings, quiet=args.quiet)
     print((out / "critical_batch.md").read_text())
     print(f"{len(measured)} points measured; report: {out / 'critical_batch.md'}")
 
 
 def _tune(args: argparse.Namespace) -> None:
     from .experiments.rundir import new_run_dir
-    from .experiments.tune import TuneSettings, parse_dimension, tune
+    from .experiments.tune import parse_dimension, tune
 
-    config = _config(args)
+    config, settings = _config(args), _settings(args, "tune")  # checked before a folder
     space = [parse_dimension(text, config) for text in args.search] or None
-    settings = TuneSettings(
-        trials=args.trials,
-        brackets=args.brackets,
-        reduction=args.reduction,
-        min_fidelity=args.min_fidelity,
-        after_warmup=args.after_warmup,
-        budget=args.budget,
-        jobs=args.jobs,
-        seed=args.search_seed,
-    )
-    settings.check()  # before a folder is made
     out = Path(args.out) if args.out else new_run_dir(task=f"tune-{config['task']}")
     tune(config, out, space, settings, quiet=args.quiet)
     print((out / "tune.md").read_text())
@@ -479,16 +345,13 @@ def _tune(args: argparse.Namespace) -> None:
 
 
 def _federated(args: argparse.Namespace) -> None:
-    from .experiments.federated import FederatedConfig, simulate
+    from .experiments.federated import simulate
     from .experiments.rundir import check_new_run_dir, new_run_dir
 
-    fields = ("task", "clients", "split", "alpha", "rounds", "local_samples", "scheme",
-              "local_batch", "large", "switch", "lr", "seed")  # fmt: skip
-    given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
-    cfg = FederatedConfig(**given)
-    out = Path(args.out) if args.out else new_run_dir(task=f"federated-{cfg.task}")
+    settings = _settings(args, "federated")
+    out = Path(args.out) if args.out else new_run_dir(task=f"federated-{settings.task}")
     check_new_run_dir(out)
-    simulate(cfg, out, threads=args.threads)
+    simulate(settings, out, threads=args.threads)
     print((out / "report.md").read_text())
     print(f"report: {out / 'report.md'}")
 

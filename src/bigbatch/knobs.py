@@ -20,12 +20,19 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 from ._checks import check_flag, check_number, choice, whole_number
 
-__all__ = ["Knob", "check_settings", "setting", "settings", "signature_defaults"]
+__all__ = [
+    "Knob",
+    "annotation",
+    "check_settings",
+    "setting",
+    "settings",
+    "signature_defaults",
+]
 
 #: a knob whose default the signature does not give (a required argument)
 NO_DEFAULT = inspect.Parameter.empty
@@ -94,13 +101,19 @@ _T = TypeVar("_T")
 
 
 def setting(
-    default: Any = MISSING, help: str = "", *, key: str | None = None, **bounds: Any
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    key: str | None = None,
+    flag: str | None = None,
+    **bounds: Any,
 ) -> Any:
     """A setting as a dataclass field: its default, and beside it its ``help``, its bounds
     (``low``, ``high``, ``low_open``, ``high_open``, ``choices``: :class:`Knob`'s) and, where
-    a run's config sets it, its config ``key``."""
+    a run's config sets it, its config ``key``; a command's option may name its ``flag``
+    where it is not the field's name (``bigbatch.experiments.flags``)."""
     knob = Knob("", help, **bounds)
-    return field(default=default, metadata={"knob": knob, "key": key})
+    return field(default=default, metadata={"knob": knob, "key": key, "flag": flag})
 
 
 def settings(cls: type[_T]) -> type[_T]:
@@ -117,17 +130,34 @@ def settings(cls: type[_T]) -> type[_T]:
     return cls
 
 
+def annotation(f: Field) -> str:
+    """A field's annotation as text (``int``, ``float | None``, ``tuple[int, ...]``): the
+    text itself where the module defers annotations, else the type written out."""
+    if isinstance(f.type, str):
+        return f.type
+    return f.type.__name__ if isinstance(f.type, type) else str(f.type)
+
+
 def check_settings(component: Any) -> None:
     """Check every :func:`setting` field of ``component`` against its bounds, by its
-    annotated type (a whole number, a number, a flag, one of ``choices``): one
-    ``ValueError`` naming the argument and the value; a number is stored as a float."""
+    annotated type (a whole number, a number, a flag, one of ``choices``; ``X | None``
+    also None; ``tuple[X, ...]`` each item): one ``ValueError`` naming the argument and
+    the value; a number is stored as a float (in a frozen class too)."""
     for f in fields(component):
         knob = f.metadata.get("knob")
         if knob is None:
             continue
         value = getattr(component, f.name)
-        # the annotation is text where the module defers them (``from __future__ import
-        # annotations``), else the type itself
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        value = knob.check(f.name, value, kind)
-        setattr(component, f.name, value)
+        kind = annotation(f)
+        if kind.endswith(" | None"):
+            if value is None:
+                continue
+            kind = kind.removesuffix(" | None")
+        if kind.startswith("tuple["):
+            if not isinstance(value, (tuple, list)):
+                raise ValueError(f"{f.name} must be a list, got {value!r}")
+            item = kind.removeprefix("tuple[").removesuffix(", ...]")
+            value = tuple(knob.check(f.name, v, item) for v in value)
+        else:
+            value = knob.check(f.name, value, kind)
+        object.__setattr__(component, f.name, value)

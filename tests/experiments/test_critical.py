@@ -11,10 +11,12 @@ from bigbatch.batch.lr import lr_factor
 from bigbatch.experiments import critical
 from bigbatch.experiments.build import build, make_controller, with_task_defaults
 from bigbatch.experiments.config import ConfigError, resolve
+from bigbatch.experiments.options import CriticalSettings
 
 from .test_cli import rows
 
 SMALL = {"task": "digits", "max_samples": 4000, "model.width": 16, "eval_every": 5, "threads": 1}
+ONE_POINT = CriticalSettings(batches=(16, 32), points=(0.25,), branch_samples=640)
 
 
 def test_the_critical_batch_is_the_largest_within_the_tolerance():
@@ -28,23 +30,23 @@ def test_the_critical_batch_is_the_largest_within_the_tolerance():
 @pytest.mark.parametrize(
     "batches, points, message",
     [
-        ([64], [0.5], "two or more distinct"),
-        ([0, 64], [0.5], "two or more distinct"),
-        ([32, 64], [1.5], r"fractions of the budget in \(0, 1\)"),
+        ((64,), (0.5,), "two or more distinct"),
+        ((32, 32), (0.5,), "two or more distinct"),
+        ((0, 64), (0.5,), "batches must be a whole number >= 1, got 0"),
+        ((32, 64), (1.5,), r"points must be a finite number in \(0, 1\)"),
+        ((32, 64), (), "points takes one fraction"),
     ],
 )
 def test_bad_options_are_named(batches, points, message):
     with pytest.raises(ConfigError, match=message):
-        critical.check_options(batches, points, 0, 0.01)
+        CriticalSettings(batches=batches, points=points)
 
 
 def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     config = resolve(SMALL)
     threads = torch.get_num_threads()
     try:
-        points = critical.measure(
-            config, tmp_path, batches=[16, 32], points=[0.25], branch_samples=640, quiet=True
-        )
+        points = critical.measure(config, tmp_path, ONE_POINT, quiet=True)
         assert torch.get_num_threads() == 1  # the config's threads, as `bigbatch train`
     finally:
         torch.set_num_threads(threads)
@@ -75,12 +77,11 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("branch-*")) == ["branch-0-16", "branch-0-32"]
     assert rows(tmp_path / "branch-0-32")[-1]["samples"] == point.samples + 640
     # run again, it continues what is there: nothing is trained twice
-    again = critical.measure(
-        config, tmp_path, batches=[16, 32], points=[0.25], branch_samples=640, quiet=True
-    )
+    again = critical.measure(config, tmp_path, ONE_POINT, quiet=True)
     assert again == points
     with pytest.raises(ConfigError, match="holds a critical-batch measurement of other options"):
-        critical.measure(config, tmp_path, batches=[16, 64], points=[0.25], quiet=True)
+        other = CriticalSettings(batches=(16, 64), points=(0.25,))
+        critical.measure(config, tmp_path, other, quiet=True)
 
 
 def test_a_measurement_stopped_by_a_signal_continues_to_the_same_points(tmp_path, monkeypatch):
@@ -88,8 +89,8 @@ def test_a_measurement_stopped_by_a_signal_continues_to_the_same_points(tmp_path
     from bigbatch.experiments.signals import Stopped
 
     config = resolve(SMALL)
-    options = {"batches": [16, 32], "points": [0.25, 0.5], "branch_samples": 320, "quiet": True}
-    straight = critical.measure(config, tmp_path / "straight", **options)
+    options = CriticalSettings(batches=(16, 32), points=(0.25, 0.5), branch_samples=320)
+    straight = critical.measure(config, tmp_path / "straight", options, quiet=True)
     train, calls = runner.train, []
 
     def stopped_at_the_third_run(config, out, **kwargs):
@@ -100,9 +101,9 @@ def test_a_measurement_stopped_by_a_signal_continues_to_the_same_points(tmp_path
 
     monkeypatch.setattr(runner, "train", stopped_at_the_third_run)
     with pytest.raises(Stopped, match="run the same command again"):
-        critical.measure(config, tmp_path / "stopped", **options)
+        critical.measure(config, tmp_path / "stopped", options, quiet=True)
     monkeypatch.setattr(runner, "train", train)
-    assert critical.measure(config, tmp_path / "stopped", **options) == straight
+    assert critical.measure(config, tmp_path / "stopped", options, quiet=True) == straight
 
 
 @pytest.mark.parametrize(
@@ -133,7 +134,14 @@ def test_the_command_writes_its_report_and_refuses_bad_options(tmp_path, capsys)
     assert cli.main(["report", str(out)]) == 0
     assert "| 0.5 |" in (out / "critical_batch.md").read_text()
     assert cli.main(["critical-batch", "--batches", "16,x", "--out", str(tmp_path / "x")]) == 2
-    assert "--batches takes comma-separated numbers" in capsys.readouterr().err
+    assert "--batches takes comma-separated whole numbers, got '16,x'" in capsys.readouterr().err
     assert cli.main(["critical-batch", "--points", "2", "--out", str(tmp_path / "y")]) == 2
-    # without --batches: the controller's first batch and its doublings, so --points is the error
-    assert "--points are fractions" in capsys.readouterr().err
+    assert "points must be a finite number in (0, 1), got 2.0" in capsys.readouterr().err
+    # the same options from the file's [critical] table, a flag overriding one of them
+    (tmp_path / "study.toml").write_text("[critical]\npoints = [0.5]\nbatches = [8, 16]\n")
+    config = ["--config", str(tmp_path / "study.toml"), "--batches", "16,x"]
+    assert cli.main(["critical-batch", *config, "--out", str(tmp_path / "z")]) == 2
+    assert "--batches takes comma-separated whole numbers" in capsys.readouterr().err
+    (tmp_path / "study.toml").write_text("[critical]\npoint = [0.5]\n")
+    assert cli.main(["critical-batch", *config[:2], "--out", str(tmp_path / "z")]) == 2
+    assert "unknown option 'point' in [critical]" in capsys.readouterr().err

@@ -10,7 +10,8 @@ pytest.importorskip("sklearn")
 
 from bigbatch.cli import main
 from bigbatch.experiments.config import ConfigError
-from bigbatch.experiments.federated import FederatedConfig, split_indices
+from bigbatch.experiments.federated import split_indices
+from bigbatch.experiments.options import FederatedSettings
 
 LABELS = np.repeat(np.arange(10), 100)
 
@@ -37,10 +38,10 @@ def test_a_dirichlet_split_shares_every_sample_once_and_skews_the_classes():
     [
         ({"split": "weird"}, "split must be one of 'iid', 'dirichlet', got 'weird'"),
         ({"task": "lm"}, "task must be one of"),
-        ({"clients": 0}, "clients must be a positive whole number, got 0"),
+        ({"clients": 0}, "clients must be a whole number >= 1, got 0"),
         ({"alpha": 0.0}, "alpha"),
         ({"local_batch": 64, "local_samples": 32}, "local_batch (64) exceeds local_samples (32)"),
-        ({"min_sub_batches": 1}, "min_sub_batches must be at least 2"),
+        ({"min_sub_batches": 1}, "min_sub_batches must be a whole number >= 2, got 1"),
         (
             {"scheme": "switch", "large": 8, "local_batch": 16},
             "large (8) must lie between local_batch (16) and local_samples (1024)",
@@ -49,7 +50,7 @@ def test_a_dirichlet_split_shares_every_sample_once_and_skews_the_classes():
 )
 def test_bad_settings_are_one_error_naming_the_value(settings, message):
     with pytest.raises(ConfigError) as error:
-        FederatedConfig(**settings)
+        FederatedSettings(**settings)
     assert message in str(error.value)
 
 

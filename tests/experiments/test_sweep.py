@@ -104,12 +104,18 @@ def test_the_steps_rank_prefers_reaching_the_target_sooner():
     assert RANKS["best"](lm) == float("inf")  # a diverged run ranks last
 
 
+def test_the_protocol_offers_every_rank_the_sweep_has():
+    from bigbatch.experiments.options import RANK_NAMES
+
+    assert tuple(RANKS) == RANK_NAMES
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         ({"rank": "fastest"}, "rank must be one of"),
-        ({"seeds": 0}, "seeds must be a positive whole number"),
-        ({"multipliers": (1.0, -2.0)}, "positive multipliers"),
+        ({"seeds": 0}, "seeds must be a whole number >= 1, got 0"),
+        ({"multipliers": (1.0, -2.0)}, r"lr_grid must be a finite number in \(0, inf"),
     ],
 )
 def test_bad_options_stop_before_any_run(trained, tmp_path, options, message):

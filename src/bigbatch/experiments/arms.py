@@ -101,16 +101,3 @@ RANKS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "best": lambda s: _score(s, "best"),
     "final": lambda s: _score(s, "final"),
 }
-
-#: how each arm of a comparison is tuned, by default (``bigbatch compare``'s flags and a
-#: study file's ``[compare]`` table override them): the rate times each of ``lr_grid``,
-#: widened ``widen`` points at an end, ranked by ``rank``, the chosen rate on ``seeds``
-#: seeds, ``jobs`` runs at a time; ``tune``: a study over the grid's range instead
-PROTOCOL_DEFAULTS: dict[str, Any] = {
-    "lr_grid": [1.0],
-    "widen": 0,
-    "seeds": 1,
-    "rank": "best",
-    "jobs": 1,
-    "tune": False,
-}

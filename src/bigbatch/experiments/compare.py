@@ -29,11 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .arms import PROTOCOL_DEFAULTS
 from .config import ConfigError, flatten, parse_assignment, resolve
+from .flags import settings_from
+from .options import Protocol, TuneSettings
 from .report import render_comparison
 from .rundir import check_new_run_dir, new_run_dir
-from .sweep import Arm, check_protocol, sweep
+from .sweep import Arm, sweep
+
+#: the [compare] table's names that give the arms rather than how each is tuned
+ARM_OPTIONS = ("vary", "arms")
 
 
 @dataclass(frozen=True)
@@ -101,28 +105,17 @@ def parse_arm(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return name.strip(), dict(pairs)
 
 
-def _multipliers(lr_grid: Any) -> list[float]:
-    values = lr_grid.split(",") if isinstance(lr_grid, str) else lr_grid
-    try:
-        return [float(v) for v in ([values] if isinstance(values, (int, float)) else values)]
-    except (TypeError, ValueError):
-        raise ConfigError(f"lr_grid takes multipliers like 0.5,1,2, got {lr_grid!r}") from None
-
-
 def plan(base: dict[str, Any], **options: Any) -> Comparison:
-    """The comparison of ``options`` (vary, lr_grid, seeds, rank, jobs) over ``base``, checked.
+    """The comparison of ``options`` over ``base``, checked: ``vary`` and ``arms`` give the
+    arms, :class:`~bigbatch.experiments.options.Protocol`'s options how each is tuned.
 
     Every arm's config is resolved here, so a bad value stops the comparison
     before any run starts.
     """
-    known = {"vary", "arms", *PROTOCOL_DEFAULTS}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ConfigError(
-            f"unknown comparison option {unknown[0]!r}; [compare] takes {', '.join(sorted(known))}"
-        )
-    axes = [parse_axis(text) for text in _listed(options.get("vary"))]
-    explicit = [parse_arm(spec) for spec in _listed(options.get("arms"))]
+    written = {k: options.pop(k) for k in ARM_OPTIONS if k in options}
+    protocol = settings_from(Protocol, "compare", options, also=ARM_OPTIONS)
+    axes = [parse_axis(text) for text in _listed(written.get("vary"))]
+    explicit = [parse_arm(spec) for spec in _listed(written.get("arms"))]
     if not axes and not explicit:
         raise ConfigError("compare needs at least one --vary KEY=V1,V2,... or --arm NAME:KEY=V")
     if len({name for name, _ in explicit}) < len(explicit):
@@ -130,19 +123,10 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     varied = [k for keys, _ in axes for k in keys]
     if len(set(varied)) < len(varied):
         raise ConfigError(f"a key is varied twice: {varied}")
-    options = {**PROTOCOL_DEFAULTS, **options}
-    lr_grid = _multipliers(options["lr_grid"])
-    seeds, rank, jobs = options["seeds"], options["rank"], options["jobs"]
-    tune, widen = options["tune"], options["widen"]
-    if not isinstance(tune, bool):
-        raise ConfigError(f"tune must be true or false, got {tune!r}")
-    if not isinstance(widen, int) or isinstance(widen, bool) or widen < 0:
-        raise ConfigError(f"widen takes a number of grid points >= 0, got {widen!r}")
-    check_protocol(lr_grid, seeds, rank, jobs, tuned=tune)
     arms = []
     combos = itertools.product(explicit or [("", {})], *(points for _, points in axes))
-    for i, (written, *combo) in enumerate(combos):
-        name, overrides = written
+    for i, (arm, *combo) in enumerate(combos):
+        name, overrides = arm
         grid = {k: v for point in combo for k, v in point.items()}
         if clash := sorted(overrides.keys() & grid.keys()):
             raise ConfigError(f"arm {name!r} sets {clash[0]!r}, which --vary also varies")
@@ -154,12 +138,12 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         base=dict(base),
         varied=varied,
         arms=arms,
-        lr_grid=lr_grid,
-        seeds=seeds,
-        rank=rank,
-        jobs=jobs,
-        tune=tune,
-        widen=widen,
+        lr_grid=list(protocol.lr_grid),
+        seeds=protocol.seeds,
+        rank=protocol.rank,
+        jobs=protocol.jobs,
+        tune=protocol.tune,
+        widen=protocol.widen,
     )
 
 
@@ -168,12 +152,6 @@ def _listed(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _tune_settings() -> Any:
-    from .tune import TuneSettings  # the tune extra (Optuna), only when asked for
-
-    return TuneSettings()
 
 
 def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = False) -> Path:
@@ -202,7 +180,7 @@ def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = Fa
         jobs=comparison.jobs,
         quiet=quiet or comparison.jobs > 1,
         widen=comparison.widen,
-        tune=_tune_settings() if comparison.tune else None,
+        tune=TuneSettings() if comparison.tune else None,
     )
     index = {"plan": planned, "arms": [r.to_dict() for r in results]}
     index_path.write_text(json.dumps(index, indent=2) + "\n")

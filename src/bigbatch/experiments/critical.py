@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 from . import runner
 from .build import make_controller, with_task_defaults
 from .config import ConfigError, resolve
+from .options import CriticalSettings
 from .plots import pyplot
 from .rundir import CHECKPOINT, check_new_run_dir, copy_atomically, read_metrics, resumable
 from .signals import Stopped
@@ -79,51 +79,33 @@ def critical_batch(losses: dict[int, float], tolerance: float) -> int:
     return max(passing, default=min(losses))
 
 
-def check_options(
-    batches: Sequence[int], points: Sequence[float], branch_samples: int, tolerance: float
-) -> None:
-    """A :class:`ConfigError` naming the first bad option, if any."""
-    if len(batches) < 2 or any(b < 1 for b in batches) or len(set(batches)) < len(batches):
-        raise ConfigError(
-            f"--batches needs two or more distinct positive sizes, got {list(batches)}"
-        )
-    if not points or any(not 0 < p < 1 for p in points):
-        raise ConfigError(f"--points are fractions of the budget in (0, 1), got {list(points)}")
-    if branch_samples < 0 or not (tolerance >= 0 and math.isfinite(tolerance)):
-        raise ConfigError(
-            f"--branch-samples must be >= 0 and --tolerance a finite number >= 0, got "
-            f"{branch_samples} and {tolerance}"
-        )
-
-
 def measure(
     config: dict[str, Any],
     out: Path,
+    settings: CriticalSettings | None = None,
     *,
-    batches: Sequence[int],
-    points: Sequence[float],
-    branch_samples: int = 0,
-    tolerance: float = 0.01,
-    lr_rule: str = "auto",
     quiet: bool = False,
 ) -> list[Point]:
-    """Train the base run, branch at ``points``, write ``out``; return the measured points.
+    """Train the base run, branch where ``settings`` say, write ``out``; return the points.
 
-    ``branch_samples`` 0 means 5% of the budget, rounded up to a multiple of
-    the largest batch (so every branch trains whole steps of the same samples).
+    No batches: the config's first batch and its doublings up to 32 times it. No
+    ``branch_samples``: 5% of the budget, rounded up to a multiple of the largest batch
+    (so every branch trains whole steps of the same samples).
     """
-    batches = sorted(batches)
-    check_options(batches, points, branch_samples, tolerance)
+    settings = settings or CriticalSettings()
+    first = with_task_defaults(config)["batch.initial"]
+    batches = sorted(settings.batches or [first * 2**k for k in range(6)])
     small = batches[0]
-    base = _config(config, small, small, lr_rule)
+    base = _config(config, small, small, settings.lr_rule)
     lr_rule = base["batch.lr_scaling"]  # auto resolved: the task's rule, else the family's
     budget = base["max_samples"]
+    branch_samples = settings.branch_samples
     if not branch_samples:
         branch_samples = math.ceil(0.05 * budget / batches[-1]) * batches[-1]
-    plan = {"config": config, "batches": batches, "points": sorted(points)}
-    plan.update(branch_samples=branch_samples, tolerance=tolerance, lr_rule=lr_rule)
+    plan = {"config": config, "batches": batches, "points": sorted(settings.points)}
+    plan.update(branch_samples=branch_samples, tolerance=settings.tolerance, lr_rule=lr_rule)
     _claim(out, plan)
-    marks = sorted(math.ceil(p * budget) for p in points)
+    marks = sorted(math.ceil(p * budget) for p in settings.points)
     try:
         return _measure(config, base, out, plan, marks, quiet)
     except Stopped as err:  # a signal stopped a run inside: the measurement goes on as a whole

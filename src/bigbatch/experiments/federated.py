@@ -32,7 +32,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,77 +40,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from .._checks import check_number, choice, positive_int
 from ..batch.controllers import BatchWarmup
 from ..batch.lr import warmup_cosine
 from ..federated import ControllerScheme, Fixed, RoundPlanner, Scheme, SmallLargeSwitch
 from .build import with_task_defaults
-from .config import ConfigError, defaults
+from .config import defaults
 from .device import set_threads
+from .options import FederatedSettings
 from .plots import pyplot
 from .tasks import TASKS
-
-SCHEMES = ("fixed", "switch", "adaptive")
-SPLITS = ("iid", "dirichlet")
-#: tasks whose training set is labelled classes (a Dirichlet split needs labels)
-CLASSIFICATION = ("mnist1d", "digits", "teacher")
-
-
-@dataclass
-class FederatedConfig:
-    """One simulation's settings; each is checked with one error naming the bad value."""
-
-    task: str = "mnist1d"
-    clients: int = 4
-    split: str = "iid"
-    alpha: float = 0.5
-    rounds: int = 20
-    local_samples: int = 1024
-    scheme: str = "adaptive"
-    #: the defaults are the setting measured in docs/results.md ("Federated"), where the
-    #: adaptive arm from local batch 4 at rate 0.025 was the one to save steps
-    local_batch: int = 4
-    large: int = 128
-    switch: float = 0.5
-    lr: float = 0.025
-    warmup: float = 0.05
-    #: micro-batches per local step, across which the statistics are measured (>= 2)
-    min_sub_batches: int = 2
-    seed: int = 0
-    targets: list[float] = field(default_factory=lambda: [0.85, 0.9, 0.93, 0.95])
-
-    def __post_init__(self) -> None:
-        try:
-            choice("task", self.task, CLASSIFICATION)
-            choice("split", self.split, SPLITS)
-            choice("scheme", self.scheme, SCHEMES)
-            for name in ("clients", "rounds", "local_samples", "local_batch", "large"):
-                positive_int(name, getattr(self, name))
-            if positive_int("min_sub_batches", self.min_sub_batches) < 2:
-                raise ValueError(
-                    f"min_sub_batches must be at least 2 (the statistics compare micro-batches), "
-                    f"got {self.min_sub_batches}"
-                )
-            check_number("alpha", self.alpha, low_open=True)
-            check_number("switch", self.switch, high=1.0)
-            check_number("lr", self.lr, low_open=True)
-            check_number("warmup", self.warmup, high=1.0)
-            if self.scheme == "switch" and not self.local_batch <= self.large <= self.local_samples:
-                raise ValueError(
-                    f"large ({self.large}) must lie between local_batch ({self.local_batch}) "
-                    f"and local_samples ({self.local_samples})"
-                )
-            if self.local_batch > self.local_samples:
-                raise ValueError(
-                    f"local_batch ({self.local_batch}) exceeds local_samples "
-                    f"({self.local_samples}): a round would be less than one step"
-                )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-
-    @property
-    def total_samples(self) -> int:
-        return self.rounds * self.clients * self.local_samples
 
 
 def split_indices(
@@ -153,7 +91,7 @@ def own_rows(train: Dataset, indices: list[int]) -> Dataset:
     return Subset(train, indices)
 
 
-def make_scheme(cfg: FederatedConfig) -> Scheme:
+def make_scheme(cfg: FederatedSettings) -> Scheme:
     """The config's scheme (its ``lr`` is given at ``local_batch`` whatever the scheme)."""
     if cfg.scheme == "fixed":
         return Fixed(cfg.local_batch)
@@ -172,7 +110,7 @@ def make_scheme(cfg: FederatedConfig) -> Scheme:
     return ControllerScheme(controller, cfg.clients)
 
 
-def simulate(cfg: FederatedConfig, out: Path | None = None, threads: int | None = None) -> dict:
+def simulate(cfg: FederatedSettings, out: Path | None = None, threads: int | None = None) -> dict:
     """Run the federation; return (and, with ``out``, write) its rows and summary."""
     from flwr.app import ArrayRecord, MetricRecord
     from flwr.serverapp.strategy import FedAvg
@@ -266,7 +204,9 @@ def first_reach(rows: list[dict], target: float) -> tuple[int, int] | None:
     return None
 
 
-def summarize(cfg: FederatedConfig, rows: list[dict], wall: float, parts: list[list[int]]) -> dict:
+def summarize(
+    cfg: FederatedSettings, rows: list[dict], wall: float, parts: list[list[int]]
+) -> dict:
     """Final and best accuracy, and the rounds and client steps (the sequential local steps
     of one client, summed over rounds) at which each target was first reached."""
     accuracy = [r.get("eval_accuracy", math.nan) for r in rows]

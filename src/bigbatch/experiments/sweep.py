@@ -20,23 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._checks import positive_int
 from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
 from .build import at_rate, with_task_defaults
-from .config import ConfigError, resolve
+from .config import resolve
+from .options import Protocol
 from .pool import in_processes
 from .summary import finished_summary
 
 if TYPE_CHECKING:
-    from .tune import TuneSettings
+    from .options import TuneSettings
 
 __all__ = [
     "RANKS",
@@ -59,18 +58,9 @@ def check_protocol(
     multipliers: Sequence[float], seeds: int, rank: str, jobs: int, tuned: bool = False
 ) -> None:
     """A :class:`ConfigError` naming the first bad setting of a sweep, if any (``tuned``:
-    a study searches the grid's range, which needs two ends)."""
-    if rank not in RANKS:
-        raise ConfigError(f"rank must be one of {', '.join(RANKS)}, got {rank!r}")
-    try:
-        positive_int("seeds", seeds)
-        positive_int("jobs", jobs)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if not multipliers or any(not (m > 0 and math.isfinite(m)) for m in multipliers):
-        raise ConfigError(f"the rate grid takes positive multipliers, got {list(multipliers)}")
-    if tuned and len(set(multipliers)) < 2:
-        raise ConfigError("a tuned sweep searches the grid's range: give two multipliers or more")
+    a study searches the grid's range, which needs two ends): the checks of
+    :class:`~bigbatch.experiments.options.Protocol`."""
+    Protocol(lr_grid=tuple(multipliers), seeds=seeds, rank=rank, jobs=jobs, tune=tuned)
 
 
 def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from . import runner
 from .arms import metric
 from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
+from .options import TuneSettings
 from .pool import in_processes
 from .rundir import RunLock, claim_new_run_dir, resumable
 from .summary import finished_summary
@@ -116,67 +117,6 @@ def default_space(config: dict[str, Any]) -> list[Dimension]:
     return [Dimension("lr", rate / 8, rate * 8, log=True)]
 
 
-@dataclass(frozen=True)
-class TuneSettings:
-    """How a study searches: its brackets, fidelities, budget, processes and seed."""
-
-    #: trials each bracket starts at the lowest fidelity
-    trials: int = 9
-    #: brackets to run, one after the other (the later ones proposed by TPE)
-    brackets: int = 1
-    #: the share of a bracket's trials kept at each fidelity is 1 / reduction
-    reduction: int = 3
-    #: the lowest fidelity, as a fraction of the run's samples
-    min_fidelity: float = 1 / 27
-    #: no pause before this many warm-ups: inside the warm-up every rate is still below its
-    #: peak, and the largest look best (measured: docs/tuning.md)
-    after_warmup: float = 2.0
-    #: run no bracket that would take the study past this fraction of the samples of
-    #: the ×2 grid over the same space (None: only ``brackets`` limits it)
-    budget: float | None = None
-    #: trials trained at a time, each in its own process
-    jobs: int = 1
-    seed: int = 0
-
-    def rungs(self, warmup: float = 0.0) -> list[float]:
-        """The fidelities a bracket pauses at, lowest first: the run's samples divided by
-        powers of ``reduction``, none below ``min_fidelity`` nor ``after_warmup`` times the
-        ``warmup`` fraction, ending at the whole run."""
-        lowest = max(self.min_fidelity, self.after_warmup * warmup)
-        rungs = [1.0]
-        while rungs[0] / self.reduction >= lowest - 1e-9:
-            rungs.insert(0, rungs[0] / self.reduction)
-        return rungs
-
-    def survivors(self, warmup: float = 0.0) -> list[int]:
-        """How many of a bracket's trials train up to each rung: ``1/reduction`` of the rung
-        before, but two (where a bracket has two) up to the last pause, so that the winner
-        is chosen between runs judged on the longest prefix, not on an earlier one."""
-        paused = len(self.rungs(warmup)) - 1
-        least = min(2, self.trials)
-        return [max(least, self.trials // self.reduction**j) for j in range(paused)] + [1]
-
-    def bracket_runs(self, warmup: float = 0.0) -> float:
-        """What one bracket trains, in whole runs (each survivor trains on from its pause)."""
-        rungs = self.rungs(warmup)
-        return sum(
-            keep * (f - before)
-            for keep, f, before in zip(self.survivors(warmup), rungs, [0.0, *rungs[:-1]])
-        )
-
-    def check(self) -> None:
-        for name, least in (("trials", 1), ("brackets", 1), ("jobs", 1), ("reduction", 2)):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= least):
-                raise ConfigError(f"{name} must be a whole number >= {least}, got {value!r}")
-        if not 0 < self.min_fidelity <= 1:
-            raise ConfigError(f"min_fidelity must be in (0, 1], got {self.min_fidelity!r}")
-        if not self.after_warmup >= 0:
-            raise ConfigError(f"after_warmup must be >= 0, got {self.after_warmup!r}")
-        if self.budget is not None and not self.budget > 0:
-            raise ConfigError(f"budget must be a positive fraction, got {self.budget!r}")
-
-
 @dataclass
 class TuneResult:
     """What a study found, and what it cost."""
@@ -206,11 +146,10 @@ def tune(
     ``config`` is a config layer; every trial trains it with the trial's
     values. The folder ``out`` is new, or holds a study of the same config,
     space and settings (then it continues). Raises :class:`ConfigError`
-    before any training if the settings are bad or the budget does not cover
-    one bracket.
+    before any training if the budget does not cover one bracket (bad settings
+    are refused when they are made).
     """
     settings = settings or TuneSettings()
-    settings.check()
     config = resolve(config)
     space = list(space or default_space(config))
     brackets = _brackets_in_budget(settings, space, _warmup(config, space))
