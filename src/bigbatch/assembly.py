@@ -99,10 +99,9 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             correction; None for a stream or a batch counted in weight).
         comm_hook: a DDP ``(state, hook)`` pair for the engine to register
             (inside the two-group hook with ``similarity="split"``).
-        registers_hooks: False when a framework wraps the model in DDP and owns its
-            comm hook (Lightning, the Hugging Face Trainer): the hook it registered
-            is read from the model, and the measured two-group similarity, which
-            needs a hook of bigbatch's, is refused.
+        registers_hooks: False when a framework wraps the model in DDP and owns its comm
+            hook (Lightning, the HF Trainer): its hook is read from the model, and the
+            measured two-group similarity, which needs a hook of bigbatch's, is refused.
         framework: a framework that reduces the gradients inside its own optimizer
             step (DeepSpeed): its world, the parameters whose gradients the
             statistics read, and whether ``.grad`` keeps the micro-batches.
@@ -117,7 +116,8 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     wrapped = isinstance(optimizer, StatisticsWrapper)
     gsnr = options.gsnr or (wrapped and "gsnr" in optimizer.requirements())
     _check_every(options, type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else "")
-    obstacles = _per_example_obstacles(framework is not None, gsnr, comm_hook, weighted)
+    in_use = _hook_in_use(comm_hook, registers_hooks, model)
+    obstacles = _per_example_obstacles(framework is not None, gsnr, in_use, weighted)
     per_example = _per_example_model(options, model, optimizer, obstacles)
     options = _similarity_for(options, controller, per_example, world)
     if sub_batches is None:
@@ -166,6 +166,16 @@ def _per_example_obstacles(
     return [why for why, holds in obstacles.items() if holds]
 
 
+def _hook_in_use(
+    comm_hook: tuple[Any, CommHook] | None, registers_hooks: bool, model: nn.Module | None
+) -> tuple[Any, CommHook] | None:
+    """The comm hook the gradients are reduced with: the one given, or the one a framework
+    that owns the DDP wrapper registered on the model."""
+    if registers_hooks:
+        return comm_hook
+    return ddp.registered_hook(model) if model is not None else None
+
+
 def _comm_hook(
     comm_hook: tuple[Any, CommHook] | None,
     registers_hooks: bool,
@@ -188,7 +198,7 @@ def _comm_hook(
                 "similarity='split' under DDP needs bigbatch's comm hook, which a framework's "
                 "DDP wrapper does not take: use 'scalar' or bigbatch.AdaptiveBatch"
             )
-        comm_hook = ddp.registered_hook(model) if model is not None else None
+        comm_hook = _hook_in_use(comm_hook, registers_hooks, model)
     if framework is not None and options.similarity == "split":
         raise ValueError(
             "similarity='split' needs the micro-batch gradients in .grad or bigbatch's comm "

@@ -189,12 +189,12 @@ def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key, messag
 @pytest.mark.parametrize(
     "layer, fewest",
     [
-        ({}, 4),
+        ({"noise_from": "sub_batches"}, 4),
         ({"noise_from": "examples", "batch.controller": "constant"}, 1),
         # SimiGrad's rule reads the measured cosine: the examples keep a split for it
         ({"noise_from": "examples", "batch.controller": "simigrad"}, 2),
         ({"noise_from": "examples", "batch.similarity": "split"}, 2),
-        ({"noise_from": "auto"}, 0),  # the loop decides on the model
+        ({}, 0),  # auto, the default: the loop decides on the model
     ],
 )
 def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):

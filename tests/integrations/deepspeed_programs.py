@@ -131,6 +131,7 @@ def plain_loop(kind: str, optimizer: str = "sgd", lr: float = 0.02) -> AdaptiveB
         min_sub_batches=2,
         lr_scaling="none",
         similarity="scalar",  # DeepSpeed's (one process would measure the split halves)
+        noise_from="sub_batches",  # DeepSpeed's (its step reduces: no per-example norms)
         comm_hook=(Untrusted(), exact_allreduce) if distributed else None,
     )
 
