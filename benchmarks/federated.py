@@ -56,9 +56,8 @@ def run_one(item: tuple[str, dict]) -> dict:
     done = Path(path) / "summary.json"
     if done.exists():
         stored = json.loads(done.read_text())
-        if stored["config"] != json.loads(
-            json.dumps(asdict(cfg))
-        ):  # another --rounds, --clients, ... in this --out
+        wanted = json.loads(json.dumps(asdict(cfg)))  # as JSON keeps it: tuples are lists
+        if stored["config"] != wanted:  # another --rounds, --clients, ... in this --out
             raise SystemExit(f"{path} holds a run of other settings; use another --out")
         return stored
     result = simulate(cfg, Path(path), threads=1)

@@ -312,13 +312,16 @@ def _print_summary(out: Path, summary: dict[str, Any]) -> None:
 
 
 def _compare(args: argparse.Namespace) -> None:
-    from .experiments.compare import plan, run_comparison
+    from .experiments.compare import ARM_OPTIONS, plan, run_comparison
 
-    options = {**_section(args, "compare"), **given(Protocol, args)}
-    options.update({k: v for k, v in (("vary", args.vary), ("arms", args.arm)) if v})
-    comparison = plan(_config(args), **options)
+    table, flags = _section(args, "compare"), given(Protocol, args)
+    arms = {k: table.pop(k) for k in ARM_OPTIONS if k in table}
+    settings_from(Protocol, "compare", table, flags, also=ARM_OPTIONS)  # errors say where
+    arms.update({k: v for k, v in (("vary", args.vary), ("arms", args.arm)) if v})
+    comparison = plan(_config(args), **{**table, **flags, **arms})
     out = Path(args.out) if args.out else None
-    print(f"comparison report: {run_comparison(comparison, out, quiet=args.quiet)}")
+    studies = _settings(args, "tune")  # each arm's rate study, with --tune
+    print(f"comparison report: {run_comparison(comparison, out, quiet=args.quiet, tune=studies)}")
 
 
 def _critical_batch(args: argparse.Namespace) -> None:
@@ -348,6 +351,12 @@ def _federated(args: argparse.Namespace) -> None:
     from .experiments.federated import simulate
     from .experiments.rundir import check_new_run_dir, new_run_dir
 
+    stray = [k for k in _file(args) if not k.startswith("federated.")]
+    if stray:  # another command's keys: this file is not for this command
+        raise ConfigError(
+            f"bigbatch federated reads only the [federated] table of {args.config}, "
+            f"not {stray[0]!r}"
+        )
     settings = _settings(args, "federated")
     out = Path(args.out) if args.out else new_run_dir(task=f"federated-{settings.task}")
     check_new_run_dir(out)

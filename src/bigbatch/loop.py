@@ -131,9 +131,10 @@ class AdaptiveBatch:
     Each step draws a global batch of the current size from ``dataset``, splits
     it into micro-batches (at least ``min_sub_batches``, each at most
     ``max_micro_batch``, sizes differing by at most one), measures the
-    gradient statistics across them, steps the optimizer at the learning rate
-    for the batch, and asks the controller for the next batch size
-    (docs/adaptive_batching.md).
+    gradient statistics (from each example's gradient norm where the model's
+    layers allow, ``noise_from="auto"``, else across the micro-batches), steps
+    the optimizer at the learning rate for the batch, and asks the controller
+    for the next batch size (docs/adaptive_batching.md).
 
     Args:
         model: the module being trained, or its ``DistributedDataParallel``.
@@ -148,14 +149,14 @@ class AdaptiveBatch:
         max_micro_batch: the largest micro-batch that fits in memory (default
             ``bigbatch.batch.plan.MAX_MICRO_BATCH``, 1,024, the same as ``bigbatch train``'s).
         min_sub_batches: the fewest micro-batches of a step that measures the statistics;
-            default: what they need (4 for sub-batch statistics, 1 with
-            ``noise_from="examples"`` or without statistics, 2 for a per-example run's
-            split similarity). A step between measurements (``statistics_every``) splits
-            only where ``max_micro_batch`` asks.
+            default: what they need (4 for sub-batch statistics, 1 for per-example ones,
+            the default where the model allows, or without statistics, 2 for a
+            per-example run's split similarity). A step between measurements
+            (``statistics_every``) splits only where ``max_micro_batch`` asks.
         options: the per-step rules (:class:`~bigbatch.StepOptions`): how the
             rate follows the batch (``lr_scaling``, ``base_batch_size``,
             ``schedule``, ``max_lr_factor``), which statistics to collect (``statistics``,
-            ``gsnr``, ``similarity``, ``ema_beta``, ``finite_correction``),
+            ``noise_from``, ``gsnr``, ``similarity``, ``ema_beta``, ``finite_correction``),
             ``loss_reduction`` and what a non-finite step does (``nonfinite``).
             Each may also be given as a keyword (``**step_options``).
         scaler: a ``torch.amp.GradScaler`` to scale losses and step through.
@@ -169,7 +170,7 @@ class AdaptiveBatch:
             (``collate_fn``, ``num_workers``, ``pin_memory``, ...).
 
     Under DDP every rank draws the same global batch and trains its shard;
-    the ranks' micro-batches are the sub-batches of the statistics and every
+    the ranks' examples (or micro-batches) feed the statistics and every
     rank makes the same decision (docs/distributed.md). BatchNorm normalises
     over each micro-batch, not the global batch.
     """

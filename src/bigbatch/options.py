@@ -56,15 +56,17 @@ class StepOptions:
     #: also collect the element-wise gradient SNR (a VRGD optimizer asks by itself)
     gsnr: bool = False
     #: ``"split"`` (the cosine of two halves, measured) or ``"scalar"`` (from the noise
-    #: scalars); None: split on one process, scalar under DDP and FSDP2
+    #: scalars); None: split on one process where the step is split anyway (sub-batch
+    #: statistics) or a controller reads it (SimiGrad's rules), else scalar; scalar under
+    #: DDP and FSDP2
     similarity: str | None = None
     #: where the noise scale's small-batch gradient norms come from: ``"sub_batches"``
     #: (each step split into micro-batches, ``min_sub_batches`` of them), ``"examples"``
     #: (each example's gradient norm, from the one backward pass: a step needs no split;
     #: every trainable parameter must sit in a layer bigbatch.stats.per_example covers) or
     #: ``"auto"`` (examples where the model and the run allow, else sub-batches, said once
-    #: in the log; the default: a step costs 0.55-0.86x the wall-clock of a split one,
-    #: docs/results.md, "Per-example statistics by default")
+    #: in the log; the default: the default run takes 0.66x the time of the split one on
+    #: MNIST-1D, 0.86x on text; docs/results.md, "Per-example statistics by default")
     noise_from: str = "auto"
     #: with per-example statistics, the examples of each micro-batch whose norms are
     #: measured (an unbiased sample of a shuffled batch, at a cost that stops growing with

@@ -89,7 +89,7 @@ def test_a_recipe_runs_the_protocol_and_reports_the_critical_batch(trained, tmp_
     # flags override the recipe; another plan in that directory is refused
     capsys.readouterr()
     assert run_cli("compare", "--quiet", "--config", recipe, "--seeds", "3", "--out", out) == 2
-    assert "holds another comparison" in capsys.readouterr().err
+    assert "holds another comparison (seeds = 2 there, 3 now)" in capsys.readouterr().err
 
 
 def test_an_unknown_recipe_option_is_one_error(tmp_path, capsys):

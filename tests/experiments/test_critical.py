@@ -79,7 +79,8 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     # run again, it continues what is there: nothing is trained twice
     again = critical.measure(config, tmp_path, ONE_POINT, quiet=True)
     assert again == points
-    with pytest.raises(ConfigError, match="holds a critical-batch measurement of other options"):
+    other_options = r"other options \(batches = \[16, 32\] there, \[16, 64\] now\)"
+    with pytest.raises(ConfigError, match=other_options):
         other = CriticalSettings(batches=(16, 64), points=(0.25,))
         critical.measure(config, tmp_path, other, quiet=True)
 

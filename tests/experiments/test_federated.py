@@ -73,6 +73,14 @@ def test_the_command_simulates_a_federation_and_writes_its_report(tmp_path, caps
     # the same folder again is refused in one line
     assert main(argv) == 2
     assert "already exists" in capsys.readouterr().err
+    # a config file: its [federated] table, a flag over it; another command's key refused
+    study = tmp_path / "study.toml"
+    study.write_text("[federated]\nrounds = 0\n")
+    assert main(["federated", "--config", str(study), "--out", str(tmp_path / "f2")]) == 2
+    assert "[federated] rounds must be a whole number >= 1, got 0" in capsys.readouterr().err
+    study.write_text('task = "digits"\n[federated]\nrounds = 2\n')
+    assert main(["federated", "--config", str(study), "--out", str(tmp_path / "f3")]) == 2
+    assert "reads only the [federated] table" in capsys.readouterr().err
 
 
 def test_the_command_without_flower_names_the_extra(monkeypatch, tmp_path, capsys):

@@ -61,14 +61,30 @@ def test_the_help_ends_in_the_default_and_the_docs_table_says_the_same():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (("--count", "three"), "--count takes one of the whole numbers, got 'three'"),
+        (("--count", "three"), "--count takes a whole number, got 'three'"),
         (("--sizes", "4,x"), "--sizes takes comma-separated whole numbers, got '4,x'"),
-        (("--share", "half"), "--share takes one of the numbers, got 'half'"),
+        (("--share", "half"), "--share takes a number, got 'half'"),
     ],
 )
 def test_a_flag_that_does_not_parse_is_one_error_naming_it(argv, message):
     with pytest.raises(ConfigError, match=message):
         given(Toy, parse(*argv))
+
+
+def test_none_is_an_empty_list_or_none_where_the_field_allows():
+    assert given(Toy, parse("--sizes", "none", "--limit", "None")) == {"sizes": (), "limit": None}
+    assert settings_from(Toy, "toy", {"limit": "none", "sizes": ["2", 4]}).sizes == (2, 4)
+    with pytest.raises(ConfigError, match="--count takes a whole number, got 'none'"):
+        given(Toy, parse("--count", "none"))
+
+
+def test_a_refused_value_is_named_where_it_was_given():
+    with pytest.raises(ConfigError, match=r"^\[toy\] count must be a whole number >= 1, got 0$"):
+        settings_from(Toy, "toy", {"count": 0})
+    with pytest.raises(ConfigError, match=r"^--toy-seed must be a whole number >= 0, got -1$"):
+        settings_from(Toy, "toy", {"seed": 3}, given(Toy, parse("--toy-seed", "-1")))
+    with pytest.raises(ConfigError, match=r"^--search-seed must be a whole number >= 0"):
+        cli._settings(cli._parser().parse_args(["tune", "--search-seed", "-1"]), "tune")
 
 
 def test_layers_overlay_the_defaults_in_turn_and_a_bad_value_is_named():
@@ -102,4 +118,6 @@ def test_a_study_file_holds_each_commands_options_beside_the_run_keys(tmp_path):
     assert cli._settings(args, "critical") == CriticalSettings(points=(0.25, 0.5))
     args = cli._parser().parse_args(["train", "--config", str(study)])
     assert cli._config(args)["task"] == "digits"  # train reads the run keys only
+    args = cli._parser().parse_args(["compare", "--config", str(study)])
+    assert cli._settings(args, "tune").budget == 0.5  # compare --tune's studies read [tune]
     assert set(SECTIONS) == {"compare", "tune", "critical", "federated"}

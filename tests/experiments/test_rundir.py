@@ -1,6 +1,12 @@
 """Run-directory helpers: a copy made in one rename, and what a killed run leaves."""
 
-from bigbatch.experiments.rundir import CHECKPOINT, copy_atomically, resumable, save_atomically
+from bigbatch.experiments.rundir import (
+    CHECKPOINT,
+    copy_atomically,
+    first_difference,
+    resumable,
+    save_atomically,
+)
 
 
 def test_a_copy_keeps_the_content_it_was_made_from(tmp_path):
@@ -23,3 +29,11 @@ def test_a_run_resumes_from_its_checkpoint_and_a_run_killed_before_one_starts_ag
     stopped.mkdir()
     save_atomically({"step": 3}, stopped / CHECKPOINT)
     assert resumable(stopped) and (stopped / CHECKPOINT).is_file()
+
+
+def test_the_first_difference_of_two_plans_names_its_key_and_both_values():
+    there = {"base": {"noise_from": "sub_batches", "seed": 0}, "seeds": 3}
+    now = {"base": {"noise_from": "auto", "seed": 0}, "seeds": 3}
+    assert first_difference(there, now) == "base.noise_from = 'sub_batches' there, 'auto' now"
+    assert first_difference(now, now) == ""
+    assert first_difference({"a": 1}, {}) == "a = 1 there, None now"

@@ -33,7 +33,7 @@ from .config import ConfigError, flatten, parse_assignment, resolve
 from .flags import settings_from
 from .options import Protocol, TuneSettings
 from .report import render_comparison
-from .rundir import check_new_run_dir, new_run_dir
+from .rundir import check_new_run_dir, first_difference, new_run_dir
 from .sweep import Arm, sweep
 
 #: the [compare] table's names that give the arms rather than how each is tuned
@@ -154,15 +154,25 @@ def _listed(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = False) -> Path:
-    """Train the comparison into ``out`` (new, or the same comparison's, continued); the report."""
+def run_comparison(
+    comparison: Comparison,
+    out: Path | None,
+    *,
+    quiet: bool = False,
+    tune: TuneSettings | None = None,
+) -> Path:
+    """Train the comparison into ``out`` (new, or the same comparison's, continued); the
+    report. A tuned comparison's studies search with ``tune`` (default: its defaults)."""
     root = out or new_run_dir(task=f"compare-{comparison.base['task']}")
     index_path = root / "compare.json"
     planned = comparison.to_dict()
     if index_path.is_file():
-        if json.loads(index_path.read_text()).get("plan") != json.loads(json.dumps(planned)):
+        saved = json.loads(index_path.read_text()).get("plan")
+        difference = first_difference(saved, json.loads(json.dumps(planned)))
+        if difference:
             raise ConfigError(
-                f"--out {str(root)!r} holds another comparison; choose a new directory"
+                f"--out {str(root)!r} holds another comparison ({difference}); choose a new "
+                "directory, or give that value to continue it"
             )
     else:
         check_new_run_dir(root)
@@ -180,7 +190,7 @@ def run_comparison(comparison: Comparison, out: Path | None, *, quiet: bool = Fa
         jobs=comparison.jobs,
         quiet=quiet or comparison.jobs > 1,
         widen=comparison.widen,
-        tune=TuneSettings() if comparison.tune else None,
+        tune=(tune or TuneSettings()) if comparison.tune else None,
     )
     index = {"plan": planned, "arms": [r.to_dict() for r in results]}
     index_path.write_text(json.dumps(index, indent=2) + "\n")

@@ -398,7 +398,7 @@ def _batch_keys() -> list[Key]:
         Key(
             "noise_examples",
             StepOptions.noise_examples,
-            "noise_from=examples: the examples of each micro-batch whose gradient norms are "
+            "per-example statistics: the examples of each micro-batch whose gradient norms are "
             "measured (an unbiased sample); 0: all",
             low=0,
         ),
@@ -414,7 +414,8 @@ def _batch_keys() -> list[Key]:
             "auto",
             "split: measured cosine of two halves (micro-batches; rank groups under DDP, one "
             "extra gradient all-reduce); scalar: estimated from noise scalars; auto: split on "
-            "one process, scalar under DDP",
+            "one process where the step is split anyway or the controller reads it, else "
+            "scalar",
             ("auto", *SIMILARITY_MODES),
         ),
     ]

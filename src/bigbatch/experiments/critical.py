@@ -39,7 +39,14 @@ from .build import make_controller, with_task_defaults
 from .config import ConfigError, resolve
 from .options import CriticalSettings
 from .plots import pyplot
-from .rundir import CHECKPOINT, check_new_run_dir, copy_atomically, read_metrics, resumable
+from .rundir import (
+    CHECKPOINT,
+    check_new_run_dir,
+    copy_atomically,
+    first_difference,
+    read_metrics,
+    resumable,
+)
 from .signals import Stopped
 from .summary import finished_summary
 
@@ -168,9 +175,11 @@ def _claim(out: Path, plan: dict[str, Any]) -> None:
     a measurement of the same plan (which continues); a :class:`ConfigError` otherwise."""
     saved = out / PLAN
     if saved.is_file():
-        if json.loads(saved.read_text()) != json.loads(json.dumps(plan)):
+        there, wanted = json.loads(saved.read_text()), json.loads(json.dumps(plan))
+        if there != wanted:
             raise ConfigError(
-                f"{str(out)!r} holds a critical-batch measurement of other options; give "
+                f"{str(out)!r} holds a critical-batch measurement of other options "
+                f"({first_difference(there, wanted)}); give "
                 "another --out, or the same options to continue it"
             )
         return

@@ -88,20 +88,21 @@ def _metavar(f: Field) -> str:
 
 def _parsed(f: Field, text: str, name: str) -> Any:
     """A flag's (or a table's) text as the field's type; one :class:`ConfigError` naming
-    the flag (or the option)."""
+    the flag (or the option). ``none`` is an empty list, or None where the field allows."""
     kind = _kind(f)
     item = kind.removeprefix("tuple[").removesuffix(", ...]").removesuffix(" | None")
     convert = {"int": int, "float": float}.get(item, str)
+    listed = kind.startswith("tuple[")
+    if text.strip().lower() == "none" and (listed or kind.endswith("| None")):
+        return () if listed else None
     try:
-        if kind.startswith("tuple["):
+        if listed:
             return tuple(convert(part.strip()) for part in text.split(",") if part.strip())
-        if kind.endswith("| None") and text.strip().lower() == "none":
-            return None
         return convert(text)
     except ValueError:
-        what = {"int": "whole numbers", "float": "numbers"}[item]
-        many = "comma-separated " if kind.startswith("tuple[") else "one of the "
-        raise ConfigError(f"{name} takes {many}{what}, got {text!r}") from None
+        what = {"int": "whole number", "float": "number"}[item]
+        many = f"comma-separated {what}s" if listed else f"a {what}"
+        raise ConfigError(f"{name} takes {many}, got {text!r}") from None
 
 
 def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -115,31 +116,49 @@ def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def settings_from(
-    cls: type[_T], section: str, *layers: Mapping[str, Any], also: Sequence[str] = ()
+    cls: type[_T],
+    section: str,
+    table: Mapping[str, Any] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    *,
+    also: Sequence[str] = (),
 ) -> _T:
-    """``cls`` from its defaults overlaid by each layer in turn (a file's ``[section]``
-    table, then :func:`given`); an unknown name is one error naming it and the names the
-    table takes (``also``: those another part of the command reads)."""
+    """``cls`` from its defaults, a file's ``[section]`` table over them and the flags
+    given (:func:`given`) over that. An unknown name in the table is one error naming it
+    and the names the table takes (``also``: those another part of the command reads); a
+    value its bounds refuse, one naming where it was given (``[tune] seed``, ``--search-seed``)."""
     known = _options(cls)
     values: dict[str, Any] = {}
-    for layer in layers:
-        for name, value in layer.items():
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                names = ", ".join([*also, *known])
-                raise ConfigError(f"unknown option {name!r} in [{section}]: it takes {names}{hint}")
-            values[name] = _as_kind(known[name], value)
-    return cls(**values)
+    where: dict[str, str] = {}
+    for name, value in (table or {}).items():
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            names = ", ".join([*also, *known])
+            raise ConfigError(f"unknown option {name!r} in [{section}]: it takes {names}{hint}")
+        values[name], where[name] = _as_kind(known[name], value), f"[{section}] {name}"
+    for name, value in (flags or {}).items():
+        values[name], where[name] = value, flag(known[name])
+    try:
+        return cls(**values)
+    except ConfigError as err:
+        message = str(err)
+        name = message.split(" ", 1)[0]
+        if name not in where:
+            raise
+        raise ConfigError(where[name] + message[len(name) :]) from None
 
 
 def _as_kind(f: Field, value: Any) -> Any:
-    """A table's value for a tuple option: a list, one item, or comma-separated text."""
-    if not _kind(f).startswith("tuple["):
-        return value
+    """A table's value as the field's type: text parsed as a flag's would be (a list of
+    text item by item), one item a list of one."""
     if isinstance(value, str):
         return _parsed(f, value, f.name)
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if not _kind(f).startswith("tuple["):
+        return value
+    if not isinstance(value, (list, tuple)):
+        return (value,)
+    return tuple((_parsed(f, v, f.name) or (v,))[0] if isinstance(v, str) else v for v in value)
 
 
 def checked(settings: Any) -> None:

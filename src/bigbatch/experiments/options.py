@@ -46,7 +46,9 @@ class Protocol:
         "best score), the best score over the run, or the final score",
         choices=RANK_NAMES,
     )
-    seeds: int = setting(1, "seeds at each arm's chosen rate (the first is seed)", low=1)
+    seeds: int = setting(
+        1, "seeds at each arm's chosen rate (the first is the config's seed)", low=1
+    )
     jobs: int = setting(1, "runs at a time, each in its own process", low=1)
     tune: bool = setting(
         False,
@@ -163,7 +165,7 @@ class CriticalSettings:
 
     def __post_init__(self) -> None:
         checked(self)
-        if self.batches and len(set(self.batches)) < max(2, len(self.batches)):
+        if self.batches and (len(self.batches) < 2 or len(set(self.batches)) < len(self.batches)):
             raise ConfigError(f"batches needs two or more distinct sizes, got {list(self.batches)}")
         if not self.points:
             raise ConfigError("points takes one fraction of the budget or more, got none")

@@ -150,6 +150,20 @@ def disk_error(err: OSError, path: Path | str | None = None) -> ConfigError:
     return ConfigError(f"writing {where!r} failed: {_reason(err)}{hint}")
 
 
+def first_difference(saved: Any, wanted: Any, where: str = "") -> str:
+    """Where two saved plans (JSON values) first differ, in words: ``base.noise_from =
+    'sub_batches' there, 'auto' now`` (empty where they agree)."""
+    if isinstance(saved, dict) and isinstance(wanted, dict):
+        for key in sorted(saved.keys() | wanted.keys()):
+            found = first_difference(saved.get(key), wanted.get(key), f"{where}{key}.")
+            if found:
+                return found
+        return ""
+    if saved == wanted:
+        return ""
+    return f"{where.rstrip('.') or 'the plan'} = {saved!r} there, {wanted!r} now"
+
+
 def previous(path: Path) -> Path:
     """Where the checkpoint before ``path``'s current one is kept."""
     return path.with_name(f"{path.stem}.prev{path.suffix}")
