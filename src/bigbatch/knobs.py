@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 from ._checks import check_flag, check_number, choice, whole_number
 
 __all__ = [
+    "FieldKind",
     "Knob",
-    "annotation",
     "check_settings",
     "setting",
     "settings",
@@ -130,12 +130,26 @@ def settings(cls: type[_T]) -> type[_T]:
     return cls
 
 
-def annotation(f: Field) -> str:
-    """A field's annotation as text (``int``, ``float | None``, ``tuple[int, ...]``): the
-    text itself where the module defers annotations, else the type written out."""
-    if isinstance(f.type, str):
-        return f.type
-    return f.type.__name__ if isinstance(f.type, type) else str(f.type)
+@dataclass(frozen=True)
+class FieldKind:
+    """What a setting's annotation says: its item type (``int``, ``float``, ``bool``,
+    ``str``), whether it is a list (``tuple[X, ...]``) and whether None is allowed
+    (``X | None``); read from the annotation's text, deferred or not."""
+
+    item: str
+    listed: bool = False
+    optional: bool = False
+
+    @classmethod
+    def of(cls, f: Field) -> FieldKind:
+        # text where the module defers annotations, else the type: ``tuple[int, ...]`` and
+        # ``float | None`` write themselves out, ``int`` is a class with a name
+        text = f.type.__name__ if isinstance(f.type, type) else str(f.type)
+        optional = text.endswith(" | None")
+        text = text.removesuffix(" | None")
+        listed = text.startswith("tuple[") and text.endswith(", ...]")
+        item = text.removeprefix("tuple[").removesuffix(", ...]") if listed else text
+        return cls(item, listed, optional)
 
 
 def check_settings(component: Any) -> None:
@@ -147,17 +161,13 @@ def check_settings(component: Any) -> None:
         knob = f.metadata.get("knob")
         if knob is None:
             continue
-        value = getattr(component, f.name)
-        kind = annotation(f)
-        if kind.endswith(" | None"):
-            if value is None:
-                continue
-            kind = kind.removesuffix(" | None")
-        if kind.startswith("tuple["):
+        value, kind = getattr(component, f.name), FieldKind.of(f)
+        if kind.optional and value is None:
+            continue
+        if kind.listed:
             if not isinstance(value, (tuple, list)):
                 raise ValueError(f"{f.name} must be a list, got {value!r}")
-            item = kind.removeprefix("tuple[").removesuffix(", ...]")
-            value = tuple(knob.check(f.name, v, item) for v in value)
+            value = tuple(knob.check(f.name, v, kind.item) for v in value)
         else:
-            value = knob.check(f.name, value, kind)
+            value = knob.check(f.name, value, kind.item)
         object.__setattr__(component, f.name, value)

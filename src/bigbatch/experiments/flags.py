@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, Field, fields
 from typing import Any, TypeVar
 
-from ..knobs import annotation, check_settings
+from ..knobs import FieldKind, check_settings
 from .config import ConfigError
 
 __all__ = ["add_flags", "checked", "given", "options_table", "settings_from"]
@@ -41,12 +41,6 @@ def _options(cls: type) -> dict[str, Field]:
 def flag(f: Field) -> str:
     """The field's flag: its ``flag`` metadata, else ``--`` and its name with dashes."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def _kind(f: Field) -> str:
-    """The annotation as text: ``int``, ``float``, ``str``, ``bool``, ``float | None``,
-    ``tuple[int, ...]``."""
-    return annotation(f)
 
 
 def _default(f: Field) -> Any:
@@ -68,9 +62,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per option of ``cls``, its help ending in the default; a flag not given is
     None, so a file's table shows through (:func:`given`)."""
     for f in _options(cls).values():
-        knob, kind = f.metadata["knob"], _kind(f)
+        knob = f.metadata["knob"]
         text = f"{knob.help} (default {shown(_default(f))})".replace("%", "%%")
-        if kind == "bool":
+        if FieldKind.of(f).item == "bool":
             parser.add_argument(flag(f), dest=f.name, action="store_true", default=None, help=text)
             continue
         parser.add_argument(flag(f), dest=f.name, metavar=_metavar(f), help=text)
@@ -78,30 +72,27 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def _metavar(f: Field) -> str:
     """What a flag's value looks like: ``N``, ``X``, ``N1,N2,...``, ``a|b|c``."""
-    kind, choices = _kind(f), f.metadata["knob"].choices
+    kind, choices = FieldKind.of(f), f.metadata["knob"].choices
     if choices:
         return "|".join(choices)
-    if kind.startswith("tuple["):
-        return "{0}1,{0}2,...".format("N" if "int" in kind else "X")
-    return {"int": "N", "float": "X"}.get(kind.removesuffix(" | None"), "TEXT")
+    letter = {"int": "N", "float": "X"}.get(kind.item, "TEXT")
+    return f"{letter}1,{letter}2,..." if kind.listed else letter
 
 
 def _parsed(f: Field, text: str, name: str) -> Any:
     """A flag's (or a table's) text as the field's type; one :class:`ConfigError` naming
     the flag (or the option). ``none`` is an empty list, or None where the field allows."""
-    kind = _kind(f)
-    item = kind.removeprefix("tuple[").removesuffix(", ...]").removesuffix(" | None")
-    convert = {"int": int, "float": float}.get(item, str)
-    listed = kind.startswith("tuple[")
-    if text.strip().lower() == "none" and (listed or kind.endswith("| None")):
-        return () if listed else None
+    kind = FieldKind.of(f)
+    convert = {"int": int, "float": float}.get(kind.item, str)
+    if text.strip().lower() == "none" and (kind.listed or kind.optional):
+        return () if kind.listed else None
     try:
-        if listed:
+        if kind.listed:
             return tuple(convert(part.strip()) for part in text.split(",") if part.strip())
         return convert(text)
     except ValueError:
-        what = {"int": "whole number", "float": "number"}[item]
-        many = f"comma-separated {what}s" if listed else f"a {what}"
+        what = {"int": "whole number", "float": "number"}[kind.item]
+        many = f"comma-separated {what}s" if kind.listed else f"a {what}"
         raise ConfigError(f"{name} takes {many}, got {text!r}") from None
 
 
@@ -154,7 +145,7 @@ def _as_kind(f: Field, value: Any) -> Any:
     text item by item), one item a list of one."""
     if isinstance(value, str):
         return _parsed(f, value, f.name)
-    if not _kind(f).startswith("tuple["):
+    if not FieldKind.of(f).listed:
         return value
     if not isinstance(value, (list, tuple)):
         return (value,)
@@ -174,7 +165,7 @@ def options_table(cls: type) -> str:
     """The options of ``cls`` as ``docs/cli.md`` lists them: flag, meaning, default."""
     rows = ["| option | meaning | default |", "|---|---|---|"]
     for f in _options(cls).values():
-        written = flag(f) if _kind(f) == "bool" else f"{flag(f)} {_metavar(f)}"
+        written = flag(f) if FieldKind.of(f).item == "bool" else f"{flag(f)} {_metavar(f)}"
         cells = (written, f.metadata["knob"].help, shown(_default(f)))
         rows.append("| `{}` | {} | `{}` |".format(*(c.replace("|", "\\|") for c in cells)))
     return "\n".join(rows)
