@@ -216,3 +216,15 @@ def test_slope_bad_settings_are_named():
         LossSlope(span=0)
     with pytest.raises(ValueError, match="bins"):
         LossSlope(bins=1)
+
+
+def test_the_noise_estimate_is_ready_after_half_a_window_and_again_after_a_reset():
+    noise = SmoothedNoise(window=8)
+    steps = 0
+    while not noise.ready:  # the steps' decayed weight reaches half the window
+        noise.update(1.0, 10.0)
+        steps += 1
+    assert 4 <= steps <= 8 and noise.count >= 4
+    noise.update(math.nan, 10.0)  # a step without both estimates adds nothing
+    noise.reset()
+    assert not noise.ready

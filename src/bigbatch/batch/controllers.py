@@ -250,10 +250,10 @@ class CriticalBatchRamp:
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
         self._noise.update(measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan))
         # half a window of evidence before the first decision: two steps' spread is no error bar
-        if self._warming(measured, samples) or self._noise.count < self.window / 2:
+        if self._warming(measured, samples) or not self._noise.ready:
             return batch_size
         lower, upper = self._noise.bounds(self.confidence)
-        bigger = min(self.max, math.ceil(batch_size * self.factor))
+        bigger = _grown(self, batch_size)
         if bigger > batch_size and self.multiple * lower >= bigger:
             return bigger
         smaller = max(self.min, math.floor(batch_size / self.factor))
@@ -432,9 +432,9 @@ class BatchWarmup:
         if self.loss_lag > 0 and self._warmed:
             self._slope.update(measured.get("loss", math.nan), samples)
         self._schedule = max(0.0, schedule) if math.isfinite(schedule) else 1.0
-        if self._noise.count < self.window / 2:  # two steps' spread is no error bar
+        if not self._noise.ready:
             return batch_size
-        bigger = min(self.max, math.ceil(batch_size * self.factor))
+        bigger = _grown(self, batch_size)
         if bigger > batch_size and self.critical_batch() >= bigger:
             self._noise.reset()
             return bigger
@@ -828,11 +828,17 @@ def _takeover_cap(controller: Any, base: int, noise: SmoothedNoise) -> float:
     if controller.growth:
         cap = min(cap, controller.growth * base)
     if controller.critical_multiple:
-        if noise.count < controller.window / 2:
+        if not noise.ready:
             return 0.0
         _, upper = noise.bounds(controller.confidence)
         cap = min(cap, controller.critical_multiple * upper)
     return cap
+
+
+def _grown(controller: Any, batch_size: int) -> int:
+    """The size a growing controller steps to from ``batch_size``: ``⌈factor · B⌉``, at most
+    its ``max`` (``batch_size`` itself at the top)."""
+    return min(controller.max, math.ceil(batch_size * controller.factor))
 
 
 def _clamp(controller: Any, size: float) -> int:

@@ -138,6 +138,13 @@ class SmoothedNoise:
     def count(self) -> float:
         return self.signal.count
 
+    @property
+    def ready(self) -> bool:
+        """Half a window of weight behind the estimate (the steps' decayed weights, about
+        half a window of steps): before it, two steps' spread is no error bar, and no
+        decision may rest on the bounds."""
+        return self.count >= self.signal.window / 2
+
     def noise_scale(self) -> float:
         """``B_simple`` of the smoothed means (NaN while ``|G|²`` is not positive)."""
         s, t = self.signal.mean, self.trace.mean
