@@ -246,6 +246,17 @@ def test_auto_takes_the_examples_where_the_model_allows_and_says_why_not(caplog)
     assert "no per-example rule for 1.weight, 1.bias" in caplog.text
     with pytest.raises(ValueError, match="noise_from='examples' is not possible here: no per"):
         bb.AdaptiveBatch(model, opt, make_data(), noise_from="examples")
+    # the default; every step split anyway (asked for, or a framework's accumulation): the
+    # sub-batch statistics come free, so auto takes them; examples still insists
+    caplog.clear()
+    with caplog.at_level("INFO", logger="bigbatch"):
+        _, split = make_run(controller=bb.batch.Constant(32), min_sub_batches=4)
+    assert split.collector.per_example is None and split.min_sub_batches == 4
+    assert "every step is split into 4 micro-batches anyway" in caplog.text
+    _, insisted = make_run(
+        controller=bb.batch.Constant(32), min_sub_batches=4, noise_from="examples"
+    )
+    assert insisted.collector.per_example is not None
 
 
 def test_simigrad_keeps_its_measured_cosine_under_per_example_statistics():

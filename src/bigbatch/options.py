@@ -64,9 +64,10 @@ class StepOptions:
     #: (each step split into micro-batches, ``min_sub_batches`` of them), ``"examples"``
     #: (each example's gradient norm, from the one backward pass: a step needs no split;
     #: every trainable parameter must sit in a layer bigbatch.stats.per_example covers) or
-    #: ``"auto"`` (examples where the model and the run allow, else sub-batches, said once
-    #: in the log; the default: the default run takes 0.66x the time of the split one on
-    #: MNIST-1D, 0.86x on text; docs/results.md, "Per-example statistics by default")
+    #: ``"auto"`` (examples where the model and the run allow and the step is not split
+    #: anyway by ``min_sub_batches`` >= 2 or a framework's accumulation, else sub-batches,
+    #: said once in the log; the default: the default run takes 0.66x the time of the split
+    #: one on MNIST-1D, 0.86x on text; docs/results.md, "Per-example statistics by default")
     noise_from: str = "auto"
     #: with per-example statistics, the examples of each micro-batch whose norms are
     #: measured (an unbiased sample of a shuffled batch, at a cost that stops growing with

@@ -392,7 +392,7 @@ def _batch_keys() -> list[Key]:
             "the noise scale's small-batch norms: sub_batches (each step split into "
             "min_sub_batches micro-batches), examples (each example's gradient norm from the "
             "one backward: no split; the model's layers must all be covered), auto (examples "
-            "where the model allows)",
+            "where the model allows, unless min_sub_batches splits every step anyway)",
             NOISE_SOURCES,
         ),
         Key(
