@@ -129,7 +129,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     )
     if wrapped:
         optimizer.check_sub_batches(sub_batches * world.size)
-    comm_hook = _comm_hook(comm_hook, registers_hooks, world, options, framework, model)
+    comm_hook = _comm_hook(comm_hook, in_use, registers_hooks, world, options, framework)
     collector = None
     if options.statistics:
         collector = MicroBatchStatistics(
@@ -178,33 +178,32 @@ def _hook_in_use(
 
 def _comm_hook(
     comm_hook: tuple[Any, CommHook] | None,
+    in_use: tuple[Any, CommHook] | None,
     registers_hooks: bool,
     world: World,
     options: StepOptions,
     framework: FrameworkStep | None,
-    model: nn.Module | None,
 ) -> tuple[Any, CommHook] | None:
-    """The DDP comm hook the statistics work beside: the one given (for the engine to
-    register), or the one a framework registered itself; a ValueError where the
-    similarity asked for cannot be measured under it."""
+    """The DDP comm hook the statistics work beside, ``in_use`` (:func:`_hook_in_use`: the
+    one given, for the engine to register, or the one a framework registered itself),
+    once ``comm_hook`` is checked; a ValueError where the similarity asked for cannot be
+    measured under it."""
     if comm_hook is not None and not (registers_hooks and world.distributed):
         raise ValueError(
             "comm_hook needs a DistributedDataParallel model on 2+ ranks that the loop "
             "wraps (a framework registers its own hook)"
         )
-    if not registers_hooks:
-        if world.distributed and options.similarity == "split":
-            raise ValueError(
-                "similarity='split' under DDP needs bigbatch's comm hook, which a framework's "
-                "DDP wrapper does not take: use 'scalar' or bigbatch.AdaptiveBatch"
-            )
-        comm_hook = _hook_in_use(comm_hook, registers_hooks, model)
+    if not registers_hooks and world.distributed and options.similarity == "split":
+        raise ValueError(
+            "similarity='split' under DDP needs bigbatch's comm hook, which a framework's "
+            "DDP wrapper does not take: use 'scalar' or bigbatch.AdaptiveBatch"
+        )
     if framework is not None and options.similarity == "split":
         raise ValueError(
             "similarity='split' needs the micro-batch gradients in .grad or bigbatch's comm "
             "hook; a framework that reduces inside its own step gives neither: use 'scalar'"
         )
-    return comm_hook
+    return in_use
 
 
 def _similarity_for(
