@@ -37,9 +37,11 @@ def interleaved(
     *,
     warmup: int = 2,
     device: torch.device | str = "cpu",
+    before: Callable[[], Any] | None = None,
 ) -> dict[str, list[float]]:
     """Each arm's step times over ``rounds`` rounds, after ``warmup`` untimed rounds
-    (allocators, kernels, loaders), the arms' order rotated every round."""
+    (allocators, kernels, loaders), the arms' order rotated every round; ``before()``
+    runs untimed before each timed step (a barrier, so that ranks start together)."""
     names = list(arms)
     for _ in range(warmup):
         for name in names:
@@ -47,6 +49,8 @@ def interleaved(
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
         for name in names[i % len(names) :] + names[: i % len(names)]:
+            if before is not None:
+                before()
             times[name].append(seconds(arms[name], device))
     return times
 

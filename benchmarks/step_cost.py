@@ -1,8 +1,11 @@
-"""What a bigbatch step costs against the step a user writes by hand (issue 55).
+"""What a bigbatch step costs against the step a user writes by hand (issues 3, 55).
 
     python benchmarks/step_cost.py                          # CPU: text model, GPT-2 shape at 16
     python benchmarks/step_cost.py --device cuda            # a GPU: every batch, bf16
     python benchmarks/step_cost.py --part agreement         # one-pass vs sub-batch noise
+    python benchmarks/step_cost.py --models lm-gpu --batches 64,256 --micro-batches 4 \
+        --arms off,sub-batches,gsnr --details --device cuda  # the statistics' own cost
+    python benchmarks/step_cost.py --part throughput --device cuda  # bigbatch train, samples/s
 
 **cost.** Arms, each its own copy of the same model and optimizer (LAMB), interleaved
 step by step in a rotating order, median step time (CUDA events on a GPU):
@@ -10,6 +13,7 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
 - ``plain``: one forward/backward of the whole batch and ``optimizer.step()``;
 - ``sub-batches``: ``AdaptiveBatch`` with a ``Constant`` batch and the sub-batch noise
   statistics (``noise_from="sub_batches"``: four micro-batches per step);
+- ``gsnr``: the same, with the per-element gradient SNR as well (``gsnr=True``);
 - ``examples``: the same with the per-example statistics (``noise_from="examples"``: one
   micro-batch, the noise from the gradient norms of 32 of its examples, taken in the
   same backward); ``all examples``: every example's norm;
@@ -18,15 +22,26 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
   every K-th step only (``statistics_every=K``), the steps between unsplit; each timed
   unit is K steps (one measured), so the time is the mean step over the cycle.
 
+``--micro-batches K`` splits every bigbatch arm's step in ``K`` (the statistics' own
+cost at one split: ``--arms off,sub-batches,gsnr --micro-batches 4``). ``--details``
+adds, per arm, the host synchronisations of one step (CUDA's sync debug
+mode; none on a CPU) and the gradient-sized buffers the statistics keep.
+
 Models: the ``text`` task's byte GPT (vocabulary 256, context 32, width 64, 2 layers),
-the same at GPU scale (``text-gpu``: context 256, width 256, 4 layers) and a GPT-2-small
-shape (width 768, 12 layers, 12 heads, vocabulary 50,257; context ``--gpt2-context``,
-1,024 by default, 64 on a CPU, where a step of 1,024 tokens takes minutes).
+the same at GPU scale (``text-gpu``: context 256, width 256, 4 layers), a wider GPU
+language model (``lm-gpu``: vocabulary 512, width 512, 8 layers, context 256), a
+GPT-2-small shape (width 768, 12 layers, 12 heads, vocabulary 50,257; context
+``--gpt2-context``, 1,024 by default, 64 on a CPU, where a step of 1,024 tokens takes
+minutes) and an overhead-bound ``mlp`` (32 features, 256 hidden, 10 classes), where the
+loop's own Python is what a step costs.
 
 **agreement.** On the ``text``, ``mnist1d`` and ``lm`` tasks' models, trained for
 ``--warm-steps`` steps first, both estimators read the same backward passes of
 ``--batches-measured`` batches of 64 (four micro-batches for the sub-batch one): the
 mean ``|G|²``, ``tr Σ`` and ``B_simple = tr Σ / |G|²`` of each, with standard errors.
+
+**throughput.** ``bigbatch train`` on ``--task`` (with ``--set`` overrides; bf16 on a
+GPU) for ``--train-samples`` samples: samples per second of the whole run.
 """
 
 from __future__ import annotations
@@ -34,6 +49,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,28 +59,45 @@ from torch.utils.data import TensorDataset
 import bigbatch as bb
 from _timing import interleaved, medians
 from bigbatch.experiments.build import with_task_defaults
-from bigbatch.experiments.config import resolve
+from bigbatch.experiments.config import resolve, with_overrides
 from bigbatch.experiments.tasks import TASKS, TinyTransformer
 from bigbatch.stats import MicroBatchStatistics
+from bigbatch.testing import host_syncs
 
 ARMS = ("plain", "sub-batches", "examples", "all examples", "off")
+#: every arm there is (``--arms``): the default ones and the sub-batch statistics with GSNR
+KNOWN_ARMS = (*ARMS, "gsnr")
 
 
-def arms_of(every: int) -> tuple[str, ...]:
-    """The arms timed: :data:`ARMS`, and the two estimators measuring every ``every``-th step."""
-    return ARMS if every == 1 else (*ARMS, f"sub-batches/{every}", f"examples/{every}")
+def arms_of(names: tuple[str, ...], every: int) -> tuple[str, ...]:
+    """The arms timed: ``names``, and the two estimators measuring every ``every``-th step."""
+    return names if every == 1 else (*names, f"sub-batches/{every}", f"examples/{every}")
 
 
 MODELS = {
-    # name: (vocabulary, width, depth, heads, context)
+    # name: (vocabulary, width, depth, heads, context); depth 0: the MLP
     "text": (256, 64, 2, 4, 32),
     "text-gpu": (256, 256, 4, 4, 256),  # the text task at GPU scale (docs/results.md)
+    "lm-gpu": (512, 512, 8, 8, 256),
     "gpt2": (50_257, 768, 12, 12, 1024),
+    "mlp": (10, 256, 0, 0, 32),  # classes, hidden, -, -, features
 }
 
 
-def token_data(vocab: int, context: int, sequences: int) -> TensorDataset:
+def make_model(name: str, context: int) -> nn.Module:
+    vocab, width, depth, heads, features = MODELS[name]
+    torch.manual_seed(0)
+    if depth == 0:
+        return nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, vocab))
+    return TinyTransformer(vocab, context, width, depth, heads=heads)
+
+
+def make_data(name: str, context: int, sequences: int) -> TensorDataset:
+    vocab, _, depth, _, features = MODELS[name]
     gen = torch.Generator().manual_seed(0)
+    if depth == 0:  # a linear teacher's classes
+        x = torch.randn(sequences, features, generator=gen)
+        return TensorDataset(x, (x @ torch.randn(features, vocab, generator=gen)).argmax(1))
     tokens = torch.randint(0, vocab, (sequences, context + 1), generator=gen)
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
@@ -85,14 +119,17 @@ class Arm:
         #: optimizer steps per timed unit: a whole cycle of statistics_every
         self.every = int(every or 1)
         if name != "plain":
+            split = base in ("sub-batches", "gsnr")
             self.loop = bb.AdaptiveBatch(
                 model,
                 self.optimizer,
                 data,
                 controller=bb.batch.Constant(batch),
                 max_micro_batch=max(batch, 1024),
+                min_sub_batches=args.micro_batches,
                 statistics=name != "off",
-                noise_from="sub_batches" if base == "sub-batches" else "examples",
+                gsnr=base == "gsnr",
+                noise_from="sub_batches" if split else "examples",
                 noise_examples=None if name == "all examples" else 32,
                 statistics_every=self.every,
                 loader_options={"pin_memory": args.device.type == "cuda"},
@@ -103,7 +140,7 @@ class Arm:
         y = y.to(self.device, non_blocking=True)
         with self.autocast:
             logits = self.model(x)
-        return nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return nn.functional.cross_entropy(logits.float().flatten(0, -2), y.flatten())
 
     def step(self) -> None:
         if self.loop is None:
@@ -119,19 +156,56 @@ class Arm:
                 step.backward(self.loss(x, y))
             step.apply()
 
+    def details(self) -> str:
+        """Host synchronisations of one more step, and the statistics' buffers."""
+        with host_syncs(self.device) as counted:
+            self.step()
+        collector = self.loop.collector if self.loop is not None else None
+        buffers = collector.memory() if collector is not None else 0
+        syncs = counted.count / self.every if self.device.type == "cuda" else "-"
+        return f"{syncs} syncs, {buffers / 2**20:.2f} MiB"
+
 
 def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
-    vocab, width, depth, heads, _ = MODELS[model_name]
-    data = token_data(vocab, context, max(4 * batch, 256))
-    torch.manual_seed(0)
-    model = TinyTransformer(vocab, context, width, depth, heads=heads).to(args.device)
-    names = arms_of(args.every)
+    data = make_data(model_name, context, max(4 * batch, 256))
+    model = make_model(model_name, context).to(args.device)
+    names = arms_of(args.arms, args.every)
     arms = [Arm(name, copy.deepcopy(model), data, batch, args) for name in names]
     times = medians(interleaved({a.name: a.step for a in arms}, steps, device=args.device))
     times = {a.name: times[a.name] / a.every for a in arms}  # per optimizer step
-    plain = times["plain"]
-    cells = " | ".join(f"{times[a] * 1e3:.1f} ms ({times[a] / plain:.2f}x)" for a in names[1:])
-    print(f"| {model_name} | {batch} | {plain * 1e3:.1f} ms | {cells} |", flush=True)
+    base = times[names[0]]
+    cells = [
+        f"{times[a] * 1e3:.1f} ms" + (f" ({times[a] / base:.2f}x)" if i else "")
+        for i, a in enumerate(names)
+    ]
+    if args.details:
+        cells = [f"{cell}; {arm.details()}" for cell, arm in zip(cells, arms, strict=True)]
+    print(f"| {model_name} | {batch} | {' | '.join(cells)} |", flush=True)
+
+
+def throughput(args) -> None:
+    cuda = args.device.type == "cuda"
+    config = with_overrides(
+        resolve(
+            {
+                "task": args.task,
+                "max_samples": args.train_samples,
+                "device": str(args.device),
+                "precision": "bf16" if cuda else "fp32",
+            }
+        ),
+        args.set,
+    )
+    with tempfile.TemporaryDirectory() as out:
+        from bigbatch.experiments.runner import train
+
+        summary = train(config, Path(out) / "run", quiet=True)
+    rate = summary["samples"] / summary["wall_seconds"]
+    print(
+        f"\nbigbatch train --task {args.task} {' '.join('--set ' + s for s in args.set)}: "
+        f"{summary['samples']} samples in {summary['wall_seconds']:.1f} s = {rate:.0f} "
+        f"samples/s ({summary['steps']} steps, average batch {summary['avg_batch_size']:.0f})"
+    )
 
 
 def _forever(loader):
@@ -201,12 +275,19 @@ def agreement(task: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("cost", "agreement", "both"), default="cost")
+    parser.add_argument(
+        "--part", choices=("cost", "agreement", "throughput"), nargs="+", default=["cost"]
+    )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--models", default="text,gpt2")
+    parser.add_argument("--models", default="text,gpt2", help=f"of {', '.join(MODELS)}")
     parser.add_argument("--batches", default="16,64,256,1024")
     parser.add_argument("--gpt2-batches", default=None, help="default: 16 on CPU, --batches")
     parser.add_argument("--gpt2-context", type=int, default=None)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(KNOWN_ARMS)}")
+    parser.add_argument(
+        "--micro-batches", type=int, help="each bigbatch arm's split (default: 4 for sub-batches)"
+    )
+    parser.add_argument("--details", action="store_true", help="host syncs and buffers too")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per arm")
     parser.add_argument("--gpt2-steps", type=int, default=None, help="default: --steps")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -216,16 +297,23 @@ def main() -> None:
     parser.add_argument("--tasks", default="text,mnist1d,lm")
     parser.add_argument("--warm-steps", type=int, default=200)
     parser.add_argument("--batches-measured", type=int, default=100)
+    parser.add_argument("--task", default="lm", help="throughput: the task trained")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--train-samples", type=int, default=200_000)
     args = parser.parse_args()
     args.device = torch.device(args.device)
+    args.arms = tuple(args.arms.split(","))
+    unknown = sorted(set(args.arms) - set(KNOWN_ARMS))
+    if unknown:
+        parser.error(f"unknown arms {unknown}; the arms are {', '.join(KNOWN_ARMS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = args.device.type == "cpu"
     print(f"# torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
-    if args.part in ("cost", "both"):
-        names = ["examples (32)" if a == "examples" else a for a in arms_of(args.every)[1:]]
-        print(f"\n| model | batch | plain | {' | '.join(names)} |")
-        print("|---|---|---|" + "---|" * len(names))
+    if "cost" in args.part:
+        names = ["examples (32)" if a == "examples" else a for a in arms_of(args.arms, args.every)]
+        print(f"\n| model | batch | {' | '.join(names)} |")
+        print("|---|---|" + "---|" * len(names))
         for name in args.models.split(","):
             batches, context = args.batches, MODELS[name][4]
             if name == "gpt2":
@@ -234,11 +322,13 @@ def main() -> None:
             steps = args.gpt2_steps if name == "gpt2" and args.gpt2_steps else args.steps
             for batch in (int(b) for b in batches.split(",")):
                 cost(name, batch, context, steps, args)
-    if args.part in ("agreement", "both"):
+    if "agreement" in args.part:
         print("\n| task | estimator | |G|² | tr Σ | B_simple |")
         print("|---|---|---|---|---|")
         for task in args.tasks.split(","):
             agreement(task, args)
+    if "throughput" in args.part:
+        throughput(args)
 
 
 if __name__ == "__main__":
