@@ -22,10 +22,12 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
   every K-th step only (``statistics_every=K``), the steps between unsplit; each timed
   unit is K steps (one measured), so the time is the mean step over the cycle.
 
-``--micro-batches K`` splits every bigbatch arm's step in ``K`` (the statistics' own
-cost at one split: ``--arms off,sub-batches,gsnr --micro-batches 4``). ``--details``
-adds, per arm, the host synchronisations of one step (CUDA's sync debug
-mode; none on a CPU) and the gradient-sized buffers the statistics keep.
+``--keep-freed-memory`` keeps glibc's malloc from handing freed memory back between
+steps, as ``bigbatch train`` does on a CPU (every arm alike). ``--micro-batches K``
+splits every bigbatch arm's step in ``K`` (the statistics' own cost at one split:
+``--arms off,sub-batches,gsnr --micro-batches 4``). ``--details`` adds, per arm, the
+host synchronisations of one step (CUDA's sync debug mode; none on a CPU) and the
+gradient-sized buffers the statistics keep.
 
 Models: the ``text`` task's byte GPT (vocabulary 256, context 32, width 64, 2 layers),
 the same at GPU scale (``text-gpu``: context 256, width 256, 4 layers), a wider GPU
@@ -60,6 +62,7 @@ import bigbatch as bb
 from _timing import interleaved, medians
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import resolve, with_overrides
+from bigbatch.experiments.device import keep_freed_memory
 from bigbatch.experiments.tasks import TASKS, TinyTransformer
 from bigbatch.stats import MicroBatchStatistics
 from bigbatch.testing import host_syncs
@@ -292,6 +295,9 @@ def main() -> None:
     parser.add_argument("--gpt2-steps", type=int, default=None, help="default: --steps")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument(
+        "--keep-freed-memory", action="store_true", help="as bigbatch train does on a CPU"
+    )
+    parser.add_argument(
         "--every", type=int, default=1, help="also time statistics measured every K-th step"
     )
     parser.add_argument("--tasks", default="text,mnist1d,lm")
@@ -308,6 +314,8 @@ def main() -> None:
         parser.error(f"unknown arms {unknown}; the arms are {', '.join(KNOWN_ARMS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.keep_freed_memory and not keep_freed_memory():
+        parser.error("--keep-freed-memory: glibc's malloc only")
     cpu = args.device.type == "cpu"
     print(f"# torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     if "cost" in args.part:

@@ -2,13 +2,21 @@
 command line training on a real GPU (``cuda``-marked: skipped without one)."""
 
 import json
+import platform
+import resource
+import sys
 
 import pytest
 import torch
 
 import bigbatch as bb
 from bigbatch import cli
-from bigbatch.experiments.device import resolve_device
+from bigbatch.experiments import device
+from bigbatch.experiments.device import keep_freed_memory, resolve_device
+
+glibc = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc"
+)
 
 
 @pytest.fixture
@@ -47,6 +55,40 @@ def test_a_named_gpu_that_is_not_there_is_one_clear_error(gpus):
     gpus(1)
     with pytest.raises(ValueError, match=r"device = 'cuda:3' but this machine has 1 GPU"):
         resolve_device("cuda:3")
+
+
+def _page_faults_of_a_filled_block(megabytes: int) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(megabytes << 18).fill_(1.0)  # float32: 4 bytes an element
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@glibc
+def test_kept_memory_is_not_faulted_in_again_at_the_next_step():
+    """A 16 MiB tensor freed and allocated again faults in its 4k pages every time under
+    glibc's defaults (its threshold hands the block back); kept, the next one reuses it."""
+    assert keep_freed_memory()
+    _page_faults_of_a_filled_block(16)
+    assert min(_page_faults_of_a_filled_block(16) for _ in range(3)) < 1_000
+
+
+@glibc
+def test_the_users_own_malloc_settings_are_left_alone(monkeypatch):
+    calls = []
+
+    class Libc:
+        def __init__(self, _name):
+            self.mallopt = lambda *args: calls.append(args) or 1
+
+    monkeypatch.setattr(device.ctypes, "CDLL", Libc)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert not keep_freed_memory() and not calls
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1024")
+    assert not keep_freed_memory() and not calls
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert keep_freed_memory()
+    assert calls == [(device._M_MMAP_THRESHOLD, 1 << 30), (device._M_TRIM_THRESHOLD, 1 << 30)]
 
 
 # ---------------------------------------------------------------- on a CUDA GPU

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, flatten, parse_assignment, resolve
+from .config import ConfigError, flatten, parse_assignment, resolve, with_keys_added_since
 from .flags import settings_from
 from .options import Protocol, TuneSettings
 from .report import render_comparison
@@ -167,8 +167,13 @@ def run_comparison(
     index_path = root / "compare.json"
     planned = comparison.to_dict()
     if index_path.is_file():
-        saved = json.loads(index_path.read_text()).get("plan")
-        difference = first_difference(saved, json.loads(json.dumps(planned)))
+        saved, wanted = (
+            json.loads(index_path.read_text()).get("plan"),
+            json.loads(json.dumps(planned)),
+        )
+        if isinstance(saved, dict) and isinstance(saved.get("base"), dict):
+            saved["base"] = with_keys_added_since(saved["base"], wanted["base"])
+        difference = first_difference(saved, wanted)
         if difference:
             raise ConfigError(
                 f"--out {str(root)!r} holds another comparison ({difference}); choose a new "

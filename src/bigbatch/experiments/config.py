@@ -303,6 +303,13 @@ def _machine_keys() -> list[Key]:
         ),
         Key("threads", 0, "torch CPU threads; 0: torch's default", low=0),
         Key(
+            "keep_freed_memory",
+            True,
+            "on the CPU under glibc, keep freed memory for the next step instead of handing "
+            "it back to the system (faster large batches; the resident size stays at the "
+            "peak); false: the allocator as the process has it",
+        ),
+        Key(
             "device",
             "auto",
             "where to train: auto (the GPU when there is one, under torchrun the LOCAL_RANK-th), "
@@ -532,6 +539,15 @@ def schema() -> dict[str, Key]:
 
 def defaults() -> dict[str, Any]:
     return {name: key.default for name, key in schema().items()}
+
+
+def with_keys_added_since(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """``saved``, a resolved config an earlier release kept (in a comparison's or a
+    measurement's plan), with each key it lacks taken from ``wanted`` where ``wanted`` holds
+    that key's default: a key added since changes nothing for a run that keeps it."""
+    default = defaults()
+    added = {k: v for k, v in wanted.items() if k not in saved and k in default and v == default[k]}
+    return {**saved, **added}
 
 
 def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

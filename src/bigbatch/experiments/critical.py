@@ -36,7 +36,7 @@ from typing import Any
 
 from . import runner
 from .build import make_controller, with_task_defaults
-from .config import ConfigError, resolve
+from .config import ConfigError, resolve, with_keys_added_since
 from .options import CriticalSettings
 from .plots import pyplot
 from .rundir import (
@@ -176,6 +176,8 @@ def _claim(out: Path, plan: dict[str, Any]) -> None:
     saved = out / PLAN
     if saved.is_file():
         there, wanted = json.loads(saved.read_text()), json.loads(json.dumps(plan))
+        if isinstance(there.get("config"), dict):
+            there["config"] = with_keys_added_since(there["config"], wanted["config"])
         if there != wanted:
             raise ConfigError(
                 f"{str(out)!r} holds a critical-batch measurement of other options "

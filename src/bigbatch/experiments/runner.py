@@ -36,7 +36,7 @@ from ..loop import AdaptiveBatch
 from ..sinks import Sinks
 from .build import build, intervals, run_facts, train_step, with_task_defaults
 from .config import ConfigError, resolve, to_toml
-from .device import resolve_device, set_tf32, set_threads
+from .device import keep_freed_memory, resolve_device, set_tf32, set_threads
 from .report import render_run
 from .run_sinks import check_sinks, open_sinks
 from .rundir import (
@@ -101,6 +101,8 @@ def train(
     world = init_from_env(device, timeout=config["dist.timeout"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size)) if world.distributed else 1
     set_threads(config["threads"], local)
+    if config["keep_freed_memory"] and device.type == "cpu":
+        keep_freed_memory()
     out, lock = _claim(out, resume, world, config["task"])
     agreed_stop: Exception | None = None
     try:
@@ -523,7 +525,7 @@ def _progress(total: int, done: int, quiet: bool):
 
 #: keys in which a finished run may differ from the one asked for and still be reused:
 #: the thread count changes float sums, not what the run measures
-REUSE_IGNORES = frozenset({"threads"})
+REUSE_IGNORES = frozenset({"threads", "keep_freed_memory"})
 
 
 def check_same_config(path: Path, config: dict[str, Any]) -> None:
