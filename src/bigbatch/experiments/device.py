@@ -78,7 +78,8 @@ def set_threads(threads: int, local_processes: int = 1) -> None:
 
 #: glibc's ``mallopt`` parameters (``malloc.h``)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-#: blocks under this size come from (and go back to) the process's heap, which keeps them
+#: both thresholds: blocks under the mmap one come from the heap (glibc may cap it lower),
+#: and the heap's free top is handed back only past the trim one
 _KEPT_BYTES = 1 << 30
 #: the environment through which a user sets glibc's malloc: theirs to decide
 _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -94,7 +95,7 @@ def keep_freed_memory() -> bool:
     the next step, as PyTorch's CPU tuning guide does by preloading jemalloc or tcmalloc;
     the cost is a resident size that stays at the run's peak. Measured on this project's
     machine (docs/results.md, "The CPU allocator"): the ``text`` model's plain step at
-    batch 1,024 0.72x the time, the ``lm`` task's default run 0.86x. Does nothing
+    batch 1,024 0.76x the time, the ``lm`` task's default run 0.90x. Does nothing
     (returns False) off glibc, or where the user set glibc's malloc through its
     environment; True when it applied.
     """

@@ -524,7 +524,7 @@ def _progress(total: int, done: int, quiet: bool):
 
 
 #: keys in which a finished run may differ from the one asked for and still be reused:
-#: the thread count changes float sums, not what the run measures
+#: the thread count changes float sums, not what the run measures; the allocator, its time
 REUSE_IGNORES = frozenset({"threads", "keep_freed_memory"})
 
 
