@@ -167,6 +167,12 @@ def test_a_finished_study_run_again_trains_nothing_and_other_settings_are_refuse
     count = len(fake.calls)
     again = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6))
     assert len(fake.calls) == count and again.best == first.best
+    # also where it was saved before a config key (at its default) was added
+    saved = json.loads((tmp_path / "t" / "tune.json").read_text())
+    del saved["config"]["keep_freed_memory"]
+    (tmp_path / "t" / "tune.json").write_text(json.dumps(saved))
+    assert tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6)).best == first.best
+    assert len(fake.calls) == count
     with pytest.raises(ConfigError, match=r"holds a study with other settings.*trials"):
         tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=7))
     (tmp_path / "plain").mkdir()

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, flatten, parse_assignment, resolve, with_keys_added_since
+from .config import ConfigError, flatten, parse_assignment, resolve
 from .flags import settings_from
 from .options import Protocol, TuneSettings
 from .report import render_comparison
-from .rundir import check_new_run_dir, first_difference, new_run_dir
+from .rundir import check_new_run_dir, new_run_dir, plan_difference
 from .sweep import Arm, sweep
 
 #: the [compare] table's names that give the arms rather than how each is tuned
@@ -167,13 +167,8 @@ def run_comparison(
     index_path = root / "compare.json"
     planned = comparison.to_dict()
     if index_path.is_file():
-        saved, wanted = (
-            json.loads(index_path.read_text()).get("plan"),
-            json.loads(json.dumps(planned)),
-        )
-        if isinstance(saved, dict) and isinstance(saved.get("base"), dict):
-            saved["base"] = with_keys_added_since(saved["base"], wanted["base"])
-        difference = first_difference(saved, wanted)
+        saved = json.loads(index_path.read_text()).get("plan")
+        difference = plan_difference(saved, json.loads(json.dumps(planned)), "base")
         if difference:
             raise ConfigError(
                 f"--out {str(root)!r} holds another comparison ({difference}); choose a new "

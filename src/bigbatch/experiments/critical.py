@@ -36,14 +36,14 @@ from typing import Any
 
 from . import runner
 from .build import make_controller, with_task_defaults
-from .config import ConfigError, resolve, with_keys_added_since
+from .config import ConfigError, resolve
 from .options import CriticalSettings
 from .plots import pyplot
 from .rundir import (
     CHECKPOINT,
     check_new_run_dir,
     copy_atomically,
-    first_difference,
+    plan_difference,
     read_metrics,
     resumable,
 )
@@ -175,13 +175,13 @@ def _claim(out: Path, plan: dict[str, Any]) -> None:
     a measurement of the same plan (which continues); a :class:`ConfigError` otherwise."""
     saved = out / PLAN
     if saved.is_file():
-        there, wanted = json.loads(saved.read_text()), json.loads(json.dumps(plan))
-        if isinstance(there.get("config"), dict):
-            there["config"] = with_keys_added_since(there["config"], wanted["config"])
-        if there != wanted:
+        difference = plan_difference(
+            json.loads(saved.read_text()), json.loads(json.dumps(plan)), "config"
+        )
+        if difference:
             raise ConfigError(
                 f"{str(out)!r} holds a critical-batch measurement of other options "
-                f"({first_difference(there, wanted)}); give "
+                f"({difference}); give "
                 "another --out, or the same options to continue it"
             )
         return

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, load_toml, resolve
+from .config import ConfigError, load_toml, resolve, with_keys_added_since
 
 CHECKPOINT = "checkpoint.pt"
 #: the lock file of a run directory (held by the process that writes the run)
@@ -162,6 +162,15 @@ def first_difference(saved: Any, wanted: Any, where: str = "") -> str:
     if saved == wanted:
         return ""
     return f"{where.rstrip('.') or 'the plan'} = {saved!r} there, {wanted!r} now"
+
+
+def plan_difference(saved: Any, wanted: dict[str, Any], config_at: str) -> str:
+    """:func:`first_difference` of a saved plan and the one asked for, where both hold a
+    resolved config at ``config_at``: a config key added since the plan was saved counts
+    as its default there, so a study saved by an earlier release continues."""
+    if isinstance(saved, dict) and isinstance(saved.get(config_at), dict):
+        saved = {**saved, config_at: with_keys_added_since(saved[config_at], wanted[config_at])}
+    return first_difference(saved, wanted)
 
 
 def previous(path: Path) -> Path:

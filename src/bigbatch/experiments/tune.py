@@ -47,7 +47,7 @@ from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .options import TuneSettings
 from .pool import in_processes
-from .rundir import RunLock, claim_new_run_dir, first_difference, resumable
+from .rundir import RunLock, claim_new_run_dir, plan_difference, resumable
 from .summary import finished_summary
 from .tasks import TASKS
 
@@ -210,7 +210,8 @@ def _claim(out: Path, settings: dict[str, Any]) -> RunLock:
         return lock
     if not path.is_file():
         raise ConfigError(f"{str(out)!r} exists and holds no study: choose a new folder")
-    difference = first_difference(json.loads(path.read_text()), json.loads(json.dumps(settings)))
+    saved = json.loads(path.read_text())
+    difference = plan_difference(saved, json.loads(json.dumps(settings)), "config")
     if difference:
         raise ConfigError(
             f"{str(out)!r} holds a study with other settings ({difference}): "
