@@ -142,7 +142,13 @@ def wandb_records(run_file):
 
 def wandb_history(directory):
     """The history rows of every offline run file under ``directory`` (a resumed run writes
-    a second folder with the same run id), in the order they were written."""
+    a second folder with the same run id), in the order they were written.
+
+    ``run.finish()`` does not wait for W&B's service to write the run file (it was found
+    holding its 7-byte header alone on a loaded machine); ``wandb.teardown()`` does."""
+    import wandb
+
+    wandb.teardown()
     history = []
     records = []
     for run_file in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
