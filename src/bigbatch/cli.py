@@ -228,8 +228,11 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _file(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``--config`` file's keys, flattened (none without one)."""
-    return load_toml(args.config) if getattr(args, "config", None) else {}
+    """The ``--config`` file's keys, flattened (none without one); read once a command,
+    however many of its tables the command asks for."""
+    if "file_keys" not in vars(args):
+        args.file_keys = load_toml(args.config) if getattr(args, "config", None) else {}
+    return args.file_keys
 
 
 def _section(args: argparse.Namespace, name: str) -> dict[str, Any]:

@@ -62,11 +62,16 @@ rank = "steps"
 """
 
 
-def test_a_recipe_runs_the_protocol_and_reports_the_critical_batch(trained, tmp_path, capsys):
+def test_a_recipe_runs_the_protocol_and_reports_the_critical_batch(
+    trained, tmp_path, monkeypatch, capsys
+):
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(RECIPE)
     out = tmp_path / "cmp"
+    reads = []
+    monkeypatch.setattr(cli, "load_toml", lambda path: reads.append(path) or load_toml(path))
     assert run_cli("compare", "--quiet", "--config", recipe, "--out", out) == 0
+    assert [Path(p) for p in reads] == [recipe]  # the run keys, [compare] and [tune] from one read
     assert len(trained) == 8 * 3 + 8 * 1  # 8 arms: a 3-point grid, then one more seed
     assert {c["batch.controller"] for c in trained} == {"constant"}
     index = json.loads((out / "compare.json").read_text())
