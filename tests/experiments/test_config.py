@@ -1,12 +1,19 @@
+from dataclasses import fields
+
 import pytest
 
 from bigbatch.experiments.config import (
+    SECTIONS,
+    BatchKeys,
     ConfigError,
+    _keys,
     _toml,
     defaults,
     flatten,
     parse_assignment,
     resolve,
+    schema,
+    section,
     to_toml,
     with_keys_added_since,
 )
@@ -21,6 +28,23 @@ def test_defaults_resolve_and_round_trip_through_toml(tmp_path):
 
     again = resolve(load_toml(path))
     assert again["batch.target"] == 0.5 and again["task"] == "lm"
+
+
+def test_every_key_is_written_once_in_a_section_or_by_a_component():
+    keys = [key.name for key in _keys()]
+    assert len(keys) == len(set(keys)) == len(schema())  # none hides another
+    written = [f.metadata["key"] for cls in SECTIONS for f in fields(cls)]
+    assert set(written) < set(keys)  # the rest: the components' (batch.initial, dist.ratio)
+    assert "batch.initial" not in written and "dist.ratio" not in written
+    for cls in SECTIONS:  # a section of the defaults is the section's own defaults
+        assert section(cls, defaults()) == cls()
+
+
+def test_a_section_reads_a_resolved_config_by_its_fields():
+    config = resolve({"batch.controller": "seesaw", "noise_from": "examples"})
+    batch = section(BatchKeys, config)
+    assert (batch.controller, batch.noise_from, batch.base) == ("seesaw", "examples", 0)
+    assert schema()["batch.controller"].default == BatchKeys.controller == "batch_warmup"
 
 
 def test_set_values_are_read_as_toml():

@@ -19,10 +19,12 @@ from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_par
 from .config import (
     AUTO,
     ConfigError,
+    ScheduleKeys,
     defaults,
     fewest_sub_batches_of,
     fill_controller_defaults,
     resolve,
+    section,
 )
 from .device import Precision, to_device
 from .tasks import TASKS, Problem
@@ -248,13 +250,9 @@ def _declared(config: dict[str, Any], prefix: str, knobs: dict[str, Any]) -> dic
 
 
 def make_schedule(config: dict[str, Any]):
-    total = config["max_samples"]
-    return schedule_by_name(
-        config["schedule.kind"],
-        total,
-        int(config["schedule.warmup"] * total),
-        config["schedule.cooldown"],
-    )
+    """The rate's schedule of a config :func:`with_task_defaults` has filled."""
+    total, schedule = config["max_samples"], section(ScheduleKeys, config)
+    return schedule_by_name(schedule.kind, total, int(schedule.warmup * total), schedule.cooldown)
 
 
 def build(

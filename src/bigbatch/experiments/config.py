@@ -4,6 +4,13 @@ Every key has a default, a type and a meaning (``bigbatch train --help`` lists
 them). TOML tables become dotted keys: ``[batch] target = 0.5`` is
 ``--set batch.target=0.5``. A bad value is one :class:`ConfigError` naming
 the key and the value; nothing is evaluated.
+
+The keys are written as the fields of frozen section classes (:data:`SECTIONS`), each
+field a :func:`~bigbatch.knobs.setting` naming its whole key, the idiom of the
+commands' options (:mod:`bigbatch.experiments.options`) and of the components' own
+settings, whose keys (a controller's ``batch.*``) follow their section's
+(:data:`COMPONENTS`). A resolved config is a flat dict of dotted keys, as saved in a
+run's ``config.toml``; :func:`section` reads one section of it as its typed class.
 """
 
 from __future__ import annotations
@@ -13,9 +20,9 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,7 +42,7 @@ from ..batch.lr import LR_RULES, SCHEDULES
 from ..batch.plan import MAX_MICRO_BATCH
 from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..duration import Duration
-from ..knobs import NO_DEFAULT, Knob, signature_defaults
+from ..knobs import NO_DEFAULT, Knob, setting, signature_defaults
 from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
 from ..optim.agvm import GROUPS_CONFIG
 from ..options import NOISE_SOURCES, NONFINITE_POLICIES, StepOptions
@@ -69,7 +76,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Key:
-    """One config key: its default, meaning and allowed values."""
+    """One config key: its default, meaning and allowed values, as read off a section's
+    field or a component's knob (:func:`schema`)."""
 
     name: str
     default: Any
@@ -111,11 +119,6 @@ def share_of_budget(text: str) -> Duration:
             "not optimizer steps"
         )
     return duration
-
-
-def recipe_key(name: str, help: str, **bounds: Any) -> Key:
-    """A number key that defaults to the optimizer's recipe (:data:`AUTO`)."""
-    return Key(name, AUTO, f"{help}; auto: the optimizer's recipe", from_recipe=True, **bounds)
 
 
 #: old values of renamed keys, as the new key reads them (``batch.ramp_samples = 0`` meant
@@ -188,343 +191,406 @@ def component_keys(
     return keys
 
 
-def _keys() -> list[Key]:
-    return [
-        *_run_keys(),
-        *_machine_keys(),
-        *_log_keys(),
-        *_batch_keys(),
-        *_schedule_keys(),
-        *_dist_keys(),
-        *_optimizer_keys(),
-    ]
+def run_key(key: str, default: Any, help: str, **bounds: Any) -> Any:
+    """A run key as a field of its section: its whole dotted name, default, help and bounds
+    (:func:`bigbatch.knobs.setting`, the commands' options' idiom)."""
+    return setting(default, help, key=key, **bounds)
 
 
-def _run_keys() -> list[Key]:
+def recipe_key(key: str, help: str, **bounds: Any) -> Any:
+    """A number key that defaults to the optimizer's recipe (:data:`AUTO`)."""
+    knob = Knob("", f"{help}; auto: the optimizer's recipe", **bounds)
+    return field(default=AUTO, metadata={"knob": knob, "key": key, "recipe": True})
+
+
+@dataclass(frozen=True)
+class RunKeys:
     """The task, the model's size, the optimizer's name and rate, the budget."""
-    return [
-        Key("task", "mnist1d", "the task to train (see `bigbatch tasks`)", tuple(TASKS)),
-        Key(
-            "model.width",
-            0,
-            "model width (channels, hidden units or d_model); 0: the task's default",
-            low=0,
-        ),
-        Key("model.depth", 0, "model depth (layers); 0: the task's default", low=0),
-        Key(
-            "model.context",
-            0,
-            "sequence length of the sequence tasks (lm, text); 0: the task's default",
-            low=0,
-        ),
-        Key(
-            "text.corpus",
-            "torch",
-            "the text task's corpus: the *.py files of this installed package, or of this folder "
-            "given as a path (./src, /data/code)",
-        ),
-        Key(
-            "optimizer",
-            "lamb",
-            "optimizer name (bigbatch.optim.list_optimizers())",
-            tuple(list_optimizers()),
-        ),
-        Key(
-            "optimizer_impl",
-            "foreach",
-            "impl of bigbatch optimizers (fused: Triton kernels, CUDA only)",
-            IMPLS,
-        ),
-        Key(
-            "lr",
-            0.0,
-            "learning rate at batch.base; 0: the task's measured rate for the optimizer's "
-            "family and LR rule (see `bigbatch tasks`)",
-            low=0,
-        ),
-        Key(
-            "lr_max",
-            0.0,
-            "the largest rate the batch rule and the schedule give a step (a rule that "
-            "scales the rate stops there); 0: the task's measured ceiling for the "
-            "optimizer where it has one and lr is the task's own, else none",
-            low=0,
-        ),
-        recipe_key(
-            "weight_decay",
-            "weight decay, not on biases and norms (coupled for SGD and LARS, decoupled for "
-            "AdamW and LAMB)",
-            low=0,
-        ),
-        Key("seed", 0, "seed for model initialisation and data order", low=0),
-        Key("max_samples", 0, "training budget in samples; 0: the task's default", low=0),
-        Key(
-            "train_samples",
-            0,
-            "train on the task's first N training samples only (a smaller set opens a "
-            "generalization gap); 0: all of them",
-            low=0,
-        ),
-        Key(
-            "stop_at_target",
-            False,
-            "end the run at the first evaluation that reaches the task's target (for "
-            "steps-to-target studies; the schedule still spans max_samples)",
-        ),
-    ]
+
+    task: str = run_key(
+        "task", "mnist1d", "the task to train (see `bigbatch tasks`)", choices=tuple(TASKS)
+    )
+    width: int = run_key(
+        "model.width",
+        0,
+        "model width (channels, hidden units or d_model); 0: the task's default",
+        low=0,
+    )
+    depth: int = run_key("model.depth", 0, "model depth (layers); 0: the task's default", low=0)
+    context: int = run_key(
+        "model.context",
+        0,
+        "sequence length of the sequence tasks (lm, text); 0: the task's default",
+        low=0,
+    )
+    corpus: str = run_key(
+        "text.corpus",
+        "torch",
+        "the text task's corpus: the *.py files of this installed package, or of this folder "
+        "given as a path (./src, /data/code)",
+    )
+    optimizer: str = run_key(
+        "optimizer",
+        "lamb",
+        "optimizer name (bigbatch.optim.list_optimizers())",
+        choices=tuple(list_optimizers()),
+    )
+    optimizer_impl: str = run_key(
+        "optimizer_impl",
+        "foreach",
+        "impl of bigbatch optimizers (fused: Triton kernels, CUDA only)",
+        choices=IMPLS,
+    )
+    lr: float = run_key(
+        "lr",
+        0.0,
+        "learning rate at batch.base; 0: the task's measured rate for the optimizer's "
+        "family and LR rule (see `bigbatch tasks`)",
+        low=0,
+    )
+    lr_max: float = run_key(
+        "lr_max",
+        0.0,
+        "the largest rate the batch rule and the schedule give a step (a rule that "
+        "scales the rate stops there); 0: the task's measured ceiling for the "
+        "optimizer where it has one and lr is the task's own, else none",
+        low=0,
+    )
+    weight_decay: float | str = recipe_key(
+        "weight_decay",
+        "weight decay, not on biases and norms (coupled for SGD and LARS, decoupled for "
+        "AdamW and LAMB)",
+        low=0,
+    )
+    seed: int = run_key("seed", 0, "seed for model initialisation and data order", low=0)
+    max_samples: int = run_key(
+        "max_samples", 0, "training budget in samples; 0: the task's default", low=0
+    )
+    train_samples: int = run_key(
+        "train_samples",
+        0,
+        "train on the task's first N training samples only (a smaller set opens a "
+        "generalization gap); 0: all of them",
+        low=0,
+    )
+    stop_at_target: bool = run_key(
+        "stop_at_target",
+        False,
+        "end the run at the first evaluation that reaches the task's target (for "
+        "steps-to-target studies; the schedule still spans max_samples)",
+    )
 
 
-def _machine_keys() -> list[Key]:
-    """How a run uses its machine: micro-batches, evaluation, checkpoints, device, precision,
-    non-finite steps."""
-    return [
-        Key("max_micro_batch", MAX_MICRO_BATCH, "largest micro-batch per forward/backward", low=1),
-        Key(
-            "min_sub_batches",
-            0,
-            "fewest micro-batches of a step that measures the statistics; 0: what they need "
-            "(4 for sub-batch statistics, 1 for per-example ones)",
-            low=0,
-        ),
-        Key(
-            "eval_every",
-            25,
-            "evaluate on the test set every this many optimizer steps, or every duration "
-            "('10%', '50k samples', '1M tokens')",
-            low=1,
-            parse=Duration.interval,
-        ),
-        Key(
-            "checkpoint_every",
-            100,
-            "write a checkpoint every this many optimizer steps, or every duration ('5%')",
-            low=1,
-            parse=Duration.interval,
-        ),
-        Key("threads", 0, "torch CPU threads; 0: torch's default", low=0),
-        Key(
-            "keep_freed_memory",
-            True,
-            "on the CPU under glibc, keep freed memory for the next step instead of handing "
-            "it back to the system (faster large batches; the resident size stays at the "
-            "peak); false: the allocator as the process has it",
-        ),
-        Key(
-            "device",
-            "auto",
-            "where to train: auto (the GPU when there is one, under torchrun the LOCAL_RANK-th), "
-            "cpu, cuda or cuda:N",
-        ),
-        Key(
-            "precision",
-            "fp32",
-            "forward passes in fp32, bf16 (autocast) or fp16 (autocast with a GradScaler); "
-            "parameters and optimizer state stay fp32",
-            PRECISIONS,
-        ),
-        Key("tf32", True, "TF32 tensor cores for fp32 matrix products on CUDA"),
-        Key(
-            "nonfinite",
-            "skip",
-            "a step with a NaN/Inf gradient or loss: skip its update (counted) or stop the run",
-            NONFINITE_POLICIES,
-        ),
-        Key(
-            "skip_limit",
-            0.25,
-            "the largest share of optimizer steps a run may skip for a non-finite gradient "
-            "or loss; past it (after 20 steps) the run checkpoints and stops with exit code 3 "
-            "(1: never)",
-            low=0,
-            high=1,
-        ),
-    ]
+@dataclass(frozen=True)
+class MachineKeys:
+    """How a run uses its machine: micro-batches, evaluation, checkpoints, device,
+    precision, non-finite steps."""
+
+    max_micro_batch: int = run_key(
+        "max_micro_batch", MAX_MICRO_BATCH, "largest micro-batch per forward/backward", low=1
+    )
+    min_sub_batches: int = run_key(
+        "min_sub_batches",
+        0,
+        "fewest micro-batches of a step that measures the statistics; 0: what they need "
+        "(4 for sub-batch statistics, 1 for per-example ones)",
+        low=0,
+    )
+    eval_every: int = run_key(
+        "eval_every",
+        25,
+        "evaluate on the test set every this many optimizer steps, or every duration "
+        "('10%', '50k samples', '1M tokens')",
+        low=1,
+        parse=Duration.interval,
+    )
+    checkpoint_every: int = run_key(
+        "checkpoint_every",
+        100,
+        "write a checkpoint every this many optimizer steps, or every duration ('5%')",
+        low=1,
+        parse=Duration.interval,
+    )
+    threads: int = run_key("threads", 0, "torch CPU threads; 0: torch's default", low=0)
+    keep_freed_memory: bool = run_key(
+        "keep_freed_memory",
+        True,
+        "on the CPU under glibc, keep freed memory for the next step instead of handing "
+        "it back to the system (faster large batches; the resident size stays at the "
+        "peak); false: the allocator as the process has it",
+    )
+    device: str = run_key(
+        "device",
+        "auto",
+        "where to train: auto (the GPU when there is one, under torchrun the LOCAL_RANK-th), "
+        "cpu, cuda or cuda:N",
+    )
+    precision: str = run_key(
+        "precision",
+        "fp32",
+        "forward passes in fp32, bf16 (autocast) or fp16 (autocast with a GradScaler); "
+        "parameters and optimizer state stay fp32",
+        choices=PRECISIONS,
+    )
+    tf32: bool = run_key("tf32", True, "TF32 tensor cores for fp32 matrix products on CUDA")
+    nonfinite: str = run_key(
+        "nonfinite",
+        "skip",
+        "a step with a NaN/Inf gradient or loss: skip its update (counted) or stop the run",
+        choices=NONFINITE_POLICIES,
+    )
+    skip_limit: float = run_key(
+        "skip_limit",
+        0.25,
+        "the largest share of optimizer steps a run may skip for a non-finite gradient "
+        "or loss; past it (after 20 steps) the run checkpoints and stops with exit code 3 "
+        "(1: never)",
+        low=0,
+        high=1,
+    )
 
 
-def _log_keys() -> list[Key]:
+@dataclass(frozen=True)
+class LogKeys:
     """Where the metrics go besides metrics.jsonl (docs/logging.md)."""
-    return [
-        Key(
-            "log.tensorboard",
-            False,
-            "also write every metric and batch change to DIR/tensorboard (needs the "
-            "tensorboard extra)",
-        ),
-        Key(
-            "log.mlflow",
-            "",
-            "also log to MLflow: local (DIR/mlflow.db, a SQLite store) or a tracking URI; "
-            "empty: off (needs the mlflow extra)",
-        ),
-        Key(
-            "log.wandb",
-            False,
-            "also log to Weights & Biases under DIR/wandb (WANDB_MODE=offline: no login, no "
-            "network; needs the wandb extra)",
-        ),
-    ]
+
+    tensorboard: bool = run_key(
+        "log.tensorboard",
+        False,
+        "also write every metric and batch change to DIR/tensorboard (needs the tensorboard extra)",
+    )
+    mlflow: str = run_key(
+        "log.mlflow",
+        "",
+        "also log to MLflow: local (DIR/mlflow.db, a SQLite store) or a tracking URI; "
+        "empty: off (needs the mlflow extra)",
+    )
+    wandb: bool = run_key(
+        "log.wandb",
+        False,
+        "also log to Weights & Biases under DIR/wandb (WANDB_MODE=offline: no login, no "
+        "network; needs the wandb extra)",
+    )
 
 
-def _batch_keys() -> list[Key]:
-    """How the batch size is chosen and how the rate follows it."""
-    controllers = {name: (cls, cls.CONFIG) for name, cls in CONTROLLERS.items()}
-    return [
-        Key(
-            "batch.controller",
-            "batch_warmup",
-            "how the batch size is chosen: batch_warmup (start small, double once "
-            "noise_multiple * B_simple * schedule^decay_power is confidently above the "
-            "next size, the LR following by batch.lr_scaling's rule), critical_ramp (double when "
-            "noise_multiple * B_simple is above the next size, LR held), damped_simigrad "
-            "(hold the similarity batch.target, damped), simigrad (the published rule), "
-            "seesaw (the batch takes over the schedule's decay, up to batch.max_growth x "
-            "batch.initial and the critical-batch estimate), noise_scale, constant, ramp",
-            tuple(CONTROLLERS),
-        ),
-        *component_keys("batch.", controllers, "controller"),
-        Key(
-            "batch.lr_scaling",
-            "auto",
-            "how the LR follows the batch relative to batch.base; auto: held (none) under "
-            "critical_ramp, damped_simigrad and noise_scale, the family's rule under seesaw and "
-            "ramp, else (batch_warmup, simigrad, constant) the rule measured for the optimizer "
-            "on the task (bigbatch tasks), else sqrt for Adam-type and linear for SGD- and "
-            "LARS-type optimizers",
-            ("auto", *LR_RULES),
-        ),
-        Key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0),
-        Key(
-            "noise_from",
-            StepOptions.noise_from,
-            "the noise scale's small-batch norms: sub_batches (each step split into "
-            "min_sub_batches micro-batches), examples (each example's gradient norm from the "
-            "one backward: no split; the model's layers must all be covered), auto (examples "
-            "where the model allows, unless min_sub_batches splits every step anyway)",
-            NOISE_SOURCES,
-        ),
-        Key(
-            "noise_examples",
-            StepOptions.noise_examples,
-            "per-example statistics: the examples of each micro-batch whose gradient norms are "
-            "measured (an unbiased sample); 0: all",
-            low=0,
-        ),
-        Key(
-            "statistics_every",
-            StepOptions.statistics_every,
-            "measure the statistics at every this many optimizer steps; the steps between run "
-            "unsplit, as a plain step, and a controller that reads statistics keeps its batch",
-            low=1,
-        ),
-        Key(
-            "batch.similarity",
-            "auto",
-            "split: measured cosine of two halves (micro-batches; rank groups under DDP, one "
-            "extra gradient all-reduce); scalar: estimated from noise scalars; auto: split on "
-            "one process where the step is split anyway or the controller reads it, else "
-            "scalar",
-            ("auto", *SIMILARITY_MODES),
-        ),
-    ]
+@dataclass(frozen=True)
+class BatchKeys:
+    """How the batch size is chosen and how the rate follows it (beside these, the keys
+    the controllers declare: :data:`COMPONENTS`)."""
+
+    controller: str = run_key(
+        "batch.controller",
+        "batch_warmup",
+        "how the batch size is chosen: batch_warmup (start small, double once "
+        "noise_multiple * B_simple * schedule^decay_power is confidently above the "
+        "next size, the LR following by batch.lr_scaling's rule), critical_ramp (double when "
+        "noise_multiple * B_simple is above the next size, LR held), damped_simigrad "
+        "(hold the similarity batch.target, damped), simigrad (the published rule), "
+        "seesaw (the batch takes over the schedule's decay, up to batch.max_growth x "
+        "batch.initial and the critical-batch estimate), noise_scale, constant, ramp",
+        choices=tuple(CONTROLLERS),
+    )
+    lr_scaling: str = run_key(
+        "batch.lr_scaling",
+        "auto",
+        "how the LR follows the batch relative to batch.base; auto: held (none) under "
+        "critical_ramp, damped_simigrad and noise_scale, the family's rule under seesaw and "
+        "ramp, else (batch_warmup, simigrad, constant) the rule measured for the optimizer "
+        "on the task (bigbatch tasks), else sqrt for Adam-type and linear for SGD- and "
+        "LARS-type optimizers",
+        choices=("auto", *LR_RULES),
+    )
+    base: int = run_key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0)
+    noise_from: str = run_key(
+        "noise_from",
+        StepOptions.noise_from,
+        "the noise scale's small-batch norms: sub_batches (each step split into "
+        "min_sub_batches micro-batches), examples (each example's gradient norm from the "
+        "one backward: no split; the model's layers must all be covered), auto (examples "
+        "where the model allows, unless min_sub_batches splits every step anyway)",
+        choices=NOISE_SOURCES,
+    )
+    noise_examples: int = run_key(
+        "noise_examples",
+        StepOptions.noise_examples,
+        "per-example statistics: the examples of each micro-batch whose gradient norms are "
+        "measured (an unbiased sample); 0: all",
+        low=0,
+    )
+    statistics_every: int = run_key(
+        "statistics_every",
+        StepOptions.statistics_every,
+        "measure the statistics at every this many optimizer steps; the steps between run "
+        "unsplit, as a plain step, and a controller that reads statistics keeps its batch",
+        low=1,
+    )
+    similarity: str = run_key(
+        "batch.similarity",
+        "auto",
+        "split: measured cosine of two halves (micro-batches; rank groups under DDP, one "
+        "extra gradient all-reduce); scalar: estimated from noise scalars; auto: split on "
+        "one process where the step is split anyway or the controller reads it, else "
+        "scalar",
+        choices=("auto", *SIMILARITY_MODES),
+    )
 
 
-def _schedule_keys() -> list[Key]:
+@dataclass(frozen=True)
+class ScheduleKeys:
     """The learning rate's schedule over the samples (the rate itself is a run key)."""
-    return [
-        Key(
-            "schedule.kind",
-            AUTO,
-            "LR decay over samples after the warm-up; auto: the optimizer's recipe",
-            (AUTO, *SCHEDULES),
-        ),
-        recipe_key(
-            "schedule.warmup",
-            "linear warm-up: a fraction of max_samples, or a length in samples, tokens or "
-            "'N%' ('20k samples', '1M tokens')",
-            low=0,
-            high=1,
-            parse=share_of_budget,
-        ),
-        Key(
-            "schedule.cooldown",
-            0.2,
-            "wsd: the linear cool-down at the end: a fraction of max_samples, or a length as "
-            "schedule.warmup takes",
-            low=0,
-            high=1,
-            parse=share_of_budget,
-        ),
-    ]
+
+    kind: str = run_key(
+        "schedule.kind",
+        AUTO,
+        "LR decay over samples after the warm-up; auto: the optimizer's recipe",
+        choices=(AUTO, *SCHEDULES),
+    )
+    warmup: float | str = recipe_key(
+        "schedule.warmup",
+        "linear warm-up: a fraction of max_samples, or a length in samples, tokens or "
+        "'N%' ('20k samples', '1M tokens')",
+        low=0,
+        high=1,
+        parse=share_of_budget,
+    )
+    cooldown: float = run_key(
+        "schedule.cooldown",
+        0.2,
+        "wsd: the linear cool-down at the end: a fraction of max_samples, or a length as "
+        "schedule.warmup takes",
+        low=0,
+        high=1,
+        parse=share_of_budget,
+    )
 
 
-def _dist_keys() -> list[Key]:
-    """How --nproc 2+ processes share the model and its gradient traffic."""
-    return [
-        Key(
-            "dist.strategy",
-            "ddp",
-            "how --nproc 2+ processes share the model: ddp (each holds it whole) or fsdp "
-            "(FSDP2 fully_shard: each holds a shard of parameters, gradients and state)",
-            ("ddp", "fsdp"),
-        ),
-        Key(
-            "dist.compression",
-            "none",
-            "gradient compression with error control between processes (--nproc 2+): "
-            "ef, ef21, ef21-sgdm, econtrol; topk-only: compression without error control; "
-            "powersgd: torch's PowerSGD hook (rank dist.powersgd_rank)",
-            COMPRESSION_CHOICES,
-        ),
-        *component_keys(
-            "dist.", {"compression": (CompressionState, CompressionState.CONFIG)}, "method"
-        ),
-        Key(
-            "dist.eta",
-            DEFAULT_ETA["econtrol"],
-            "EControl's feedback strength η (0: EF21)",
-            low=0,
-        ),
-        Key(
-            "dist.sgdm_eta",
-            DEFAULT_ETA["ef21-sgdm"],
-            "EF21-SGDM's η: weight of the new gradient in each rank's moving average (1: EF21)",
-            low=0,
-            high=1,
-            low_open=True,
-        ),
-        *component_keys("dist.", {"powersgd": (PowerSGDState, POWERSGD_CONFIG)}, "hook"),
-        Key(
-            "dist.timeout",
-            300.0,
-            "seconds a process waits in a collective before the run ends with an error "
-            "naming the processes that stopped answering (torch's default is 30 minutes)",
-            low=0,
-            low_open=True,
-        ),
-    ]
+@dataclass(frozen=True)
+class DistKeys:
+    """How --nproc 2+ processes share the model and its gradient traffic (beside these, the
+    compression state's and PowerSGD's keys: :data:`COMPONENTS`)."""
+
+    strategy: str = run_key(
+        "dist.strategy",
+        "ddp",
+        "how --nproc 2+ processes share the model: ddp (each holds it whole) or fsdp "
+        "(FSDP2 fully_shard: each holds a shard of parameters, gradients and state)",
+        choices=("ddp", "fsdp"),
+    )
+    compression: str = run_key(
+        "dist.compression",
+        "none",
+        "gradient compression with error control between processes (--nproc 2+): "
+        "ef, ef21, ef21-sgdm, econtrol; topk-only: compression without error control; "
+        "powersgd: torch's PowerSGD hook (rank dist.powersgd_rank)",
+        choices=COMPRESSION_CHOICES,
+    )
+    eta: float = run_key(
+        "dist.eta", DEFAULT_ETA["econtrol"], "EControl's feedback strength η (0: EF21)", low=0
+    )
+    sgdm_eta: float = run_key(
+        "dist.sgdm_eta",
+        DEFAULT_ETA["ef21-sgdm"],
+        "EF21-SGDM's η: weight of the new gradient in each rank's moving average (1: EF21)",
+        low=0,
+        high=1,
+        low_open=True,
+    )
+    timeout: float = run_key(
+        "dist.timeout",
+        300.0,
+        "seconds a process waits in a collective before the run ends with an error "
+        "naming the processes that stopped answering (torch's default is 30 minutes)",
+        low=0,
+        low_open=True,
+    )
 
 
-def _optimizer_keys() -> list[Key]:
-    """The VRGD forms' and AGVM's settings, as their classes declare them; the VRGD
-    forms' γ is part of their recipes."""
-    vrgd = {k: v for k, v in VRGD.CONFIG.items() if k != "gamma"}
-    gamma = VRGD.CONFIG["gamma"]
-    return [
-        recipe_key(
-            "vrgd.gamma", gamma.help, low=gamma.low, low_open=gamma.low_open, high=gamma.high
-        ),
-        *component_keys("vrgd.", {"vr-*": (VRGD, vrgd)}, "optimizer"),
-        Key(
-            "agvm.enabled",
-            False,
-            "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)",
-        ),
-        *component_keys(
+@dataclass(frozen=True)
+class OptimizerKeys:
+    """The VRGD forms' γ (part of their recipes) and AGVM's switch (beside these, the keys
+    the VRGD forms and AGVM declare: :data:`COMPONENTS`)."""
+
+    gamma: float | str = recipe_key(
+        "vrgd.gamma",
+        VRGD.CONFIG["gamma"].help,
+        low=VRGD.CONFIG["gamma"].low,
+        low_open=VRGD.CONFIG["gamma"].low_open,
+        high=VRGD.CONFIG["gamma"].high,
+    )
+    agvm: bool = run_key(
+        "agvm.enabled",
+        False,
+        "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)",
+    )
+
+
+#: the run keys written here, section by section; each field names its whole key
+SECTIONS = (RunKeys, MachineKeys, LogKeys, BatchKeys, ScheduleKeys, DistKeys, OptimizerKeys)
+
+#: the keys that components declare on their classes (``CONFIG``), listed after their
+#: section's: (prefix, {name: (component, its knobs)}, what the help calls one), for
+#: :func:`component_keys`; built when the schema is first asked for
+COMPONENTS: dict[type, Callable[[], list[tuple[str, dict[str, Any], str]]]] = {
+    BatchKeys: lambda: [
+        ("batch.", {n: (cls, cls.CONFIG) for n, cls in CONTROLLERS.items()}, "controller")
+    ],
+    DistKeys: lambda: [
+        ("dist.", {"compression": (CompressionState, CompressionState.CONFIG)}, "method"),
+        ("dist.", {"powersgd": (PowerSGDState, POWERSGD_CONFIG)}, "hook"),
+    ],
+    OptimizerKeys: lambda: [
+        ("vrgd.", {"vr-*": (VRGD, _vrgd_knobs())}, "optimizer"),
+        (
             "agvm.",
             {"agvm": (AGVM, AGVM.CONFIG), "groups": (module_param_groups, GROUPS_CONFIG)},
             "AGVM",
         ),
-    ]
+    ],
+}
+
+
+def _vrgd_knobs() -> dict[str, Knob]:
+    """The VRGD forms' keys but γ, which their recipes set (:class:`OptimizerKeys`)."""
+    return {k: v for k, v in VRGD.CONFIG.items() if k != "gamma"}
+
+
+def _section_keys(section: type) -> list[Key]:
+    out = []
+    for f in fields(section):
+        knob = f.metadata["knob"]
+        out.append(
+            Key(
+                f.metadata["key"],
+                f.default,
+                knob.help,
+                knob.choices,
+                knob.low,
+                knob.high,
+                knob.low_open,
+                from_recipe=f.metadata.get("recipe", False),
+                parse=knob.parse,
+                high_open=knob.high_open,
+            )
+        )
+    return out
+
+
+def _keys() -> list[Key]:
+    keys = []
+    for section in SECTIONS:
+        keys += _section_keys(section)
+        for prefix, components, what in COMPONENTS.get(section, list)():
+            keys += component_keys(prefix, components, what)
+    return keys
+
+
+_Section = TypeVar("_Section")
+
+
+def section(cls: type[_Section], config: Mapping[str, Any]) -> _Section:
+    """One section of a resolved config as its typed class: ``section(LogKeys,
+    config).wandb`` is ``config["log.wandb"]``."""
+    return cls(**{f.name: config[f.metadata["key"]] for f in fields(cls)})
 
 
 _SCHEMA: dict[str, Key] | None = None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..sinks import MLflowSink, Sinks, TensorBoardSink, WandbSink, require
+from .config import LogKeys, section
 
 __all__ = ["check_sinks", "open_sinks"]
 
@@ -18,25 +19,27 @@ WANDB_RUN = "wandb_run_id"
 
 def check_sinks(config: dict[str, Any]) -> None:
     """Fail before a run directory is made if a sink's package is missing."""
-    for key, package in (("log.tensorboard", "tensorboard"), ("log.wandb", "wandb")):
-        if config[key]:
+    log = section(LogKeys, config)
+    for wanted, package in ((log.tensorboard, "tensorboard"), (log.mlflow, "mlflow")):
+        if wanted:
             require(package, package)
-    if config["log.mlflow"]:
-        require("mlflow", "mlflow")
+    if log.wandb:
+        require("wandb", "wandb")
 
 
 def open_sinks(config: dict[str, Any], out: Path, resume: bool, first_step: int) -> Sinks:
     """Every sink the config asks for, writing into (or naming) the run directory ``out``;
     a resumed run continues its trackers' runs from ``first_step``."""
+    log = section(LogKeys, config)
     sinks: list[Any] = []
-    if config["log.tensorboard"]:
+    if log.tensorboard:
         # a resumed run hides what the killed one wrote after its checkpoint
         purge = first_step + 1 if resume else None
         sinks.append(TensorBoardSink(out / "tensorboard", purge_step=purge))
-    if config["log.mlflow"]:
-        local = config["log.mlflow"] == "local"
+    if log.mlflow:
+        local = log.mlflow == "local"
         sink = MLflowSink(
-            f"sqlite:///{(out / 'mlflow.db').resolve()}" if local else config["log.mlflow"],
+            f"sqlite:///{(out / 'mlflow.db').resolve()}" if local else log.mlflow,
             experiment=f"bigbatch-{config['task']}",
             run_name=out.name,
             run_id=_saved(out, MLFLOW_RUN) if resume else None,
@@ -45,7 +48,7 @@ def open_sinks(config: dict[str, Any], out: Path, resume: bool, first_step: int)
         )
         (out / MLFLOW_RUN).write_text(sink.run_id)
         sinks.append(sink)
-    if config["log.wandb"]:
+    if log.wandb:
         sink = WandbSink(
             out,
             project=os.environ.get("WANDB_PROJECT", "bigbatch"),
