@@ -18,7 +18,12 @@ from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
 from .config import (
     AUTO,
+    BatchKeys,
     ConfigError,
+    DistKeys,
+    MachineKeys,
+    OptimizerKeys,
+    RunKeys,
     ScheduleKeys,
     defaults,
     fewest_sub_batches_of,
@@ -308,25 +313,28 @@ def train_step(step: Any, problem: Problem, loop: AdaptiveBatch, precision: Prec
 def _loop(
     config: dict[str, Any], problem: Problem, world: World | None, precision: Precision
 ) -> AdaptiveBatch:
-    options: dict[str, Any] = {"lr": config["lr"], "weight_decay": config["weight_decay"]}
-    accepted = get_optimizer_info(config["optimizer"]).signature().parameters
+    run, machine = section(RunKeys, config), section(MachineKeys, config)
+    batch, dist = section(BatchKeys, config), section(DistKeys, config)
+    options: dict[str, Any] = {"lr": run.lr, "weight_decay": run.weight_decay}
+    accepted = get_optimizer_info(run.optimizer).signature().parameters
     if "impl" in accepted:
-        options["impl"] = config["optimizer_impl"]
+        options["impl"] = run.optimizer_impl
     if "gamma" in accepted:  # the vr-* optimizers
         options.update(_declared(config, "vrgd.", VRGD.CONFIG))
-    sharded = world is not None and world.distributed and config["dist.strategy"] == "fsdp"
+    sharded = world is not None and world.distributed and dist.strategy == "fsdp"
     if sharded:  # before the optimizer is built: fully_shard replaces the parameters
-        if config["dist.compression"] != "none":
+        if dist.compression != "none":
             raise ConfigError(
                 "dist.compression compresses DDP's all-reduce; dist.strategy = 'fsdp' "
                 "reduce-scatters without it: choose one"
             )
         shard_model(problem.model, precision.device)
     params: Any = problem.model
-    if config["agvm.enabled"]:
-        params = module_param_groups(problem.model, config["weight_decay"], config["agvm.rule"])
-    optimizer = create_optimizer(params, config["optimizer"], **options)
-    if config["agvm.enabled"]:
+    agvm = section(OptimizerKeys, config).agvm
+    if agvm:
+        params = module_param_groups(problem.model, run.weight_decay, config["agvm.rule"])
+    optimizer = create_optimizer(params, run.optimizer, **options)
+    if agvm:
         optimizer = AGVM(optimizer, **_declared(config, "agvm.", AGVM.CONFIG))
     model: nn.Module = problem.model
     hook = None
@@ -337,21 +345,10 @@ def _loop(
             device_ids=[precision.device.index] if on_gpu else None,
             process_group=world.group,
         )
-        if config["dist.compression"] == "powersgd":
-            hook = _powersgd(config, world)
-        elif config["dist.compression"] != "none":
-            method = _METHOD.get(config["dist.compression"], config["dist.compression"])
-            state = CompressionState(
-                model,  # type: ignore[arg-type]
-                method,
-                eta=config["dist.sgdm_eta" if method == "ef21-sgdm" else "dist.eta"],
-                seed=config["seed"],
-                **_declared(config, "dist.", CompressionState.CONFIG),
-            )
-            hook = (state, compression_hook)
-    elif config["dist.compression"] != "none":
+        hook = _comm_hook(config, model, world)
+    elif dist.compression != "none":
         raise ConfigError(
-            f"dist.compression = {config['dist.compression']!r} compresses the gradient "
+            f"dist.compression = {dist.compression!r} compresses the gradient "
             "traffic between processes: run with --nproc 2 or more"
         )
     return AdaptiveBatch(
@@ -359,23 +356,42 @@ def _loop(
         optimizer,
         problem.train,
         controller=make_controller(config),
-        max_micro_batch=config["max_micro_batch"],
-        min_sub_batches=config["min_sub_batches"] or None,
-        noise_from=config["noise_from"],
-        noise_examples=config["noise_examples"] or None,
-        statistics_every=config["statistics_every"],
-        lr_scaling=config["batch.lr_scaling"],
-        base_batch_size=config["batch.base"],
+        max_micro_batch=machine.max_micro_batch,
+        min_sub_batches=machine.min_sub_batches or None,
+        noise_from=batch.noise_from,
+        noise_examples=batch.noise_examples or None,
+        statistics_every=batch.statistics_every,
+        lr_scaling=batch.lr_scaling,
+        base_batch_size=batch.base,
         schedule=make_schedule(config),
-        max_lr_factor=config["lr_max"] / config["lr"] if config["lr_max"] else None,
-        similarity=None if config["batch.similarity"] == "auto" else config["batch.similarity"],
+        max_lr_factor=run.lr_max / run.lr if run.lr_max else None,
+        similarity=None if batch.similarity == "auto" else batch.similarity,
         comm_hook=hook,
-        nonfinite=config["nonfinite"],
-        seed=config["seed"],
+        nonfinite=machine.nonfinite,
+        seed=run.seed,
         scaler=precision.scaler(),
         # batches reach a GPU from pinned memory, without blocking the host
         loader_options={"pin_memory": precision.device.type == "cuda"},
     )
+
+
+def _comm_hook(config: dict[str, Any], model: nn.Module, world: World) -> tuple[Any, Any] | None:
+    """The ``(state, hook)`` that compresses DDP's all-reduce as ``dist.compression`` says
+    (None: the plain all-reduce)."""
+    dist = section(DistKeys, config)
+    if dist.compression == "powersgd":
+        return _powersgd(config, world)
+    if dist.compression == "none":
+        return None
+    method = _METHOD.get(dist.compression, dist.compression)
+    state = CompressionState(
+        model,  # type: ignore[arg-type]
+        method,
+        eta=dist.sgdm_eta if method == "ef21-sgdm" else dist.eta,
+        seed=config["seed"],
+        **_declared(config, "dist.", CompressionState.CONFIG),
+    )
+    return state, compression_hook
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:

@@ -35,7 +35,7 @@ from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..sinks import Sinks
 from .build import build, intervals, run_facts, train_step, with_task_defaults
-from .config import ConfigError, resolve, to_toml
+from .config import ConfigError, DistKeys, MachineKeys, RunKeys, resolve, section, to_toml
 from .device import keep_freed_memory, resolve_device, set_tf32, set_threads
 from .report import render_run
 from .run_sinks import check_sinks, open_sinks
@@ -92,21 +92,22 @@ def train(
     """
     config = with_task_defaults(config)
     intervals(config)  # an interval this run cannot measure: one line, before ``out`` is claimed
+    machine, timeout = section(MachineKeys, config), section(DistKeys, config).timeout
     try:
-        device = resolve_device(config["device"])
+        device = resolve_device(machine.device)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    set_tf32(config["tf32"])
+    set_tf32(machine.tf32)
     check_sinks(config)
-    world = init_from_env(device, timeout=config["dist.timeout"])
+    world = init_from_env(device, timeout=timeout)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size)) if world.distributed else 1
-    set_threads(config["threads"], local)
-    if config["keep_freed_memory"] and device.type == "cpu":
+    set_threads(machine.threads, local)
+    if machine.keep_freed_memory and device.type == "cpu":
         keep_freed_memory()
     out, lock = _claim(out, resume, world, config["task"])
     agreed_stop: Exception | None = None
     try:
-        with StopRequest(world, config["dist.timeout"]) as stop:
+        with StopRequest(world, timeout) as stop:
             watch_launcher()
             summary = _train(config, out, resume, quiet, world, device, stop, until, start_from)
     except OSError as err:  # a full disk, a directory made read-only midway: one line
@@ -237,15 +238,16 @@ class _Run:
         keep_previous: bool,
         until: int | None,
     ) -> None:
-        self.config, self.out, self.loop, self.problem = config, out, loop, problem
+        self.out, self.loop, self.problem = out, loop, problem
         self.world, self.stop, self.state = world, stop, state
-        self.task = TASKS[config["task"]]
+        self.keys, self.machine = section(RunKeys, config), section(MachineKeys, config)
+        self.task = TASKS[self.keys.task]
         self.writer = world.rank == 0
         # under FSDP2 a forward is a collective (it gathers the parameters): every rank
         # evaluates
         self.evaluates = self.writer or loop.world.sharded
         self.keep_previous = keep_previous
-        self.pause_at = until if until is not None and until < config["max_samples"] else None
+        self.pause_at = until if until is not None and until < self.keys.max_samples else None
         self.start = time.perf_counter() - state["wall_seconds"]
         self.evaluation: dict[str, float] = {}
         self.ended = "budget"
@@ -259,16 +261,16 @@ class _Run:
     def after_step(self, step: Any) -> str | None:
         """Record the step; "last" or "pause" when the run ends or pauses after it (raises
         the reason when a signal or the skip limit stops it)."""
-        config, loop = self.config, self.loop
+        keys, loop = self.keys, self.loop
         row = dict(step.metrics)
-        last = loop.samples >= config["max_samples"]
+        last = loop.samples >= keys.max_samples
         pause = self.pause_at is not None and loop.samples >= self.pause_at
         before = (loop.samples - step.batch_size, loop.steps_taken - 1)
         due = self._tick(self.eval_every, before) or loop.steps_taken == 1 or pause
         if self.evaluates and (due or last):
             self.evaluation = self.problem.evaluate(self.problem.model)
             row.update(self.evaluation)
-        if not last and config["stop_at_target"] and due:
+        if not last and keys.stop_at_target and due:
             last = _reached(self.world, self.task, self.evaluation)
             self.ended = "target" if last else self.ended
         self.state["wall_seconds"] = row["wall_seconds"] = time.perf_counter() - self.start
@@ -276,7 +278,7 @@ class _Run:
         if self.log is not None:
             self.log.write(json.dumps(row) + "\n")
         self.sinks.record(row)
-        halt = _halt(self.stop, loop, config["skip_limit"], self.out)
+        halt = _halt(self.stop, loop, self.machine.skip_limit, self.out)
         if self._tick(self.checkpoint_every, before) or last or halt or pause:
             _checkpoint(self.out, loop, self.state, self.writer, self.log, self.keep_previous)
             self.keep_previous = True
@@ -450,12 +452,12 @@ def _write_summary(
     stop's message. A run stopped for non-finite steps has no score (it ranks
     last in a sweep) and says why under ``diverged``.
     """
-    out, config, loop, problem, task = run.out, run.config, run.loop, run.problem, run.task
+    out, loop, problem, task = run.out, run.loop, run.problem, run.task
     state = run.state
     rows = read_metrics(out)
     evals = [r for r in rows if "eval_accuracy" in r]
     summary = {
-        "task": config["task"],
+        "task": task.name,
         "run_dir": str(out),
         "ended": ended,
         "why": why or ENDS[ended],
@@ -469,7 +471,7 @@ def _write_summary(
         "wall_seconds": state["wall_seconds"],
         "processes": loop.world.size,
         "device": str(next(problem.model.parameters()).device),
-        "precision": config["precision"],
+        "precision": run.machine.precision,
         "skipped_steps": loop.skipped_steps,
         "controller": repr(loop.engine.controller),
         "batch_path_ratio": batch_path_ratio([r["batch_size"] for r in rows]),
