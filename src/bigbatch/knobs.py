@@ -110,8 +110,10 @@ def setting(
 ) -> Any:
     """A setting as a dataclass field: its default, and beside it its ``help``, its bounds
     (``low``, ``high``, ``low_open``, ``high_open``, ``choices``: :class:`Knob`'s) and, where
-    a run's config sets it, its config ``key``; a command's option may name its ``flag``
-    where it is not the field's name (``bigbatch.experiments.flags``)."""
+    a run's config sets it, its config ``key`` (a component's: the part after its prefix,
+    ``initial`` for ``batch.initial``; a run key's section field: the whole key); a
+    command's option may name its ``flag`` where it is not the field's name
+    (``bigbatch.experiments.flags``)."""
     knob = Knob("", help, **bounds)
     return field(default=default, metadata={"knob": knob, "key": key, "flag": flag})
 

@@ -3,7 +3,7 @@ from dataclasses import fields
 import pytest
 
 from bigbatch.experiments.config import (
-    SECTIONS,
+    RUN_SECTIONS,
     BatchKeys,
     ConfigError,
     _keys,
@@ -33,10 +33,10 @@ def test_defaults_resolve_and_round_trip_through_toml(tmp_path):
 def test_every_key_is_written_once_in_a_section_or_by_a_component():
     keys = [key.name for key in _keys()]
     assert len(keys) == len(set(keys)) == len(schema())  # none hides another
-    written = [f.metadata["key"] for cls in SECTIONS for f in fields(cls)]
+    written = [f.metadata["key"] for cls in RUN_SECTIONS for f in fields(cls)]
     assert set(written) < set(keys)  # the rest: the components' (batch.initial, dist.ratio)
     assert "batch.initial" not in written and "dist.ratio" not in written
-    for cls in SECTIONS:  # a section of the defaults is the section's own defaults
+    for cls in RUN_SECTIONS:  # a section of the defaults is the section's own defaults
         assert section(cls, defaults()) == cls()
 
 
@@ -45,6 +45,15 @@ def test_a_section_reads_a_resolved_config_by_its_fields():
     batch = section(BatchKeys, config)
     assert (batch.controller, batch.noise_from, batch.base) == ("seesaw", "examples", 0)
     assert schema()["batch.controller"].default == BatchKeys.controller == "batch_warmup"
+    with pytest.raises(ConfigError, match=r"the config lacks batch\.controller, batch\.lr_scaling"):
+        section(BatchKeys, {"batch.base": 0})
+
+
+def test_a_components_keys_follow_the_key_they_belong_with():
+    keys = list(schema())
+    after = {k: keys[keys.index(k) + 1] for k in ("batch.controller", "vrgd.gamma")}
+    assert after == {"batch.controller": "batch.noise_multiple", "vrgd.gamma": "vrgd.normalizer"}
+    assert keys.index("dist.compressor") == keys.index("dist.compression") + 1
 
 
 def test_set_values_are_read_as_toml():

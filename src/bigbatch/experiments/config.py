@@ -5,10 +5,11 @@ them). TOML tables become dotted keys: ``[batch] target = 0.5`` is
 ``--set batch.target=0.5``. A bad value is one :class:`ConfigError` naming
 the key and the value; nothing is evaluated.
 
-The keys are written as the fields of frozen section classes (:data:`SECTIONS`), each
-field a :func:`~bigbatch.knobs.setting` naming its whole key, the idiom of the
+The keys are written as the fields of frozen section classes (:data:`RUN_SECTIONS`),
+each field a :func:`~bigbatch.knobs.setting` (:func:`run_key`; :func:`recipe_key` for
+a number the optimizer's recipe fills) naming its whole key: the idiom of the
 commands' options (:mod:`bigbatch.experiments.options`) and of the components' own
-settings, whose keys (a controller's ``batch.*``) follow their section's
+settings, whose keys (a controller's ``batch.*``) follow the key they belong with
 (:data:`COMPONENTS`). A resolved config is a flat dict of dotted keys, as saved in a
 run's ``config.toml``; :func:`section` reads one section of it as its typed class.
 """
@@ -20,7 +21,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -296,7 +297,7 @@ class MachineKeys:
         "(4 for sub-batch statistics, 1 for per-example ones)",
         low=0,
     )
-    eval_every: int = run_key(
+    eval_every: int | str = run_key(
         "eval_every",
         25,
         "evaluate on the test set every this many optimizer steps, or every duration "
@@ -304,7 +305,7 @@ class MachineKeys:
         low=1,
         parse=Duration.interval,
     )
-    checkpoint_every: int = run_key(
+    checkpoint_every: int | str = run_key(
         "checkpoint_every",
         100,
         "write a checkpoint every this many optimizer steps, or every duration ('5%')",
@@ -453,7 +454,7 @@ class ScheduleKeys:
         high=1,
         parse=share_of_budget,
     )
-    cooldown: float = run_key(
+    cooldown: float | str = run_key(
         "schedule.cooldown",
         0.2,
         "wsd: the linear cool-down at the end: a fraction of max_samples, or a length as "
@@ -525,27 +526,29 @@ class OptimizerKeys:
 
 
 #: the run keys written here, section by section; each field names its whole key
-SECTIONS = (RunKeys, MachineKeys, LogKeys, BatchKeys, ScheduleKeys, DistKeys, OptimizerKeys)
+RUN_SECTIONS = (RunKeys, MachineKeys, LogKeys, BatchKeys, ScheduleKeys, DistKeys, OptimizerKeys)
 
-#: the keys that components declare on their classes (``CONFIG``), listed after their
-#: section's: (prefix, {name: (component, its knobs)}, what the help calls one), for
-#: :func:`component_keys`; built when the schema is first asked for
-COMPONENTS: dict[type, Callable[[], list[tuple[str, dict[str, Any], str]]]] = {
-    BatchKeys: lambda: [
-        ("batch.", {n: (cls, cls.CONFIG) for n, cls in CONTROLLERS.items()}, "controller")
-    ],
-    DistKeys: lambda: [
-        ("dist.", {"compression": (CompressionState, CompressionState.CONFIG)}, "method"),
-        ("dist.", {"powersgd": (PowerSGDState, POWERSGD_CONFIG)}, "hook"),
-    ],
-    OptimizerKeys: lambda: [
-        ("vrgd.", {"vr-*": (VRGD, _vrgd_knobs())}, "optimizer"),
-        (
-            "agvm.",
-            {"agvm": (AGVM, AGVM.CONFIG), "groups": (module_param_groups, GROUPS_CONFIG)},
-            "AGVM",
-        ),
-    ],
+#: the keys that components declare on their classes (``CONFIG``), listed after the written
+#: key they belong with: (prefix, {name: (component, its knobs)}, what the help calls
+#: one), for :func:`component_keys`; built when the schema is first asked for
+COMPONENTS: dict[str, Callable[[], tuple[str, dict[str, Any], str]]] = {
+    "batch.controller": lambda: (
+        "batch.",
+        {n: (cls, cls.CONFIG) for n, cls in CONTROLLERS.items()},
+        "controller",
+    ),
+    "dist.compression": lambda: (
+        "dist.",
+        {"compression": (CompressionState, CompressionState.CONFIG)},
+        "method",
+    ),
+    "dist.sgdm_eta": lambda: ("dist.", {"powersgd": (PowerSGDState, POWERSGD_CONFIG)}, "hook"),
+    "vrgd.gamma": lambda: ("vrgd.", {"vr-*": (VRGD, _vrgd_knobs())}, "optimizer"),
+    "agvm.enabled": lambda: (
+        "agvm.",
+        {"agvm": (AGVM, AGVM.CONFIG), "groups": (module_param_groups, GROUPS_CONFIG)},
+        "AGVM",
+    ),
 }
 
 
@@ -554,33 +557,30 @@ def _vrgd_knobs() -> dict[str, Knob]:
     return {k: v for k, v in VRGD.CONFIG.items() if k != "gamma"}
 
 
-def _section_keys(section: type) -> list[Key]:
-    out = []
-    for f in fields(section):
-        knob = f.metadata["knob"]
-        out.append(
-            Key(
-                f.metadata["key"],
-                f.default,
-                knob.help,
-                knob.choices,
-                knob.low,
-                knob.high,
-                knob.low_open,
-                from_recipe=f.metadata.get("recipe", False),
-                parse=knob.parse,
-                high_open=knob.high_open,
-            )
-        )
-    return out
+def _key(f: Field) -> Key:
+    """A section's field as its config key."""
+    knob = f.metadata["knob"]
+    return Key(
+        f.metadata["key"],
+        f.default,
+        knob.help,
+        knob.choices,
+        knob.low,
+        knob.high,
+        knob.low_open,
+        from_recipe=f.metadata.get("recipe", False),
+        parse=knob.parse,
+        high_open=knob.high_open,
+    )
 
 
 def _keys() -> list[Key]:
     keys = []
-    for section in SECTIONS:
-        keys += _section_keys(section)
-        for prefix, components, what in COMPONENTS.get(section, list)():
-            keys += component_keys(prefix, components, what)
+    for cls in RUN_SECTIONS:
+        for f in fields(cls):
+            keys.append(_key(f))
+            if f.metadata["key"] in COMPONENTS:
+                keys += component_keys(*COMPONENTS[f.metadata["key"]]())
     return keys
 
 
@@ -590,6 +590,9 @@ _Section = TypeVar("_Section")
 def section(cls: type[_Section], config: Mapping[str, Any]) -> _Section:
     """One section of a resolved config as its typed class: ``section(LogKeys,
     config).wandb`` is ``config["log.wandb"]``."""
+    missing = [f.metadata["key"] for f in fields(cls) if f.metadata["key"] not in config]
+    if missing:
+        raise ConfigError(f"the config lacks {', '.join(missing)}: resolve it first")
     return cls(**{f.name: config[f.metadata["key"]] for f in fields(cls)})
 
 

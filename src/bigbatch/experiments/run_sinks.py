@@ -20,11 +20,13 @@ WANDB_RUN = "wandb_run_id"
 def check_sinks(config: dict[str, Any]) -> None:
     """Fail before a run directory is made if a sink's package is missing."""
     log = section(LogKeys, config)
-    for wanted, package in ((log.tensorboard, "tensorboard"), (log.mlflow, "mlflow")):
+    for wanted, package in (
+        (log.tensorboard, "tensorboard"),
+        (log.wandb, "wandb"),
+        (log.mlflow, "mlflow"),
+    ):
         if wanted:
             require(package, package)
-    if log.wandb:
-        require("wandb", "wandb")
 
 
 def open_sinks(config: dict[str, Any], out: Path, resume: bool, first_step: int) -> Sinks:
