@@ -67,6 +67,9 @@ class Parts:
     options: StepOptions
     #: the fewest micro-batches per rank per step
     sub_batches: int
+    #: why the noise statistics come from each example's gradient norm or from the
+    #: micro-batches (``StepEngine.noise_why``; empty without statistics)
+    noise_why: str = ""
 
 
 def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
@@ -118,7 +121,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     _check_every(options, type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else "")
     in_use = _hook_in_use(comm_hook, registers_hooks, model)
     obstacles = _per_example_obstacles(framework is not None, gsnr, in_use, weighted)
-    per_example = _per_example_model(options, model, optimizer, obstacles, sub_batches)
+    per_example, noise_why = _per_example_model(options, model, optimizer, obstacles, sub_batches)
     options = _similarity_for(options, controller, per_example, world)
     if sub_batches is None:
         sub_batches = fewest_sub_batches(
@@ -148,7 +151,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         )
     if registers_hooks and model is not None:
         ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
-    return Parts(controller, collector, world, options, sub_batches)
+    return Parts(controller, collector, world, options, sub_batches, noise_why)
 
 
 def _per_example_obstacles(
@@ -234,14 +237,16 @@ def _per_example_model(
     optimizer: torch.optim.Optimizer,
     obstacles: list[str],
     sub_batches: int | None = None,
-) -> nn.Module | None:
+) -> tuple[nn.Module | None, str]:
     """The module whose layers give per-example norms (``noise_from``), or None for
     sub-batch statistics: asked for and possible, or ``"auto"``, possible and of use:
     where every step is split anyway (``sub_batches`` >= 2: a framework's accumulation, or
     asked for) the sub-batch statistics come free and the hooks would only cost (the
-    Lightning example took 1.1x the time with them, docs/results.md)."""
-    if not options.statistics or options.noise_from == "sub_batches":
-        return None
+    Lightning example took 1.1x the time with them, docs/results.md); and why, in words."""
+    if not options.statistics:
+        return None, ""
+    if options.noise_from == "sub_batches":
+        return None, "noise_from = 'sub_batches'"
     reasons = list(obstacles)
     if options.noise_from == "auto" and sub_batches is not None and sub_batches >= 2:
         reasons.append(f"every step is split into {sub_batches} micro-batches anyway")
@@ -255,11 +260,13 @@ def _per_example_model(
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             reasons.append(f"no per-example rule for {', '.join(missing[:5])}{more}")
     if not reasons:
-        return module
+        if options.noise_from == "examples":
+            return module, "noise_from = 'examples'"
+        return module, "noise_from = 'auto': every trained parameter is in a layer with a rule"
     if options.noise_from == "examples":
         raise ValueError(f"noise_from='examples' is not possible here: {'; '.join(reasons)}")
     _log.info("bigbatch: the noise statistics use sub-batches: %s", "; ".join(reasons))
-    return None
+    return None, f"noise_from = 'auto', but {'; '.join(reasons)}"
 
 
 def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:

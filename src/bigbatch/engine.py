@@ -92,6 +92,8 @@ class StepEngine:
         sub_batches: the fewest micro-batches per rank of a step that measures the
             statistics (None: what the collector needs,
             :func:`~bigbatch.assembly.fewest_sub_batches`).
+        noise_why: why the noise statistics come from where they do, in words
+            (:meth:`build` gives it; ``bigbatch train --explain`` prints it).
     """
 
     def __init__(
@@ -104,9 +106,11 @@ class StepEngine:
         scaler: torch.amp.GradScaler | None = None,
         options: StepOptions | None = None,
         sub_batches: int | None = None,
+        noise_why: str = "",
         **keywords: Any,
     ) -> None:
         self.options = StepOptions.of(options, **keywords)
+        self.noise_why = noise_why
         self.optimizer, self.controller, self.collector = optimizer, controller, collector
         self.world = world if world is not None else World()
         self.lr_scaling = resolve_lr_rule(
@@ -172,6 +176,7 @@ class StepEngine:
             scaler=scaler,
             options=parts.options,
             sub_batches=parts.sub_batches,
+            noise_why=parts.noise_why,
         )
 
     def describe(self) -> dict[str, Any]:

@@ -43,6 +43,30 @@ def test_a_value_that_was_set_is_not_explained_as_filled():
     assert filled["model.context"] == ("32", "the text task's default")
 
 
+def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
+    def noise(**keys):
+        line = next(r for r in explain(resolve(keys)).splitlines() if r.startswith("noise"))
+        return line.removeprefix("noise").strip()
+
+    assert noise() == (
+        "each example's gradient norm in the one backward, 1 micro-batch at least, measured "
+        "at every step; similarity scalar (noise_from = 'auto': every trained parameter is in "
+        "a layer with a rule)"
+    )
+    # SimiGrad reads the measured similarity: two micro-batches for the halves
+    assert "2 micro-batches at least" in noise(**{"batch.controller": "simigrad"})
+    assert "similarity split" in noise(**{"batch.controller": "simigrad"})
+    assert noise(noise_from="sub_batches", statistics_every=4).startswith(
+        "the spread of the micro-batches' gradients, 4 micro-batches at least, measured at "
+        "every 4th step"
+    )
+    # VRGD's GSNR reads the micro-batches: auto falls back and says why
+    assert noise(optimizer="vr-lamb").endswith(
+        "(noise_from = 'auto', but the GSNR (VRGD) reads the micro-batches)"
+    )
+    assert "a lossy reduction" in noise(**{"dist.compression": "ef"})
+
+
 def test_a_controller_that_asks_for_the_familys_rule_says_so():
     text = explain(resolve({"task": "text", "batch.controller": "seesaw", "optimizer": "sgd"}))
     assert filled_lines(text)["batch.lr_scaling"] == (
@@ -67,5 +91,5 @@ def test_the_command_prints_it_and_trains_nothing(tmp_path, monkeypatch, capsys)
 
 def test_docs_quote_the_default_runs_explanation():
     docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
-    head = "\n".join(explain(resolve({})).splitlines()[:3])
+    head = "\n".join(explain(resolve({})).splitlines()[:4])
     assert f"```\n{head}\n```" in docs

@@ -5,14 +5,16 @@ controller's, ``"auto"`` for the optimizer's recipe or the rate rule. They are
 filled in one place, :func:`~bigbatch.experiments.build.with_task_defaults`,
 which records why it chose each value; this module lays that record out, the
 rate first, as "0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5
-(sqrt of 16/64)".
+(sqrt of 16/64)". What only the model decides (``noise_from = "auto"``: each
+example's gradient norm where every layer has a rule) is read off the run's
+engine, built on the CPU as one process builds it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .build import with_task_defaults
+from .build import build, with_task_defaults
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
 FOLLOWS = {
@@ -45,6 +47,7 @@ def explain(config: dict[str, Any]) -> str:
         + " and x the schedule"
         + (f", at most {run['lr_max']:.4g} a step" if run["lr_max"] else ""),
         f"schedule  {schedule}",
+        f"noise     {_noise(run)}",
         "",
         "filled in (every other key is as set or its default; bigbatch train --help):",
     ]
@@ -52,3 +55,27 @@ def explain(config: dict[str, Any]) -> str:
     width = max((len(k) for k in keys), default=0)
     lines += [f"  {key:<{width}}  {run[key]!r:<10}  {origins[key]}" for key in keys]
     return "\n".join(lines)
+
+
+def _noise(run: dict[str, Any]) -> str:
+    """Where the run's noise statistics come from and why, as its engine was built (on the
+    CPU, one process: under DDP the ranks' halves give the split similarity)."""
+    if run["dist.compression"] != "none":  # one process builds no compression
+        return (
+            "the spread of each rank's own micro-batches "
+            f"(dist.compression = {run['dist.compression']!r}: a lossy reduction)"
+        )
+    engine = build(run)[1].engine
+    collector = engine.collector
+    if collector is None:
+        return "not measured"
+    many, every = engine.sub_batches, run["statistics_every"]
+    steps = "every step" if every == 1 else f"every {every}th step"
+    if collector.per_example is not None:
+        source = "each example's gradient norm in the one backward"
+    else:
+        source = "the spread of the micro-batches' gradients"
+    return (
+        f"{source}, {many} micro-batch{'es' if many > 1 else ''} at least, measured at "
+        f"{steps}; similarity {collector.similarity} ({engine.noise_why})"
+    )
