@@ -59,7 +59,8 @@ class FrameworkStep:
 
 @dataclass(frozen=True)
 class Parts:
-    """What :func:`assemble` made: the engine's constructor arguments."""
+    """What :func:`assemble` made: the engine's constructor arguments, each field named as
+    its argument."""
 
     controller: Controller
     collector: MicroBatchStatistics | None

@@ -168,16 +168,7 @@ class StepEngine:
         is written once.
         """
         parts = assemble(optimizer, controller, options, **run)
-        return cls(
-            optimizer,
-            parts.controller,
-            collector=parts.collector,
-            world=parts.world,
-            scaler=scaler,
-            options=parts.options,
-            sub_batches=parts.sub_batches,
-            noise_why=parts.noise_why,
-        )
+        return cls(optimizer, scaler=scaler, **vars(parts))  # Parts: the arguments, by name
 
     def describe(self) -> dict[str, Any]:
         """What this engine was built to do, as plain data (equal for equal runs)."""
