@@ -67,6 +67,12 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
     assert "a lossy reduction" in noise(**{"dist.compression": "ef"})
 
 
+def test_a_batch_max_above_the_training_set_is_explained_as_lowered_to_it():
+    filled = filled_lines(explain(resolve({"task": "digits"})))
+    assert filled["batch.max"] == ("1437", "the training set's size (batch.max 16,384 is larger)")
+    assert "batch.max" not in filled_lines(explain(resolve({})))  # mnist1d holds 16,384+
+
+
 def test_a_controller_that_asks_for_the_familys_rule_says_so():
     text = explain(resolve({"task": "text", "batch.controller": "seesaw", "optimizer": "sgd"}))
     assert filled_lines(text)["batch.lr_scaling"] == (

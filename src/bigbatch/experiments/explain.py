@@ -33,6 +33,12 @@ def explain(config: dict[str, Any]) -> str:
     one line each, then every value filled for it and where that value came from."""
     origins: dict[str, str] = {}
     run = with_task_defaults(config, origins)
+    # one process builds the run: what only the data and the model decide
+    built = build(run) if run["dist.compression"] == "none" else None
+    lowered = built[0].info.get("batch_max_lowered_from") if built else None
+    if lowered is not None:
+        run["batch.max"] = len(built[0].train)  # type: ignore[index, arg-type]
+        origins["batch.max"] = f"the training set's size (batch.max {lowered:,} is larger)"
     schedule = (
         f"{run['schedule.kind']} over {run['max_samples']:,} samples, "
         f"{run['schedule.warmup']:.0%} warm-up"
@@ -47,7 +53,7 @@ def explain(config: dict[str, Any]) -> str:
         + " and x the schedule"
         + (f", at most {run['lr_max']:.4g} a step" if run["lr_max"] else ""),
         f"schedule  {schedule}",
-        f"noise     {_noise(run)}",
+        f"noise     {_noise(run, built[1].engine if built else None)}",
         "",
         "filled in (every other key is as set or its default; bigbatch train --help):",
     ]
@@ -57,15 +63,15 @@ def explain(config: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _noise(run: dict[str, Any]) -> str:
+def _noise(run: dict[str, Any], engine: Any) -> str:
     """Where the run's noise statistics come from and why, as its engine was built (on the
-    CPU, one process: under DDP the ranks' halves give the split similarity)."""
-    if run["dist.compression"] != "none":  # one process builds no compression
+    CPU, one process: under DDP the ranks' halves give the split similarity); a
+    compressed run's engine, which one process does not build, by the rule."""
+    if engine is None:
         return (
             "the spread of each rank's own micro-batches "
             f"(dist.compression = {run['dist.compression']!r}: a lossy reduction)"
         )
-    engine = build(run)[1].engine
     collector = engine.collector
     if collector is None:
         return "not measured"
