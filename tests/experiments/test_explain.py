@@ -67,6 +67,17 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
     assert "a lossy reduction" in noise(**{"dist.compression": "ef"})
 
 
+def test_the_machine_line_names_the_device_threads_and_precision():
+    def machine(**keys):
+        line = next(r for r in explain(resolve(keys)).splitlines() if r.startswith("machine"))
+        return line.removeprefix("machine").strip()
+
+    assert machine(device="cpu", threads=1, precision="bf16") == (
+        "cpu, 1 thread; forward passes in bf16"
+    )
+    assert machine(device="cpu").endswith("(torch's default); forward passes in fp32")
+
+
 def test_a_batch_max_above_the_training_set_is_explained_as_lowered_to_it():
     filled = filled_lines(explain(resolve({"task": "digits"})))
     assert filled["batch.max"] == ("1437", "the training set's size (batch.max 16,384 is larger)")

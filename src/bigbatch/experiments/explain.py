@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .build import build, with_task_defaults
+from .config import ConfigError
+from .device import resolve_device
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
 FOLLOWS = {
@@ -54,6 +58,7 @@ def explain(config: dict[str, Any]) -> str:
         + (f", at most {run['lr_max']:.4g} a step" if run["lr_max"] else ""),
         f"schedule  {schedule}",
         f"noise     {_noise(run, built[1].engine if built else None)}",
+        f"machine   {_machine(run)}",
         "",
         "filled in (every other key is as set or its default; bigbatch train --help):",
     ]
@@ -85,3 +90,18 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
         f"{source}, {many} micro-batch{'es' if many > 1 else ''} at least, measured at "
         f"{steps}; similarity {collector.similarity} ({engine.noise_why})"
     )
+
+
+def _machine(run: dict[str, Any]) -> str:
+    """The device this process would train on, its CPU threads and the forward's precision."""
+    try:
+        device = resolve_device(run["device"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    auto = run["device"] == "auto"
+    text = f"{device}{' (device auto: no GPU)' if auto and device.type == 'cpu' else ''}"
+    if device.type == "cpu":
+        threads = run["threads"] or torch.get_num_threads()
+        text += f", {threads} thread{'s' if threads > 1 else ''}"
+        text += "" if run["threads"] else " (torch's default)"
+    return f"{text}; forward passes in {run['precision']}"
