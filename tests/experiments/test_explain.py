@@ -50,15 +50,15 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
 
     assert noise() == (
         "each example's gradient norm in the one backward, 1 micro-batch at least, measured "
-        "at every step; similarity scalar (noise_from = 'auto': every trained parameter is in "
+        "every step; similarity scalar (noise_from = 'auto': every trained parameter is in "
         "a layer with a rule)"
     )
     # SimiGrad reads the measured similarity: two micro-batches for the halves
     assert "2 micro-batches at least" in noise(**{"batch.controller": "simigrad"})
     assert "similarity split" in noise(**{"batch.controller": "simigrad"})
     assert noise(noise_from="sub_batches", statistics_every=4).startswith(
-        "the spread of the micro-batches' gradients, 4 micro-batches at least, measured at "
-        "every 4th step"
+        "the spread of the micro-batches' gradients, 4 micro-batches at least, measured "
+        "one step in 4"
     )
     # VRGD's GSNR reads the micro-batches: auto falls back and says why
     assert noise(optimizer="vr-lamb").endswith(

@@ -33,8 +33,9 @@ FIRST = ("lr", "batch.lr_scaling", "lr_max", "schedule.kind", "schedule.warmup",
 
 
 def explain(config: dict[str, Any]) -> str:
-    """The run ``config`` (resolved, not yet filled) describes: its rate and schedule in
-    one line each, then every value filled for it and where that value came from."""
+    """The run ``config`` (resolved, not yet filled) describes: its rate, schedule, noise
+    statistics and machine in one line each, then every value filled for it and where that
+    value came from."""
     origins: dict[str, str] = {}
     run = with_task_defaults(config, origins)
     # one process builds the run: what only the data and the model decide
@@ -81,13 +82,13 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
     if collector is None:
         return "not measured"
     many, every = engine.sub_batches, run["statistics_every"]
-    steps = "every step" if every == 1 else f"every {every}th step"
+    steps = "every step" if every == 1 else f"one step in {every}"
     if collector.per_example is not None:
         source = "each example's gradient norm in the one backward"
     else:
         source = "the spread of the micro-batches' gradients"
     return (
-        f"{source}, {many} micro-batch{'es' if many > 1 else ''} at least, measured at "
+        f"{source}, {many} micro-batch{'es' if many > 1 else ''} at least, measured "
         f"{steps}; similarity {collector.similarity} ({engine.noise_why})"
     )
 
