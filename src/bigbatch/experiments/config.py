@@ -21,7 +21,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -176,20 +176,25 @@ def component_keys(
         else:
             note = ""
         keys.append(
-            Key(
+            _knob_key(
                 f"{prefix}{key}",
                 default,
-                f"{scope}{knob.help}{note}",
-                knob.choices,
-                low,
-                knob.high,
-                low_open,
+                knob,
+                help=f"{scope}{knob.help}{note}",
+                low=low,
+                low_open=low_open,
                 owners=owners,
-                parse=knob.parse,
-                high_open=knob.high_open,
             )
         )
     return keys
+
+
+def _knob_key(name: str, default: Any, knob: Knob, **changes: Any) -> Key:
+    """The key ``name`` with ``knob``'s help, choices, bounds and grammar (``changes``,
+    :class:`Key`'s fields, set over them)."""
+    bounds = dict(low=knob.low, high=knob.high, low_open=knob.low_open, high_open=knob.high_open)
+    key = Key(name, default, knob.help, knob.choices, parse=knob.parse, **bounds)
+    return replace(key, **changes)
 
 
 def run_key(key: str, default: Any, help: str, **bounds: Any) -> Any:
@@ -559,19 +564,8 @@ def _vrgd_knobs() -> dict[str, Knob]:
 
 def _key(f: Field) -> Key:
     """A section's field as its config key."""
-    knob = f.metadata["knob"]
-    return Key(
-        f.metadata["key"],
-        f.default,
-        knob.help,
-        knob.choices,
-        knob.low,
-        knob.high,
-        knob.low_open,
-        from_recipe=f.metadata.get("recipe", False),
-        parse=knob.parse,
-        high_open=knob.high_open,
-    )
+    recipe = f.metadata.get("recipe", False)
+    return _knob_key(f.metadata["key"], f.default, f.metadata["knob"], from_recipe=recipe)
 
 
 def _keys() -> list[Key]:
