@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .build import build, with_task_defaults
+from .build import build, fit_batches_to_data, with_task_defaults
 from .config import ConfigError
 from .device import resolve_device
 
@@ -40,10 +40,10 @@ def explain(config: dict[str, Any]) -> str:
     run = with_task_defaults(config, origins)
     # one process builds the run: what only the data and the model decide
     built = build(run) if run["dist.compression"] == "none" else None
-    lowered = built[0].info.get("batch_max_lowered_from") if built else None
-    if lowered is not None:
-        run["batch.max"] = len(built[0].train)  # type: ignore[index, arg-type]
-        origins["batch.max"] = f"the training set's size (batch.max {lowered:,} is larger)"
+    fitted = fit_batches_to_data(run, built[0]) if built else run  # as build fitted its own
+    if fitted["batch.max"] != run["batch.max"]:
+        origins["batch.max"] = f"the training set's size (batch.max {run['batch.max']:,} is larger)"
+        run = fitted
     schedule = (
         f"{run['schedule.kind']} over {run['max_samples']:,} samples, "
         f"{run['schedule.warmup']:.0%} warm-up"
