@@ -3,7 +3,7 @@ command line training on a real GPU (``cuda``-marked: skipped without one)."""
 
 import json
 import platform
-import resource
+import subprocess
 import sys
 
 import pytest
@@ -57,19 +57,38 @@ def test_a_named_gpu_that_is_not_there_is_one_clear_error(gpus):
         resolve_device("cuda:3")
 
 
-def _page_faults_of_a_filled_block(megabytes: int) -> int:
+#: in a fresh process, as ``bigbatch train`` calls it: a long-lived test worker's main
+#: thread may have been moved to one of glibc's secondary arenas, whose emptied heaps are
+#: unmapped whatever the thresholds (seen once in CI: every page faulted every time)
+_FAULTS = """
+import resource, torch
+from bigbatch.experiments.device import keep_freed_memory
+
+def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(megabytes << 18).fill_(1.0)  # float32: 4 bytes an element
+    torch.empty(40 << 18).fill_(1.0)  # 40 MiB of float32
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+if {keep}:
+    assert keep_freed_memory()
+faults()
+print(min(faults() for _ in range(5)))
+"""
+
+
+def _fewest_page_faults_of_a_40_mib_block(keep: bool) -> int:
+    code = _FAULTS.format(keep=keep)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout)
 
 
 @glibc
 def test_kept_memory_is_not_faulted_in_again_at_the_next_step():
-    """A 16 MiB tensor freed and allocated again faults in its 4k pages every time under
-    glibc's defaults (its threshold hands the block back); kept, the next one reuses it."""
-    assert keep_freed_memory()
-    _page_faults_of_a_filled_block(16)
-    assert min(_page_faults_of_a_filled_block(16) for _ in range(3)) < 1_000
+    """A 40 MiB tensor, above the largest mmap threshold glibc sets itself (32 MiB), is
+    mapped afresh and faults in all its 10,240 pages at every allocation under glibc's
+    defaults; kept, an allocation after the first reuses the freed block (not every one:
+    one in three faulted again on this machine, glibc 2.36)."""
+    assert _fewest_page_faults_of_a_40_mib_block(keep=True) < 1_000
 
 
 @glibc
