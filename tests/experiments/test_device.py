@@ -57,9 +57,9 @@ def test_a_named_gpu_that_is_not_there_is_one_clear_error(gpus):
         resolve_device("cuda:3")
 
 
-#: in a fresh process, as ``bigbatch train`` calls it: a long-lived test worker's main
-#: thread may have been moved to one of glibc's secondary arenas, whose emptied heaps are
-#: unmapped whatever the thresholds (seen once in CI: every page faulted every time)
+#: in a fresh process, as ``bigbatch train`` calls it: in a long-lived test worker every
+#: page faulted every time once in CI (likely, not confirmed: the worker's main thread on
+#: one of glibc's secondary arenas, whose emptied heaps are unmapped whatever the thresholds)
 _FAULTS = """
 import resource, torch
 from bigbatch.experiments.device import keep_freed_memory
