@@ -94,8 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     report = commands.add_parser(
         "report",
-        help="re-render the report of a run, a comparison, a tuning study or a critical-batch "
-        "measurement",
+        help="re-render the report of a run, a comparison, a tuning study, a critical-batch "
+        "measurement or a federated run",
     )
     report.add_argument("dir", metavar="DIR")
     commands.add_parser("tasks", help="list the built-in tasks")
@@ -369,25 +369,13 @@ def _federated(args: argparse.Namespace) -> None:
 
 
 def _report(path: Path) -> None:
-    """Re-render a run's, a comparison's, a tuning study's or a critical-batch
-    measurement's report."""
-    if (path / "tune.json").is_file():
-        from .experiments.tune import render_report
-
-        print(render_report(path))
-        return
-    if (path / "critical_batch.json").is_file():
-        from .experiments.critical import render as render_critical
-
-        render_critical(path)
-        print(path / "critical_batch.md")
-        return
+    """Re-render the report of whatever command wrote the folder."""
     from .experiments.report import render
 
     try:
         print(render(path))
     except FileNotFoundError as err:
-        raise ConfigError(f"{err}, nor a tuning study or a critical-batch measurement") from None
+        raise ConfigError(str(err)) from None
 
 
 def _tasks() -> None:

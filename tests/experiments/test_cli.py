@@ -139,7 +139,7 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path, monkeypatch, extra):
         (["train", "--set", "oops"], "--set takes key=value"),
         (["train", "--config", "missing.toml"], "does not exist"),
         (["train", "--resume", "nowhere"], "not a run directory"),
-        (["report", "nowhere"], "neither a run nor a comparison"),
+        (["report", "nowhere"], "is not the folder of a run, a comparison"),
         (["compare", "--set", "task=digits"], "at least one --vary"),
         (["compare", "--vary", "batch.target"], "--vary takes KEY=V1,V2"),
         (
@@ -271,16 +271,6 @@ def test_lm_task_logs_the_max_attention_logit_and_loss_floor(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["max_attention_logit"] > 0
     assert 0 < summary["loss_floor"] < summary["final_eval_loss"]
-
-
-def test_pareto_front():
-    from bigbatch.experiments.report import pareto_front
-
-    assert pareto_front([(64, 0.97), (256, 0.98), (1024, 0.96), (4096, 0.95), (512, 0.90)]) == [
-        (256, 0.98),
-        (1024, 0.96),
-        (4096, 0.95),
-    ]
 
 
 def test_teacher_task_trains(tmp_path):

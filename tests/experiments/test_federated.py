@@ -69,7 +69,12 @@ def test_the_command_simulates_a_federation_and_writes_its_report(tmp_path, caps
     summary = json.loads((out / "summary.json").read_text())
     assert summary["client_steps"] == 12 and summary["samples"] == 3 * 2 * 64
     assert (out / "federated.png").stat().st_size > 0
-    assert "| 3 | 8 | 8 |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| 3 | 8 | 8 |" in report
+    # bigbatch report re-renders it from the folder alone, as it does every command's
+    (out / "report.md").unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.md").read_text() == report
     # the same folder again is refused in one line
     assert main(argv) == 2
     assert "already exists" in capsys.readouterr().err

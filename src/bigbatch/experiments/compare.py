@@ -32,7 +32,7 @@ from typing import Any
 from .config import ConfigError, flatten, parse_assignment, resolve
 from .flags import settings_from
 from .options import Protocol, TuneSettings
-from .report import render_comparison
+from .report import comparison as comparison_report
 from .rundir import check_new_run_dir, new_run_dir, plan_difference
 from .sweep import Arm, sweep
 
@@ -194,4 +194,4 @@ def run_comparison(
     )
     index = {"plan": planned, "arms": [r.to_dict() for r in results]}
     index_path.write_text(json.dumps(index, indent=2) + "\n")
-    return render_comparison(root)
+    return comparison_report.render(root)

@@ -38,7 +38,7 @@ from . import runner
 from .build import make_controller, with_task_defaults
 from .config import ConfigError, resolve
 from .options import CriticalSettings
-from .plots import pyplot
+from .report.critical_batch import render
 from .rundir import (
     CHECKPOINT,
     check_new_run_dir,
@@ -277,68 +277,3 @@ def _write(
         "points": [asdict(p) for p in measured],
     }
     (out / "critical_batch.json").write_text(json.dumps(data, indent=2) + "\n")
-
-
-def render(out: Path) -> str:
-    """``critical_batch.md`` and ``critical_batch.png`` from ``critical_batch.json``; the table."""
-    data = json.loads((out / "critical_batch.json").read_text())
-    batches, points = data["batches"], data["points"]
-    lines = [
-        f"# Critical batch of {data['config']['task']}, measured by branching",
-        "",
-        f"Base run at batch {batches[0]}; branches of {data['branch_samples']:,} samples with "
-        f"the {data['lr_rule']} rate rule; tolerance {data['tolerance']:g} in eval loss. "
-        "Each batch's column is its branch loss minus the reference (the base batch's); "
-        "B_simple is the base run's 20-step noise scale, the controller's estimate what "
-        f"{data.get('controller', 'the controller')} would compare with the next size there.",
-        "",
-        "| fraction | samples | schedule | reference loss | critical batch "
-        + "| B_simple [low, high] | controller's estimate | "
-        + " | ".join(str(b) for b in batches)
-        + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(batches),
-    ]
-    for p in points:
-        losses = {int(b): v for b, v in p["losses"].items()}
-        reference = losses[batches[0]]
-        deltas = " | ".join(f"{losses[b] - reference:+.4f}" for b in batches)
-        lines.append(
-            f"| {p['fraction']:g} | {p['samples']:,} | {p['schedule']:.2f} | {reference:.4f} "
-            f"| **{p['critical_batch']}** | {p['noise_scale']:.1f} "
-            f"[{p['noise_scale_low']:.1f}, {p['noise_scale_high']:.1f}] "
-            f"| {p.get('controller_estimate', math.nan):.1f} | {deltas} |"
-        )
-    lines += ["", "![critical batch](critical_batch.png)", ""]
-    table = "\n".join(lines)
-    (out / "critical_batch.md").write_text(table)
-    _plot(out, batches, points)
-    return table
-
-
-def _plot(out: Path, batches: list[int], points: list[dict[str, Any]]) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for b in batches:
-        ax.axhline(b, color="0.85", lw=0.6, zorder=0)
-    samples = [p["samples"] for p in points]
-    ax.plot(
-        samples, [p["critical_batch"] for p in points], "o-", label="critical batch (branching)"
-    )
-    ax.plot(samples, [p["noise_scale"] for p in points], "s--", color="tab:gray", label="B_simple")
-    estimates = [p.get("controller_estimate", math.nan) for p in points]
-    if any(math.isfinite(e) for e in estimates):
-        ax.plot(samples, estimates, "^:", color="tab:orange", label="the controller's estimate")
-    ax.fill_between(
-        samples,
-        [max(p["noise_scale_low"], 1e-3) for p in points],
-        [min(p["noise_scale_high"], 10 * batches[-1]) for p in points],
-        color="tab:gray",
-        alpha=0.2,
-        lw=0,
-    )
-    ax.set(xlabel="samples", ylabel="batch (samples)", yscale="log")
-    ax.set_yscale("log", base=2)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "critical_batch.png", dpi=110)
-    plt.close(fig)

@@ -37,7 +37,7 @@ from ..sinks import Sinks
 from .build import build, intervals, run_facts, train_step, with_task_defaults
 from .config import ConfigError, DistKeys, MachineKeys, RunKeys, resolve, section, to_toml
 from .device import keep_freed_memory, resolve_device, set_tf32, set_threads
-from .report import render_run
+from .report import run as run_report
 from .run_sinks import check_sinks, open_sinks
 from .rundir import (
     CHECKPOINT,
@@ -491,7 +491,7 @@ def _write_summary(
     strict = strict_json(summary)
     (out / "summary.json").write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
     if ended != "error":  # the report of a run that failed could fail the same way
-        render_run(out)
+        run_report.render(out)
     return summary
 
 

@@ -430,8 +430,8 @@ def render_report(out: Path) -> Path:
 def _write_outputs(
     out: Path, config: dict[str, Any], result: TuneResult, space: list[Dimension]
 ) -> None:
-    from .tune_report import plot, render
+    from .report.tuning import markdown, plot
 
     (out / "best.toml").write_text(to_toml(trial_config(config, result.best)))
-    (out / "tune.md").write_text(render(config, result, space))
+    (out / "tune.md").write_text(markdown(config, result, space))
     plot(out / "tune.png", config, result, space)

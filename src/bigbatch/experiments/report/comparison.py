@@ -1,4 +1,6 @@
-"""Plots and Markdown reports of runs and comparisons, rendered from their files alone."""
+"""A comparison's report: ``report.md`` with every arm's table, the steps to each
+target, the rate grid, and the figures against the varied key, from ``compare.json``
+and the runs' folders alone."""
 
 from __future__ import annotations
 
@@ -10,127 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from ..sinks import batch_change
-from .analysis import first_reaching, fit_critical_batch, mean_std, targets_between
-from .arms import ArmResult
-from .plots import pyplot
-from .rundir import read_metrics
-from .summary import finished_summary
-
-PLOTS = {
-    "batch_similarity.png": "batch size, noise scale and similarity vs step",
-    "loss_accuracy.png": "loss and accuracy vs samples and vs steps",
-    "lr.png": "learning rate vs step",
-}
-
-
-def _series(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
-    pairs = [(r[x], r[y]) for r in rows if y in r and r[y] is not None and math.isfinite(r[y])]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
-def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
-    plt = pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot(*_series(rows, "step", "batch_size"), color="tab:blue", label="batch size")
-    if any("noise_scale" in r for r in rows):
-        _plot_noise_scale(top, rows)
-    top.legend(fontsize=8)
-    top.set_yscale("log")
-    top.set_ylabel("samples")
-    top.set_title(title)
-    bottom.plot(*_series(rows, "step", "similarity"), color="tab:orange", lw=0.7)
-    bottom.set_ylabel("half-batch similarity")
-    bottom.set_xlabel("optimizer step")
-    fig.tight_layout()
-    fig.savefig(out / "batch_similarity.png", dpi=100)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for column, x in enumerate(("samples", "step")):
-        axes[0, column].plot(*_series(rows, x, "loss"), lw=0.7, label="train (batch)")
-        axes[0, column].plot(*_series(rows, x, "eval_loss"), marker=".", label="test")
-        axes[0, column].set_ylabel("loss")
-        axes[0, column].set_yscale("log")
-        axes[0, column].legend()
-        axes[1, column].plot(*_series(rows, x, "eval_accuracy"), marker=".", color="tab:green")
-        axes[1, column].set_ylabel("test accuracy")
-        axes[1, column].set_xlabel("samples" if x == "samples" else "optimizer step")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out / "loss_accuracy.png", dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.plot(*_series(rows, "step", "lr"))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("learning rate")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out / "lr.png", dpi=100)
-    plt.close(fig)
-
-
-def _plot_noise_scale(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """The logged noise scale (the estimate the controller decides on) and its bounds,
-    and the critical batch a controller compares with the next size, where it logs one."""
-    known = [
-        r for r in rows if math.isfinite(r.get("noise_scale", math.nan)) and r["noise_scale"] > 0
-    ]
-    steps = [r["step"] for r in known]
-    ax.plot(steps, [r["noise_scale"] for r in known], color="tab:gray", lw=0.7, label="B_simple")
-    if known and "noise_scale_low" in known[0]:
-        # an unknown bound (0 or inf) is drawn at the plot's edge, not stretching the axis
-        floor = min(r["noise_scale"] for r in known) / 10
-        top = max(r["noise_scale"] for r in known) * 10
-        low = [max(r["noise_scale_low"], floor) for r in known]
-        high = [min(r["noise_scale_high"], top) for r in known]
-        ax.fill_between(steps, low, high, color="tab:gray", alpha=0.2, lw=0, label="its bounds")
-    critical = [(r["step"], r["critical_batch"]) for r in rows if r.get("critical_batch", 0) > 0]
-    if critical:
-        ax.plot(*zip(*critical), color="tab:red", lw=0.7, label="critical batch (decides)")
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "—" if value is None else str(value)
-
-
-def render_run(out: Path) -> Path:
-    """Write the run's plots and ``report.md`` from its ``metrics.jsonl``, summary and config."""
-    out = Path(out)
-    rows = read_metrics(out)
-    summary = json.loads((out / "summary.json").read_text())
-    config_text = (out / "config.toml").read_text()
-    plot_run(rows, out, f"{summary['task']}: {out.name}")
-    lines = [f"# Run {out.name}", ""]
-    if "target_note" in summary:
-        lines += [f"**{summary['target_note'][0].upper()}{summary['target_note'][1:]}.**", ""]
-    lines += ["| | |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in summary.items()]
-    lines += [""] + [f"![{text}]({name})\n" for name, text in PLOTS.items()]
-    lines += _batch_changes(rows)
-    lines += ["## Config", "", "```toml", config_text.rstrip(), "```", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines))
-    return path
-
-
-#: a report lists this many batch changes at most (a similarity controller makes thousands)
-LISTED_CHANGES = 40
-
-
-def _batch_changes(rows: list[dict[str, Any]]) -> list[str]:
-    """The section listing each batch change with the estimates that caused it."""
-    changes = [text for row in rows if (text := batch_change(row)) is not None]
-    if not changes:
-        return []
-    lines = ["## Batch changes", "", f"{len(changes)} changes of the batch size:", ""]
-    lines += [f"- {text}" for text in changes[:LISTED_CHANGES]]
-    if len(changes) > LISTED_CHANGES:
-        lines.append(f"- ... and {len(changes) - LISTED_CHANGES} more (metrics.jsonl)")
-    return [*lines, ""]
+from ..analysis import first_reaching, fit_critical_batch, mean_std, targets_between
+from ..arms import ArmResult
+from ..rundir import read_metrics
+from ..summary import finished_summary
+from .figures import pyplot, series
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -190,7 +76,7 @@ def _axis(plan: dict[str, Any], arms: list[ArmResult]) -> str | None:
     return numeric[-1] if numeric else None
 
 
-def render_comparison(root: Path) -> Path:
+def render(root: Path) -> Path:
     """A table of every arm (seed mean ± std at its chosen rate), curves, and the Pareto front;
     against a numeric varied key, the score and the steps to the target, with the critical batch.
     """
@@ -453,7 +339,7 @@ def _plot_curves(root: Path, arms: list[ArmResult], key: str, score: str) -> Non
     for arm in arms:
         rows = read_metrics(root / arm.dirs[0])
         for ax, x in zip(axes, ("samples", "step")):
-            ax.plot(*_series(rows, x, key), marker=".", label=arm.name)
+            ax.plot(*series(rows, x, key), marker=".", label=arm.name)
     for ax, x in zip(axes, ("samples", "optimizer steps")):
         ax.set_xlabel(x)
         ax.set_xscale("log")
@@ -597,12 +483,3 @@ def _plot_by_axis(
     fig.savefig(root / name, dpi=100)
     plt.close(fig)
     return name
-
-
-def render(path: Path) -> Path:
-    path = Path(path)
-    if (path / "compare.json").is_file():
-        return render_comparison(path)
-    if (path / "summary.json").is_file():
-        return render_run(path)
-    raise FileNotFoundError(f"{str(path)!r} is neither a run nor a comparison directory")

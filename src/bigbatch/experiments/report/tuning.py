@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .build import with_task_defaults
-from .config import resolve
-from .tasks import TASKS
+from ..build import with_task_defaults
+from ..config import resolve
+from ..tasks import TASKS
+from .figures import pyplot
 
 
-def render(config: dict[str, Any], result: Any, space: list[Any]) -> str:
+def markdown(config: dict[str, Any], result: Any, space: list[Any]) -> str:
     task = TASKS[config["task"]]
     name = task.target_metric.removeprefix("eval_")
     budget = with_task_defaults(resolve(config))["max_samples"]
@@ -53,11 +54,7 @@ def render(config: dict[str, Any], result: Any, space: list[Any]) -> str:
 def plot(path: Path, config: dict[str, Any], result: Any, space: list[Any]) -> None:
     """The searched value against the final (or last reported) metric, and every trial's
     validation curve against samples."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     name = TASKS[config["task"]].target_metric.removeprefix("eval_")
     first = space[0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

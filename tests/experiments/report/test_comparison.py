@@ -3,7 +3,7 @@
 import json
 
 from bigbatch.experiments.arms import ArmResult
-from bigbatch.experiments.report import _near_best
+from bigbatch.experiments.report.comparison import _near_best, pareto_front
 
 
 def _arm(root, name, curves, controller="BatchWarmup()"):
@@ -54,3 +54,11 @@ def test_steps_to_the_best_final_loss_plus_the_tolerance(tmp_path):
     assert targets["schedule"].startswith("| schedule | 400 (0.44×) |")
     assert targets["large"].startswith("| large | 50 (0.06×) |")  # below the static batch
     assert targets["large"].endswith("| 1/2 reached |")  # T itself: one seed short
+
+
+def test_pareto_front():
+    assert pareto_front([(64, 0.97), (256, 0.98), (1024, 0.96), (4096, 0.95), (512, 0.90)]) == [
+        (256, 0.98),
+        (1024, 0.96),
+        (4096, 0.95),
+    ]

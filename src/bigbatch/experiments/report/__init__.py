@@ -1,0 +1,38 @@
+"""Every report bigbatch writes, rendered from the files a command left in its folder.
+
+One module per kind of folder, each with a ``render(folder) -> report path``
+(a tuning study's is :func:`bigbatch.experiments.tune.render_report`, which
+reads the study's database before :mod:`.tuning` draws it); :func:`render`
+tells the kind by the file that only it has, so ``bigbatch report DIR``
+re-renders any of them. The figures share :mod:`.figures`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import comparison, critical_batch, rounds, run
+
+__all__ = ["render"]
+
+
+def render(folder: str | Path) -> Path:
+    """Re-render the report of a run, a comparison, a tuning study, a critical-batch
+    measurement or a federated run; the report's path."""
+    folder = Path(folder)
+    if (folder / "tune.json").is_file():
+        from ..tune import render_report  # reads the study's database (optuna)
+
+        return render_report(folder)
+    for marker, kind in (
+        ("critical_batch.json", critical_batch),
+        ("compare.json", comparison),
+        ("rounds.jsonl", rounds),
+        ("summary.json", run),
+    ):
+        if (folder / marker).is_file():
+            return kind.render(folder)
+    raise FileNotFoundError(
+        f"{str(folder)!r} is not the folder of a run, a comparison, a tuning study, "
+        "a critical-batch measurement or a federated run"
+    )
