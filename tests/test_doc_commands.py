@@ -52,7 +52,7 @@ def quoted_commands(text: str) -> list[tuple[int, list[str]]]:
         inline = match and line[: match.start()].count("`") % 2
         # a command opens a line of a code block or of a study file's comment
         opens = match and line[: match.start()].strip("# \t") == ""
-        if not match or not (inline or opens and (fenced or line.startswith("#"))):
+        if not match or not (inline or (opens and (fenced or line.startswith("#")))):
             continue  # prose or help text that names a command
         command, follow = match.group(0), number
         if inline:  # a `...` span, which may wrap
@@ -118,7 +118,7 @@ def test_the_reader_finds_a_stale_flag_key_value_and_script():
     text = (
         "```bash\nbigbatch train --set batch.controler=ramp --sett x=1 \\\n"
         "    --set seed=2\npython benchmarks/nowhere.py --fast\n```\n"
-        "and inline `bigbatch compare --vary batch.initial=64,256 --arm \"a:lr=1,oops=2\"`,\n"
+        'and inline `bigbatch compare --vary batch.initial=64,256 --arm "a:lr=1,oops=2"`,\n'
         "one that wraps, `bigbatch train --set\noptimizer=adamx`.\n"
     )
     commands = quoted_commands(text)
