@@ -55,6 +55,8 @@ class Comparison:
     tune: bool = False
     #: points the rate grid may grow by at an end where an arm's best rate lies
     widen: int = 0
+    #: fractions of the run at which the report judges each arm's rate grid as well
+    prefixes: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         plan = {
@@ -68,6 +70,8 @@ class Comparison:
         }
         if self.widen:  # absent otherwise, as in the plans of comparisons saved before it
             plan["widen"] = self.widen
+        if self.prefixes:  # the same
+            plan["prefixes"] = list(self.prefixes)
         return plan
 
 
@@ -144,6 +148,7 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         jobs=protocol.jobs,
         tune=protocol.tune,
         widen=protocol.widen,
+        prefixes=protocol.prefixes,
     )
 
 

@@ -55,6 +55,15 @@ class Protocol:
         "search each arm's rate over the grid's range with a bigbatch tune study instead of "
         "training every point (needs the tune extra)",
     )
+    prefixes: tuple[float, ...] = setting(
+        (),
+        "also judge each arm's rate grid at these fractions of the run (the rate a tuner that "
+        "stops runs early would choose) in the report",
+        low=0,
+        low_open=True,
+        high=1,
+        high_open=True,
+    )
 
     def __post_init__(self) -> None:
         checked(self)

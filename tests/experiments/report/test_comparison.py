@@ -3,7 +3,7 @@
 import json
 
 from bigbatch.experiments.arms import ArmResult
-from bigbatch.experiments.report.comparison import _near_best, pareto_front
+from bigbatch.experiments.report.comparison import _judged_early, _near_best, pareto_front
 
 
 def _arm(root, name, curves, controller="BatchWarmup()"):
@@ -62,3 +62,35 @@ def test_pareto_front():
         (1024, 0.96),
         (4096, 0.95),
     ]
+
+
+def test_the_rate_grid_judged_early_leads_with_the_rate_that_learns_fastest(tmp_path):
+    """A large rate leads early and ends worst: judged at a tenth of the run, the grid
+    picks it; at nine tenths, the rate the whole runs chose."""
+    curves = {  # eval loss at samples 100, 500, 900, 1000 of a 1,000-sample budget
+        0.001: [2.0, 1.6, 1.2, 1.1],
+        0.002: [1.9, 1.5, 1.3, 1.25],
+        0.004: [1.5, 1.4, 1.45, 1.5],
+    }
+    dirs = []
+    for i, losses in enumerate(curves.values()):
+        run = tmp_path / f"lr{i}"
+        run.mkdir()
+        (run / "config.toml").write_text("max_samples = 1000\n")
+        rows = [
+            {"step": s // 10, "samples": s, "eval_loss": v}
+            for s, v in zip((100, 500, 900, 1000), losses)
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        dirs.append(run.name)
+    runs = [{"final_eval_loss": 1.1, "target_metric": "eval_loss"}]
+    arm = ArmResult("adam", {}, list(curves), 0, [], runs, dirs[:1], grid_dirs=dirs)
+    lines = _judged_early(tmp_path, [arm], [0.1, 0.5, 0.95], loss=True, score="eval loss")
+    rows = [line for line in lines if line.startswith("| adam")]
+    assert rows[0] == "| adam | 0.1 | 0.001: 2.0000, 0.002: 1.9000, 0.004: 1.5000* | × 4 |"
+    assert rows[1].endswith("0.004: 1.4000* | × 4 |")
+    assert rows[2].endswith("| × 1 |") and "0.001: 1.2000*" in rows[2]  # the last at 900
+    # nothing judged where no fraction is asked for, or before the first evaluation
+    assert _judged_early(tmp_path, [arm], [], loss=True, score="eval loss") == []
+    early = _judged_early(tmp_path, [arm], [0.05], loss=True, score="eval loss")
+    assert "| adam | 0.05 | 0.001: —, 0.002: —, 0.004: — | — |" in early

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..analysis import first_reaching, fit_critical_batch, mean_std, targets_between
 from ..arms import ArmResult
+from ..config import load_toml
 from ..rundir import read_metrics
 from ..summary import finished_summary
 from .figures import pyplot, series
@@ -148,6 +149,7 @@ def render(root: Path) -> Path:
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
     lines += _near_best(root, arms, loss, score)
     lines += _rate_grid(root, arms, loss, score)
+    lines += _judged_early(root, arms, plan.get("prefixes", []), loss, score)
     axis = _axis(plan, arms)
     if axis is not None:
         lines += _by_axis(root, plan, arms, axis, loss, score)
@@ -247,6 +249,51 @@ def _rate_grid(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
         *rows,
         "",
     ]
+
+
+def _judged_early(
+    root: Path, arms: list[ArmResult], fractions: list[float], loss: bool, score: str
+) -> list[str]:
+    """Each arm's rate grid judged at ``fractions`` of its runs (first seed): the rate that
+    leads there against the one the whole runs chose. A tuner that stops runs early ranks
+    them so, with the schedule laid over the whole budget (the short-horizon bias)."""
+    key = "eval_loss" if loss else "eval_accuracy"
+    sign = 1 if loss else -1
+    rows = []
+    for arm in arms:
+        if not fractions or len(arm.grid_dirs) != len(arm.lrs) or len(arm.lrs) < 2:
+            continue
+        dirs = [root / d for d in arm.grid_dirs]
+        # the schedule spans the budget: a fraction of it, as the tuner pauses
+        budgets = [load_toml(d / "config.toml")["max_samples"] for d in dirs]
+        curves = [([r for r in read_metrics(d) if key in r], b) for d, b in zip(dirs, budgets)]
+        for fraction in fractions:
+            scores = [_score_at(curve, fraction * budget, key) for curve, budget in curves]
+            finite = [i for i, v in enumerate(scores) if v is not None and math.isfinite(v)]
+            lead = min(finite, key=lambda i: sign * scores[i]) if finite else None
+            cells = ", ".join(
+                f"{lr:.4g}: {'—' if v is None else f'{v:.4f}'}{'*' if i == lead else ''}"
+                for i, (lr, v) in enumerate(zip(arm.lrs, scores))
+            )
+            ratio = "—" if lead is None else f"× {arm.lrs[lead] / arm.lr:.3g}"
+            rows.append(f"| {arm.name} | {fraction:.3g} | {cells} | {ratio} |")
+    if not rows:
+        return []
+    return [
+        f"The rate grid judged early: each rate's {score} at a fraction of its run (first "
+        "seed; * leads there), and the leader against the rate the whole runs chose:",
+        "",
+        "| arm | fraction of the run | rate: score there | leader ÷ chosen |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def _score_at(curve: list[dict[str, Any]], samples: float, key: str) -> float | None:
+    """The last evaluation at or before ``samples`` (None: none yet)."""
+    before = [row[key] for row in curve if row["samples"] <= samples]
+    return before[-1] if before else None
 
 
 def _wall_at(rows: list[dict[str, Any]], step: int) -> float | None:
