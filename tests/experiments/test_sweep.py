@@ -8,6 +8,7 @@ import pytest
 
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import ConfigError, resolve
+from bigbatch.experiments.options import TuneSettings
 from bigbatch.experiments.sweep import RANKS, Arm, metric, sweep
 from bigbatch.experiments.tasks import TASKS
 
@@ -29,6 +30,23 @@ def test_each_arm_gets_the_grid_and_its_best_rate_gets_the_seeds(trained, tmp_pa
     assert [r["seed"] for r in trained[6:]] == [1, 2, 1, 2]
     assert results[0].dirs == ["low-lr2-seed0", "low-lr2-seed1", "low-lr2-seed2"]
     assert [metric(s) for s in results[0].runs] == pytest.approx([0.98, 0.979, 0.978])
+
+
+def test_an_arm_that_sets_its_seed_trains_from_that_seed(trained, tmp_path):
+    """``--vary seed=0,5``: each arm's grid and further seeds start at its own seed (they
+    were all trained at the base's seed, the same runs under different names)."""
+    arms = [Arm("s0", {"seed": 0}, "s0"), Arm("s5", {"seed": 5}, "s5")]
+    results = sweep({**BASE, "seed": 3}, arms, tmp_path, multipliers=(1.0, 2.0), seeds=2)
+    assert [r["seed"] for r in trained] == [0, 0, 5, 5, 1, 6]
+    assert results[1].dirs == ["s5-lr0-seed5", "s5-lr0-seed6"]
+    assert results[1].grid_dirs == ["s5-lr0-seed5", "s5-lr1-seed5"]
+    assert [metric(s) for s in results[1].runs] == pytest.approx([0.975, 0.974])
+    pytest.importorskip("optuna")
+    trained.clear()
+    tuned = sweep(BASE, arms[1:], tmp_path / "tuned", multipliers=(0.5, 2.0), seeds=2,
+                  tune=TuneSettings(trials=3, reduction=3))  # fmt: skip
+    assert {r["seed"] for r in trained} == {5, 6}  # the study's trials, then seed 6
+    assert tuned[0].dirs[1] == "s5-tuned-seed1"
 
 
 def test_a_grid_at_the_tasks_rate_scales_the_tasks_ceiling_with_it(trained, tmp_path):

@@ -106,9 +106,10 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     """Train every arm on the rate grid, then its best rate on ``seeds`` seeds (module docstring).
 
     ``base`` is a config layer (any keys of the schema) under each arm's
-    overrides; the seeds are ``base["seed"]`` (default 0) and the ones after
-    it. With ``widen`` > 0, an arm whose best rate lies at an end of the grid
-    trains one more rate beyond that end (the grid's outer ratio further),
+    overrides; an arm's seeds are its ``seed`` (an arm may vary it; else
+    ``base["seed"]``, default 0) and the ones after it. With ``widen`` > 0, an
+    arm whose best rate lies at an end of the grid trains one more rate beyond
+    that end (the grid's outer ratio further),
     up to ``widen`` times on each side, so that its best rate is inside the
     grid it was tuned on (an arm still at an end after that is reported as
     such by :attr:`ArmResult.at_edge`). With ``tune`` (settings of
@@ -123,7 +124,6 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     base = dict(base)
     if jobs > 1 and not base.get("threads"):
         base["threads"] = max(1, (os.cpu_count() or 1) // jobs)
-    first_seed = int(base.get("seed", 0))
     root = Path(root)
     rates = {arm.stem: arm_rate({**base, **arm.overrides}) for arm in arms}  # checks every config
     if tune is not None:
@@ -137,16 +137,17 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
         lr = rates[arm.stem] * grids[arm.stem][i]
         return at_rate({**base, **arm.overrides, "seed": seed}, lr), _run_name(arm, i, seed)
 
-    grid_jobs = [job(arm, i, first_seed) for arm in arms for i in grids[arm.stem]]
+    first = {arm.stem: first_seed(base, arm) for arm in arms}
+    grid_jobs = [job(arm, i, first[arm.stem]) for arm in arms for i in grids[arm.stem]]
     done = dict(zip((name for _, name in grid_jobs), _run(grid_jobs, root, jobs, quiet)))
 
     def best(arm: Arm) -> int:
-        scores = {i: RANKS[rank](done[_run_name(arm, i, first_seed)]) for i in grids[arm.stem]}
+        scores = {i: RANKS[rank](done[_run_name(arm, i, first[arm.stem])]) for i in grids[arm.stem]}
         return min(sorted(scores), key=scores.__getitem__)
 
     for _ in range(widen):
         extra = [
-            job(arm, i, first_seed)
+            job(arm, i, first[arm.stem])
             for arm in arms
             if (i := _beyond(grids[arm.stem], best(arm))) is not None
         ]
@@ -154,7 +155,9 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
             break
         done.update(zip((name for _, name in extra), _run(extra, root, jobs, quiet)))
     chosen = {arm.stem: best(arm) for arm in arms}
-    more = [job(arm, chosen[arm.stem], first_seed + k) for arm in arms for k in range(1, seeds)]
+    more = [
+        job(arm, chosen[arm.stem], first[arm.stem] + k) for arm in arms for k in range(1, seeds)
+    ]
     done.update(zip((name for _, name in more), _run(more, root, jobs, quiet)))
     return [
         _arm_result(
@@ -163,12 +166,18 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
             rates[arm.stem],
             chosen[arm.stem],
             done,
-            first_seed,
+            first[arm.stem],
             seeds,
-            lr_max=job(arm, chosen[arm.stem], first_seed)[0].get("lr_max", 0.0),
+            lr_max=job(arm, chosen[arm.stem], first[arm.stem])[0].get("lr_max", 0.0),
         )
         for arm in arms
     ]
+
+
+def first_seed(base: dict[str, Any], arm: Arm) -> int:
+    """An arm's first seed: its own ``seed`` (an arm may vary it), else the base's, else 0;
+    its further seeds are the ones after it."""
+    return int({**base, **arm.overrides}.get("seed", 0))
 
 
 def _run_name(arm: Arm, i: int, seed: int) -> str:
@@ -182,24 +191,24 @@ def _arm_result(
     rate: float,
     pick: int,
     done: dict[str, dict[str, Any]],
-    first_seed: int,
+    seed0: int,
     seeds: int,
     lr_max: float,
 ) -> ArmResult:
     """An arm's grid, its chosen rate and that rate's runs on every seed."""
     order = sorted(grid)
-    names = [_run_name(arm, pick, first_seed + k) for k in range(seeds)]
+    names = [_run_name(arm, pick, seed0 + k) for k in range(seeds)]
     own = next((i for i in order if grid[i] == 1.0), None)
     return ArmResult(
         name=arm.name,
         overrides=dict(arm.overrides),
         lrs=[rate * grid[i] for i in order],
         chosen=order.index(pick),
-        grid=[done[_run_name(arm, i, first_seed)] for i in order],
+        grid=[done[_run_name(arm, i, seed0)] for i in order],
         runs=[done[n] for n in names],
         dirs=names,
         lr_max=lr_max,
-        grid_dirs=[_run_name(arm, i, first_seed) for i in order],
+        grid_dirs=[_run_name(arm, i, seed0) for i in order],
         own=None if own is None else order.index(own),
     )
 
@@ -219,10 +228,10 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
     ``<stem>-tune``); the study's best run is the first seed's."""
     from .tune import Dimension, tune  # the tune extra (Optuna), only when asked for
 
-    first_seed = int(base.get("seed", 0))
+    first = first_seed(base, arm)
     space = [Dimension("lr", rate * min(multipliers), rate * max(multipliers), log=True)]
     study = tune(
-        {**base, **arm.overrides, "seed": first_seed},
+        {**base, **arm.overrides, "seed": first},
         root / f"{arm.stem}-tune",
         space,
         dataclasses.replace(settings, jobs=jobs),
@@ -231,7 +240,7 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
     lr = study.best["lr"]
     arm_config = {**base, **arm.overrides}
     more = [
-        (at_rate({**arm_config, "seed": first_seed + k}, lr), f"{arm.stem}-tuned-seed{k}")
+        (at_rate({**arm_config, "seed": first + k}, lr), f"{arm.stem}-tuned-seed{k}")
         for k in range(1, seeds)
     ]
     first = json.loads((study.best_dir / "summary.json").read_text())
@@ -244,7 +253,7 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
         runs=[first, *_run(more, root, jobs, quiet)],
         dirs=[str(study.best_dir.relative_to(root)), *(name for _, name in more)],
         tuned={"trials": len(study.trials), "cost": study.cost},
-        lr_max=at_rate({**arm_config, "seed": first_seed}, lr).get("lr_max", 0.0),
+        lr_max=at_rate({**arm_config, "seed": first}, lr).get("lr_max", 0.0),
     )
 
 
