@@ -37,10 +37,13 @@ GPT-2-small shape (width 768, 12 layers, 12 heads, vocabulary 50,257; context
 minutes) and an overhead-bound ``mlp`` (32 features, 256 hidden, 10 classes), where the
 loop's own Python is what a step costs.
 
-**agreement.** On the ``text``, ``mnist1d`` and ``lm`` tasks' models, trained for
-``--warm-steps`` steps first, both estimators read the same backward passes of
-``--batches-measured`` batches of 64 (four micro-batches for the sub-batch one): the
-mean ``|G|²``, ``tr Σ`` and ``B_simple = tr Σ / |G|²`` of each, with standard errors.
+**agreement.** On the ``text``, ``mnist1d`` and ``lm`` tasks' models (``--tasks``; ``--set``
+changes their config), trained for ``--warm-steps`` steps first, both estimators read the
+same backward passes of ``--batches-measured`` batches of 64 (four micro-batches for the
+sub-batch one): the mean ``|G|²``, ``tr Σ`` and ``B_simple = tr Σ / |G|²`` of each, with
+standard errors; where the model has LayerNorms, also their parameters' alone (Gray et
+al. 2024, "Normalization layer per-example gradients are sufficient to predict gradient
+noise scale in transformers").
 
 **throughput.** ``bigbatch train`` on ``--task`` (with ``--set`` overrides; bf16 on a
 GPU) for ``--train-samples`` samples: samples per second of the whole run.
@@ -218,7 +221,7 @@ def _forever(loader):
 
 
 def agreement(task: str, args) -> None:
-    config = with_task_defaults(resolve({"task": task, "device": "cpu"}))
+    config = with_task_defaults(with_overrides(resolve({"task": task, "device": "cpu"}), args.set))
     problem = TASKS[task].build(config)
     model = problem.model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -239,6 +242,12 @@ def agreement(task: str, args) -> None:
             params, ema_beta=0.0, similarity="scalar", per_example=model, per_example_sample=4
         ),
     }
+    # Gray et al. (2024): the normalization layers' noise scale alone, where there are some
+    norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
+    if norms:
+        collectors["norm layers only"] = MicroBatchStatistics(
+            [norms], ema_beta=0.0, similarity="scalar", per_example=model
+        )
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in collectors}
     for _ in range(args.batches_measured):
         batch = next(batches)
@@ -304,7 +313,9 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=200)
     parser.add_argument("--batches-measured", type=int, default=100)
     parser.add_argument("--task", default="lm", help="throughput: the task trained")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="agreement, throughput"
+    )
     parser.add_argument("--train-samples", type=int, default=200_000)
     args = parser.parse_args()
     args.device = torch.device(args.device)
