@@ -43,10 +43,13 @@ def test_an_arm_that_sets_its_seed_trains_from_that_seed(trained, tmp_path):
     assert [metric(s) for s in results[1].runs] == pytest.approx([0.975, 0.974])
     pytest.importorskip("optuna")
     trained.clear()
-    tuned = sweep(BASE, arms[1:], tmp_path / "tuned", multipliers=(0.5, 2.0), seeds=2,
+    # the task's rate (no lr given): the chosen point's config is resolved again
+    base = {k: v for k, v in BASE.items() if k != "lr"}
+    tuned = sweep(base, arms[1:], tmp_path / "tuned", multipliers=(0.5, 2.0), seeds=2,
                   tune=TuneSettings(trials=3, reduction=3))  # fmt: skip
     assert {r["seed"] for r in trained} == {5, 6}  # the study's trials, then seed 6
     assert tuned[0].dirs[1] == "s5-tuned-seed1"
+    assert [r["final_accuracy"] for r in tuned[0].runs][1] < tuned[0].runs[0]["final_accuracy"]
 
 
 def test_a_grid_at_the_tasks_rate_scales_the_tasks_ceiling_with_it(trained, tmp_path):

@@ -228,10 +228,10 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
     ``<stem>-tune``); the study's best run is the first seed's."""
     from .tune import Dimension, tune  # the tune extra (Optuna), only when asked for
 
-    first = first_seed(base, arm)
+    seed = first_seed(base, arm)
     space = [Dimension("lr", rate * min(multipliers), rate * max(multipliers), log=True)]
     study = tune(
-        {**base, **arm.overrides, "seed": first},
+        {**base, **arm.overrides, "seed": seed},
         root / f"{arm.stem}-tune",
         space,
         dataclasses.replace(settings, jobs=jobs),
@@ -240,20 +240,20 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
     lr = study.best["lr"]
     arm_config = {**base, **arm.overrides}
     more = [
-        (at_rate({**arm_config, "seed": first + k}, lr), f"{arm.stem}-tuned-seed{k}")
+        (at_rate({**arm_config, "seed": seed + k}, lr), f"{arm.stem}-tuned-seed{k}")
         for k in range(1, seeds)
     ]
-    first = json.loads((study.best_dir / "summary.json").read_text())
+    best_run = json.loads((study.best_dir / "summary.json").read_text())
     return ArmResult(
         name=arm.name,
         overrides=dict(arm.overrides),
         lrs=[lr],
         chosen=0,
-        grid=[first],
-        runs=[first, *_run(more, root, jobs, quiet)],
+        grid=[best_run],
+        runs=[best_run, *_run(more, root, jobs, quiet)],
         dirs=[str(study.best_dir.relative_to(root)), *(name for _, name in more)],
         tuned={"trials": len(study.trials), "cost": study.cost},
-        lr_max=at_rate({**arm_config, "seed": first}, lr).get("lr_max", 0.0),
+        lr_max=at_rate({**arm_config, "seed": seed}, lr).get("lr_max", 0.0),
     )
 
 
