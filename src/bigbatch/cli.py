@@ -200,6 +200,8 @@ def _compare_arguments(compare: argparse.ArgumentParser) -> None:
         "applies to every one",
     )
     add_flags(compare, Protocol)
+    # a tuned comparison's studies: bigbatch tune's options, its runs at a time --jobs
+    add_flags(compare, TuneSettings, skip=("jobs",), when="with --tune: ")
     compare.add_argument("--out", metavar="DIR", help="comparison directory (default: under runs/)")
 
 

@@ -127,6 +127,42 @@ def test_a_tuned_comparison_searches_each_arms_rate_over_the_grid_range(trained,
         plan(base, vary=["batch.initial=64,256"], tune=True)
 
 
+TUNED_RECIPE = """
+task = "digits"
+[compare]
+lr_grid = [0.5, 2]
+tune = true
+[[compare.arms]]
+name = "default"
+[tune]
+trials = 6
+seed = 1
+"""
+
+
+def test_a_tuned_comparisons_studies_take_the_tune_options_as_flags(tmp_path, monkeypatch, capsys):
+    """``--tune --search-seed 2 --trials 3``: the study's sampler seed and trials, over the
+    file's ``[tune]`` table; its trials at a time are the comparison's ``--jobs``."""
+    import bigbatch.experiments.compare as compare_module
+
+    seen = {}
+
+    def fake_run(comparison, out, *, quiet, tune):
+        seen["tune"] = tune
+        return tmp_path / "report.md"
+
+    monkeypatch.setattr(compare_module, "run_comparison", fake_run)
+    recipe = tmp_path / "tuned.toml"
+    recipe.write_text(TUNED_RECIPE)
+    args = ["compare", "--config", recipe, "--search-seed", "2", "--jobs", "2"]
+    assert run_cli(*args) == 0
+    assert (seen["tune"].seed, seen["tune"].trials, seen["tune"].jobs) == (2, 6, 2)
+    assert run_cli(*args, "--trials", "3") == 0 and seen["tune"].trials == 3
+    capsys.readouterr()
+    assert run_cli(*args, "--trials", "0") == 2
+    assert "--trials must be a whole number >= 1, got 0" in capsys.readouterr().err
+
+
 ARMS_RECIPE = """
 task = "digits"
 [compare]

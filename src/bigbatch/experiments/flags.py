@@ -58,12 +58,17 @@ def shown(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per option of ``cls``, its help ending in the default; a flag not given is
+def add_flags(
+    parser: argparse.ArgumentParser, cls: type, *, skip: Sequence[str] = (), when: str = ""
+) -> None:
+    """One flag per option of ``cls`` (but ``skip``), its help ending in the default and
+    opening with ``when`` (the flag of another option it serves); a flag not given is
     None, so a file's table shows through (:func:`given`)."""
     for f in _options(cls).values():
+        if f.name in skip:
+            continue
         knob = f.metadata["knob"]
-        text = f"{knob.help} (default {shown(_default(f))})".replace("%", "%%")
+        text = f"{when}{knob.help} (default {shown(_default(f))})".replace("%", "%%")
         if FieldKind.of(f).item == "bool":
             parser.add_argument(flag(f), dest=f.name, action="store_true", default=None, help=text)
             continue
