@@ -30,6 +30,7 @@ PAGES = [
 RETIRED = {
     "benchmarks/evidence_batch.py": "benchmarks/studies/adaptive_vs_static.toml",
     "benchmarks/recipes.py": "benchmarks/studies/recipes.toml",
+    "benchmarks/tune_vs_grid.py": "benchmarks/studies/tune_vs_grid.toml",
 }
 COMMAND = re.compile(
     r"(bigbatch (?:train|compare|tune|report|critical-batch|federated|tasks)\b"
