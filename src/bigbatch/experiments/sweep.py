@@ -133,31 +133,28 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
         ]
     grids = {arm.stem: {i: m for i, m in enumerate(multipliers)} for arm in arms}
 
-    def job(arm: Arm, i: int, seed: int) -> tuple[dict[str, Any], str]:
-        lr = rates[arm.stem] * grids[arm.stem][i]
+    def job(arm: Arm, i: int, k: int = 0) -> tuple[dict[str, Any], str]:
+        """Rate ``i`` of the arm's grid, on the ``k``-th seed after the arm's first."""
+        seed, lr = first_seed(base, arm) + k, rates[arm.stem] * grids[arm.stem][i]
         return at_rate({**base, **arm.overrides, "seed": seed}, lr), _run_name(arm, i, seed)
 
-    first = {arm.stem: first_seed(base, arm) for arm in arms}
-    grid_jobs = [job(arm, i, first[arm.stem]) for arm in arms for i in grids[arm.stem]]
+    grid_jobs = [job(arm, i) for arm in arms for i in grids[arm.stem]]
     done = dict(zip((name for _, name in grid_jobs), _run(grid_jobs, root, jobs, quiet)))
 
     def best(arm: Arm) -> int:
-        scores = {i: RANKS[rank](done[_run_name(arm, i, first[arm.stem])]) for i in grids[arm.stem]}
+        seed = first_seed(base, arm)
+        scores = {i: RANKS[rank](done[_run_name(arm, i, seed)]) for i in grids[arm.stem]}
         return min(sorted(scores), key=scores.__getitem__)
 
     for _ in range(widen):
         extra = [
-            job(arm, i, first[arm.stem])
-            for arm in arms
-            if (i := _beyond(grids[arm.stem], best(arm))) is not None
+            job(arm, i) for arm in arms if (i := _beyond(grids[arm.stem], best(arm))) is not None
         ]
         if not extra:
             break
         done.update(zip((name for _, name in extra), _run(extra, root, jobs, quiet)))
     chosen = {arm.stem: best(arm) for arm in arms}
-    more = [
-        job(arm, chosen[arm.stem], first[arm.stem] + k) for arm in arms for k in range(1, seeds)
-    ]
+    more = [job(arm, chosen[arm.stem], k) for arm in arms for k in range(1, seeds)]
     done.update(zip((name for _, name in more), _run(more, root, jobs, quiet)))
     return [
         _arm_result(
@@ -166,9 +163,9 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
             rates[arm.stem],
             chosen[arm.stem],
             done,
-            first[arm.stem],
+            first_seed(base, arm),
             seeds,
-            lr_max=job(arm, chosen[arm.stem], first[arm.stem])[0].get("lr_max", 0.0),
+            lr_max=job(arm, chosen[arm.stem])[0].get("lr_max", 0.0),
         )
         for arm in arms
     ]
