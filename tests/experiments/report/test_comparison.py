@@ -3,7 +3,7 @@
 import json
 
 from bigbatch.experiments.arms import ArmResult
-from bigbatch.experiments.report.comparison import _judged_early, _near_best, pareto_front
+from bigbatch.experiments.report.comparison import _axis, _judged_early, _near_best, pareto_front
 
 
 def _arm(root, name, curves, controller="BatchWarmup()"):
@@ -94,3 +94,17 @@ def test_the_rate_grid_judged_early_leads_with_the_rate_that_learns_fastest(tmp_
     assert _judged_early(tmp_path, [arm], [], loss=True, score="eval loss") == []
     early = _judged_early(tmp_path, [arm], [0.05], loss=True, score="eval loss")
     assert "| adam | 0.05 | 0.001: —, 0.002: —, 0.004: — | — |" in early
+
+
+def test_the_axis_drawn_against_is_a_varied_quantity_never_the_seed():
+    def arms(**values):
+        return [ArmResult(str(i), {k: v[i] for k, v in values.items()}, [0.01], 0, [], [{}])
+                for i in range(3)]  # fmt: skip
+
+    plan = {"varied": ["seed", "lr_max"]}
+    assert _axis(plan, arms(seed=[0, 1, 2], lr_max=[0.1, 0.2, 0.4])) == "lr_max"
+    assert _axis({"varied": ["seed"]}, arms(seed=[0, 1, 2])) is None
+    batch = {"varied": ["model.width", "batch.initial"]}
+    assert _axis(batch, arms(**{"model.width": [8, 16, 32], "batch.initial": [16, 64, 256]})) == (
+        "batch.initial"
+    )

@@ -64,9 +64,12 @@ def _mean_std_text(values: list[Any], digits: int) -> str:
 
 
 def _axis(plan: dict[str, Any], arms: list[ArmResult]) -> str | None:
-    """The varied key to draw against: numeric, three values at least; the batch first."""
+    """The varied key to draw against: numeric, three values at least, a quantity (not the
+    seed, which names a draw); the batch first."""
     numeric = []
     for key in plan.get("varied", []):
+        if key == "seed":
+            continue
         values = {a.overrides.get(key) for a in arms}
         if len(values) >= 3 and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
