@@ -306,9 +306,11 @@ def _rank_arguments(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def _print_summary(out: Path, summary: dict[str, Any]) -> None:
+    # the task's own score first: the eval loss on the language tasks, else the accuracy
+    score = "eval_loss" if summary["target_metric"].endswith("loss") else "accuracy"
     print(
-        f"{out}: best accuracy {summary['best_accuracy']:.4f}, "
-        f"final {summary['final_accuracy']:.4f}, "
+        f"{out}: best {score.replace('_', ' ')} {summary[f'best_{score}']:.4f}, "
+        f"final {summary[f'final_{score}']:.4f}, "
         f"{summary['steps']} steps ({summary['skipped_steps']} skipped), "
         f"{summary['samples']} samples, average batch "
         f"{summary['avg_batch_size']:.0f}, {summary['wall_seconds']:.0f} s; "

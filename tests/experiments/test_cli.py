@@ -249,7 +249,7 @@ def test_tasks_are_listed(capsys):
     assert "lr_max    plain-sgd 0.632, vr-sgd 0.632, vr-adam 0.016 (ceilings" in listing
 
 
-def test_lm_task_logs_the_max_attention_logit_and_loss_floor(tmp_path):
+def test_lm_task_logs_the_max_attention_logit_and_loss_floor(tmp_path, capsys):
     out = tmp_path / "lm"
     assert (
         run_cli(
@@ -271,6 +271,8 @@ def test_lm_task_logs_the_max_attention_logit_and_loss_floor(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["max_attention_logit"] > 0
     assert 0 < summary["loss_floor"] < summary["final_eval_loss"]
+    # the command's line leads with the task's own score, the eval loss
+    assert f"best eval loss {summary['best_eval_loss']:.4f}, final " in capsys.readouterr().out
 
 
 def test_teacher_task_trains(tmp_path):
