@@ -31,7 +31,7 @@ from .config import (
     resolve,
     section,
 )
-from .device import Precision, to_device
+from .device import Precision, resolve_device, to_device
 from .tasks import TASKS, Problem
 
 #: config names of the compression methods that differ from the hook's
@@ -202,6 +202,15 @@ def with_recipe(config: dict[str, Any], origins: dict[str, str] | None = None) -
             if origins is not None and value != AUTO:
                 origins[key] = f"the {config['optimizer']} recipe"
     return config
+
+
+def run_device(config: dict[str, Any]) -> torch.device:
+    """The device the run's ``device`` key names, on this machine; a name it cannot train
+    on is one :class:`ConfigError`."""
+    try:
+        return resolve_device(section(MachineKeys, config).device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def make_controller(config: dict[str, Any]) -> Controller:

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from .build import build, fit_batches_to_data, with_task_defaults
-from .config import ConfigError
-from .device import resolve_device
+from .build import build, fit_batches_to_data, run_device, with_task_defaults
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
 FOLLOWS = {
@@ -95,10 +93,7 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
 
 def _machine(run: dict[str, Any]) -> str:
     """The device this process would train on, its CPU threads and the forward's precision."""
-    try:
-        device = resolve_device(run["device"])
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    device = run_device(run)
     auto = run["device"] == "auto"
     text = f"{device}{' (device auto: no GPU)' if auto and device.type == 'cpu' else ''}"
     if device.type == "cpu":

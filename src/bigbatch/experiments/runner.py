@@ -34,9 +34,9 @@ from ..dist.world import World, init_from_env
 from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..sinks import Sinks
-from .build import build, intervals, run_facts, train_step, with_task_defaults
+from .build import build, intervals, run_device, run_facts, train_step, with_task_defaults
 from .config import ConfigError, DistKeys, MachineKeys, RunKeys, resolve, section, to_toml
-from .device import keep_freed_memory, resolve_device, set_tf32, set_threads
+from .device import keep_freed_memory, set_tf32, set_threads
 from .report import run as run_report
 from .run_sinks import check_sinks, open_sinks
 from .rundir import (
@@ -93,10 +93,7 @@ def train(
     config = with_task_defaults(config)
     intervals(config)  # an interval this run cannot measure: one line, before ``out`` is claimed
     machine, timeout = section(MachineKeys, config), section(DistKeys, config).timeout
-    try:
-        device = resolve_device(machine.device)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    device = run_device(config)
     set_tf32(machine.tf32)
     check_sinks(config)
     world = init_from_env(device, timeout=timeout)
