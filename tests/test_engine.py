@@ -213,14 +213,17 @@ def test_under_seesaw_the_rate_over_the_familys_invariant_is_the_schedule(optimi
 
 
 class Recording(bb.batch.CriticalBatchRamp):
-    """A statistics-reading controller that records the steps it was asked at."""
+    """A statistics-reading controller that records the steps it was asked at, and what."""
 
-    def __init__(self) -> None:
+    def __init__(self, between: bool = False) -> None:
         super().__init__(0.5, initial=16, window=2)
+        self.learns_between_measurements = between
         self.asked: list[int] = []
+        self.seen: list[dict] = []
 
     def next(self, measured, batch_size, samples):
         self.asked.append(samples // 16)
+        self.seen.append(dict(measured))
         return super().next(measured, batch_size, samples)
 
 
@@ -235,10 +238,31 @@ def test_statistics_every_k_measures_steps_1_k_plus_1_and_the_controller_decides
         opt.zero_grad()
         measured.append(result.stats is not None)
         assert ("trace" in result.metrics) == measured[-1]
+        assert "batch_grad_sq_norm" not in result.metrics  # this controller cannot use it
         assert result.metrics["loss"] > 0 and result.metrics["step"] == seed + 1
     assert measured == [True, False, False, True, False, False, True]
     assert engine.controller.asked == [1, 4, 7]  # its windows count measured steps
     assert engine.collector.state_dict()["ema_steps"] == 3
+
+
+def test_a_controller_that_learns_between_measurements_gets_the_batch_gradients_norm():
+    """Between measurements such a controller is asked too, with ``|g_B|²`` of the step's
+    whole gradient (what ``.grad`` holds) and ``φ(B) = 1/B``; a measured step is as before."""
+    model, opt, engine = setup(Recording(between=True), statistics_every=3)
+    for seed in range(4):
+        plan = FOUR if seed % 3 == 0 else StepPlan(((16,),))
+        result = run_step(model, engine, plan=plan, seed=seed)
+        grad_sq = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+        engine.after_optimizer_step(result)
+        opt.zero_grad()
+        seen = engine.controller.seen[-1]
+        if seed % 3:
+            assert "trace" not in seen
+            assert seen["batch_grad_sq_norm"] == pytest.approx(grad_sq, rel=1e-6)
+            assert seen["batch_inverse_size"] == 1 / 16
+        else:
+            assert "batch_grad_sq_norm" not in seen and math.isfinite(seen["trace"])
+    assert engine.controller.asked == [1, 2, 3, 4]
 
 
 def test_a_controller_that_reads_no_statistics_decides_at_every_step_between_measurements():

@@ -122,6 +122,13 @@ def test_one_read_per_step_with_per_example_statistics(micro_batches, sample):
     assert loop.batch_size > 16 * micro_batches, "the controller must have acted"
 
 
+def test_one_read_per_step_measuring_every_third_step():
+    """Between measurements the controller still learns (the batch gradient's norm rides in
+    the loss's one reduction): one read on every step, measured or not."""
+    model, loop = make_loop(2, noise_from="examples", statistics_every=3)
+    assert reads_per_step(model, loop, steps=9) == [["tolist"]] * 9
+
+
 def test_one_read_per_step_with_vrgd():
     model, loop = make_loop(8, optimizer="vrgd")
     assert reads_per_step(model, loop) == [["tolist"]] * 4

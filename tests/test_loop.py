@@ -104,6 +104,26 @@ def test_works_with_torch_optimizers_grad_scaler_and_workers():
             assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-7)
 
 
+def test_between_measurements_the_batch_gradients_norm_is_unscaled_from_a_grad_scaler():
+    """The norm a controller learns from between measurements is the unscaled gradient's:
+    what the same run without a scaler logs."""
+
+    def run(**options):
+        controller = bb.batch.CriticalBatchRamp(1.0, initial=16, window=4)
+        model, loop = make_run(
+            optimizer="sgd", controller=controller, statistics_every=2, **options
+        )
+        return train(loop, model, max_steps=6)
+
+    history = run(scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+    expected = run()
+    between = [m for m in history if "batch_grad_sq_norm" in m]
+    assert len(between) == 3
+    for got, want in zip(history, expected):
+        if "batch_grad_sq_norm" in want:
+            assert got["batch_grad_sq_norm"] == pytest.approx(want["batch_grad_sq_norm"], rel=1e-4)
+
+
 def test_noise_scale_controller_and_adascale():
     model, loop = make_run(
         controller=bb.batch.NoiseScale(initial=16, min=8, max=512),

@@ -50,6 +50,7 @@ from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
 from .options import NONFINITE_POLICIES, StepOptions
 from .stats.collector import MicroBatchStatistics
+from .stats.estimators import inverse_size
 from .stats.result import GradientStats
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteError", "StepEngine", "StepOptions", "StepResult"]
@@ -228,7 +229,7 @@ class StepEngine:
             stats, metrics, finite = _statistics(self.collector, self.scaler, loss)
         else:
             stats = None
-            metrics, finite = _mean_loss_and_finiteness(self.optimizer, self.world, loss)
+            metrics, finite = _between_measurements(self, loss, batch)
         if not reported:  # a loop that never gave its loss (add_loss) has none, not a loss of 0
             del metrics["loss"]
         self._plan = None
@@ -263,8 +264,9 @@ class StepEngine:
         self._lr.apply(self.optimizer, factor)
         self._count(batch, metrics)
         # an overflowed GradScaler step teaches the controller nothing, and a step between
-        # measurements nothing a controller that reads statistics could use
-        if finite and (stats is not None or not self.controller.needs_statistics):
+        # measurements only a controller that learns |G|² from the batch gradient alone
+        informs = stats is not None or "batch_grad_sq_norm" in metrics
+        if finite and (informs or not self.controller.needs_statistics):
             self.batch_size = int(self.controller.next(metrics, batch, self.samples))
         if finite:
             self._log_noise_scale(metrics)
@@ -343,15 +345,49 @@ def _statistics(
     return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
 
 
+def _between_measurements(
+    engine: StepEngine, loss: Tensor, batch: int
+) -> tuple[dict[str, float], bool]:
+    """A step that does not measure: its mean loss and finiteness, and for a controller
+    that learns between measurements the batch gradient's ``|g_B|²`` (unscaled) and
+    ``φ(B)`` (``batch_inverse_size``), from the same one reduction. Not where ``.grad``
+    does not hold the batch gradient (a rank-local reduction: DeepSpeed frees each
+    micro-batch's gradient)."""
+    collector = engine.collector
+    wanted = (
+        collector is not None
+        and not collector.lossy_reduction
+        and getattr(engine.controller, "learns_between_measurements", False)
+    )
+    if not wanted:
+        return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss)
+    scale = torch.ones((), device=collector.layout.device)
+    if engine.scaler is not None and engine.scaler.is_enabled():
+        scale = engine.scaler.scale(scale)  # a device tensor: get_scale() would sync
+    metrics, finite = _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, scale)
+    metrics["batch_inverse_size"] = inverse_size(batch, collector.dataset_size)
+    return metrics, finite
+
+
 def _mean_loss_and_finiteness(
-    optimizer: torch.optim.Optimizer, world: World, loss: Tensor
+    optimizer: torch.optim.Optimizer, world: World, loss: Tensor, scale: Tensor | None = None
 ) -> tuple[dict[str, float], bool]:
     """The batch's mean loss and whether it and every gradient are finite, on every rank,
-    without statistics: one all-reduce (a NaN on any rank reaches all) and one host read."""
+    without statistics: one all-reduce (a NaN on any rank reaches all) and one host read.
+    With ``scale`` (the loss scale the gradients carry), also the batch gradient's squared
+    norm ``batch_grad_sq_norm``, which the same reduction gives."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
     present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
     # squared norms: a NaN or an infinity survives the sum, and no square root is needed
     total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
-    packed = torch.stack([loss.double().reshape(()), total.to(loss.device)])
-    value, total_sq = world.all_reduce_sum(packed / world.size).tolist()
-    return {"loss": value}, math.isfinite(value + total_sq)
+    parts = [loss.double().reshape(()), total.to(loss.device)]
+    if scale is not None:
+        parts.append(scale.double().reshape(()).to(loss.device))
+    read = world.all_reduce_sum(torch.stack(parts) / world.size).tolist()
+    value, total_sq = read[0], read[1]
+    metrics = {"loss": value}
+    if scale is not None:
+        # a replicated gradient (DDP) is summed once per rank; a sharded one's shards add up
+        full_sq = total_sq * world.size if world.sharded else total_sq
+        metrics["batch_grad_sq_norm"] = full_sq / read[2] ** 2
+    return metrics, math.isfinite(value + total_sq)

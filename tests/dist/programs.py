@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.utils.data import TensorDataset
 
 from bigbatch import AdaptiveBatch
-from bigbatch.batch import Constant, SimiGrad
+from bigbatch.batch import Constant, CriticalBatchRamp, SimiGrad
 from bigbatch.optim import AGVM, VRGD, create_optimizer
 from bigbatch.stats import noise_components, scalar_similarity
 
@@ -144,6 +144,25 @@ def adaptive_run(  # noqa: PLR0913 - each a variant some test runs
     record = train(loop, steps)
     record["params"] = flat_params(loop)
     return record
+
+
+def norm_between_measurements(fsdp: bool = False) -> list[tuple[float | None, float]]:
+    """Four steps measuring every 2nd, with a controller that learns between measurements:
+    each step's logged ``batch_grad_sq_norm`` beside its whole gradient's squared norm
+    (gathered from the shards under FSDP2)."""
+    world = dist.get_world_size()
+    loop = make_loop(CriticalBatchRamp(1.0, initial=16 * world, window=4), fsdp=fsdp,
+                     ddp=not fsdp, statistics_every=2)  # fmt: skip
+    seen = []
+    for step in loop.steps(max_steps=4):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(loop.model(x), y))
+        grads = [p.grad for p in loop.model.parameters()]
+        full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+        step.apply()
+        seen.append((step.metrics.get("batch_grad_sq_norm"),
+                     sum(float(g.double().square().sum()) for g in full)))  # fmt: skip
+    return seen
 
 
 def constant_run(batch: int, steps: int, fsdp: bool = False, optimizer: str = "sgd") -> dict:

@@ -67,6 +67,16 @@ def test_statistics_every_third_step_decides_the_same_on_every_rank(cluster2):
     assert torch.equal(results[1]["params"], first["params"])
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_a_step_between_measurements_gives_the_whole_batch_gradients_norm(cluster2, fsdp):
+    """Between measurements a controller that learns from them gets ``|g_B|²`` of the
+    global batch's gradient: replicated under DDP, summed over the shards under FSDP2."""
+    for seen in cluster2.run(programs.norm_between_measurements, fsdp):
+        assert [norm is None for norm, _ in seen] == [True, False, True, False]
+        for norm, full in seen[1::2]:
+            assert norm == pytest.approx(full, rel=1e-6)
+
+
 def test_split_mode_also_decides_the_same_on_every_rank(cluster2):
     results = cluster2.run(programs.adaptive_run, 60, "split")
     assert results[0]["batch"] == results[1]["batch"]

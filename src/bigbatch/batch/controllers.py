@@ -99,8 +99,12 @@ class Controller(Protocol):
     ``holds_lr`` whether its batch follows the noise scale, so that the
     learning rate should not follow the batch (``bigbatch.batch.lr``). Optional
     flags: ``reads_similarity`` (it decides on the measured half-batch cosine,
-    so per-example statistics keep two micro-batches for it) and
-    ``family_lr_rule`` (``lr_scaling="auto"`` is the optimizer family's rule).
+    so per-example statistics keep two micro-batches for it),
+    ``family_lr_rule`` (``lr_scaling="auto"`` is the optimizer family's rule) and
+    ``learns_between_measurements`` (with ``statistics_every > 1`` it is also called
+    on the steps between measurements, whose ``measured`` holds the batch gradient's
+    ``batch_grad_sq_norm`` and its ``batch_inverse_size`` instead of the statistics:
+    :meth:`~bigbatch.batch.smoothing.SmoothedNoise.observe`).
 
     A controller that decides on the noise scale also has ``estimate() ->
     dict[str, float]``: the ``noise_scale`` it acts on, with its
@@ -240,6 +244,8 @@ class CriticalBatchRamp:
     shrink: bool = setting(False, "also shrink when the noise scale falls", key="shrink")
 
     needs_statistics = True
+    #: its noise scale learns |G|² from the steps between measurements too
+    learns_between_measurements = True
     holds_lr = True
 
     def __post_init__(self) -> None:
@@ -248,7 +254,7 @@ class CriticalBatchRamp:
         self._warming = _WarmUp(self.warmup)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._noise.update(measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan))
+        self._noise.observe(measured)
         # half a window of evidence before the first decision: two steps' spread is no error bar
         if self._warming(measured, samples) or not self._noise.ready:
             return batch_size
@@ -379,6 +385,8 @@ class BatchWarmup:
     )
 
     needs_statistics = True
+    #: its noise scale learns |G|² from the steps between measurements too
+    learns_between_measurements = True
     holds_lr = False
 
     def __post_init__(self) -> None:
@@ -421,9 +429,7 @@ class BatchWarmup:
         return self.current_multiple() * lower * self._schedule**self.decay_power
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._noise.update(
-            measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
-        )
+        self._noise.observe(measured, self.clip)
         schedule = measured.get("schedule", math.nan)
         # while the rate warms up the loss is flat because the rate is small, not because
         # samples no longer help: the slope is fitted from the first step after the warm-up
@@ -528,6 +534,8 @@ class Seesaw:
 
     #: False without the noise cap (set by the settings)
     needs_statistics = True
+    #: its noise scale learns |G|² from the steps between measurements too
+    learns_between_measurements = True
     holds_lr = False
     #: the batch replaces the schedule's decay: ``lr_scaling="auto"`` is the optimizer
     #: family's equivalence rule (``bigbatch.batch.lr.FAMILY_RULES``), never a rule measured
@@ -553,9 +561,7 @@ class Seesaw:
         return self.initial * self._decay.growth(self.granularity)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._noise.update(
-            measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan), self.clip
-        )
+        self._noise.observe(measured, self.clip)
         self._decay.update(measured, samples)
         # the cap is at most max, so this is finite; round down to a whole batch, never below
         # the current one: the batch never shrinks
@@ -877,6 +883,8 @@ class NoiseScale:
     window: int = setting(20, **_WINDOW)
 
     needs_statistics = True
+    #: its noise scale learns |G|² from the steps between measurements too
+    learns_between_measurements = True
     holds_lr = True
 
     def __post_init__(self) -> None:
@@ -884,7 +892,7 @@ class NoiseScale:
         self._noise = SmoothedNoise(self.window)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._noise.update(measured.get("grad_sq_norm", math.nan), measured.get("trace", math.nan))
+        self._noise.observe(measured)
         noise = self._noise.noise_scale()
         if not math.isfinite(noise) or noise <= 0:
             return batch_size

@@ -21,6 +21,10 @@ from .._checks import check_number
 
 _SUMS = ("w", "w2", "x", "xx")
 
+#: the fewest ``tr Σ`` values behind a decision when steps between measurements add
+#: ``|G|²`` alone (:meth:`SmoothedNoise.observe`): two values' spread is no error bar
+MIN_TRACE = 4
+
 
 class SmoothedValue:
     """An exponentially weighted mean of a per-step value, with its standard error.
@@ -118,6 +122,9 @@ class SmoothedNoise:
     def __init__(self, window: float = 20.0) -> None:
         self.signal = SmoothedValue(window)
         self.trace = SmoothedValue(window)
+        #: the weighted share of ``|G|²``'s mean that is ``-φ(B) tr Σ`` (:meth:`observe`): its
+        #: error moves with the trace's, which the signal's own spread does not show
+        self.borrowed = SmoothedValue(window)
 
     def update(self, signal: float, trace: float, clip: float | None = None) -> None:
         """Add one step's ``|G|²`` and ``tr Σ`` estimates (skipped unless both are finite);
@@ -128,11 +135,41 @@ class SmoothedNoise:
                 signal, trace = self.signal.clipped(signal, clip), self.trace.clipped(trace, clip)
             self.signal.update(signal)
             self.trace.update(trace)
+            self.borrowed.update(0.0)
+
+    def observe(self, measured: dict[str, float], clip: float | None = None) -> None:
+        """One step's evidence: its ``|G|²`` and ``tr Σ`` estimates (``grad_sq_norm``,
+        ``trace``) on a measured step (:meth:`update`); between measurements
+        (``statistics_every``) the batch gradient's ``|g_B|²`` alone.
+
+        ``E |g_B|² = |G|² + φ(B) tr Σ`` (``φ = 1/B``, or the finite-population factor:
+        ``batch_inverse_size``), so such a step gives ``|G|²`` as ``|g_B|² − φ(B)`` times
+        the smoothed ``tr Σ``: the noisier of the two means, ``|G|²`` (its step-to-step
+        spread is 0.7–2× its mean against 0.25–0.8× for ``tr Σ``), gathers evidence at
+        every step, and only ``tr Σ`` at the measured ones. Those values share the
+        smoothed trace's error, so :meth:`bounds` adds it to ``|G|²``'s: the mean share
+        ``φ̄`` of the values that borrowed it times the trace's standard error. Nothing
+        is learnt before the trace has a mean.
+        """
+        if math.isfinite(measured.get("trace", math.nan)):
+            self.update(measured.get("grad_sq_norm", math.nan), measured["trace"], clip)
+            return
+        batch_sq = measured.get("batch_grad_sq_norm", math.nan)
+        factor = measured.get("batch_inverse_size", math.nan)
+        trace = self.trace.mean
+        if not (math.isfinite(batch_sq) and math.isfinite(factor) and math.isfinite(trace)):
+            return
+        signal = batch_sq - factor * trace
+        if clip is not None:
+            signal = self.signal.clipped(signal, clip)
+        self.signal.update(signal)
+        self.borrowed.update(factor)
 
     def reset(self) -> None:
         """Forget every step (the measurements before a batch or rate change are stale)."""
         self.signal.reset()
         self.trace.reset()
+        self.borrowed.reset()
 
     @property
     def count(self) -> float:
@@ -142,8 +179,10 @@ class SmoothedNoise:
     def ready(self) -> bool:
         """Half a window of weight behind the estimate (the steps' decayed weights, about
         half a window of steps): before it, two steps' spread is no error bar, and no
-        decision may rest on the bounds."""
-        return self.count >= self.signal.window / 2
+        decision may rest on the bounds. Between measurements (:meth:`observe`) ``tr Σ``
+        gathers fewer values: it needs ``MIN_TRACE`` of them, or the half window."""
+        half = self.signal.window / 2
+        return self.count >= half and self.trace.count >= min(half, MIN_TRACE)
 
     def noise_scale(self) -> float:
         """``B_simple`` of the smoothed means (NaN while ``|G|²`` is not positive)."""
@@ -152,11 +191,23 @@ class SmoothedNoise:
 
     def bounds(self, z: float) -> tuple[float, float]:
         """``(lower, upper)`` plausible ``B_simple`` at ``z`` standard errors."""
-        s_low, s_high = self.signal.interval(z)
+        s_low, s_high = self._signal_interval(z)
         t_low, t_high = self.trace.interval(z)
         lower = t_low / s_high if t_low > 0 and 0 < s_high < math.inf else 0.0
         upper = t_high / s_low if s_low > 0 and t_high < math.inf else math.inf
         return lower, upper
+
+    def _signal_interval(self, z: float) -> tuple[float, float]:
+        """``|G|²``'s mean ∓ ``z`` standard errors: its own values' and, for the share that
+        borrowed the smoothed trace, the trace's (``φ̄ σ_T``)."""
+        borrowed = self.borrowed.mean
+        if not borrowed > 0:
+            return self.signal.interval(z)
+        mean = self.signal.mean
+        error = math.hypot(self.signal.standard_error, borrowed * self.trace.standard_error)
+        if math.isinf(error):
+            return -math.inf, math.inf
+        return mean - z * error, mean + z * error
 
     def estimate(self, z: float) -> dict[str, float]:
         """The logged form: ``noise_scale`` with its bounds at ``z`` (``_low``, ``_high``)."""
@@ -164,11 +215,18 @@ class SmoothedNoise:
         return {"noise_scale": self.noise_scale(), "noise_scale_low": low, "noise_scale_high": high}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"signal": self.signal.state_dict(), "trace": self.trace.state_dict()}
+        return {
+            "signal": self.signal.state_dict(),
+            "trace": self.trace.state_dict(),
+            "borrowed": self.borrowed.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.signal.load_state_dict(state["signal"])
         self.trace.load_state_dict(state["trace"])
+        self.borrowed.reset()
+        if "borrowed" in state:  # absent from checkpoints of before statistics in between
+            self.borrowed.load_state_dict(state["borrowed"])
 
 
 _FIT = ("n", "x", "y", "xx", "xy", "yy")

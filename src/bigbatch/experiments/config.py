@@ -427,7 +427,8 @@ class BatchKeys:
         "statistics_every",
         StepOptions.statistics_every,
         "measure the statistics at every this many optimizer steps; the steps between run "
-        "unsplit, as a plain step, and a controller that reads statistics keeps its batch",
+        "unsplit, as a plain step; a noise-scale controller learns |G|^2 from their batch "
+        "gradient, a similarity one keeps its batch",
         low=1,
     )
     similarity: str = run_key(
