@@ -144,12 +144,13 @@ class SmoothedNoise:
 
         ``E |g_B|² = |G|² + φ(B) tr Σ`` (``φ = 1/B``, or the finite-population factor:
         ``batch_inverse_size``), so such a step gives ``|G|²`` as ``|g_B|² − φ(B)`` times
-        the smoothed ``tr Σ``: the noisier of the two means, ``|G|²`` (its step-to-step
-        spread is 0.7–2× its mean against 0.25–0.8× for ``tr Σ``), gathers evidence at
-        every step, and only ``tr Σ`` at the measured ones. Those values share the
-        smoothed trace's error, so :meth:`bounds` adds it to ``|G|²``'s: the mean share
-        ``φ̄`` of the values that borrowed it times the trace's standard error. Nothing
-        is learnt before the trace has a mean.
+        the smoothed ``tr Σ``: ``|G|²`` gathers evidence at every step, ``tr Σ`` only at
+        the measured ones. Those values share the smoothed trace's error, so
+        :meth:`bounds` adds it to ``|G|²``'s: the mean share ``φ̄`` of the values that
+        borrowed it times the trace's standard error. Unpaired, such a value can be
+        noisier than a measured step's ``|G|²``, whose per-example and batch norms share
+        the examples' noise (1.8× on ``text`` at batch 16; docs/results.md, "Measuring
+        every k-th step"). Nothing is learnt before the trace has a mean.
         """
         if math.isfinite(measured.get("trace", math.nan)):
             self.update(measured.get("grad_sq_norm", math.nan), measured["trace"], clip)
