@@ -58,8 +58,10 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
     assert "similarity split" in noise(**{"batch.controller": "simigrad"})
     assert noise(noise_from="sub_batches", statistics_every=4).startswith(
         "the spread of the micro-batches' gradients, 4 micro-batches at least, measured "
-        "one step in 4"
+        "one step in 4 (|G|^2 also from the batch gradient's norm between)"
     )
+    similarity_every = noise(statistics_every=4, **{"batch.controller": "damped_simigrad"})
+    assert "one step in 4;" in similarity_every  # a similarity controller learns nothing between
     # VRGD's GSNR reads the micro-batches: auto falls back and says why
     assert noise(optimizer="vr-lamb").endswith(
         "(noise_from = 'auto', but the GSNR (VRGD) reads the micro-batches)"

@@ -81,6 +81,8 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
         return "not measured"
     many, every = engine.sub_batches, run["statistics_every"]
     steps = "every step" if every == 1 else f"one step in {every}"
+    if every > 1 and getattr(engine.controller, "learns_between_measurements", False):
+        steps += " (|G|^2 also from the batch gradient's norm between)"
     if collector.per_example is not None:
         source = "each example's gradient norm in the one backward"
     else:
