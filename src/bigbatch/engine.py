@@ -328,16 +328,21 @@ def _rate_factor(rule: float, schedule: float | None, ceiling: float | None) -> 
     return min(factor, ceiling) if ceiling is not None else factor
 
 
+def _loss_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor | None:
+    """The loss scale the gradients carry, as a tensor on ``device`` (``get_scale()`` would
+    read it to the host); None without an enabled ``GradScaler``."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return scaler.scale(torch.ones((), device=device))
+
+
 def _statistics(
     collector: MicroBatchStatistics, scaler: torch.amp.GradScaler | None, loss: Tensor
 ) -> tuple[GradientStats, dict[str, float], bool]:
     """The step's statistics, as tensors and floats (the loss among them), and whether the
     step is finite: one host read. The gradient's finiteness rides on ``|g|²``, which the
     statistics reduce anyway (a NaN anywhere, on any rank, makes it NaN)."""
-    scale = None
-    if scaler is not None and scaler.is_enabled():  # a device tensor: get_scale() would sync
-        scale = scaler.scale(torch.ones((), device=collector.layout.device))
-    stats = collector.finish(loss_scale=scale, loss=loss)
+    stats = collector.finish(loss_scale=_loss_scale(scaler, collector.layout.device), loss=loss)
     metrics = stats.as_floats()
     # the collector's β-average ratio is not what any controller decides on: the logged
     # noise_scale is the deciding estimate (StepEngine._log_noise_scale)
@@ -361,9 +366,10 @@ def _between_measurements(
     )
     if not wanted:
         return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss)
-    scale = torch.ones((), device=collector.layout.device)
-    if engine.scaler is not None and engine.scaler.is_enabled():
-        scale = engine.scaler.scale(scale)  # a device tensor: get_scale() would sync
+    device = collector.layout.device
+    scale = _loss_scale(engine.scaler, device)
+    if scale is None:
+        scale = torch.ones((), device=device)
     metrics, finite = _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, scale)
     metrics["batch_inverse_size"] = inverse_size(batch, collector.dataset_size)
     return metrics, finite
