@@ -45,12 +45,23 @@ class SmoothedValue:
     def update(self, value: float) -> None:
         if not math.isfinite(value):
             return
+        self.age()
+        sums = self._sums
+        sums["w"] += 1.0
+        sums["w2"] += 1.0
+        sums["x"] += value
+        sums["xx"] += value * value
+
+    def age(self) -> None:
+        """One step passes without a value: the old weights decay as :meth:`update`'s do,
+        so a value measured every k-th step is averaged over the same steps as one
+        measured at every step (its mean no older, its count k times smaller)."""
         keep = 1.0 - 1.0 / self.window
         sums = self._sums
-        sums["w"] = keep * sums["w"] + 1.0
-        sums["w2"] = keep * keep * sums["w2"] + 1.0
-        sums["x"] = keep * sums["x"] + value
-        sums["xx"] = keep * sums["xx"] + value * value
+        sums["w"] *= keep
+        sums["w2"] *= keep * keep
+        sums["x"] *= keep
+        sums["xx"] *= keep
 
     @property
     def count(self) -> float:
@@ -145,18 +156,21 @@ class SmoothedNoise:
         ``E |g_B|² = |G|² + φ(B) tr Σ`` (``φ = 1/B``, or the finite-population factor:
         ``batch_inverse_size``), so such a step gives ``|G|²`` as ``|g_B|² − φ(B)`` times
         the smoothed ``tr Σ``: ``|G|²`` gathers evidence at every step, ``tr Σ`` only at
-        the measured ones. Those values share the smoothed trace's error, so
-        :meth:`bounds` adds it to ``|G|²``'s: the mean share ``φ̄`` of the values that
-        borrowed it times the trace's standard error. Unpaired, such a value can be
-        noisier than a measured step's ``|G|²``, whose per-example and batch norms share
-        the examples' noise (1.8× on ``text`` at batch 16; docs/results.md, "Measuring
-        every k-th step"). Nothing is learnt before the trace has a mean.
+        the measured ones. The trace's weights decay at every step
+        (:meth:`SmoothedValue.age`), so its mean is as recent as the signal's: ``|G|²`` is
+        small beside ``φ tr Σ`` at a small batch, and a trace averaged over k times the
+        steps, too high while it falls, left ``|G|²`` too low (on ``text`` at batch 16 by
+        half, doubling at a quarter of the steps; docs/results.md, "Measuring every
+        k-th step"). Those values share the smoothed trace's error, so :meth:`bounds`
+        adds it to ``|G|²``'s: the mean share ``φ̄`` of the values that borrowed it
+        times the trace's standard error. Nothing is learnt before the trace has a mean.
         """
         if math.isfinite(measured.get("trace", math.nan)):
             self.update(measured.get("grad_sq_norm", math.nan), measured["trace"], clip)
             return
         batch_sq = measured.get("batch_grad_sq_norm", math.nan)
         factor = measured.get("batch_inverse_size", math.nan)
+        self.trace.age()  # its mean as recent as the signal's (above)
         trace = self.trace.mean
         if not (math.isfinite(batch_sq) and math.isfinite(factor) and math.isfinite(trace)):
             return
