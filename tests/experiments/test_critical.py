@@ -112,6 +112,33 @@ def test_a_measurement_stopped_by_a_signal_continues_to_the_same_points(tmp_path
     assert critical.measure(config, tmp_path / "stopped", options, quiet=True) == straight
 
 
+def test_a_diverged_branch_fails_the_tolerance_and_the_measurement_goes_on(tmp_path, monkeypatch):
+    """A branch past stability is a result (its loss NaN, beyond any tolerance), as in a
+    sweep; it stopped the measurement, and run again the reused summary crashed it."""
+    from bigbatch.experiments import runner
+
+    train = runner.train
+
+    def diverging_at_32(config, out, **kwargs):
+        if out.name != "branch-0-32":
+            return train(config, out, **kwargs)
+        out.mkdir(parents=True, exist_ok=True)  # what the runner leaves: a summary, no score
+        summary = {"ended": "skip_limit", "final_eval_loss": None, "diverged": "too many"}
+        (out / "summary.json").write_text(json.dumps(summary))
+        raise runner.TooManySkippedError(10, 20, 0.25)
+
+    monkeypatch.setattr(runner, "train", diverging_at_32)
+    (point,) = critical.measure(resolve(SMALL), tmp_path, ONE_POINT, quiet=True)
+    assert math.isnan(point.losses[32]) and point.critical_batch == 16
+    (again,) = critical.measure(resolve(SMALL), tmp_path, ONE_POINT, quiet=True)  # reused
+    assert math.isnan(again.losses[32]) and again.critical_batch == 16
+
+
+def test_no_run_of_a_measurement_ends_early_at_the_target():
+    config = resolve({**SMALL, "stop_at_target": True})
+    assert not any(critical._config(config, b, 16, "auto")["stop_at_target"] for b in (16, 32))
+
+
 @pytest.mark.parametrize(
     "optimizer, rule, at_16, at_256",
     [("lamb", "sqrt", 0.008, 0.032), ("lars", "none", 4.0, 4.0), ("sgd", "sqrt", 0.158, 0.632)],

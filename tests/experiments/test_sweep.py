@@ -170,12 +170,19 @@ def test_a_rate_that_diverges_ranks_last_and_leaves_a_summary(trained, tmp_path,
     assert (tmp_path / "a-lr1-seed0" / "summary.json").is_file()  # reused, not retrained
 
 
-def test_the_skipped_steps_error_crosses_a_process_boundary():
-    """A sweep's workers send it back pickled; it must come back whole."""
+def test_the_errors_that_end_a_run_cross_a_process_boundary():
+    """A sweep's or a study's workers send them back pickled; they must come back whole (a
+    stop on a signal came back as a broken process pool)."""
     import pickle
 
     from bigbatch.experiments.runner import TooManySkippedError
+    from bigbatch.experiments.signals import Stopped
 
     err = pickle.loads(pickle.dumps(TooManySkippedError(30, 40, 0.25)))
     assert (err.skipped, err.steps, err.limit) == (30, 40, 0.25)
     assert "30 of 40" in str(err)
+    for again in (None, "run the same command again"):
+        stop = Stopped(15, 7, "runs/a", again)
+        back = pickle.loads(pickle.dumps(stop))
+        assert (back.signum, back.step, back.out, back.code) == (15, 7, "runs/a", 143)
+        assert str(back) == str(stop)

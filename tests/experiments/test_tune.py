@@ -173,11 +173,30 @@ def test_a_finished_study_run_again_trains_nothing_and_other_settings_are_refuse
     (tmp_path / "t" / "tune.json").write_text(json.dumps(saved))
     assert tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6)).best == first.best
     assert len(fake.calls) == count
+    # or with other trials at a time, which set the threads of each (they were refused)
+    saved["jobs"], saved["config"]["threads"] = 2, 1
+    (tmp_path / "t" / "tune.json").write_text(json.dumps(saved))
+    assert tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6)).best == first.best
+    assert len(fake.calls) == count
     with pytest.raises(ConfigError, match=r"holds a study with other settings.*trials"):
         tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=7))
     (tmp_path / "plain").mkdir()
     with pytest.raises(ConfigError, match="holds no study"):
         tune(BASE, tmp_path / "plain", SPACE, TuneSettings(trials=6))
+
+
+def test_no_trial_ends_early_at_the_target(monkeypatch, tmp_path):
+    """A trial that stopped at the target would have no score at its pause (the study
+    failed on it); the study ranks by quality at each pause, so the key is off in it."""
+    runs, seen = FakeRuns(), []
+
+    def recording(config, out, **kwargs):
+        seen.append(config["stop_at_target"])
+        return runs(config, out, **kwargs)
+
+    monkeypatch.setattr(runner, "train", recording)
+    tune({**BASE, "stop_at_target": True}, tmp_path / "t", SPACE, TuneSettings(trials=3))
+    assert seen and not any(seen)
 
 
 def test_the_pauses_divide_the_run_by_powers_of_the_reduction_after_two_warmups():

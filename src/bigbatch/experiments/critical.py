@@ -45,10 +45,8 @@ from .rundir import (
     copy_atomically,
     plan_difference,
     read_metrics,
-    resumable,
 )
 from .signals import Stopped
-from .summary import finished_summary
 
 #: the rows of the base run averaged for the noise scale beside a point
 NOISE_ROWS = 20
@@ -113,42 +111,28 @@ def measure(
     plan.update(branch_samples=branch_samples, tolerance=settings.tolerance, lr_rule=lr_rule)
     _claim(out, plan)
     marks = sorted(math.ceil(p * budget) for p in settings.points)
+    # the config's own controller replays the base run without deciding anything, so each
+    # point shows what it would have compared with the next size there
+    shadow, measured = make_controller(with_task_defaults(config)), []
+    plan["controller"] = repr(shadow)  # as it starts
     try:
-        return _measure(config, base, out, plan, marks, quiet)
+        snapshots = _train_base(base, out, marks, quiet)
+        rows = _with_estimates(read_metrics(out / BASE), shadow)
+        for index, (fraction, mark) in enumerate(zip(plan["points"], marks)):
+            at = next(r["samples"] for r in rows if r["samples"] >= mark)  # the base's pause
+            losses = {}
+            for batch in batches:
+                branch = _config(config, batch, small, lr_rule)
+                where = out / f"branch-{index}-{batch}"
+                losses[batch] = _branch(branch, where, snapshots[index], at + branch_samples)
+                if not quiet:
+                    print(f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}")
+            measured.append(_point(fraction, at, losses, settings.tolerance, rows))
+            data = {**plan, "points": [asdict(p) for p in measured]}
+            (out / "critical_batch.json").write_text(json.dumps(data, indent=2) + "\n")
     except Stopped as err:  # a signal stopped a run inside: the measurement goes on as a whole
         again = f"run the same command again (--out {out}) to continue"
         raise Stopped(err.signum, err.step, str(out), again) from None
-
-
-def _measure(
-    config: dict[str, Any],
-    base: dict[str, Any],
-    out: Path,
-    plan: dict[str, Any],
-    marks: list[int],
-    quiet: bool,
-) -> list[Point]:
-    """The base run ``base`` (the config at the smallest batch), its branches, the points."""
-    batches, lr_rule = plan["batches"], plan["lr_rule"]
-    small, branch_samples, tolerance = batches[0], plan["branch_samples"], plan["tolerance"]
-    snapshots = _train_base(base, out, marks, quiet)
-    # the config's own controller replays the base run without deciding anything, so each
-    # point shows what it would have compared with the next size there
-    shadow = make_controller(with_task_defaults(config))
-    settings = repr(shadow)
-    rows = _with_estimates(read_metrics(out / BASE), shadow)
-    measured = []
-    for index, (fraction, mark) in enumerate(zip(plan["points"], marks)):
-        at = next(r["samples"] for r in rows if r["samples"] >= mark)  # where the base paused
-        losses = {}
-        for batch in batches:
-            branch = _config(config, batch, small, lr_rule)
-            where = out / f"branch-{index}-{batch}"
-            losses[batch] = _branch(branch, where, snapshots[index], at + branch_samples)
-            if not quiet:
-                print(f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}")
-        measured.append(_point(fraction, at, losses, tolerance, rows))
-        _write(out, config, settings, batches, branch_samples, tolerance, lr_rule, measured)
     render(out)
     return measured
 
@@ -160,6 +144,8 @@ def _config(config: dict[str, Any], batch: int, small: int, lr_rule: str) -> dic
         "batch.min": min(batch, config["batch.min"]),
         "batch.lr_scaling": lr_rule,
         "batch.base": small,
+        # every branch is compared at the same samples: none may end early at the target
+        "stop_at_target": False,
     }
     return with_task_defaults(resolve(config, overrides))
 
@@ -197,7 +183,7 @@ def _train_base(config: dict[str, Any], out: Path, marks: list[int], quiet: bool
     for index, mark in enumerate(marks):
         snapshot = out / f"snapshot-{index}.pt"
         if not snapshot.is_file():
-            record = runner.train(config, base, resume=resumable(base), quiet=quiet, until=mark)
+            record = runner.train_or_reuse(config, base, quiet=quiet, until=mark)
             copy_atomically(base / CHECKPOINT, snapshot)
             if not quiet:
                 print(f"snapshot at {record['samples']:,} samples (step {record['steps']})")
@@ -220,15 +206,10 @@ def _with_estimates(rows: list[dict[str, Any]], shadow: Any) -> list[dict[str, A
 
 def _branch(config: dict[str, Any], out: Path, snapshot: Path, until: int) -> float:
     """The eval loss of a branch from ``snapshot`` at the config's batch after it reaches
-    ``until`` samples (or the end of the budget, if that comes first)."""
-    done = finished_summary(out)
-    if done is not None:
-        return done["final_eval_loss"]
-    resume = resumable(out)
-    record = runner.train(
-        config, out, resume=resume, quiet=True, until=until, start_from=None if resume else snapshot
-    )
-    return record["eval_loss"] if record.get("paused") else record["final_eval_loss"]
+    ``until`` samples (or the end of the budget, if that comes first); NaN if it diverged."""
+    record = runner.train_or_reuse(config, out, until=until, start_from=snapshot)
+    loss = record.get("eval_loss") if record.get("paused") else record.get("final_eval_loss")
+    return math.nan if loss is None else loss
 
 
 def _point(
@@ -255,25 +236,3 @@ def _point(
         noise_scale_high=near("noise_scale_high"),
         controller_estimate=before[-1].get("controller_estimate", math.nan) if before else math.nan,
     )
-
-
-def _write(
-    out: Path,
-    config: dict[str, Any],
-    controller: str,
-    batches: list[int],
-    branch_samples: int,
-    tolerance: float,
-    lr_rule: str,
-    measured: list[Point],
-) -> None:
-    data = {
-        "config": config,
-        "batches": batches,
-        "branch_samples": branch_samples,
-        "tolerance": tolerance,
-        "lr_rule": lr_rule,
-        "controller": controller,
-        "points": [asdict(p) for p in measured],
-    }
-    (out / "critical_batch.json").write_text(json.dumps(data, indent=2) + "\n")

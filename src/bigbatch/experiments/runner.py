@@ -53,11 +53,12 @@ from .rundir import (
     new_run_dir,
     read_config,
     read_metrics,
+    resumable,
     save_atomically,
 )
 from .signals import Stopped, StopRequest, watch_launcher
-from .summary import ENDS, batch_path_ratio, target_summary, traffic_per_step
-from .tasks import TASKS, Problem, Task
+from .summary import ENDS, batch_path_ratio, finished_summary, target_summary, traffic_per_step
+from .tasks import TASKS
 
 
 def train(
@@ -106,7 +107,10 @@ def train(
     try:
         with StopRequest(world, timeout) as stop:
             watch_launcher()
-            summary = _train(config, out, resume, quiet, world, device, stop, until, start_from)
+            # no name holds the run: its objects are gone before _leave (its docstring)
+            summary = _train(
+                _Run(config, out, world, device, stop, until), resume, quiet, start_from
+            )
     except OSError as err:  # a full disk, a directory made read-only midway: one line
         raise disk_error(err, err.filename or out) from None
     except (Stopped, TooManySkippedError) as err:
@@ -165,49 +169,41 @@ def _claim(out: Path | None, resume: bool, world: World, task: str) -> tuple[Pat
     return Path(name), lock
 
 
-def _train(  # noqa: PLR0913 - train()'s arguments and the run's world, passed on
-    config: dict[str, Any],
-    out: Path,
-    resume: bool,
-    quiet: bool,
-    world: World,
-    device: Any,
-    stop: StopRequest,
-    until: int | None = None,
-    start_from: Path | None = None,
-) -> dict[str, Any]:
-    problem, loop, precision = build(config, world, device)
-    writer = world.rank == 0
-    if writer:
-        _preflight(out, loop)
-    if start_from is not None and not resume:  # a branch of another run
-        loop.load_state_dict(load_checkpoint(Path(start_from))[0]["loop"])
-        loop.engine.batch_size = loop.engine.controller.initial
-    state, keep_previous = _open_run(out, config, loop, resume, writer)
-    run = _Run(config, out, loop, problem, world, stop, state, keep_previous, until)
+def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dict[str, Any]:
+    config, out, world = run.config, run.out, run.world
+    run.open(resume, start_from)
+    loop, problem, writer = run.loop, run.problem, run.writer
     first_step = loop.steps_taken
     if run.pause_at is not None and loop.samples >= run.pause_at:  # paused here before
         return paused(out, loop, problem.evaluate(problem.model) if run.evaluates else {})
-    run.bar = _progress(config["max_samples"], loop.samples, quiet or not writer)
+    run.bar = tqdm(
+        total=config["max_samples"],
+        initial=loop.samples,
+        unit="sample",
+        unit_scale=True,
+        dynamic_ncols=True,
+        mininterval=0.5,
+        disable=quiet or not writer,  # a disabled bar's calls do nothing
+    )
     sinks = open_sinks(config, out, resume, first_step) if writer else Sinks()
     try:
         with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
             run.log, run.sinks = log, sinks
             with sinks:
                 for step in loop.steps(max_samples=config["max_samples"]):
-                    train_step(step, problem, loop, precision)
+                    train_step(step, problem, loop, run.precision)
                     end = run.after_step(step)
                     if end == "pause":
-                        _close(run.bar)
+                        run.bar.close()
                         return paused(out, loop, run.evaluation)
                     if end:  # the budget is spent (the loop ends by itself) or the target met
                         break
     except (Exception, KeyboardInterrupt) as err:
-        _close(run.bar)
+        run.bar.close()
         if writer:
             _leave_summary(run, err)
         raise
-    _close(run.bar)
+    run.bar.close()
     train_evaluation = None
     if run.evaluates and problem.evaluate_train is not None:
         train_evaluation = problem.evaluate_train(problem.model)
@@ -223,29 +219,26 @@ class _Run:
     log, checkpoint, show progress, and decide whether the run ends (the budget, the
     target, a pause, a signal, the skip limit)."""
 
-    def __init__(  # noqa: PLR0913 - the run's parts, each built by _train
+    def __init__(
         self,
         config: dict[str, Any],
         out: Path,
-        loop: AdaptiveBatch,
-        problem: Problem,
         world: World,
+        device: Any,
         stop: StopRequest,
-        state: dict[str, Any],
-        keep_previous: bool,
         until: int | None,
     ) -> None:
-        self.out, self.loop, self.problem = out, loop, problem
-        self.world, self.stop, self.state = world, stop, state
+        self.config, self.out, self.world, self.stop = config, out, world, stop
+        self.problem, self.loop, self.precision = build(config, world, device)
         self.keys, self.machine = section(RunKeys, config), section(MachineKeys, config)
         self.task = TASKS[self.keys.task]
         self.writer = world.rank == 0
         # under FSDP2 a forward is a collective (it gathers the parameters): every rank
         # evaluates
-        self.evaluates = self.writer or loop.world.sharded
-        self.keep_previous = keep_previous
+        self.evaluates = self.writer or self.loop.world.sharded
         self.pause_at = until if until is not None and until < self.keys.max_samples else None
-        self.start = time.perf_counter() - state["wall_seconds"]
+        self.state: dict[str, Any] = {"metrics_lines": 0, "wall_seconds": 0.0}
+        self.keep_previous = True
         self.evaluation: dict[str, float] = {}
         self.ended = "budget"
         every = intervals(config)
@@ -254,6 +247,34 @@ class _Run:
         self.bar: Any = None
         self.log: Any = None
         self.sinks: Sinks = Sinks()
+
+    def open(self, resume: bool, start_from: Path | None) -> None:
+        """Check for room, then open a new run directory (a branch of ``start_from``'s run,
+        if given) or restore the resumed run's state, its metrics cut back to its checkpoint.
+        The next checkpoint keeps the current one as its predecessor unless the current one
+        could not be read and the run resumed from its predecessor."""
+        out, loop, metrics = self.out, self.loop, self.out / "metrics.jsonl"
+        if self.writer:
+            check_room(out, CHECKPOINTS_OF_ROOM * checkpoint_bytes(loop))
+        if resume:
+            checkpoint, source = load_checkpoint(out / CHECKPOINT)
+            self.keep_previous = source == out / CHECKPOINT
+            loop.load_state_dict(checkpoint["loop"])
+            self.state.update(checkpoint["run"])
+            if self.writer:
+                lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
+                metrics.write_text("".join(lines[: self.state["metrics_lines"]]))
+        else:
+            if start_from is not None:  # a branch of another run
+                loop.load_state_dict(load_checkpoint(Path(start_from))[0]["loop"])
+                loop.engine.batch_size = loop.engine.controller.initial
+            if self.writer:  # the directory was made and locked by _claim (or the launcher)
+                (out / "config.toml").write_text(to_toml(self.config))
+                metrics.write_text("")
+            # a run is resumable from its first moment: a kill before the first periodic
+            # checkpoint must not leave a directory that neither resumes nor can be reused
+            self.checkpoint()
+        self.start = time.perf_counter() - self.state["wall_seconds"]
 
     def after_step(self, step: Any) -> str | None:
         """Record the step; "last" or "pause" when the run ends or pauses after it (raises
@@ -267,19 +288,28 @@ class _Run:
         if self.evaluates and (due or last):
             self.evaluation = self.problem.evaluate(self.problem.model)
             row.update(self.evaluation)
-        if not last and keys.stop_at_target and due:
-            last = _reached(self.world, self.task, self.evaluation)
+        if not last and keys.stop_at_target and due:  # rank 0's evaluation, on every rank
+            last = self.world.broadcast_object(self.writer and self.task.reached(self.evaluation))
             self.ended = "target" if last else self.ended
         self.state["wall_seconds"] = row["wall_seconds"] = time.perf_counter() - self.start
         self.state["metrics_lines"] += 1
         if self.log is not None:
             self.log.write(json.dumps(row) + "\n")
         self.sinks.record(row)
-        halt = _halt(self.stop, loop, self.machine.skip_limit, self.out)
+        halt = self._halt()
         if self._tick(self.checkpoint_every, before) or last or halt or pause:
-            _checkpoint(self.out, loop, self.state, self.writer, self.log, self.keep_previous)
+            self.checkpoint()
             self.keep_previous = True
-        _show(self.bar, step.batch_size, loop.steps_taken, row, self.evaluation)
+        self.bar.update(step.batch_size)
+        self.bar.set_postfix(
+            step=loop.steps_taken,
+            batch=step.batch_size,
+            sim=f"{row.get('similarity', math.nan):+.2f}",
+            loss=f"{row['loss']:.3f}",
+            lr=f"{row.get('lr', math.nan):.2e}",
+            acc=f"{self.evaluation.get('eval_accuracy', math.nan):.3f}",
+            refresh=False,
+        )
         if halt is not None:
             raise halt
         return "last" if last else "pause" if pause else None
@@ -291,6 +321,25 @@ class _Run:
         if isinstance(every, int):
             return loop.steps_taken % every == 0
         return every.crossed(before, (loop.samples, loop.steps_taken), **self.facts)
+
+    def _halt(self) -> Exception | None:
+        """Why the run must stop after this step (a signal, too many skipped steps), if it
+        must; the same on every rank."""
+        signum, loop, limit = self.stop.agreed(), self.loop, self.machine.skip_limit
+        if signum:
+            return Stopped(signum, loop.steps_taken, str(self.out))
+        steps, skipped = loop.steps_taken, loop.skipped_steps  # identical on every rank
+        if limit < 1 and steps >= SKIP_GRACE_STEPS and skipped > limit * steps:
+            return TooManySkippedError(skipped, steps, limit)
+        return None
+
+    def checkpoint(self) -> None:
+        loop_state = self.loop.state_dict()  # a collective under DDP: every rank calls it
+        if self.writer:
+            if self.log is not None:
+                self.log.flush()  # the metrics the checkpoint counts are on disk before it
+            run = {"loop": loop_state, "run": dict(self.state)}
+            save_atomically(run, self.out / CHECKPOINT, self.keep_previous)
 
 
 def _leave_summary(run: _Run, err: BaseException) -> None:
@@ -339,23 +388,6 @@ class TooManySkippedError(FloatingPointError):
         return type(self), (self.skipped, self.steps, self.limit)
 
 
-def _halt(stop: StopRequest, loop: AdaptiveBatch, limit: float, out: Path) -> Exception | None:
-    """Why the run must stop after this step (a signal, too many skipped steps), if it must;
-    the same on every rank."""
-    signum = stop.agreed()
-    if signum:
-        return Stopped(signum, loop.steps_taken, str(out))
-    steps, skipped = loop.steps_taken, loop.skipped_steps  # identical on every rank
-    if limit < 1 and steps >= SKIP_GRACE_STEPS and skipped > limit * steps:
-        return TooManySkippedError(skipped, steps, limit)
-    return None
-
-
-def _preflight(out: Path, loop: AdaptiveBatch) -> None:
-    """What can be checked before the first step: room for two checkpoints."""
-    check_room(out, CHECKPOINTS_OF_ROOM * checkpoint_bytes(loop))
-
-
 def checkpoint_bytes(loop: AdaptiveBatch) -> int:
     """About what one checkpoint takes: the parameters and every tensor of the optimizer's
     state (read off the live objects; the data position and counters are small)."""
@@ -364,75 +396,6 @@ def checkpoint_bytes(loop: AdaptiveBatch) -> int:
         t for state in loop.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
     ]
     return sum(t.numel() * t.element_size() for t in tensors) + 2**20
-
-
-def _close(bar: Any) -> None:
-    if bar is not None:
-        bar.close()
-
-
-def _open_run(
-    out: Path, config: dict[str, Any], loop: AdaptiveBatch, resume: bool, writer: bool
-) -> dict[str, Any]:
-    """A new run directory, or the resumed run's state (metrics cut back to its checkpoint),
-    and whether the next checkpoint may keep the current one as its predecessor: not when
-    the current one could not be read and the run resumed from its predecessor."""
-    metrics_path = out / "metrics.jsonl"
-    state: dict[str, Any] = {"metrics_lines": 0, "wall_seconds": 0.0}
-    keep_previous = True
-    if resume:
-        checkpoint, source = load_checkpoint(out / CHECKPOINT)
-        keep_previous = source == out / CHECKPOINT
-        loop.load_state_dict(checkpoint["loop"])
-        state.update(checkpoint["run"])
-        if writer:
-            lines = (
-                metrics_path.read_text().splitlines(keepends=True) if metrics_path.exists() else []
-            )
-            metrics_path.write_text("".join(lines[: state["metrics_lines"]]))
-    else:
-        if writer:  # the directory was made and locked by _claim (or the launcher)
-            (out / "config.toml").write_text(to_toml(config))
-            metrics_path.write_text("")
-        # a run is resumable from its first moment: a kill before the first periodic
-        # checkpoint must not leave a directory that neither resumes nor can be reused
-        _checkpoint(out, loop, state, writer)
-    return state, keep_previous
-
-
-def _reached(world: World, task: Task, evaluation: dict[str, float]) -> bool:
-    """Whether rank 0's latest evaluation met the task's target, on every rank."""
-    return world.broadcast_object(world.rank == 0 and task.reached(evaluation))
-
-
-def _checkpoint(
-    out: Path,
-    loop: AdaptiveBatch,
-    state: dict[str, Any],
-    writer: bool,
-    log: Any = None,
-    keep_previous: bool = True,
-) -> None:
-    loop_state = loop.state_dict()  # a collective under DDP: every rank calls it
-    if writer:
-        if log is not None:
-            log.flush()  # the metrics the checkpoint counts are on disk before it
-        save_atomically({"loop": loop_state, "run": dict(state)}, out / CHECKPOINT, keep_previous)
-
-
-def _show(bar: Any, batch: int, steps: int, row: dict[str, Any], evaluation: dict) -> None:
-    if bar is None:  # quiet, or not the writing rank
-        return
-    bar.update(batch)
-    bar.set_postfix(
-        step=steps,
-        batch=batch,
-        sim=f"{row.get('similarity', math.nan):+.2f}",
-        loss=f"{row['loss']:.3f}",
-        lr=f"{row.get('lr', math.nan):.2e}",
-        acc=f"{evaluation.get('eval_accuracy', math.nan):.3f}",
-        refresh=False,
-    )
 
 
 def _write_summary(
@@ -509,19 +472,6 @@ def strict_json(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _progress(total: int, done: int, quiet: bool):
-    if quiet:
-        return None
-    return tqdm(
-        total=total,
-        initial=done,
-        unit="sample",
-        unit_scale=True,
-        dynamic_ncols=True,
-        mininterval=0.5,
-    )
-
-
 #: keys in which a finished run may differ from the one asked for and still be reused:
 #: the thread count changes float sums, not what the run measures; the allocator, its time
 REUSE_IGNORES = frozenset({"threads", "keep_freed_memory"})
@@ -546,3 +496,27 @@ def check_same_config(path: Path, config: dict[str, Any]) -> None:
                 f"{saved[key]!r} there, {wanted[key]!r} now): remove it or sweep into "
                 "another folder"
             )
+
+
+def train_or_reuse(
+    config: dict[str, Any],
+    out: Path | str,
+    *,
+    until: int | None = None,
+    quiet: bool = True,
+    start_from: Path | None = None,
+) -> dict[str, Any]:
+    """The run in ``out`` to ``until`` samples (None: the end), for a sweep, a study or a
+    measurement: reused if finished, else resumed or started (a branch of ``start_from``);
+    a diverged run's summary has no scores and says why under ``diverged``."""
+    out = Path(out)
+    check_same_config(out, config)
+    done = finished_summary(out)
+    if done is not None:
+        return done
+    resume = resumable(out)
+    branch = {"start_from": start_from} if start_from is not None and not resume else {}
+    try:
+        return train(config, out, resume=resume, quiet=quiet, until=until, **branch)
+    except TooManySkippedError as err:
+        return finished_summary(out) or {"diverged": str(err), **dict.fromkeys(SCORES)}

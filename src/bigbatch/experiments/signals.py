@@ -38,10 +38,14 @@ class Stopped(Exception):  # noqa: N818 - a stop on request, not an error
     """The run stopped on a signal after a checkpoint; ``code`` is the exit code."""
 
     def __init__(self, signum: int, step: int, out: str, again: str | None = None) -> None:
-        self.signum, self.step, self.out = signum, step, out
+        self.signum, self.step, self.out, self.again = signum, step, out, again
         self.code = 128 + signum
         again = again or f"resume with --resume {out}"
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {again}")
+
+    def __reduce__(self) -> tuple:
+        # a worker of a sweep or a study hands it to the parent, which stops with its code
+        return type(self), (self.signum, self.step, self.out, self.again)
 
 
 class StopRequest:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,53 +40,17 @@ __all__ = [
     "RANKS",
     "Arm",
     "ArmResult",
-    "arm_rate",
-    "check_protocol",
     "metric",
-    "run_all",
     "sweep",
 ]
-
-
-def arm_rate(config: dict[str, Any]) -> float:
-    """The rate an arm trains at before the grid: its ``lr``, or the task's rate when 0."""
-    return with_task_defaults(resolve(config))["lr"]
-
-
-def check_protocol(
-    multipliers: Sequence[float], seeds: int, rank: str, jobs: int, tuned: bool = False
-) -> None:
-    """A :class:`ConfigError` naming the first bad setting of a sweep, if any (``tuned``:
-    a study searches the grid's range, which needs two ends): the checks of
-    :class:`~bigbatch.experiments.options.Protocol`."""
-    Protocol(lr_grid=tuple(multipliers), seeds=seeds, rank=rank, jobs=jobs, tune=tuned)
 
 
 def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
     """Train one config into its directory unless a finished run is there; return its summary."""
     config, out, quiet = job
-    path = Path(out)
-    done = finished_summary(path)
-    if done is not None:
-        runner.check_same_config(path, config)
-        return done
-    if path.exists():  # a run killed or stopped midway: start it again
-        shutil.rmtree(path)
-    if not quiet:
-        print(f"[{path.name}] lr {config['lr']:.4g}, seed {config['seed']}", flush=True)
-    try:
-        return runner.train(resolve(config), path, quiet=quiet)
-    except runner.TooManySkippedError:
-        # a rate past stability is a result of the grid, not a failure of the sweep: the
-        # runner's summary of it has no score (it ranks last) and says why under "diverged"
-        return json.loads((path / "summary.json").read_text())
-
-
-def run_all(
-    jobs: Sequence[tuple[dict[str, Any], str]], workers: int = 1, quiet: bool = True
-) -> list[dict[str, Any]]:
-    """Each ``(config, out)``, ``workers`` at a time; fresh processes (one torch each) when > 1."""
-    return in_processes(train_once, [(config, out, quiet) for config, out in jobs], workers)
+    if not quiet and finished_summary(Path(out)) is None:
+        print(f"[{Path(out).name}] lr {config['lr']:.4g}, seed {config['seed']}", flush=True)
+    return runner.train_or_reuse(resolve(config), out, quiet=quiet)
 
 
 def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
@@ -120,12 +83,13 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     share of the cores. Raises :class:`ConfigError` before training if any
     config is bad.
     """
-    check_protocol(multipliers, seeds, rank, jobs, tuned=tune is not None)
+    Protocol(lr_grid=tuple(multipliers), seeds=seeds, rank=rank, jobs=jobs, tune=tune is not None)
     base = dict(base)
     if jobs > 1 and not base.get("threads"):
         base["threads"] = max(1, (os.cpu_count() or 1) // jobs)
     root = Path(root)
-    rates = {arm.stem: arm_rate({**base, **arm.overrides}) for arm in arms}  # checks every config
+    # an arm's rate before the grid: its lr, or the task's when 0 (every config checked here)
+    rates = {arm.stem: with_task_defaults(resolve({**base, **arm.overrides}))["lr"] for arm in arms}
     if tune is not None:
         return [
             _tuned_arm(base, arm, rates[arm.stem], root, multipliers, seeds, jobs, quiet, tune)
@@ -270,4 +234,5 @@ def _beyond(grid: dict[int, float], best: int) -> int | None:
 def _run(
     jobs: list[tuple[dict[str, Any], str]], root: Path, workers: int, quiet: bool
 ) -> list[dict[str, Any]]:
-    return run_all([(config, str(root / name)) for config, name in jobs], workers, quiet)
+    """Each ``(config, name)`` into ``root / name``, ``workers`` processes at a time."""
+    return in_processes(train_once, [(c, str(root / name), quiet) for c, name in jobs], workers)

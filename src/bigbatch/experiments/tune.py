@@ -47,8 +47,7 @@ from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .options import TuneSettings
 from .pool import in_processes
-from .rundir import RunLock, claim_new_run_dir, plan_difference, resumable
-from .summary import finished_summary
+from .rundir import RunLock, claim_new_run_dir, plan_difference
 from .tasks import TASKS
 
 __all__ = [
@@ -150,7 +149,8 @@ def tune(
     are refused when they are made).
     """
     settings = settings or TuneSettings()
-    config = resolve(config)
+    # trials are ranked by their quality at each pause: none may end early at the target
+    config = resolve(config, {"stop_at_target": False})
     space = list(space or default_space(config))
     brackets = _brackets_in_budget(settings, space, _warmup(config, space))
     if settings.jobs > 1 and not config.get("threads"):
@@ -210,14 +210,21 @@ def _claim(out: Path, settings: dict[str, Any]) -> RunLock:
         return lock
     if not path.is_file():
         raise ConfigError(f"{str(out)!r} exists and holds no study: choose a new folder")
-    saved = json.loads(path.read_text())
-    difference = plan_difference(saved, json.loads(json.dumps(settings)), "config")
+    saved, wanted = (_compared(p) for p in (json.loads(path.read_text()), settings))
+    difference = plan_difference(saved, json.loads(json.dumps(wanted)), "config")
     if difference:
         raise ConfigError(
             f"{str(out)!r} holds a study with other settings ({difference}): "
             "choose a new folder, or the same settings to continue it"
         )
     return RunLock(out).acquire()
+
+
+def _compared(plan: dict[str, Any]) -> dict[str, Any]:
+    """A study's plan less what may change between its sessions: the trials at a time, and
+    the config keys a finished run may differ in and still be reused (the threads)."""
+    config = {k: v for k, v in plan["config"].items() if k not in runner.REUSE_IGNORES}
+    return {**{k: v for k, v in plan.items() if k != "jobs"}, "config": config}
 
 
 def _study(out: Path, config: dict[str, Any]) -> optuna.Study:
@@ -227,7 +234,7 @@ def _study(out: Path, config: dict[str, Any]) -> optuna.Study:
         study_name=STUDY,
         storage=f"sqlite:///{out.resolve() / 'study.db'}",
         load_if_exists=True,
-        direction="minimize" if task.target_metric.endswith("loss") else "maximize",
+        direction="minimize" if task.lower_is_better else "maximize",
     )
 
 
@@ -247,8 +254,8 @@ class _Bracket:
         self.study, self.out, self.config, self.space = study, out, config, space
         self.settings, self.index, self.quiet = settings, index, quiet
         self.budget = with_task_defaults(config)["max_samples"]
-        self.target = TASKS[config["task"]].target_metric
-        self.lower_is_better = self.target.endswith("loss")
+        task = TASKS[config["task"]]
+        self.target, self.lower_is_better = task.target_metric, task.lower_is_better
 
     def run(self) -> None:
         self._start_trials()
@@ -356,28 +363,7 @@ def latin_hypercube(space: Sequence[Dimension], n: int, seed: int) -> list[dict[
 def _train_trial(job: tuple[dict[str, Any], str, int | None, bool]) -> dict[str, Any]:
     """Train a trial's run from where it stands to ``until`` samples (None: to the end)."""
     config, run_dir, until, quiet = job
-    path = Path(run_dir)
-    # a trial of a study started by another version (another task rate or ceiling) is
-    # refused, not continued under a config it did not start with
-    runner.check_same_config(path, config)
-    done = finished_summary(path)
-    if done is not None:
-        return done
-    # a trial stopped by a signal or an error continues from its checkpoint
-    resume = resumable(path)
-    try:
-        return runner.train(config, path, resume=resume, quiet=quiet, until=until)
-    except runner.TooManySkippedError as err:
-        return {"diverged": str(err), "samples": 0}
-
-
-def _samples(trial: FrozenTrial) -> int:
-    return int(trial.user_attrs.get("samples", 0))
-
-
-def _grid_samples(config: dict[str, Any], space: list[Dimension]) -> int:
-    """The samples of the ×2 grid over ``space``, every point trained to the end."""
-    return _grid_runs(space) * with_task_defaults(resolve(config))["max_samples"]
+    return runner.train_or_reuse(config, run_dir, until=until, quiet=quiet)
 
 
 def _grid_runs(space: Sequence[Dimension]) -> int:
@@ -398,7 +384,7 @@ def _result(
             "bracket": t.user_attrs.get("bracket"),
             "state": t.state.name.lower(),
             "params": dict(t.params),
-            "samples": _samples(t),
+            "samples": t.user_attrs.get("samples", 0),
             "value": t.value,
             "last": t.intermediate_values[max(t.intermediate_values)]
             if t.intermediate_values
@@ -412,8 +398,8 @@ def _result(
         best=dict(best.params),
         best_value=float(best.value),
         best_dir=out / "trials" / f"{best.number:04d}",
-        samples=sum(_samples(t) for t in trials),
-        grid_samples=_grid_samples(config, space),
+        samples=sum(t.user_attrs.get("samples", 0) for t in trials),
+        grid_samples=_grid_runs(space) * with_task_defaults(resolve(config))["max_samples"],
         trials=rows,
     )
 
