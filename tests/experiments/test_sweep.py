@@ -164,7 +164,7 @@ def test_a_rate_that_diverges_ranks_last_and_leaves_a_summary(trained, tmp_path,
     monkeypatch.setattr(runner, "train", train)
     (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path, multipliers=(1.0, 2.0))
     assert result.lr == pytest.approx(0.004)
-    diverged = result.grid[1]
+    diverged = json.loads((tmp_path / result.grid_dirs[1] / "summary.json").read_text())
     assert "30 of 40 optimizer steps were skipped" in diverged["diverged"]
     assert metric(diverged) != metric(diverged)  # NaN: no score
     assert (tmp_path / "a-lr1-seed0" / "summary.json").is_file()  # reused, not retrained

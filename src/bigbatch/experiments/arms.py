@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["RANKS", "Arm", "ArmResult", "metric"]
@@ -28,8 +28,6 @@ class ArmResult:
     overrides: dict[str, Any]
     lrs: list[float]
     chosen: int
-    #: the summary of each grid run (first seed), in the grid's order
-    grid: list[dict[str, Any]]
     #: the summaries at the chosen rate, one per seed (the first is the grid's run)
     runs: list[dict[str, Any]]
     #: the run directories of ``runs``, relative to the sweep's root
@@ -61,17 +59,8 @@ class ArmResult:
         return [s.get(key) for s in self.runs]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "overrides": self.overrides,
-            "lrs": self.lrs,
-            "chosen": self.chosen,
-            "lr_max": self.lr_max,
-            "dirs": self.dirs,
-            "tuned": self.tuned,
-            "grid_dirs": self.grid_dirs,
-            "own": self.own,
-        }
+        """Every field but the summaries, which the run directories hold (``compare.json``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "runs"}
 
 
 def metric(summary: dict[str, Any], which: str = "best") -> float:

@@ -47,31 +47,19 @@ class Comparison:
     base: dict[str, Any]
     varied: list[str]
     arms: list[Arm]
-    lr_grid: list[float]
-    seeds: int
-    rank: str
-    jobs: int
-    #: each arm's rate by a ``bigbatch tune`` study over the grid's range
-    tune: bool = False
-    #: points the rate grid may grow by at an end where an arm's best rate lies
-    widen: int = 0
-    #: fractions of the run at which the report judges each arm's rate grid as well
-    prefixes: tuple[float, ...] = ()
+    protocol: Protocol
 
     def to_dict(self) -> dict[str, Any]:
-        plan = {
-            "varied": self.varied,
-            "lr_grid": self.lr_grid,
-            "seeds": self.seeds,
-            "rank": self.rank,
-            "tune": self.tune,
-            "base": self.base,
-            "arms": [{"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms],
-        }
-        if self.widen:  # absent otherwise, as in the plans of comparisons saved before it
-            plan["widen"] = self.widen
-        if self.prefixes:  # the same
-            plan["prefixes"] = list(self.prefixes)
+        p = self.protocol
+        plan = {"varied": self.varied, "lr_grid": list(p.lr_grid), "seeds": p.seeds}
+        plan.update(rank=p.rank, tune=p.tune, base=self.base)
+        plan["arms"] = [
+            {"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms
+        ]
+        if p.widen:  # absent otherwise, as in the plans of comparisons saved before it
+            plan["widen"] = p.widen
+        if p.prefixes:  # the same
+            plan["prefixes"] = list(p.prefixes)
         return plan
 
 
@@ -138,18 +126,7 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         label = ", ".join([name] * bool(name) + [f"{k}={v}" for k, v in grid.items()])
         label = label or ", ".join(f"{k}={v}" for k, v in overrides.items())
         arms.append(Arm(label, {**overrides, **grid}, f"run{i:02d}"))
-    return Comparison(
-        base=dict(base),
-        varied=varied,
-        arms=arms,
-        lr_grid=list(protocol.lr_grid),
-        seeds=protocol.seeds,
-        rank=protocol.rank,
-        jobs=protocol.jobs,
-        tune=protocol.tune,
-        widen=protocol.widen,
-        prefixes=protocol.prefixes,
-    )
+    return Comparison(dict(base), varied, arms, protocol)
 
 
 def _listed(value: Any) -> list[Any]:
@@ -185,17 +162,18 @@ def run_comparison(
         index_path.write_text(json.dumps({"plan": planned}, indent=2) + "\n")
     for arm in comparison.arms:
         print(f"[{arm.stem}] {arm.name}", flush=True)
+    p = comparison.protocol
     results = sweep(
         comparison.base,
         comparison.arms,
         root,
-        multipliers=comparison.lr_grid,
-        seeds=comparison.seeds,
-        rank=comparison.rank,
-        jobs=comparison.jobs,
-        quiet=quiet or comparison.jobs > 1,
-        widen=comparison.widen,
-        tune=(tune or TuneSettings()) if comparison.tune else None,
+        multipliers=p.lr_grid,
+        seeds=p.seeds,
+        rank=p.rank,
+        jobs=p.jobs,
+        quiet=quiet or p.jobs > 1,
+        widen=p.widen,
+        tune=(tune or TuneSettings()) if p.tune else None,
     )
     index = {"plan": planned, "arms": [r.to_dict() for r in results]}
     index_path.write_text(json.dumps(index, indent=2) + "\n")

@@ -3,7 +3,13 @@
 import json
 
 from bigbatch.experiments.arms import ArmResult
-from bigbatch.experiments.report.comparison import _axis, _judged_early, _near_best, pareto_front
+from bigbatch.experiments.report.comparison import (
+    _axis,
+    _by_axis,
+    _judged_early,
+    _near_best,
+    pareto_front,
+)
 
 
 def _arm(root, name, curves, controller="BatchWarmup()"):
@@ -26,7 +32,7 @@ def _arm(root, name, curves, controller="BatchWarmup()"):
                 "controller": controller,
             }
         )
-    return ArmResult(name, {}, [0.01], 0, [], runs, dirs)
+    return ArmResult(name, {}, [0.01], 0, runs, dirs)
 
 
 def test_steps_to_the_best_final_loss_plus_the_tolerance(tmp_path):
@@ -35,7 +41,7 @@ def test_steps_to_the_best_final_loss_plus_the_tolerance(tmp_path):
     )
     fast = _arm(tmp_path, "schedule", [[(100, 2.0), (400, 1.509), (500, 1.505)]] * 2)
     never = _arm(tmp_path, "large", [[(10, 2.0), (50, 1.60)], [(10, 2.0), (50, 1.51)]])
-    lines = _near_best(tmp_path, [static, fast, never], loss=True, score="eval loss")
+    lines = _near_best(tmp_path, [static, fast, never], loss=True)
     text = "\n".join(lines)
     assert "T = 1.51" in text  # the best final (1.50) + 0.01
     split = next(i for i, line in enumerate(lines) if line.startswith("Steps to targets"))
@@ -84,21 +90,21 @@ def test_the_rate_grid_judged_early_leads_with_the_rate_that_learns_fastest(tmp_
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         dirs.append(run.name)
     runs = [{"final_eval_loss": 1.1, "target_metric": "eval_loss"}]
-    arm = ArmResult("adam", {}, list(curves), 0, [], runs, dirs[:1], grid_dirs=dirs)
-    lines = _judged_early(tmp_path, [arm], [0.1, 0.5, 0.95], loss=True, score="eval loss")
+    arm = ArmResult("adam", {}, list(curves), 0, runs, dirs[:1], grid_dirs=dirs)
+    lines = _judged_early(tmp_path, [arm], [0.1, 0.5, 0.95], loss=True)
     rows = [line for line in lines if line.startswith("| adam")]
     assert rows[0] == "| adam | 0.1 | 0.001: 2.0000, 0.002: 1.9000, 0.004: 1.5000* | × 4 |"
     assert rows[1].endswith("0.004: 1.4000* | × 4 |")
     assert rows[2].endswith("| × 1 |") and "0.001: 1.2000*" in rows[2]  # the last at 900
     # nothing judged where no fraction is asked for, or before the first evaluation
-    assert _judged_early(tmp_path, [arm], [], loss=True, score="eval loss") == []
-    early = _judged_early(tmp_path, [arm], [0.05], loss=True, score="eval loss")
+    assert _judged_early(tmp_path, [arm], [], loss=True) == []
+    early = _judged_early(tmp_path, [arm], [0.05], loss=True)
     assert "| adam | 0.05 | 0.001: —, 0.002: —, 0.004: — | — |" in early
 
 
 def test_the_axis_drawn_against_is_a_varied_quantity_never_the_seed():
     def arms(**values):
-        return [ArmResult(str(i), {k: v[i] for k, v in values.items()}, [0.01], 0, [], [{}])
+        return [ArmResult(str(i), {k: v[i] for k, v in values.items()}, [0.01], 0, [{}])
                 for i in range(3)]  # fmt: skip
 
     plan = {"varied": ["seed", "lr_max"]}
@@ -108,3 +114,19 @@ def test_the_axis_drawn_against_is_a_varied_quantity_never_the_seed():
     assert _axis(batch, arms(**{"model.width": [8, 16, 32], "batch.initial": [16, 64, 256]})) == (
         "batch.initial"
     )
+
+
+def test_each_arm_written_out_is_its_own_curve_against_the_batch(tmp_path):
+    """`--arm static:... --arm seesaw:... --vary batch.initial=16,64,256`: two curves, each
+    with its own critical batch (they were one curve, "all", and one fit of both)."""
+    arms = []
+    for name, critical in (("static", 64), ("seesaw", 1024)):
+        for batch in (16, 64, 256):
+            steps = round(1000 * (1 + critical / batch))  # S_min (1 + B_crit / B)
+            runs = [{"steps_to_target": steps, "best_eval_loss": 1.5}]
+            point = f"{name}, batch.initial={batch}"
+            arms.append(ArmResult(point, {"batch.initial": batch}, [0.01], 0, runs, ["d"]))
+    text = "\n".join(_by_axis(tmp_path, arms, "batch.initial", loss=True))
+    rows = {r.split(" | ")[0].strip("| "): r.split(" | ") for r in text.splitlines()}
+    assert "all" not in rows
+    assert float(rows["static"][2]) == 64 and float(rows["seesaw"][2].replace(",", "")) == 1024

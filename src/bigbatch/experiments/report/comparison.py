@@ -17,7 +17,7 @@ from ..arms import ArmResult
 from ..config import load_toml
 from ..rundir import read_metrics
 from ..summary import finished_summary
-from .figures import pyplot, series
+from .figures import plt, save, series, table
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -36,24 +36,16 @@ def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
     for entry in index.get("arms", []):
         finished = {d: finished_summary(root / d) for d in entry["dirs"]}
         dirs = [d for d, summary in finished.items() if summary is not None]
-        if dirs:
-            runs = [finished[d] for d in dirs]
-            arms.append(
-                ArmResult(
-                    entry["name"],
-                    entry["overrides"],
-                    entry["lrs"],
-                    entry["chosen"],
-                    [],
-                    runs,
-                    dirs,
-                    entry.get("tuned"),
-                    entry.get("lr_max", 0.0),  # compare.json from before the ceiling: none
-                    entry.get("grid_dirs", []),
-                    entry.get("own"),  # compare.json from before it: none
-                )
-            )
+        if dirs:  # a compare.json from before a field lacks it: the field's default
+            arms.append(ArmResult(**{**entry, "dirs": dirs}, runs=[finished[d] for d in dirs]))
     return index.get("plan", {}), arms
+
+
+def _names(loss: bool) -> tuple[str, str, str, str]:
+    """The score in words, its evaluation key, and its best and final summary keys."""
+    if loss:
+        return "eval loss", "eval_loss", "best_eval_loss", "final_eval_loss"
+    return "accuracy", "eval_accuracy", "best_accuracy", "final_accuracy"
 
 
 def _mean_std_text(values: list[Any], digits: int) -> str:
@@ -61,6 +53,11 @@ def _mean_std_text(values: list[Any], digits: int) -> str:
     if math.isnan(mean):
         return "—"
     return f"{mean:,.{digits}f}" if len(values) == 1 else f"{mean:,.{digits}f} ± {std:,.{digits}f}"
+
+
+def _every_mean(values: list[Any]) -> float | None:
+    """The seeds' mean where every seed has a value (steps to a target: each reached it)."""
+    return mean_std(values)[0] if values and all(v is not None for v in values) else None
 
 
 def _axis(plan: dict[str, Any], arms: list[ArmResult]) -> str | None:
@@ -80,6 +77,20 @@ def _axis(plan: dict[str, Any], arms: list[ArmResult]) -> str | None:
     return numeric[-1] if numeric else None
 
 
+#: the arm table's columns past the chosen rate and the steps to the target: summary key,
+#: digits, heading; the last three only where the runs logged them (the training accuracy
+#: where the training set was cut, the attention logit on a transformer: MERIT's claim)
+COLUMNS = [
+    ("samples_to_target", 0, "samples to target"),
+    ("steps", 0, "steps"),
+    ("avg_batch_size", 0, "average batch"),
+    ("wall_seconds", 0, "wall s"),
+    ("final_train_accuracy", 4, "final train accuracy"),
+    ("generalization_gap", 4, "gap (train − test)"),
+    ("max_attention_logit", 2, "largest attention logit"),
+]
+
+
 def render(root: Path) -> Path:
     """A table of every arm (seed mean ± std at its chosen rate), curves, and the Pareto front;
     against a numeric varied key, the score and the steps to the target, with the critical batch.
@@ -87,10 +98,9 @@ def render(root: Path) -> Path:
     root = Path(root)
     plan, arms = _read_comparison(root)
     loss = bool(arms) and arms[0].runs[0].get("target_metric", "").endswith("loss")
-    score = "eval loss" if loss else "accuracy"
-    key = "eval_loss" if loss else "eval_accuracy"
+    score, key, best, final = _names(loss)
     _plot_curves(root, arms, key, score)
-    _plot_pareto(root, arms, loss, score)
+    _plot_pareto(root, arms, loss)
     lines = ["# Comparison", ""]
     if arms:
         first = arms[0].runs[0]
@@ -111,51 +121,35 @@ def render(root: Path) -> Path:
             f"{how}; the chosen rate on {plan.get('seeds', 1)} seed(s), mean ± std.",
             "",
         ]
-    columns = f"best {score} | final {score} | steps to target | samples to target | steps"
-    # where the runs measured their training accuracy (a cut training set): the gap too
-    gaps = any("generalization_gap" in r for a in arms for r in a.runs)
-    # a transformer task logs its largest attention logit (MERIT's claim)
-    logits = any("max_attention_logit" in r for a in arms for r in a.runs)
-    extra = " | final train accuracy | gap (train − test)" if gaps else ""
-    extra += " | largest attention logit" if logits else ""
-    lines += [
-        f"| arm | lr (grid) | {columns} | average batch | wall s{extra} |",
-        "|---|---|---|---|---|---|---|---|---|" + "---|" * (2 * gaps + logits),
-    ]
-    digits = 4
+    columns = list(COLUMNS[:4])
+    columns += [c for c in COLUMNS[4:] if any(c[0] in r for a in arms for r in a.runs)]
+    rows = []
     for arm in arms:
         reached = [s for s in arm.values("steps_to_target") if s is not None]
         grid = ", ".join(f"{r:.3g}" for r in arm.lrs)
         if arm.tuned:
             grid = f"tuned: {arm.tuned['trials']} trials, {arm.tuned['cost']:.0%} of the grid"
-        best = arm.values("best_eval_loss" if loss else "best_accuracy")
-        final = arm.values("final_eval_loss" if loss else "final_accuracy")
         ceiling = f" ≤ {arm.lr_max:.3g}" if arm.lr_max else ""
-        lines.append(
-            f"| {arm.name} | {arm.lrs[arm.chosen]:.3g}{ceiling} ({grid}) "
-            f"| {_mean_std_text(best, digits)} "
-            f"| {_mean_std_text(final, digits)} | {_mean_std_text(reached, 0)} "
-            f"({len(reached)}/{len(arm.runs)}) "
-            f"| {_mean_std_text(arm.values('samples_to_target'), 0)} "
-            f"| {_mean_std_text(arm.values('steps'), 0)} "
-            f"| {_mean_std_text(arm.values('avg_batch_size'), 0)} "
-            f"| {_mean_std_text(arm.values('wall_seconds'), 0)} |"
-            + (
-                f" {_mean_std_text(arm.values('final_train_accuracy'), digits)} "
-                f"| {_mean_std_text(arm.values('generalization_gap'), digits)} |"
-                if gaps
-                else ""
-            )
-            + (f" {_mean_std_text(arm.values('max_attention_logit'), 2)} |" if logits else "")
+        rows.append(
+            [
+                arm.name,
+                f"{arm.lr:.3g}{ceiling} ({grid})",
+                _mean_std_text(arm.values(best), 4),
+                _mean_std_text(arm.values(final), 4),
+                f"{_mean_std_text(reached, 0)} ({len(reached)}/{len(arm.runs)})",
+                *(_mean_std_text(arm.values(k), digits) for k, digits, _ in columns),
+            ]
         )
+    header = ["arm", "lr (grid)", f"best {score}", f"final {score}", "steps to target"]
+    lines += table([*header, *(title for _, _, title in columns)], rows)
     lines += ["", f"![test {score} vs samples and steps](curves.png)", ""]
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
-    lines += _near_best(root, arms, loss, score)
-    lines += _rate_grid(root, arms, loss, score)
-    lines += _judged_early(root, arms, plan.get("prefixes", []), loss, score)
+    lines += _near_best(root, arms, loss)
+    lines += _rate_grid(root, arms, loss)
+    lines += _judged_early(root, arms, plan.get("prefixes", []), loss)
     axis = _axis(plan, arms)
     if axis is not None:
-        lines += _by_axis(root, plan, arms, axis, loss, score)
+        lines += _by_axis(root, arms, axis, loss)
     path = root / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -166,15 +160,12 @@ def render(root: Path) -> Path:
 NEAR_BEST = {"loss": 0.01, "accuracy": 0.001}
 
 
-def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> list[str]:
+def _near_best(root: Path, arms: list[ArmResult], loss: bool) -> list[str]:
     """Optimizer steps to ``T`` = the best arm's final score (seed mean) within
     :data:`NEAR_BEST`, per arm, and each against the fewest: the claim that a batch
     schedule keeps the best final quality in fewer steps, read from the runs. Draws
     ``steps_final.png``: each arm's steps against its final score."""
-    if not arms:
-        return []
-    final = "final_eval_loss" if loss else "final_accuracy"
-    key = "eval_loss" if loss else "eval_accuracy"
+    score, key, _, final = _names(loss)
     means = {a.name: mean_std(a.values(final))[0] for a in arms}
     finite = [m for m in means.values() if math.isfinite(m)]
     if not finite:
@@ -182,90 +173,103 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool, score: str) -> lis
     best = min(finite) if loss else max(finite)
     tolerance = NEAR_BEST["loss" if loss else "accuracy"]
     target = best + tolerance if loss else best - tolerance
-    reached: dict[str, list[int | None]] = {}
     # each seed's evaluation rows, and its wall-clock to T (runs that shared the machine slow
     # each other; a reused run keeps the time of the call that trained it)
-    evals: dict[str, list[list[dict[str, Any]]]] = {}
+    evals = {
+        a.name: [[r for r in read_metrics(root / d) if key in r] for d in a.dirs] for a in arms
+    }
+    reached: dict[str, list[int | None]] = {}
     seconds: dict[str, list[float | None]] = {}
-    for arm in arms:
-        runs = [[r for r in read_metrics(root / d) if key in r] for d in arm.dirs]
-        evals[arm.name] = runs
+    for name, runs in evals.items():
         hits = [first_reaching(rows, target, key, loss) for rows in runs]
-        reached[arm.name] = [h[0] if h else None for h in hits]
-        seconds[arm.name] = [_wall_at(rows, h[0]) if h else None for rows, h in zip(runs, hits)]
-    fewest = min(
-        (mean_std(s)[0] for s in reached.values() if s and all(x is not None for x in s)),
-        default=math.nan,
-    )
+        reached[name] = [h and h[0] for h in hits]
+        seconds[name] = [h and _wall_at(rows, h[0]) for rows, h in zip(runs, hits)]
+    every = [m for m in map(_every_mean, reached.values()) if m is not None]
+    fewest = min(every, default=math.nan)
     _plot_steps_final(root, arms, final, score)
-    lines = [
+    rows = []
+    for arm in arms:
+        got = [x for x in reached[arm.name] if x is not None]
+        mean = _every_mean(reached[arm.name])
+        rows.append(
+            [
+                arm.name,
+                _mean_std_text(arm.values(final), 4),
+                f"{means[arm.name] - best:+.4f}",
+                f"{_mean_std_text(got, 0)} ({len(got)}/{len(reached[arm.name])})",
+                f"{mean / fewest:.2f}" if mean is not None and fewest > 0 else "—",
+                _mean_std_text([t for t in seconds[arm.name] if t is not None], 0),
+            ]
+        )
+    header = ["arm", f"final {score}", "against the best", "steps to T", "× the fewest"]
+    return [
         f"Steps to T = {target:.4g}, the best arm's final {score} "
         f"{'+' if loss else '−'} {tolerance:g} (seed means; a ratio only where every "
         "seed reached T):",
         "",
-        f"| arm | final {score} | against the best | steps to T | × the fewest | wall s to T |",
-        "|---|---|---|---|---|---|",
+        *table([*header, "wall s to T"], rows),
+        "",
+        f"![optimizer steps vs final {score}](steps_final.png)",
+        "",
+        *_at_targets(evals, arms, target, key, loss),
     ]
-    for arm in arms:
-        steps = reached[arm.name]
-        got = [x for x in steps if x is not None]
-        every = bool(steps) and len(got) == len(steps)
-        ratio = f"{mean_std(got)[0] / fewest:.2f}" if every and fewest > 0 else "—"
-        lines.append(
-            f"| {arm.name} | {_mean_std_text(arm.values(final), 4)} "
-            f"| {means[arm.name] - best:+.4f} | {_mean_std_text(got, 0)} "
-            f"({len(got)}/{len(steps)}) | {ratio} "
-            f"| {_mean_std_text([t for t in seconds[arm.name] if t is not None], 0)} |"
-        )
-    lines += ["", f"![optimizer steps vs final {score}](steps_final.png)", ""]
-    return lines + _at_targets(evals, arms, target, key, loss)
 
 
-def _rate_grid(root: Path, arms: list[ArmResult], loss: bool, score: str) -> list[str]:
+def _gridded(arms: list[ArmResult]) -> list[ArmResult]:
+    """The arms with a run at every rate of a grid (not a comparison saved before the grid's
+    runs were, nor a tuned rate)."""
+    return [a for a in arms if len(a.grid_dirs) == len(a.lrs) >= 2]
+
+
+def _grid_cells(arm: ArmResult, values: list[Any], mark: int | None, own: Any = None) -> str:
+    """Each rate of ``arm``'s grid with its value, ``*`` at ``mark``, ``°`` at ``own``."""
+    return ", ".join(
+        f"{lr:.4g}{'°' if i == own else ''}: "
+        f"{'—' if v is None else f'{v:.4f}'}{'*' if i == mark else ''}"
+        for i, (lr, v) in enumerate(zip(arm.lrs, values))
+    )
+
+
+def _section(intro: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A paragraph and its table, or nothing where the table has no rows."""
+    return [intro, "", *table(header, rows), ""] if rows else []
+
+
+def _rate_grid(root: Path, arms: list[ArmResult], loss: bool) -> list[str]:
     """Each arm's final score at every rate of its grid (first seed; ``*`` the chosen rate,
     ``°`` its own, × 1: what its settings give a user who tunes nothing, e.g. an
     optimizer's recipe) and how far its own rate ends from the chosen one."""
-    final = "final_eval_loss" if loss else "final_accuracy"
+    score, _, _, final = _names(loss)
     rows = []
-    for arm in arms:
-        if len(arm.grid_dirs) != len(arm.lrs) or len(arm.lrs) < 2:
-            continue  # a comparison saved before the grid's runs were, or a tuned rate
+    for arm in _gridded(arms):
         finals = [(finished_summary(root / d) or {}).get(final) for d in arm.grid_dirs]
-        cells = ", ".join(
-            f"{lr:.4g}{'°' if i == arm.own else ''}: "
-            f"{'—' if v is None else f'{v:.4f}'}{'*' if i == arm.chosen else ''}"
-            for i, (lr, v) in enumerate(zip(arm.lrs, finals))
-        )
         own = finals[arm.own] if arm.own is not None else None
         chosen = finals[arm.chosen]
-        gap = f"{own - chosen:+.4f}" if own is not None and chosen is not None else "—"
         edge = " (the chosen rate is an end of the grid)" if arm.at_edge else ""
-        rows.append(f"| {arm.name} | {cells}{edge} | {gap} |")
-    if not rows:
-        return []
-    return [
+        rows.append(
+            [
+                arm.name,
+                _grid_cells(arm, finals, arm.chosen, arm.own) + edge,
+                f"{own - chosen:+.4f}" if own is not None and chosen is not None else "—",
+            ]
+        )
+    return _section(
         f"Final {score} at each rate of the grid (first seed; * chosen, ° the arm's own "
         "rate, × 1):",
-        "",
-        "| arm | rate: final | own − chosen |",
-        "|---|---|---|",
-        *rows,
-        "",
-    ]
+        ["arm", "rate: final", "own − chosen"],
+        rows,
+    )
 
 
 def _judged_early(
-    root: Path, arms: list[ArmResult], fractions: list[float], loss: bool, score: str
+    root: Path, arms: list[ArmResult], fractions: list[float], loss: bool
 ) -> list[str]:
     """Each arm's rate grid judged at ``fractions`` of its runs (first seed): the rate that
     leads there against the one the whole runs chose. A tuner that stops runs early ranks
     them so, with the schedule laid over the whole budget (the short-horizon bias)."""
-    key = "eval_loss" if loss else "eval_accuracy"
-    sign = 1 if loss else -1
+    score, key, _, _ = _names(loss)
     rows = []
-    for arm in arms:
-        if not fractions or len(arm.grid_dirs) != len(arm.lrs) or len(arm.lrs) < 2:
-            continue
+    for arm in _gridded(arms) if fractions else []:
         dirs = [root / d for d in arm.grid_dirs]
         # the schedule spans the budget: a fraction of it, as the tuner pauses
         budgets = [load_toml(d / "config.toml")["max_samples"] for d in dirs]
@@ -273,24 +277,15 @@ def _judged_early(
         for fraction in fractions:
             scores = [_score_at(curve, fraction * budget, key) for curve, budget in curves]
             finite = [i for i, v in enumerate(scores) if v is not None and math.isfinite(v)]
-            lead = min(finite, key=lambda i: sign * scores[i]) if finite else None
-            cells = ", ".join(
-                f"{lr:.4g}: {'—' if v is None else f'{v:.4f}'}{'*' if i == lead else ''}"
-                for i, (lr, v) in enumerate(zip(arm.lrs, scores))
-            )
+            lead = min(finite, key=lambda i: scores[i] if loss else -scores[i], default=None)
             ratio = "—" if lead is None else f"× {arm.lrs[lead] / arm.lr:.3g}"
-            rows.append(f"| {arm.name} | {fraction:.3g} | {cells} | {ratio} |")
-    if not rows:
-        return []
-    return [
+            rows.append([arm.name, f"{fraction:.3g}", _grid_cells(arm, scores, lead), ratio])
+    return _section(
         f"The rate grid judged early: each rate's {score} at a fraction of its run (first "
         "seed; * leads there), and the leader against the rate the whole runs chose:",
-        "",
-        "| arm | fraction of the run | rate: score there | leader ÷ chosen |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-    ]
+        ["arm", "fraction of the run", "rate: score there", "leader ÷ chosen"],
+        rows,
+    )
 
 
 def _score_at(curve: list[dict[str, Any]], samples: float, key: str) -> float | None:
@@ -329,42 +324,37 @@ def _at_targets(
     start = statistics.fmean(firsts)
     values = targets_between(start, target, TARGET_FRACTIONS)
     steps = {
-        name: [[first_reaching(run, v, key, loss) for run in runs] for v in values]
+        name: [
+            [h and h[0] for h in (first_reaching(run, v, key, loss) for run in runs)]
+            for v in values
+        ]
         for name, runs in evals.items()
     }
-    means = {
-        name: [mean_std([h[0] for h in hits])[0] if all(hits) else None for hits in per]
-        for name, per in steps.items()
-    }
+    means = {name: [_every_mean(hits) for hits in per] for name, per in steps.items()}
     reference = [a for a in arms if _static(a)] or arms
     fewest = [
         min((means[a.name][i] for a in reference if means[a.name][i]), default=None)
         for i in range(len(values))
     ]
-    which = "static batch" if reference is not arms else "arm"
-    header = " | ".join(f"{f:.0%}: {v:.4g}" for f, v in zip(TARGET_FRACTIONS, values))
-    lines = [
-        f"Steps to targets on the way from the first evaluation ({start:.4g}) to T "
-        f"(seed means; × the fewest of a {which} that reached it on every seed):",
-        "",
-        f"| arm | {header} |",
-        "|---|" + "---|" * len(values),
-    ]
+    rows = []
     for arm in arms:
-        cells = []
-        for i, hits in enumerate(steps[arm.name]):
-            mean = means[arm.name][i]
+        cells = [arm.name]
+        for mean, hits, low in zip(means[arm.name], steps[arm.name], fewest):
             if mean is None:
                 cells.append(f"{sum(h is not None for h in hits)}/{len(hits)} reached")
             else:
-                ratio = f" ({mean / fewest[i]:.2f}×)" if fewest[i] else ""
-                cells.append(f"{mean:,.0f}{ratio}")
-        lines.append(f"| {arm.name} | {' | '.join(cells)} |")
-    return [*lines, ""]
+                cells.append(f"{mean:,.0f}" + (f" ({mean / low:.2f}×)" if low else ""))
+        rows.append(cells)
+    which = "static batch" if reference is not arms else "arm"
+    return _section(
+        f"Steps to targets on the way from the first evaluation ({start:.4g}) to T "
+        f"(seed means; × the fewest of a {which} that reached it on every seed):",
+        ["arm", *(f"{f:.0%}: {v:.4g}" for f, v in zip(TARGET_FRACTIONS, values))],
+        rows,
+    )
 
 
 def _plot_steps_final(root: Path, arms: list[ArmResult], final: str, score: str) -> None:
-    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     spans = []
     for arm in arms:
@@ -378,13 +368,10 @@ def _plot_steps_final(root: Path, arms: list[ArmResult], final: str, score: str)
         ax.set_xscale("log")
     ax.set_xlabel("optimizer steps (seed mean)")
     ax.set_ylabel(f"final test {score} (seed mean ± std)")
-    fig.tight_layout()
-    fig.savefig(root / "steps_final.png", dpi=100)
-    plt.close(fig)
+    save(fig, root / "steps_final.png")
 
 
 def _plot_curves(root: Path, arms: list[ArmResult], key: str, score: str) -> None:
-    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for arm in arms:
         rows = read_metrics(root / arm.dirs[0])
@@ -396,15 +383,12 @@ def _plot_curves(root: Path, arms: list[ArmResult], key: str, score: str) -> Non
         ax.set_ylabel(f"test {score} (first seed)")
     if arms:
         axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(root / "curves.png", dpi=100)
-    plt.close(fig)
+    save(fig, root / "curves.png")
 
 
-def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool, score: str) -> None:
-    plt = pyplot()
+def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool) -> None:
+    score, _, best, _ = _names(loss)
     fig, ax = plt.subplots(figsize=(6, 4))
-    best = "best_eval_loss" if loss else "best_accuracy"
     points = [(mean_std(a.values("avg_batch_size"))[0], mean_std(a.values(best))[0]) for a in arms]
     for arm, (b, a) in zip(arms, points):
         ax.scatter([b], [a])
@@ -416,51 +400,49 @@ def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool, score: str) -> N
     ax.set_xlabel("average batch size (samples / steps)")
     ax.set_ylabel(f"best test {score} (seed mean)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(root / "pareto.png", dpi=100)
-    plt.close(fig)
+    save(fig, root / "pareto.png")
 
 
-def _by_axis(
-    root: Path, plan: dict[str, Any], arms: list[ArmResult], axis: str, loss: bool, score: str
-) -> list[str]:
+def _by_axis(root: Path, arms: list[ArmResult], axis: str, loss: bool) -> list[str]:
     """The score and the steps to the target against ``axis``, one curve per other setting;
     against the batch, each curve's critical batch."""
-    others = [k for k in plan.get("varied", []) if k != axis]
     curves: dict[str, list[ArmResult]] = {}
     for arm in sorted(arms, key=lambda a: a.overrides[axis]):
-        label = ", ".join(f"{k}={arm.overrides[k]}" for k in others) or "all"
+        # the arm's name less the axis's value: an arm written out (--arm) and the other
+        # varied keys each make their own curve
+        point = f"{axis}={arm.overrides[axis]}"
+        label = ", ".join(p for p in arm.name.split(", ") if p != point) or "all"
         curves.setdefault(label, []).append(arm)
     fits = _critical_batches(curves, axis) if axis == "batch.initial" else {}
-    name = _plot_by_axis(root, curves, axis, fits, loss, score)
+    score = _names(loss)[0]
+    name = _plot_by_axis(root, curves, axis, fits, loss)
     lines = [f"![best {score} and steps to the target against {axis}]({name})", ""]
-    if fits:
-        lines += [
-            "Critical batch: the fit of steps ≈ S_min · (1 + B_crit / B) to the steps to the "
-            "target (McCandlish et al. 2018) over the batches every seed reached it at (seed "
-            "means; then each seed's own fit); at B_crit the steps are twice their floor, and "
-            "doubling the batch beyond it saves less than a third of them.",
-            "",
-            "| curve | S_min | B_crit | B_crit of each seed | steps at each batch |",
-            "|---|---|---|---|---|",
-        ]
-        for label, (floor, critical, per_seed) in fits.items():
-            at = []
-            for arm in curves[label]:
-                steps = arm.values("steps_to_target")
-                reached = [s for s in steps if s is not None]
-                at.append(
-                    f"{arm.overrides[axis]:g}: {mean_std(reached)[0]:,.0f}"
-                    if len(reached) == len(steps)
-                    else f"{arm.overrides[axis]:g}: reached {len(reached)}/{len(steps)}"
-                )
-            seeds = ", ".join(_critical_text(c, curves[label], axis) for c in per_seed) or "—"
-            lines.append(
-                f"| {label} | {floor:,.0f} | {_critical_text(critical, curves[label], axis)} "
-                f"| {seeds} | {', '.join(at)} |"
-            )
-        lines.append("")
-    return lines
+    rows = []
+    for label, (floor, critical, per_seed) in fits.items():
+        at = []
+        for arm in curves[label]:
+            steps = arm.values("steps_to_target")
+            mean = _every_mean(steps)
+            reached = f"reached {sum(s is not None for s in steps)}/{len(steps)}"
+            at.append(f"{arm.overrides[axis]:g}: {reached if mean is None else f'{mean:,.0f}'}")
+        seeds = ", ".join(_critical_text(c, curves[label], axis) for c in per_seed) or "—"
+        critical_text = _critical_text(critical, curves[label], axis)
+        rows.append([label, f"{floor:,.0f}", critical_text, seeds, ", ".join(at)])
+    return lines + _section(
+        "Critical batch: the fit of steps ≈ S_min · (1 + B_crit / B) to the steps to the "
+        "target (McCandlish et al. 2018) over the batches every seed reached it at (seed "
+        "means; then each seed's own fit); at B_crit the steps are twice their floor, and "
+        "doubling the batch beyond it saves less than a third of them.",
+        ["curve", "S_min", "B_crit", "B_crit of each seed", "steps at each batch"],
+        rows,
+    )
+
+
+def _steps_curve(members: list[ArmResult], axis: str) -> list[tuple[float, float]]:
+    """``(axis value, mean steps to the target)`` of the members every seed of which
+    reached the target."""
+    means = [(a.overrides[axis], _every_mean(a.values("steps_to_target"))) for a in members]
+    return [(x, m) for x, m in means if m is not None]
 
 
 def _critical_batches(
@@ -470,10 +452,10 @@ def _critical_batches(
     each seed's own fit where that seed reached three batches."""
     fits = {}
     for label, members in curves.items():
-        steps = [(a.overrides[axis], a.values("steps_to_target")) for a in members]
-        means = [(b, mean_std(s)[0]) for b, s in steps if all(v is not None for v in s)]
+        means = _steps_curve(members, axis)
         if len(means) < 3:
             continue
+        steps = [(a.overrides[axis], a.values("steps_to_target")) for a in members]
         per_seed = []
         for seed in range(min(len(s) for _, s in steps)):
             points = [(b, s[seed]) for b, s in steps if s[seed] is not None]
@@ -497,23 +479,16 @@ def _plot_by_axis(
     axis: str,
     fits: dict[str, tuple[float, float, list[float]]],
     loss: bool,
-    score: str,
 ) -> str:
-    plt = pyplot()
+    score, _, best, _ = _names(loss)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    best = "best_eval_loss" if loss else "best_accuracy"
     for label, members in curves.items():
         xs = [a.overrides[axis] for a in members]
         stats = [mean_std(a.values(best)) for a in members]
         left.errorbar(
             xs, [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o", label=label
         )
-        # steps to the target, where every seed reached it
-        points = [
-            (a.overrides[axis], mean_std(a.values("steps_to_target"))[0])
-            for a in members
-            if all(s is not None for s in a.values("steps_to_target"))
-        ]
+        points = _steps_curve(members, axis)
         if not points:
             continue
         line = right.plot(*zip(*points), marker="o", label=label)[0]
@@ -528,8 +503,6 @@ def _plot_by_axis(
     right.set_yscale("log")
     right.set_ylabel("optimizer steps to the target (seed mean; dashed: the fit)")
     left.legend(fontsize=7)
-    fig.tight_layout()
     name = f"by_{axis.replace('.', '_')}.png"
-    fig.savefig(root / name, dpi=100)
-    plt.close(fig)
+    save(fig, root / name)
     return name

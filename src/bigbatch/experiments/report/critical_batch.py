@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .figures import pyplot
+from .figures import plt, save
 
 
 def render(out: Path) -> Path:
@@ -49,7 +49,6 @@ def render(out: Path) -> Path:
 
 
 def _plot(out: Path, batches: list[int], points: list[dict[str, Any]]) -> None:
-    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for b in batches:
         ax.axhline(b, color="0.85", lw=0.6, zorder=0)
@@ -72,6 +71,4 @@ def _plot(out: Path, batches: list[int], points: list[dict[str, Any]]) -> None:
     ax.set(xlabel="samples", ylabel="batch (samples)", yscale="log")
     ax.set_yscale("log", base=2)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "critical_batch.png", dpi=110)
-    plt.close(fig)
+    save(fig, out / "critical_batch.png", dpi=110)

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from .figures import pyplot
+from .figures import plt, save
 
 
 def render(out: Path) -> Path:
@@ -54,7 +54,6 @@ def _markdown(cfg: dict, summary: dict, rounds: list[dict]) -> str:
 
 
 def _plot(path: Path, rows: list[dict]) -> None:
-    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     steps = [r["client_steps"] for r in rows]
     left.plot(steps, [r.get("eval_accuracy", math.nan) for r in rows], marker=".")
@@ -64,6 +63,4 @@ def _plot(path: Path, rows: list[dict]) -> None:
     right.set_xlabel("round")
     right.set_ylabel("local batch")
     right.set_yscale("log", base=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)

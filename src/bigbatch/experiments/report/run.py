@@ -10,7 +10,7 @@ from typing import Any
 
 from ...sinks import batch_change
 from ..rundir import read_metrics
-from .figures import pyplot, series
+from .figures import plt, save, series
 
 PLOTS = {
     "batch_similarity.png": "batch size, noise scale and similarity vs step",
@@ -20,7 +20,6 @@ PLOTS = {
 
 
 def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
-    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     top.plot(*series(rows, "step", "batch_size"), color="tab:blue", label="batch size")
     if any("noise_scale" in r for r in rows):
@@ -32,9 +31,7 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     bottom.plot(*series(rows, "step", "similarity"), color="tab:orange", lw=0.7)
     bottom.set_ylabel("half-batch similarity")
     bottom.set_xlabel("optimizer step")
-    fig.tight_layout()
-    fig.savefig(out / "batch_similarity.png", dpi=100)
-    plt.close(fig)
+    save(fig, out / "batch_similarity.png")
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for column, x in enumerate(("samples", "step")):
@@ -47,18 +44,14 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         axes[1, column].set_ylabel("test accuracy")
         axes[1, column].set_xlabel("samples" if x == "samples" else "optimizer step")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out / "loss_accuracy.png", dpi=100)
-    plt.close(fig)
+    save(fig, out / "loss_accuracy.png")
 
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.plot(*series(rows, "step", "lr"))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("learning rate")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(out / "lr.png", dpi=100)
-    plt.close(fig)
+    save(fig, out / "lr.png")
 
 
 def _plot_noise_scale(ax: Any, rows: list[dict[str, Any]]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from ..build import with_task_defaults
 from ..config import resolve
 from ..tasks import TASKS
-from .figures import pyplot
+from .figures import plt, save
 
 
 def markdown(config: dict[str, Any], result: Any, space: list[Any]) -> str:
@@ -54,7 +54,6 @@ def markdown(config: dict[str, Any], result: Any, space: list[Any]) -> str:
 def plot(path: Path, config: dict[str, Any], result: Any, space: list[Any]) -> None:
     """The searched value against the final (or last reported) metric, and every trial's
     validation curve against samples."""
-    plt = pyplot()
     name = TASKS[config["task"]].target_metric.removeprefix("eval_")
     first = space[0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -76,6 +75,4 @@ def plot(path: Path, config: dict[str, Any], result: Any, space: list[Any]) -> N
             samples, values = zip(*t["curve"])
             right.plot(samples, values, alpha=0.6, linewidth=1)
     right.set(xlabel="samples", ylabel=name, title="every trial's validation curve")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
