@@ -51,6 +51,8 @@ class Toy:
     share: float = setting(0.5, "a share", low=0, high=1, high_open=True)
     on: bool = setting(True, "a flag")
     mode: str = setting("a", "one of two", key="mode", choices=("a", "b"))
+    layers: int = setting(2, "a count in (0, 8)", low=0, low_open=True, high=8, high_open=True)
+    name: str = setting("x", "text")
 
     def __post_init__(self):
         check_settings(self)
@@ -59,7 +61,7 @@ class Toy:
 def test_settings_give_the_constructor_its_checks_repr_and_config_keys():
     toy = Toy(2)
     assert toy.rate == 2.0 and isinstance(toy.rate, float)  # a number is stored as a float
-    assert repr(toy) == "Toy(rate=2.0, window=8, share=0.5, on=True, mode='a')"
+    assert repr(toy) == "Toy(rate=2.0, window=8, share=0.5, on=True, mode='a', layers=2, name='x')"
     assert list(Toy.CONFIG) == ["lr", "window", "mode"]  # only the fields with a key
     assert Toy.CONFIG["lr"] == Knob("rate", "required", low=0, low_open=True)
     assert signature_defaults(Toy, Toy.CONFIG) == {"lr": NO_DEFAULT, "window": 8, "mode": "a"}
@@ -70,14 +72,19 @@ def test_settings_give_the_constructor_its_checks_repr_and_config_keys():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"rate": 0}, "rate must be a finite number in \\(0"),
+        ({"rate": 0}, "rate must be > 0, got 0"),
         ({"rate": math.nan}, "rate must"),
         ({"rate": "fast"}, "rate must be a number, got 'fast'"),
         ({"rate": 1, "window": 0}, "window must be a whole number >= 1, got 0"),
         ({"rate": 1, "window": 2.0}, "window must be a whole number"),
-        ({"rate": 1, "share": 1.0}, "share must be a finite number in \\[0, 1\\)"),
-        ({"rate": 1, "on": 1}, "on must be True or False"),
+        ({"rate": 1, "share": 1.0}, "share must be in \\[0, 1\\), got 1.0"),
+        ({"rate": 1, "on": 1}, "on must be true or false"),
         ({"rate": 1, "mode": "c"}, "mode must be one of 'a', 'b', got 'c'"),
+        ({"rate": 1, "mode": "bb"}, "got 'bb'; did you mean 'b'"),
+        # a whole number's every bound holds (only the lower, closed one did)
+        ({"rate": 1, "layers": 0}, r"layers must be a whole number in \(0, 8\), got 0"),
+        ({"rate": 1, "layers": 8}, r"layers must be a whole number in \(0, 8\), got 8"),
+        ({"rate": 1, "name": 3}, "name must be text, got 3"),
     ],
 )
 def test_a_bad_setting_is_one_error_naming_it(values, message):

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
 def whole_number(name: str, value: Any, low: int = 0) -> int:
     """``value`` if it is a whole number >= ``low``, else ``ValueError`` naming both."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
-    return value
+    return check_number(name, value, low=low, whole=True)
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -23,10 +22,20 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    """``value`` if it is one of ``choices``, else ``ValueError`` naming both."""
+    """``value`` if it is one of ``choices``, else ``ValueError`` naming both (and the
+    closest choice to a misspelt one)."""
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+        raise ValueError(
+            f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}"
+        )
     return value
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the option closest to ``word``, or nothing."""
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def check_number(
@@ -38,28 +47,41 @@ def check_number(
     low_open: bool = False,
     high_open: bool = False,
     allow_inf: bool = False,
-) -> float:
-    """Return ``value`` as a float, or raise ``ValueError`` naming ``name`` and ``value``.
+    whole: bool = False,
+) -> Any:
+    """Return ``value`` as a float (a whole number as itself), or raise ``ValueError``
+    naming ``name``, the bounds and ``value``.
 
     Any real number is accepted (Python, numpy or 0-dim tensor scalars are
     not: a tensor hyper-parameter is a different feature); NaN and, unless
-    ``allow_inf``, infinities are not.
+    ``allow_inf``, infinities are not. ``whole``: a Python ``int`` only.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if math.isnan(value) or too_low or too_high or (math.isinf(value) and not allow_inf):
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        raise ValueError(f"{name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
-    return value
+    kind = "a whole number" if whole else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if whole else numbers.Real):
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    number = float(value)
+    if math.isnan(number) or (math.isinf(number) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    too_low = number <= low if low_open else number < low
+    too_high = number >= high if high_open else number > high
+    if too_low or too_high:
+        bounds = _bounds(low, high, low_open, high_open)
+        raise ValueError(f"{name} must be {kind + ' ' if whole else ''}{bounds}, got {value!r}")
+    return value if whole else number
+
+
+def _bounds(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    """``>= 0``, ``< 1`` or ``in (0, 1]``: an interval as an error message says it."""
+    if math.isinf(high):
+        return f"{'>' if low_open else '>='} {low:g}"
+    if math.isinf(low):
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
 
 def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {value!r}")
     return value
 
 

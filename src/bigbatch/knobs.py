@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
-from ._checks import check_flag, check_number, choice, whole_number
+from ._checks import check_flag, check_number, choice
 
 __all__ = [
     "FieldKind",
@@ -50,8 +50,7 @@ class Knob:
     high: float | None = None
     low_open: bool = False
     choices: tuple[str, ...] | None = None
-    #: the constructor refuses ``high`` itself (the config's key does not: its bound is
-    #: the first owner's)
+    #: ``high`` itself refused
     high_open: bool = False
     #: the config's value for "not set" where the signature has none to give (e.g. 0 for a
     #: length the run derives from its budget)
@@ -63,16 +62,14 @@ class Knob:
     parse: Callable[[str], Any] | None = None
 
     def check(self, name: str, value: Any, kind: str) -> Any:
-        """``value`` checked against these bounds as a ``kind`` ("int", "float", "bool";
-        any with ``choices``): one ``ValueError`` naming ``name`` and the value; a number
-        is returned as a float."""
+        """``value`` checked against these bounds as a ``kind`` ("int", "float", "bool",
+        "str"; any with ``choices``): one ``ValueError`` naming ``name`` and the value; a
+        number is returned as a float, a whole number as itself."""
         if self.choices is not None:
             return choice(name, value, self.choices)
         if kind == "bool":
             return check_flag(name, value)
-        if kind == "int":
-            return whole_number(name, value, int(self.low or 0))
-        if kind == "float":
+        if kind in ("int", "float"):
             return check_number(
                 name,
                 value,
@@ -80,7 +77,10 @@ class Knob:
                 high=math.inf if self.high is None else self.high,
                 low_open=self.low_open,
                 high_open=self.high_open,
+                whole=kind == "int",
             )
+        if kind == "str" and not isinstance(value, str):
+            raise ValueError(f"{name} must be text, got {value!r}")
         return value
 
 

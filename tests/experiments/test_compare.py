@@ -38,7 +38,7 @@ def test_keys_joined_by_plus_vary_together():
         ({"vary": ["model.width+model.depth=64+2,32"]}, "has 1 values for 2 keys"),
         ({"vary": ["batch.initial=64", "batch.initial=128"]}, "varied twice"),
         ({"vary": ["batch.initial=64"], "lr_grid": "1,x2"}, "lr_grid takes comma-separated"),
-        ({"vary": ["batch.initial=64"], "lr_grid": [1, -2]}, r"lr_grid must be .* \(0, inf"),
+        ({"vary": ["batch.initial=64"], "lr_grid": [1, -2]}, "lr_grid must be > 0, got -2"),
         ({"vary": ["batch.initial=64"], "seeds": 0}, "seeds must be a whole number >= 1"),
         ({"vary": ["batch.initial=64"], "rank": "fast"}, "rank must be one of 'steps'"),
         ({"vary": ["batch.initial=64"], "folds": 3}, "unknown option 'folds' in .compare.: it "),

@@ -67,16 +67,19 @@ def test_set_values_are_read_as_toml():
     "layer, message",
     [
         ({"batch.tagret": 0.5}, "unknown config key 'batch.tagret'; did you mean 'batch.target'"),
-        ({"task": "mnist"}, "task = 'mnist' is not one of .*did you mean 'mnist1d'"),
+        ({"task": "mnist"}, "task must be one of .*got 'mnist'; did you mean 'mnist1d'"),
         ({"lr": "fast"}, "lr must be a number, got 'fast'"),
         ({"seed": 1.5}, "seed must be a whole number, got 1.5"),
-        ({"batch.target": 2.0}, r"batch.target must be <= 1, got 2.0"),
-        ({"max_micro_batch": 0}, "max_micro_batch must be >= 1, got 0"),
+        ({"batch.target": 2.0}, r"batch.target must be in \[-1, 1\], got 2.0"),
+        ({"max_micro_batch": 0}, "max_micro_batch must be a whole number >= 1, got 0"),
         ({"batch.min": 512, "batch.max": 64}, "batch.min .512. is larger than batch.max .64."),
         ({"batch.initial": 8}, "batch.initial .8. is outside"),
         ({"optimizer": "adam"}, "did you mean 'adamw'"),
-        ({"batch.controller": "simi"}, "batch.controller = 'simi'"),
-        ({"dist.compression": "zip"}, "dist.compression = 'zip' is not one of none, ef"),
+        (
+            {"batch.controller": "simi"},
+            "batch.controller must be one of .*got 'simi'; did you mean 'simigrad'",
+        ),
+        ({"dist.compression": "zip"}, "dist.compression must be one of 'none', 'ef'"),
         (
             {"batch.min": 2, "batch.initial": 2, "noise_from": "sub_batches"},
             "below min_sub_batches",
@@ -216,7 +219,7 @@ def test_a_key_set_by_the_user_wins_over_the_recipe():
 def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key, message):
     with pytest.raises(ConfigError, match=f"{key} {message}"):
         resolve({key: "lots"})
-    with pytest.raises(ConfigError, match=f"{key} must be >"):
+    with pytest.raises(ConfigError, match=f"{key} must be (>|in)"):
         resolve({key: -1})
 
 
@@ -251,7 +254,7 @@ def test_the_warm_up_is_a_share_or_a_length_in_samples_or_tokens(task, length, s
     from bigbatch.experiments.build import with_task_defaults
 
     if not isinstance(length, str) and length > 1:
-        with pytest.raises(ConfigError, match=r"schedule.warmup must be <= 1"):
+        with pytest.raises(ConfigError, match=r"schedule.warmup must be in \[0, 1\]"):
             resolve({"task": task, "schedule.warmup": length})
         length = str(length)
     config = with_task_defaults(resolve({"task": task, "schedule.warmup": length}))

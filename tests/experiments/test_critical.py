@@ -33,7 +33,7 @@ def test_the_critical_batch_is_the_largest_within_the_tolerance():
         ((64,), (0.5,), "two or more distinct"),
         ((32, 32), (0.5,), "two or more distinct"),
         ((0, 64), (0.5,), "batches must be a whole number >= 1, got 0"),
-        ((32, 64), (1.5,), r"points must be a finite number in \(0, 1\)"),
+        ((32, 64), (1.5,), r"points must be in \(0, 1\), got 1.5"),
         ((32, 64), (), "points takes one fraction"),
     ],
 )
@@ -169,7 +169,7 @@ def test_the_command_writes_its_report_and_refuses_bad_options(tmp_path, capsys)
     assert cli.main(["critical-batch", "--batches", "16,x", "--out", str(tmp_path / "x")]) == 2
     assert "--batches takes comma-separated whole numbers, got '16,x'" in capsys.readouterr().err
     assert cli.main(["critical-batch", "--points", "2", "--out", str(tmp_path / "y")]) == 2
-    assert "points must be a finite number in (0, 1), got 2.0" in capsys.readouterr().err
+    assert "points must be in (0, 1), got 2.0" in capsys.readouterr().err
     # the same options from the file's [critical] table, a flag overriding one of them
     (tmp_path / "study.toml").write_text("[critical]\npoints = [0.5]\nbatches = [8, 16]\n")
     config = ["--config", str(tmp_path / "study.toml"), "--batches", "16,x"]

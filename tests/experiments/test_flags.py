@@ -93,10 +93,13 @@ def test_layers_overlay_the_defaults_in_turn_and_a_bad_value_is_named():
     assert (made.count, made.sizes, made.share, made.mode) == (6, (2, 4), 0.75, "a")
     assert settings_from(Toy, "toy", {"sizes": 32}).sizes == (32,)  # one item is a list of one
     assert settings_from(Toy, "toy", {"sizes": "2,4"}).sizes == (2, 4)
+    # an item of a list is one value (its first number was taken, the rest dropped)
+    with pytest.raises(ConfigError, match=r"^\[toy\] sizes takes a whole number, got '2,3'$"):
+        settings_from(Toy, "toy", {"sizes": ["2,3", 4]})
     unknown = r"unknown option 'cout' in \[toy\]: it takes count, .*did you mean 'count'"
     with pytest.raises(ConfigError, match=unknown):
         settings_from(Toy, "toy", {"cout": 4})
-    with pytest.raises(ConfigError, match=r"share must be a finite number in \[0, 1\], got 2"):
+    with pytest.raises(ConfigError, match=r"^\[toy\] share must be in \[0, 1\], got 2$"):
         settings_from(Toy, "toy", {"share": 2})
     with pytest.raises(ConfigError, match="sizes must be a whole number >= 1, got 0"):
         Toy(sizes=(4, 0))

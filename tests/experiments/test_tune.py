@@ -317,9 +317,9 @@ def test_a_bad_range_or_key_gets_one_error_naming_it(text, message):
         ({"jobs": -1}, "jobs must be"),
         ({"reduction": 1}, "reduction must be a whole number >= 2, got 1"),
         ({"brackets": 1.5}, "brackets must be"),
-        ({"min_fidelity": 1.5}, r"min_fidelity must be a finite number in \(0, 1\]"),
-        ({"budget": 0}, r"budget must be a finite number in \(0"),
-        ({"after_warmup": -1}, "after_warmup must be a finite number in \\[0"),
+        ({"min_fidelity": 1.5}, r"min_fidelity must be in \(0, 1\], got 1.5"),
+        ({"budget": 0}, r"budget must be > 0"),
+        ({"after_warmup": -1}, "after_warmup must be >= 0"),
     ],
 )
 def test_bad_settings_are_refused_when_made(settings, message):

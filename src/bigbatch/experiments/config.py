@@ -16,8 +16,7 @@ run's ``config.toml``; :func:`section` reads one section of it as its typed clas
 
 from __future__ import annotations
 
-import difflib
-import math
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +35,7 @@ else:  # pragma: no cover - Python 3.10: the cli extra brings tomli
 
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from .._checks import batch_bounds
+from .._checks import batch_bounds, did_you_mean
 from ..assembly import fewest_sub_batches
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
@@ -77,32 +76,31 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Key:
-    """One config key: its default, meaning and allowed values, as read off a section's
-    field or a component's knob (:func:`schema`)."""
+    """One config key: its name, default and :class:`~bigbatch.knobs.Knob` (meaning,
+    bounds, choices, grammar), as read off a section's field or a component's knob
+    (:func:`schema`)."""
 
     name: str
     default: Any
-    help: str
-    choices: tuple[str, ...] | None = None
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
+    knob: Knob
     #: each component's own default where the components sharing the key differ (the key's
     #: ``default`` then means "the chosen component's own")
     owners: Mapping[str, Any] | None = None
     #: a number key whose default is :data:`AUTO`: the optimizer's recipe fills it
     #: (``bigbatch.optim.RECIPES``)
     from_recipe: bool = False
-    #: a text key's grammar (``Knob.parse``): the value must parse; a number is taken as text
-    parse: Callable[[str], Any] | None = None
-    #: ``high`` itself refused
-    high_open: bool = False
+
+    @property
+    def help(self) -> str:
+        return self.knob.help
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return self.knob.choices
 
     @property
     def kind(self) -> type:
-        if self.from_recipe:
-            return float
-        return type(self.default) if self.default is not None else float
+        return float if self.from_recipe else type(self.default)
 
 
 #: the value of a key that the chosen optimizer's recipe fills in
@@ -122,12 +120,6 @@ def share_of_budget(text: str) -> Duration:
     return duration
 
 
-#: old values of renamed keys, as the new key reads them (``batch.ramp_samples = 0`` meant
-#: half the budget)
-_OLD_VALUES: dict[str, Callable[[Any], Any]] = {
-    "batch.ramp_samples": lambda samples: samples or "50%",
-}
-
 #: old key names, still accepted with a warning
 RENAMED = {
     "batch.ramp_samples": "batch.ramp_over",
@@ -138,14 +130,21 @@ RENAMED = {
     "agvm_momentum": "agvm.momentum",
 }
 
+#: old values of renamed keys, as the new key reads them (``batch.ramp_samples = 0`` meant
+#: half the budget)
+_OLD_VALUES: dict[str, Callable[[Any], Any]] = {
+    "batch.ramp_samples": lambda samples: samples or "50%",
+}
+
 
 def component_keys(
-    prefix: str, components: Mapping[str, tuple[Any, Mapping[str, Knob]]], what: str
+    prefix: str, components: Mapping[str, tuple[Any, Mapping[str, Knob]]]
 ) -> list[Key]:
     """The keys that components declare (``bigbatch.knobs``), each once.
 
     A key several components take has their common default; where their
-    defaults differ, its default is 0 ("the chosen {what}'s own"), the owners'
+    defaults differ (only the controllers' do), its default is 0 ("the chosen
+    controller's own", filled in by :func:`fill_controller_defaults`), the owners'
     values listed in its help, and a component with no default of its own (a
     constant batch) takes the first component's (the registry's default). A
     key only some take names them in its help.
@@ -172,29 +171,12 @@ def component_keys(
             low, low_open = min(low if low is not None else 0, 0), False
             own = ", ".join(f"{n} {v}" for n, v in given.items())
             others = f"; the others {first}'s" if len(given) < len(names) else ""
-            note = f"; 0: the {what}'s own ({own}{others})"
+            note = f"; 0: the controller's own ({own}{others})"
         else:
             note = ""
-        keys.append(
-            _knob_key(
-                f"{prefix}{key}",
-                default,
-                knob,
-                help=f"{scope}{knob.help}{note}",
-                low=low,
-                low_open=low_open,
-                owners=owners,
-            )
-        )
+        knob = replace(knob, help=f"{scope}{knob.help}{note}", low=low, low_open=low_open)
+        keys.append(Key(f"{prefix}{key}", default, knob, owners))
     return keys
-
-
-def _knob_key(name: str, default: Any, knob: Knob, **changes: Any) -> Key:
-    """The key ``name`` with ``knob``'s help, choices, bounds and grammar (``changes``,
-    :class:`Key`'s fields, set over them)."""
-    bounds = dict(low=knob.low, high=knob.high, low_open=knob.low_open, high_open=knob.high_open)
-    key = Key(name, default, knob.help, knob.choices, parse=knob.parse, **bounds)
-    return replace(key, **changes)
 
 
 def run_key(key: str, default: Any, help: str, **bounds: Any) -> Any:
@@ -203,9 +185,11 @@ def run_key(key: str, default: Any, help: str, **bounds: Any) -> Any:
     return setting(default, help, key=key, **bounds)
 
 
-def recipe_key(key: str, help: str, **bounds: Any) -> Any:
-    """A number key that defaults to the optimizer's recipe (:data:`AUTO`)."""
-    knob = Knob("", f"{help}; auto: the optimizer's recipe", **bounds)
+def recipe_key(key: str, help: str = "", *, knob: Knob | None = None, **bounds: Any) -> Any:
+    """A number key that defaults to the optimizer's recipe (:data:`AUTO`): its help and
+    bounds, or a component's ``knob``."""
+    knob = knob or Knob("", help, **bounds)
+    knob = replace(knob, help=f"{knob.help}; auto: the optimizer's recipe")
     return field(default=AUTO, metadata={"knob": knob, "key": key, "recipe": True})
 
 
@@ -517,13 +501,7 @@ class OptimizerKeys:
     """The VRGD forms' γ (part of their recipes) and AGVM's switch (beside these, the keys
     the VRGD forms and AGVM declare: :data:`COMPONENTS`)."""
 
-    gamma: float | str = recipe_key(
-        "vrgd.gamma",
-        VRGD.CONFIG["gamma"].help,
-        low=VRGD.CONFIG["gamma"].low,
-        low_open=VRGD.CONFIG["gamma"].low_open,
-        high=VRGD.CONFIG["gamma"].high,
-    )
+    gamma: float | str = recipe_key("vrgd.gamma", knob=VRGD.CONFIG["gamma"])
     agvm: bool = run_key(
         "agvm.enabled",
         False,
@@ -535,48 +513,27 @@ class OptimizerKeys:
 RUN_SECTIONS = (RunKeys, MachineKeys, LogKeys, BatchKeys, ScheduleKeys, DistKeys, OptimizerKeys)
 
 #: the keys that components declare on their classes (``CONFIG``), listed after the written
-#: key they belong with: (prefix, {name: (component, its knobs)}, what the help calls
-#: one), for :func:`component_keys`; built when the schema is first asked for
-COMPONENTS: dict[str, Callable[[], tuple[str, dict[str, Any], str]]] = {
-    "batch.controller": lambda: (
-        "batch.",
-        {n: (cls, cls.CONFIG) for n, cls in CONTROLLERS.items()},
-        "controller",
+#: key they belong with: (prefix, {name: (component, its knobs)}) for :func:`component_keys`
+COMPONENTS: dict[str, tuple[str, dict[str, tuple[Any, Mapping[str, Knob]]]]] = {
+    "batch.controller": ("batch.", {n: (cls, cls.CONFIG) for n, cls in CONTROLLERS.items()}),
+    "dist.compression": ("dist.", {"compression": (CompressionState, CompressionState.CONFIG)}),
+    "dist.sgdm_eta": ("dist.", {"powersgd": (PowerSGDState, POWERSGD_CONFIG)}),
+    # the VRGD forms' keys but γ, which their recipes set (OptimizerKeys)
+    "vrgd.gamma": (
+        "vrgd.",
+        {"vr-*": (VRGD, {k: v for k, v in VRGD.CONFIG.items() if k != "gamma"})},
     ),
-    "dist.compression": lambda: (
-        "dist.",
-        {"compression": (CompressionState, CompressionState.CONFIG)},
-        "method",
-    ),
-    "dist.sgdm_eta": lambda: ("dist.", {"powersgd": (PowerSGDState, POWERSGD_CONFIG)}, "hook"),
-    "vrgd.gamma": lambda: ("vrgd.", {"vr-*": (VRGD, _vrgd_knobs())}, "optimizer"),
-    "agvm.enabled": lambda: (
+    "agvm.enabled": (
         "agvm.",
         {"agvm": (AGVM, AGVM.CONFIG), "groups": (module_param_groups, GROUPS_CONFIG)},
-        "AGVM",
     ),
 }
-
-
-def _vrgd_knobs() -> dict[str, Knob]:
-    """The VRGD forms' keys but γ, which their recipes set (:class:`OptimizerKeys`)."""
-    return {k: v for k, v in VRGD.CONFIG.items() if k != "gamma"}
 
 
 def _key(f: Field) -> Key:
     """A section's field as its config key."""
     recipe = f.metadata.get("recipe", False)
-    return _knob_key(f.metadata["key"], f.default, f.metadata["knob"], from_recipe=recipe)
-
-
-def _keys() -> list[Key]:
-    keys = []
-    for cls in RUN_SECTIONS:
-        for f in fields(cls):
-            keys.append(_key(f))
-            if f.metadata["key"] in COMPONENTS:
-                keys += component_keys(*COMPONENTS[f.metadata["key"]]())
-    return keys
+    return Key(f.metadata["key"], f.default, f.metadata["knob"], from_recipe=recipe)
 
 
 _Section = TypeVar("_Section")
@@ -591,14 +548,21 @@ def section(cls: type[_Section], config: Mapping[str, Any]) -> _Section:
     return cls(**{f.name: config[f.metadata["key"]] for f in fields(cls)})
 
 
-_SCHEMA: dict[str, Key] | None = None
+def _keys() -> list[Key]:
+    """Every config key, a section's fields each followed by the keys of the components it
+    chooses (:data:`COMPONENTS`)."""
+    keys = []
+    for cls in RUN_SECTIONS:
+        for f in fields(cls):
+            keys.append(_key(f))
+            if f.metadata["key"] in COMPONENTS:
+                keys += component_keys(*COMPONENTS[f.metadata["key"]])
+    return keys
 
 
+@functools.cache
 def schema() -> dict[str, Key]:
-    global _SCHEMA
-    if _SCHEMA is None:
-        _SCHEMA = {k.name: k for k in _keys()}
-    return _SCHEMA
+    return {k.name: k for k in _keys()}
 
 
 def defaults() -> dict[str, Any]:
@@ -650,65 +614,27 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _check_kind(key: Key, value: Any) -> Any:
-    """``value`` as the key's type (bool, whole number, finite number or one of the choices)."""
-    kind = key.kind
-    if key.from_recipe and isinstance(value, str):
-        raise ConfigError(f"{key.name} must be a number or {AUTO!r}, got {value!r}")
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key.name} must be true or false, got {value!r}")
-        return value
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key.name} must be a whole number, got {value!r}")
-        return value
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key.name} must be a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ConfigError(f"{key.name} must be finite, got {value!r}")
-        return float(value)
-    if key.parse is not None:
-        value = _parsed_text(key, value)
-    if not isinstance(value, str):
-        raise ConfigError(f"{key.name} must be a string, got {value!r}")
-    if key.choices is not None and value not in key.choices:
-        close = difflib.get_close_matches(value, key.choices, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"{key.name} = {value!r} is not one of {', '.join(key.choices)}{hint}")
-    return value
-
-
-def _parsed_text(key: Key, value: Any) -> Any:
-    """A text key with a grammar: a number taken as its text, the text checked to parse."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = f"{value:g}" if isinstance(value, float) else str(value)
-    if isinstance(value, str):
-        try:
-            key.parse(value)  # type: ignore[misc]
-        except ValueError as err:
-            raise ConfigError(f"{key.name} = {value!r}: {err}") from None
-    return value
-
-
 def _check(key: Key, value: Any) -> Any:
+    """``value`` as the key's type within its bounds (:meth:`Knob.check`); a key with a
+    grammar (a duration, a share) also takes text that parses, a text key a number as its
+    text."""
     if key.from_recipe and value == AUTO:
         return value
-    if key.kind in (int, float) and key.parse is not None and isinstance(value, str):
-        return _parsed_text(key, value)  # a count or a share, or a duration's text
-    value = _check_kind(key, value)
-    if key.kind is bool or key.kind is str:
-        return value
-    if key.low is not None and (value <= key.low if key.low_open else value < key.low):
-        raise ConfigError(
-            f"{key.name} must be {'>' if key.low_open else '>='} {key.low}, got {value!r}"
-        )
-    if key.high is not None and (value >= key.high if key.high_open else value > key.high):
-        raise ConfigError(
-            f"{key.name} must be {'<' if key.high_open else '<='} {key.high}, got {value!r}"
-        )
-    return value
+    if key.knob.parse is not None and (isinstance(value, str) or key.kind is str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = f"{value:g}" if isinstance(value, float) else str(value)
+        if isinstance(value, str):
+            try:
+                key.knob.parse(value)
+            except ValueError as err:
+                raise ConfigError(f"{key.name} = {value!r}: {err}") from None
+            return value
+    if key.from_recipe and isinstance(value, str):
+        raise ConfigError(f"{key.name} must be a number or {AUTO!r}, got {value!r}")
+    try:
+        return key.knob.check(key.name, value, key.kind.__name__)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
@@ -720,9 +646,7 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
             value = _OLD_VALUES[name](value) if name in _OLD_VALUES else value
             name = _current_name(name)
             if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"unknown config key {name!r}{hint}")
+                raise ConfigError(f"unknown config key {name!r}{did_you_mean(name, known)}")
             config[name] = _check(known[name], value)
     # the bounds as the chosen controller will see them, its own defaults filled in (that
     # happens later, in build.with_task_defaults, so a layer that changes the controller
@@ -768,34 +692,21 @@ def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:
 
 
 def fill_controller_defaults(config: dict[str, Any], origins: dict[str, str] | None = None) -> None:
-    """The chosen controller's own defaults for the batch keys left at 0; its own first
-    batch is raised to ``batch.min`` (or lowered to ``batch.max``) when those are set and
-    exclude it, since only the bounds were asked for."""
+    """The chosen controller's own defaults for the batch keys left at 0 (those whose
+    controllers differ: :attr:`Key.owners`), so a run's saved config says what it ran
+    with; its own first batch is raised to ``batch.min`` (or lowered to ``batch.max``)
+    when those are set and exclude it, since only the bounds were asked for."""
     kind = config["batch.controller"]
     own_first = not config["batch.initial"]
-    fill_component_defaults(config, "batch.", kind, CONTROLLERS[kind].CONFIG, origins)
+    for key in schema().values():
+        if key.owners is not None and config[key.name] == key.default:
+            config[key.name] = key.owners.get(kind, key.default)
+            if origins is not None and config[key.name] != key.default:
+                origins[key.name] = f"the {kind} controller's default"
     if own_first:
         config["batch.initial"] = min(
             config["batch.max"], max(config["batch.min"], config["batch.initial"])
         )
-
-
-def fill_component_defaults(
-    config: dict[str, Any],
-    prefix: str,
-    name: str,
-    knobs: Mapping[str, Any],
-    origins: dict[str, str] | None = None,
-) -> None:
-    """Replace each "0: the component's own" value of ``name``'s keys by that component's
-    default, so a run's saved config says what it ran with."""
-    known = schema()
-    for key in knobs:
-        entry = known[f"{prefix}{key}"]
-        if entry.owners is not None and config[entry.name] == entry.default:
-            config[entry.name] = entry.owners.get(name, entry.default)
-            if origins is not None and config[entry.name] != entry.default:
-                origins[entry.name] = f"the {name} controller's default"
 
 
 def to_toml(config: Mapping[str, Any]) -> str:
@@ -820,7 +731,7 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def help_text(describe: Callable[[Key], str] | None = None) -> str:
+def help_text() -> str:
     rows = []
     for key in schema().values():
         choices = f" [{', '.join(key.choices)}]" if key.choices else ""

@@ -21,11 +21,11 @@ the core install. The ~100 lines below do the part this command needs.
 from __future__ import annotations
 
 import argparse
-import difflib
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, Field, fields
+from dataclasses import Field, fields
 from typing import Any, TypeVar
 
+from .._checks import did_you_mean
 from ..knobs import FieldKind, check_settings
 from .config import ConfigError
 
@@ -41,10 +41,6 @@ def _options(cls: type) -> dict[str, Field]:
 def flag(f: Field) -> str:
     """The field's flag: its ``flag`` metadata, else ``--`` and its name with dashes."""
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def _default(f: Field) -> Any:
-    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
 
 
 def shown(value: Any) -> str:
@@ -68,7 +64,7 @@ def add_flags(
         if f.name in skip:
             continue
         knob = f.metadata["knob"]
-        text = f"{when}{knob.help} (default {shown(_default(f))})".replace("%", "%%")
+        text = f"{when}{knob.help} (default {shown(f.default)})".replace("%", "%%")
         if FieldKind.of(f).item == "bool":
             parser.add_argument(flag(f), dest=f.name, action="store_true", default=None, help=text)
             continue
@@ -84,20 +80,22 @@ def _metavar(f: Field) -> str:
     return f"{letter}1,{letter}2,..." if kind.listed else letter
 
 
-def _parsed(f: Field, text: str, name: str) -> Any:
-    """A flag's (or a table's) text as the field's type; one :class:`ConfigError` naming
-    the flag (or the option). ``none`` is an empty list, or None where the field allows."""
+def _parsed(f: Field, text: str, name: str, *, item: bool = False) -> Any:
+    """A flag's (or a table's) text as the field's type (``item``: as one item of a list);
+    one :class:`ConfigError` naming the flag (or the option). ``none`` is an empty list, or
+    None where the field allows."""
     kind = FieldKind.of(f)
+    listed = kind.listed and not item
     convert = {"int": int, "float": float}.get(kind.item, str)
-    if text.strip().lower() == "none" and (kind.listed or kind.optional):
-        return () if kind.listed else None
+    if text.strip().lower() == "none" and (listed or kind.optional):
+        return () if listed else None
     try:
-        if kind.listed:
+        if listed:
             return tuple(convert(part.strip()) for part in text.split(",") if part.strip())
         return convert(text)
     except ValueError:
         what = {"int": "whole number", "float": "number"}[kind.item]
-        many = f"comma-separated {what}s" if kind.listed else f"a {what}"
+        many = f"comma-separated {what}s" if listed else f"a {what}"
         raise ConfigError(f"{name} takes {many}, got {text!r}") from None
 
 
@@ -128,11 +126,11 @@ def settings_from(
     where: dict[str, str] = {}
     for name, value in (table or {}).items():
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
             names = ", ".join([*also, *known])
+            hint = did_you_mean(name, known)
             raise ConfigError(f"unknown option {name!r} in [{section}]: it takes {names}{hint}")
-        values[name], where[name] = _as_kind(known[name], value), f"[{section}] {name}"
+        where[name] = f"[{section}] {name}"
+        values[name] = _as_kind(known[name], value, where[name])
     for name, value in (flags or {}).items():
         values[name], where[name] = value, flag(known[name])
     try:
@@ -145,16 +143,16 @@ def settings_from(
         raise ConfigError(where[name] + message[len(name) :]) from None
 
 
-def _as_kind(f: Field, value: Any) -> Any:
+def _as_kind(f: Field, value: Any, name: str) -> Any:
     """A table's value as the field's type: text parsed as a flag's would be (a list of
-    text item by item), one item a list of one."""
+    text item by item), one item a list of one; an error names the option as ``name``."""
     if isinstance(value, str):
-        return _parsed(f, value, f.name)
+        return _parsed(f, value, name)
     if not FieldKind.of(f).listed:
         return value
     if not isinstance(value, (list, tuple)):
         return (value,)
-    return tuple((_parsed(f, v, f.name) or (v,))[0] if isinstance(v, str) else v for v in value)
+    return tuple(_parsed(f, v, name, item=True) if isinstance(v, str) else v for v in value)
 
 
 def checked(settings: Any) -> None:
@@ -171,6 +169,6 @@ def options_table(cls: type) -> str:
     rows = ["| option | meaning | default |", "|---|---|---|"]
     for f in _options(cls).values():
         written = flag(f) if FieldKind.of(f).item == "bool" else f"{flag(f)} {_metavar(f)}"
-        cells = (written, f.metadata["knob"].help, shown(_default(f)))
+        cells = (written, f.metadata["knob"].help, shown(f.default))
         rows.append("| `{}` | {} | `{}` |".format(*(c.replace("|", "\\|") for c in cells)))
     return "\n".join(rows)

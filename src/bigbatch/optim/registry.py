@@ -6,7 +6,6 @@ torch's SGD and AdamW are registered beside bigbatch's own as anchors.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checks import did_you_mean
 from .lamb import LAMB
 from .lars import LARS
 from .merit import MERIT
@@ -227,8 +227,7 @@ def get_optimizer_info(name: str) -> OptimizerInfo:
     """The registry record for ``name`` (case-insensitive); ``ValueError`` if unknown."""
     key = str(name).lower()
     if key not in OPTIMIZERS:
-        close = difflib.get_close_matches(key, OPTIMIZERS, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(key, OPTIMIZERS)
         raise ValueError(
             f"unknown optimizer {name!r}{hint} (known: {', '.join(list_optimizers())})"
         )
@@ -261,8 +260,7 @@ def create_optimizer(
     accepted = [n for n in signature.parameters if n != "params"]
     for key in kwargs:
         if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, accepted)
             raise ValueError(f"optimizer {info.name!r} takes no argument {key!r}{hint}")
     recipe = info.recipe
     options = {
