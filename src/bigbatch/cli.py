@@ -372,17 +372,17 @@ def _federated(args: argparse.Namespace) -> None:
     print(f"report: {out / 'report.md'}")
 
 
-def _report(path: Path) -> None:
+def _report(args: argparse.Namespace) -> None:
     """Re-render the report of whatever command wrote the folder."""
     from .experiments.report import render
 
     try:
-        print(render(path))
+        print(render(Path(args.dir)))
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from None
 
 
-def _tasks() -> None:
+def _tasks(args: argparse.Namespace) -> None:
     from .experiments.tasks import TASKS
 
     for task in TASKS.values():
@@ -434,18 +434,15 @@ def _one_line_warnings() -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         return _train(args)
-    if args.command == "compare":
-        _compare(args)
-    elif args.command == "critical-batch":
-        _critical_batch(args)
-    elif args.command == "tune":
-        _tune(args)
-    elif args.command == "federated":
-        _federated(args)
-    elif args.command == "report":
-        _report(Path(args.dir))
-    else:
-        _tasks()
+    commands = {
+        "compare": _compare,
+        "critical-batch": _critical_batch,
+        "tune": _tune,
+        "federated": _federated,
+        "report": _report,
+        "tasks": _tasks,
+    }
+    commands[args.command](args)
     return 0
 
 

@@ -219,8 +219,11 @@ def make_controller(config: dict[str, Any]) -> Controller:
     controllers hold the batch while the rate warms up by watching the schedule
     multiplier, so the sample budget is not theirs to know."""
     cls = CONTROLLERS[config["batch.controller"]]
+    # the run's facts a controller that reads durations (Ramp) takes
+    accepted = inspect.signature(cls).parameters
+    facts = {name: value for name, value in run_facts(config).items() if name in accepted}
     try:
-        return cls(**_declared(config, "batch.", cls.CONFIG), **_run_facts(cls, config))
+        return cls(**_declared(config, "batch.", cls.CONFIG), **facts)
     except ValueError as err:
         # a rule the keys' own bounds do not hold (Seesaw's growth of 0 or >= 1): the error
         # names the argument; say which key set it
@@ -233,13 +236,6 @@ def run_facts(config: dict[str, Any]) -> dict[str, Any]:
     """What converting a duration needs to know of a run (:meth:`Duration.elapsed`'s
     keywords): its budget in samples and a sequence's tokens."""
     return {"budget": config["max_samples"], "tokens_per_sample": config["model.context"] or None}
-
-
-def _run_facts(component: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """The :func:`run_facts` a component that reads durations (:class:`~bigbatch.batch.Ramp`)
-    takes."""
-    accepted = inspect.signature(component).parameters
-    return {name: value for name, value in run_facts(config).items() if name in accepted}
 
 
 def intervals(config: dict[str, Any]) -> dict[str, int | Duration]:
@@ -388,8 +384,14 @@ def _comm_hook(config: dict[str, Any], model: nn.Module, world: World) -> tuple[
     """The ``(state, hook)`` that compresses DDP's all-reduce as ``dist.compression`` says
     (None: the plain all-reduce)."""
     dist = section(DistKeys, config)
-    if dist.compression == "powersgd":
-        return _powersgd(config, world)
+    if dist.compression == "powersgd":  # torch's PowerSGD (Vogels et al. 2019), to compare
+        powersgd = powerSGD_hook.PowerSGDState(
+            process_group=world.group,
+            matrix_approximation_rank=config["dist.powersgd_rank"],
+            start_powerSGD_iter=max(2, config["dist.warmup"]),
+            random_seed=config["seed"],
+        )
+        return powersgd, powerSGD_hook.powerSGD_hook
     if dist.compression == "none":
         return None
     method = _METHOD.get(dist.compression, dist.compression)
@@ -423,14 +425,3 @@ def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
     for unit in units:
         fully_shard(unit, mesh=mesh)
     return fully_shard(model, mesh=mesh)
-
-
-def _powersgd(config: dict[str, Any], world: World) -> tuple[Any, Any]:
-    """torch's PowerSGD ``(state, hook)`` (Vogels et al. 2019), for comparisons."""
-    state = powerSGD_hook.PowerSGDState(
-        process_group=world.group,
-        matrix_approximation_rank=config["dist.powersgd_rank"],
-        start_powerSGD_iter=max(2, config["dist.warmup"]),
-        random_seed=config["seed"],
-    )
-    return state, powerSGD_hook.powerSGD_hook
