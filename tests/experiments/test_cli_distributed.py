@@ -143,6 +143,14 @@ def test_compressed_two_process_run_reports_its_traffic(tmp_path):
     assert single.returncode == 2 and "--nproc 2 or more" in single.stderr
 
 
+def test_torchs_powersgd_hook_trains_two_processes(tmp_path):
+    out = tmp_path / "powersgd"
+    compression = ["--set", "dist.compression=powersgd", "--nproc", 2]
+    result = bigbatch("train", *SMALL, "--set", "max_samples=2000", *compression, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "summary.json").read_text())["best_accuracy"] > 0.3
+
+
 def test_a_run_sigkilled_before_its_first_step_resumes_to_the_same_result(tmp_path):
     args = [*SMALL, "--set", "max_samples=12000"]
     straight = tmp_path / "straight"
