@@ -64,6 +64,27 @@ CLI_CASES = [
     (["train", "--nproc", "0"], "--nproc must be at least 1, got 0"),
     (["report", "nowhere"], "nowhere"),
     (["compare", "--vary", "batch.target"], "batch.target"),
+    # found by a fuzzing review (2026-11-28): each was a traceback or taken silently
+    (["train", "--set", "seed=100000000000000"], "seed must be a whole number in [0, 4294967295]"),
+    (["train", "--set", "agvm_start=3", "--set", "agvm.start=9"], "'agvm_start' is the old name"),
+    (["train", "--out", ""], "--out is empty"),
+    (["train", "--resume", " "], "--resume is empty"),
+    (["train", "--config", ""], "--config is empty"),
+    (["train", "--task", ""], "--task is empty"),
+    (["report", ""], "DIR is empty"),
+    (["federated", "--threads", "-1"], "--threads must be a whole number >= 0, got -1"),
+    (["compare", "--vary", "seed=0,0"], "--vary seed: '0' is given twice"),
+    (["compare", "--vary", "seed=0", "--lr-grid", "1,,2"], "--lr-grid takes comma-separated"),
+    (
+        [
+            "train",
+            "--set",
+            "batch.controller=ramp",
+            "--set",
+            "batch.ramp_points=0:16,50%:32,25%:64",
+        ],
+        "Ramp's points must be in order, each later than the one before",
+    ),
 ]
 
 
@@ -76,6 +97,19 @@ def test_cli(args, message, capsys, tmp_path, monkeypatch, existing_run):
     assert err.startswith("bigbatch: error:") and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert snapshot(existing_run) == before
+
+
+def test_running_out_of_memory_is_one_line_and_exit_2(capsys):
+    # what torch raises when the CPU allocator is refused (a model far too wide)
+    refused = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 1999999999980 bytes. Error code 12"
+    )
+    assert cli._reported(refused) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bigbatch: error: out of memory") and "model.width" in err, err
+    assert err.count("\n") == 1
+    assert cli._reported(RuntimeError("something else")) is None  # a bug keeps its traceback
 
 
 def test_cli_existing_run_and_resume_options(existing_run, capsys):

@@ -72,11 +72,18 @@ def check_number(
 
 def _bounds(low: float, high: float, low_open: bool, high_open: bool) -> str:
     """``>= 0``, ``< 1`` or ``in (0, 1]``: an interval as an error message says it."""
+    low_text, high_text = _shown(low), _shown(high)
     if math.isinf(high):
-        return f"{'>' if low_open else '>='} {low:g}"
+        return f"{'>' if low_open else '>='} {low_text}"
     if math.isinf(low):
-        return f"{'<' if high_open else '<='} {high:g}"
-    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        return f"{'<' if high_open else '<='} {high_text}"
+    return f"in {'(' if low_open else '['}{low_text}, {high_text}{')' if high_open else ']'}"
+
+
+def _shown(bound: float) -> str:
+    """A bound as written: a whole one in full (4294967295, not 4.29497e+09)."""
+    whole = math.isfinite(bound) and float(bound).is_integer() and abs(bound) < 1e16
+    return str(int(bound)) if whole else f"{bound:g}"
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -44,6 +44,7 @@ from .experiments.options import (
     Protocol,
     TuneSettings,
 )
+from .experiments.rundir import first_line
 from .experiments.signals import Stopped
 
 #: what ``pip install bigbatch[cli]`` adds to the core (torch, numpy): the commands' needs
@@ -364,6 +365,8 @@ def _federated(args: argparse.Namespace) -> None:
             f"bigbatch federated reads only the [federated] table of {args.config}, "
             f"not {stray[0]!r}"
         )
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be a whole number >= 0, got {args.threads}")
     settings = _settings(args, "federated")
     out = Path(args.out) if args.out else new_run_dir(task=f"federated-{settings.task}")
     check_new_run_dir(out)
@@ -376,10 +379,7 @@ def _report(args: argparse.Namespace) -> None:
     """Re-render the report of whatever command wrote the folder."""
     from .experiments.report import render
 
-    try:
-        print(render(Path(args.dir)))
-    except FileNotFoundError as err:
-        raise ConfigError(str(err)) from None
+    print(render(Path(args.dir)))
 
 
 def _tasks(args: argparse.Namespace) -> None:
@@ -432,6 +432,9 @@ def _one_line_warnings() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    for name in ("out", "resume", "config", "task", "dir"):  # "" would mean "not given"
+        if getattr(args, name, None) is not None and not getattr(args, name).strip():
+            raise ConfigError(f"{'DIR' if name == 'dir' else '--' + name} is empty")
     if args.command == "train":
         return _train(args)
     commands = {
@@ -475,8 +478,14 @@ def _reported(err: BaseException) -> int | None:
     if isinstance(err, KeyboardInterrupt):
         print("bigbatch: interrupted", file=sys.stderr)
         return 130
+    if _out_of_memory(err):
+        _error(
+            f"out of memory ({first_line(err, 200)}): a smaller model (model.width, "
+            "model.depth, model.context) or micro-batch (max_micro_batch) needs less"
+        )
+        return 2
     if _collective_failure(err):
-        _error(f"a collective failed or timed out: {_first_line(err)}")
+        _error(f"a collective failed or timed out: {first_line(err, 300)}")
         return COLLECTIVE_FAILED
     return None
 
@@ -517,6 +526,16 @@ def _error(message: object, prefix: str = "error") -> None:
     print(f"bigbatch: {prefix}{where}: {message}", file=sys.stderr)
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """An allocation the machine refused: a GPU's, or the CPU's (torch reports it as a
+    RuntimeError)."""
+    import torch
+
+    return isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+    )
+
+
 def _collective_failure(err: BaseException) -> bool:
     """A process-group error: a peer died, or stopped answering for dist.timeout."""
     import torch.distributed as dist
@@ -524,10 +543,6 @@ def _collective_failure(err: BaseException) -> bool:
     return isinstance(err, dist.DistError) or (
         isinstance(err, RuntimeError) and "gloo" in str(err).lower()
     )
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -145,6 +145,9 @@ def test_ramp_in_the_users_units():
         (lambda: Ramp(32, points="0:16, 5 steps:32"), "first point's batch"),
         (lambda: Ramp(points="0:16, 5 stepz:32"), "not a duration: ' 5 stepz'"),
         (lambda: Ramp(points="0:16, 5 steps"), "WHEN:BATCH"),
+        # out of order or repeated (it was sorted, the batch then going down unasked)
+        (lambda: Ramp(points="0:16, 50%:32, 25%:64", budget=100), "must be in order"),
+        (lambda: Ramp(points="0:16, 0:32"), "each later than the one before, got '0 samples"),
     ],
 )
 def test_ramp_names_what_it_cannot_read(make, message):

@@ -43,6 +43,10 @@ def test_keys_joined_by_plus_vary_together():
         ({"vary": ["batch.initial=64"], "rank": "fast"}, "rank must be one of 'steps'"),
         ({"vary": ["batch.initial=64"], "folds": 3}, "unknown option 'folds' in .compare.: it "),
         ({"vary": ["batch.initial=-1"]}, "batch.initial"),
+        ({"vary": [1, 2]}, "vary takes text such as 'KEY=V1,V2,...', got 1"),
+        ({"arms": [["seed=0"]]}, "arms takes text such as 'NAME:KEY=V,...', got \\['seed=0'\\]"),
+        ({"vary": ["seed=0,1,0"]}, "--vary seed: '0' is given twice"),
+        ({"vary": ["batch.initial=64"], "lr_grid": "1,,2"}, "lr_grid takes comma-separated"),
     ],
 )
 def test_a_bad_plan_is_one_error(options, message):

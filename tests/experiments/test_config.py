@@ -163,6 +163,8 @@ def test_a_ramp_in_the_users_units_from_config_keys():
     assert old["batch.ramp_over"] == "50%"
     with pytest.warns(FutureWarning):
         assert resolve({"batch.ramp_samples": 150_000})["batch.ramp_over"] == "150000"
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="must be text, got False"):
+        resolve({"batch.ramp_samples": False})  # not a 0: it was taken as one
 
 
 def test_every_declared_key_names_an_argument_of_its_component():
@@ -181,6 +183,22 @@ def test_an_old_key_name_still_works_and_warns_with_the_new_one():
     with pytest.warns(FutureWarning, match="'agvm_interval' is now 'agvm.interval'"):
         config = resolve({"agvm_interval": 7, "agvm": True})
     assert config["agvm.interval"] == 7 and config["agvm.enabled"] is True
+    # both names in one layer: which wins would be the order they were written in
+    with pytest.raises(ConfigError, match=r"'agvm_interval' is the old name of 'agvm.interval'"):
+        resolve({"agvm.interval": 7, "agvm_interval": 3})
+    with pytest.warns(FutureWarning):  # in two layers, the later one's, as for any key
+        assert resolve({"agvm_interval": 3}, {"agvm.interval": 7})["agvm.interval"] == 7
+
+
+def test_a_config_file_that_is_not_toml_text_or_not_a_file_is_named(tmp_path):
+    from bigbatch.experiments.config import load_toml
+
+    (tmp_path / "latin1.toml").write_bytes(b"\xff\xfe lr = 1\n")
+    with pytest.raises(ConfigError, match=r"latin1.toml' is not valid TOML: 'utf-8' codec"):
+        load_toml(tmp_path / "latin1.toml")
+    (tmp_path / "folder.toml").mkdir()
+    with pytest.raises(ConfigError, match=r"folder.toml' is a folder, not a file"):
+        load_toml(tmp_path / "folder.toml")
 
 
 @pytest.mark.parametrize("name", ["sgd", "lars", "lamb", "vr-sgd"])

@@ -83,7 +83,8 @@ def test_a_refused_value_is_named_where_it_was_given():
         settings_from(Toy, "toy", {"count": 0})
     with pytest.raises(ConfigError, match=r"^--toy-seed must be a whole number >= 0, got -1$"):
         settings_from(Toy, "toy", {"seed": 3}, given(Toy, parse("--toy-seed", "-1")))
-    with pytest.raises(ConfigError, match=r"^--search-seed must be a whole number >= 0"):
+    seed_bound = r"^--search-seed must be a whole number in \[0, 4294967295\], got -1$"
+    with pytest.raises(ConfigError, match=seed_bound):
         cli._settings(cli._parser().parse_args(["tune", "--search-seed", "-1"]), "tune")
 
 

@@ -40,6 +40,7 @@ returns.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections import deque
@@ -975,7 +976,8 @@ class Ramp:
     points: Sequence[tuple[Duration | str | int, int]] | str | None = setting(
         None,
         "a table of 'WHEN:BATCH' points instead of the linear ramp, each WHEN a duration "
-        "in one unit, the first 0 (e.g. '0:16, 25%:32, 50%:64'); empty: the linear ramp",
+        "in one unit, in order, the first 0 (e.g. '0:16, 25%:32, 50%:64'); empty: the linear "
+        "ramp",
         key="ramp_points",
         unset="",
         parse=lambda text: parse_points(text) if text.strip() else None,
@@ -1032,7 +1034,12 @@ class Ramp:
         units = {d.unit for d, _ in table if d.value > 0}
         if len(units) > 1:
             raise ValueError(f"Ramp's points must share one unit, got {sorted(units)}")
-        table.sort(key=lambda point: point[0].value)
+        whens = [when.value for when, _ in table]
+        if any(later <= earlier for earlier, later in itertools.pairwise(whens)):
+            written = ", ".join(f"{when}:{batch}" for when, batch in table)
+            raise ValueError(
+                f"Ramp's points must be in order, each later than the one before, got {written!r}"
+            )
         if not table or table[0][0].value != 0:
             raise ValueError(f"Ramp's points must start at 0, got {list(points)!r}")
         if start is not None and start != table[0][1]:

@@ -33,7 +33,7 @@ from .config import ConfigError, flatten, parse_assignment, resolve
 from .flags import settings_from
 from .options import Protocol, TuneSettings
 from .report import comparison as comparison_report
-from .rundir import check_new_run_dir, new_run_dir, plan_difference
+from .rundir import check_new_run_dir, new_run_dir, plan_difference, read_json
 from .sweep import Arm, sweep
 
 #: the [compare] table's names that give the arms rather than how each is tuned
@@ -76,7 +76,10 @@ def parse_axis(text: str) -> tuple[list[str], list[dict[str, Any]]]:
             raise ConfigError(
                 f"--vary {keys_text}: {value!r} has {len(parts)} values for {len(keys)} keys"
             )
-        points.append(dict(parse_assignment(f"{k}={v}") for k, v in zip(keys, parts)))
+        point = dict(parse_assignment(f"{k}={v}") for k, v in zip(keys, parts))
+        if point in points:  # the same runs twice under two names
+            raise ConfigError(f"--vary {keys_text}: {value.strip()!r} is given twice")
+        points.append(point)
     return keys, points
 
 
@@ -106,8 +109,8 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     """
     written = {k: options.pop(k) for k in ARM_OPTIONS if k in options}
     protocol = settings_from(Protocol, "compare", options, also=ARM_OPTIONS)
-    axes = [parse_axis(text) for text in _listed(written.get("vary"))]
-    explicit = [parse_arm(spec) for spec in _listed(written.get("arms"))]
+    axes = [parse_axis(text) for text in _listed(written, "vary")]
+    explicit = [parse_arm(spec) for spec in _listed(written, "arms")]
     if not axes and not explicit:
         raise ConfigError("compare needs at least one --vary KEY=V1,V2,... or --arm NAME:KEY=V")
     if len({name for name, _ in explicit}) < len(explicit):
@@ -129,11 +132,18 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     return Comparison(dict(base), varied, arms, protocol)
 
 
-def _listed(value: Any) -> list[Any]:
-    """An option that may be one value or a list of them, as a list (None: empty)."""
+def _listed(options: dict[str, Any], name: str) -> list[Any]:
+    """An option that may be one text or a list of them, as a list (absent: empty); an arm
+    may also be a table."""
+    value = options.get(name)
     if value is None:
         return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if not isinstance(item, str) and not (name == "arms" and isinstance(item, Mapping)):
+            example = "'KEY=V1,V2,...'" if name == "vary" else "'NAME:KEY=V,...'"
+            raise ConfigError(f"{name} takes text such as {example}, got {item!r}")
+    return items
 
 
 def run_comparison(
@@ -149,7 +159,7 @@ def run_comparison(
     index_path = root / "compare.json"
     planned = comparison.to_dict()
     if index_path.is_file():
-        saved = json.loads(index_path.read_text()).get("plan")
+        saved = read_json(index_path).get("plan")
         difference = plan_difference(saved, json.loads(json.dumps(planned)), "base")
         if difference:
             raise ConfigError(

@@ -133,7 +133,7 @@ RENAMED = {
 #: old values of renamed keys, as the new key reads them (``batch.ramp_samples = 0`` meant
 #: half the budget)
 _OLD_VALUES: dict[str, Callable[[Any], Any]] = {
-    "batch.ramp_samples": lambda samples: samples or "50%",
+    "batch.ramp_samples": lambda n: "50%" if n == 0 and n is not False else n,
 }
 
 
@@ -252,7 +252,9 @@ class RunKeys:
         "AdamW and LAMB)",
         low=0,
     )
-    seed: int = run_key("seed", 0, "seed for model initialisation and data order", low=0)
+    seed: int = run_key(
+        "seed", 0, "seed for model initialisation and data order", low=0, high=2**32 - 1
+    )
     max_samples: int = run_key(
         "max_samples", 0, "training budget in samples; 0: the task's default", low=0
     )
@@ -592,12 +594,13 @@ def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {str(path)!r} {what}")
     toml = _toml()
     try:
         with path.open("rb") as f:
             return flatten(toml.load(f))
-    except toml.TOMLDecodeError as err:
+    except (toml.TOMLDecodeError, UnicodeDecodeError) as err:  # TOML is UTF-8 text
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
 
 
@@ -642,6 +645,9 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
     known = schema()
     config = defaults()
     for layer in layers:
+        both = [old for old, new in RENAMED.items() if old in layer and new in layer]
+        if both:  # which would win is the order they were written in
+            raise ConfigError(f"{both[0]!r} is the old name of {RENAMED[both[0]]!r}: give one")
         for name, value in layer.items():
             value = _OLD_VALUES[name](value) if name in _OLD_VALUES else value
             name = _current_name(name)

@@ -91,10 +91,13 @@ def _parsed(f: Field, text: str, name: str, *, item: bool = False) -> Any:
         return () if listed else None
     try:
         if listed:
-            return tuple(convert(part.strip()) for part in text.split(",") if part.strip())
+            parts = [part.strip() for part in text.split(",")]
+            if not all(parts):  # an empty item: a typo, not "nothing here"
+                raise ValueError(text)
+            return tuple(convert(part) for part in parts)
         return convert(text)
     except ValueError:
-        what = {"int": "whole number", "float": "number"}[kind.item]
+        what = {"int": "whole number", "float": "number"}.get(kind.item, "text")
         many = f"comma-separated {what}s" if listed else f"a {what}"
         raise ConfigError(f"{name} takes {many}, got {text!r}") from None
 

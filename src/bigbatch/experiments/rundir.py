@@ -235,12 +235,12 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], Path]:
     try:
         return torch.load(path, weights_only=True), path
     except Exception as err:  # a truncated or corrupted file
-        damage = f"checkpoint {str(path)!r} cannot be read ({_first_line(err)})"
+        damage = f"checkpoint {str(path)!r} cannot be read ({first_line(err)})"
     if kept.is_file():
         try:
             checkpoint = torch.load(kept, weights_only=True)
         except Exception as err:  # reported beside the first file's damage
-            damage += f", nor can the previous one ({_first_line(err)})"
+            damage += f", nor can the previous one ({first_line(err)})"
         else:
             warnings.warn(
                 f"{damage}; resuming from the previous checkpoint {str(kept)!r}",
@@ -251,16 +251,36 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Any], Path]:
     raise ConfigError(f"{damage}; it is truncated or corrupted")
 
 
-def _first_line(err: Exception, width: int = 120) -> str:
+def first_line(err: BaseException, width: int = 120) -> str:
     """An exception as ``Type: its first line``, cut to ``width`` (torch.load's are long)."""
     lines = str(err).strip().splitlines()
     text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file bigbatch wrote; one that does not parse is a :class:`ConfigError`
+    naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{str(path)!r} is not valid JSON ({err}): damaged?") from None
+
+
 def read_metrics(out: Path) -> list[dict[str, Any]]:
+    """A run's ``metrics.jsonl``, a record per line; a line that does not parse is a
+    :class:`ConfigError` naming the file and the line."""
     path = Path(out) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ConfigError(
+                    f"{str(path)!r} line {number} is not valid JSON ({err}): damaged?"
+                ) from None
+    return records
 
 
 def read_config(out: Path) -> dict[str, Any]:

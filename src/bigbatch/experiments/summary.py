@@ -10,13 +10,13 @@ summary is written again at the end.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from ..dist.compression import CompressionState
 from ..loop import AdaptiveBatch
+from .rundir import read_json
 from .tasks import Task
 
 #: ``summary.json``'s ``ended``: how a run ended
@@ -40,7 +40,7 @@ def finished_summary(run_dir: Path) -> dict[str, Any] | None:
     path = Path(run_dir) / "summary.json"
     if not path.is_file():
         return None
-    summary = json.loads(path.read_text())
+    summary = read_json(path)
     return summary if summary.get("ended", "budget") in FINISHED else None
 
 

@@ -19,7 +19,6 @@ evidence benchmarks (``benchmarks/``) both run through :func:`sweep`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from .build import at_rate, with_task_defaults
 from .config import resolve
 from .options import Protocol
 from .pool import in_processes
+from .rundir import read_json
 from .summary import finished_summary
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
         (at_rate({**arm_config, "seed": seed + k}, lr), f"{arm.stem}-tuned-seed{k}")
         for k in range(1, seeds)
     ]
-    best_run = json.loads((study.best_dir / "summary.json").read_text())
+    best_run = read_json(study.best_dir / "summary.json")
     return ArmResult(
         name=arm.name,
         overrides=dict(arm.overrides),

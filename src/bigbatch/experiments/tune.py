@@ -47,7 +47,7 @@ from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .options import TuneSettings
 from .pool import in_processes
-from .rundir import RunLock, claim_new_run_dir, plan_difference
+from .rundir import RunLock, claim_new_run_dir, plan_difference, read_json
 from .tasks import TASKS
 
 __all__ = [
@@ -407,7 +407,7 @@ def _result(
 def render_report(out: Path) -> Path:
     """``tune.md``, ``tune.png`` and ``best.toml`` again, from a study's folder (its
     ``tune.json`` and the study's database); the report's path."""
-    saved = json.loads((out / SETTINGS_FILE).read_text())
+    saved = read_json(out / SETTINGS_FILE)
     config, space = saved["config"], [Dimension(**d) for d in saved["space"]]
     _write_outputs(out, config, _result(_study(out, config), config, space, out), space)
     return out / "tune.md"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import ConfigError
+from ..rundir import first_line
 from . import comparison, critical_batch, rounds, run
 
 __all__ = ["render"]
@@ -18,8 +20,22 @@ __all__ = ["render"]
 
 def render(folder: str | Path) -> Path:
     """Re-render the report of a run, a comparison, a tuning study, a critical-batch
-    measurement or a federated run; the report's path."""
+    measurement or a federated run; the report's path. A folder whose files are damaged,
+    or not what this release writes, is one :class:`ConfigError` naming what failed."""
     folder = Path(folder)
+    try:
+        return _render(folder)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as err:
+        missing = isinstance(err, OSError) and err.filename
+        why = f"{err.strerror}: {err.filename}" if missing else first_line(err, 300)
+        raise ConfigError(
+            f"the report of {str(folder)!r} cannot be made from its files ({why})"
+        ) from None
+
+
+def _render(folder: Path) -> Path:
     if (folder / "tune.json").is_file():
         from ..tune import render_report  # reads the study's database (optuna)
 
@@ -32,7 +48,7 @@ def render(folder: str | Path) -> Path:
     ):
         if (folder / marker).is_file():
             return kind.render(folder)
-    raise FileNotFoundError(
+    raise ConfigError(
         f"{str(folder)!r} is not the folder of a run, a comparison, a tuning study, "
         "a critical-batch measurement or a federated run"
     )

@@ -4,7 +4,6 @@ and the runs' folders alone."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 from ..analysis import first_reaching, fit_critical_batch, mean_std, targets_between
 from ..arms import ArmResult
 from ..config import load_toml
-from ..rundir import read_metrics
+from ..rundir import read_json, read_metrics
 from ..summary import finished_summary
 from .figures import plt, save, series, table
 
@@ -31,7 +30,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
     """The plan, and each trained arm with its runs' summaries (the grid's are not read)."""
-    index = json.loads((root / "compare.json").read_text())
+    index = read_json(root / "compare.json")
     arms = []
     for entry in index.get("arms", []):
         finished = {d: finished_summary(root / d) for d in entry["dirs"]}

@@ -3,18 +3,18 @@ from ``critical_batch.json`` alone."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from ..rundir import read_json
 from .figures import plt, save
 
 
 def render(out: Path) -> Path:
     """Write ``critical_batch.md`` and ``critical_batch.png`` from ``critical_batch.json``;
     the report's path."""
-    data = json.loads((out / "critical_batch.json").read_text())
+    data = read_json(out / "critical_batch.json")
     batches, points = data["batches"], data["points"]
     lines = [
         f"# Critical batch of {data['config']['task']}, measured by branching",

@@ -7,13 +7,14 @@ import json
 import math
 from pathlib import Path
 
+from ..rundir import read_json
 from .figures import plt, save
 
 
 def render(out: Path) -> Path:
     """Write ``report.md`` and ``federated.png`` from the run's files; the report's path."""
     rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines() if line]
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_json(out / "summary.json")
     config = summary.pop("config")
     _plot(out / "federated.png", rounds)
     path = out / "report.md"

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from ...sinks import batch_change
-from ..rundir import read_metrics
+from ..rundir import read_json, read_metrics
 from .figures import plt, save, series
 
 PLOTS = {
@@ -84,7 +83,7 @@ def render(out: Path) -> Path:
     """Write the run's plots and ``report.md`` from its ``metrics.jsonl``, summary and config."""
     out = Path(out)
     rows = read_metrics(out)
-    summary = json.loads((out / "summary.json").read_text())
+    summary = read_json(out / "summary.json")
     config_text = (out / "config.toml").read_text()
     plot_run(rows, out, f"{summary['task']}: {out.name}")
     lines = [f"# Run {out.name}", ""]
