@@ -157,37 +157,89 @@ API_CASES = [
     (lambda: GlobalBatchSampler(100, 0, micro_batches=2), ValueError, "0"),
     (lambda: MicroBatchStatistics([list(model().parameters())], ema_beta=1.0), ValueError, "1.0"),
     (
-        lambda: bb.AdaptiveBatch(
-            model(), torch.optim.SGD(model().parameters(), lr=0.1), data(), min_sub_batches=1
-        ),
+        lambda: loop(noise_from="sub_batches", min_sub_batches=1),
         ValueError,
         "must be at least 2 to measure",
     ),
     (
-        lambda: bb.AdaptiveBatch(
-            model(), torch.optim.SGD(model().parameters(), lr=0.1), data(), lr_scaling="cube"
-        ),
+        lambda: loop(lr_scaling="cube"),
         ValueError,
         "'cube'",
     ),
     (
-        lambda: bb.AdaptiveBatch(
-            model(),
-            create_optimizer(model(), "vr-sgd", lr=0.1),
-            data(),
+        lambda: loop(
+            lambda net: create_optimizer(net, "vr-sgd", lr=0.1),
             controller=bb.batch.Constant(16),
             min_sub_batches=2,
         ),
         ValueError,
         "at least 4 sub-batches",
     ),
+    # found by a fuzzing review of the API (2026-11-28): each was taken silently or failed late
+    (
+        lambda: bb.AdaptiveBatch(model(), torch.optim.SGD(model().parameters(), lr=0.1), data()),
+        ValueError,
+        "the optimizer holds none of the model's parameters",
+    ),
+    (lambda: loop(controller=bb.batch.BatchWarmup), TypeError, "controller must be a controller"),
+    (lambda: loop(controller="simigrad"), TypeError, "got 'simigrad'"),
+    (lambda: loop(weight_fn=3), TypeError, "weight_fn must be a function"),
+    (lambda: loop(seed="0"), ValueError, "seed must be a whole number, got '0'"),
+    (lambda: loop(seed=2**40), ValueError, "seed must be a whole number in [0, 4294967295]"),
+    (lambda: loop(shuffle="no"), ValueError, "shuffle must be true or false, got 'no'"),
+    (lambda: next(loop().steps(max_steps=1.5)), ValueError, "max_steps must be a whole number"),
+    (lambda: next(loop().steps(max_samples=-5)), ValueError, "max_samples must be a whole"),
+    (lambda: bb.batch.lr.warmup_poly(32, power=-1.0), ValueError, "power must be > 0, got -1.0"),
+    (lambda: bb.batch.lr.warmup_linear(32, final=-1), ValueError, "final must be >= 0, got -1"),
+    (lambda: bb.duration.Duration.parse("1e400"), ValueError, "'1e400' is too long to count"),
 ]
+
+
+def loop(make_optimizer=None, **options):
+    """A loop of a fresh model and an optimizer of its parameters (SGD by default)."""
+    net = model()
+    optimizer = (make_optimizer or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1)))(net)
+    return bb.AdaptiveBatch(net, optimizer, data(), **options)
 
 
 @pytest.mark.parametrize("build, error, message", API_CASES)
 def test_api(build, error, message):
     with pytest.raises(error, match=re.escape(message)):
         build()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"schedule": lambda samples: float("nan")}, "the schedule gave nan at 0 samples"),
+        ({"schedule": lambda samples: -1.0}, "the schedule gave -1.0 at 0 samples"),
+        ({"schedule": lambda samples: None}, "the schedule gave None"),
+        # a weight of 0 never filled the batch: the first step hung
+        ({"weight_fn": lambda index: 0}, "must be a whole number >= 1, got 0"),
+        ({"weight_fn": lambda index: 1.5}, "must be a whole number >= 1, got 1.5"),
+    ],
+)
+def test_a_bad_value_of_a_users_function_stops_the_first_step(options, message):
+    net = model()
+    before = [p.detach().clone() for p in net.parameters()]
+    run = bb.AdaptiveBatch(net, torch.optim.SGD(net.parameters(), lr=0.1), data(), **options)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        for step in run.steps(max_steps=1):
+            for x, y in step.micro_batches():
+                step.backward(nn.functional.cross_entropy(net(x), y))
+            step.apply()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+
+
+def test_a_state_of_another_controller_is_refused_before_anything_is_loaded():
+    saved = loop(controller=bb.batch.BatchWarmup()).state_dict()
+    other = loop(controller=SimiGrad())
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(ValueError, match="saved controller state does not fit SimiGrad"):
+        other.load_state_dict(saved)
+    assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
+    with pytest.raises(ValueError, match="it lacks model, optimizer, source, engine, rng"):
+        other.load_state_dict({})
 
 
 def test_the_catalogue_is_long_enough():

@@ -55,6 +55,14 @@ def test_a_number_is_accepted_exactly_inside_its_interval(low, high, low_open, h
             check_number("x", value, **bounds)
 
 
+def test_numpys_integers_are_whole_numbers():
+    import numpy as np
+
+    assert whole_number("n", np.int64(5)) == 5 and type(whole_number("n", np.int64(5))) is int
+    with pytest.raises(ValueError, match=r"n must be a whole number, got 5\.0"):
+        whole_number("n", 5.0)
+
+
 def test_a_whole_number_stays_whole_and_infinity_can_be_allowed():
     assert whole_number("n", 3) == 3 and isinstance(whole_number("n", 3), int)
     assert isinstance(check_number("x", 3), float)  # a number is returned as a float

@@ -16,9 +16,9 @@ def whole_number(name: str, value: Any, low: int = 0) -> int:
 
 def positive_int(name: str, value: Any) -> int:
     """``value`` if it is a whole number >= 1, else ``ValueError`` naming ``name`` and ``value``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive whole number, got {value!r}")
-    return value
+    return int(value)
 
 
 def choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -54,11 +54,15 @@ def check_number(
 
     Any real number is accepted (Python, numpy or 0-dim tensor scalars are
     not: a tensor hyper-parameter is a different feature); NaN and, unless
-    ``allow_inf``, infinities are not. ``whole``: a Python ``int`` only.
+    ``allow_inf``, infinities are not. ``whole``: an integer (Python's or numpy's,
+    returned as Python's).
     """
     kind = "a whole number" if whole else "a number"
-    if isinstance(value, bool) or not isinstance(value, int if whole else numbers.Real):
+    expected = numbers.Integral if whole else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, expected):
         raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if whole:  # numpy's integers are whole numbers too, kept as Python's
+        value = int(value)
     number = float(value)
     if math.isnan(number) or (math.isinf(number) and not allow_inf):
         raise ValueError(f"{name} must be finite, got {value!r}")

@@ -275,6 +275,11 @@ def resolve_controller(controller: Controller | None, first_batch: int | None) -
     sampler fixes it, or :class:`BatchWarmup` from there (batch 16 without one)."""
     if controller is None:
         return BatchWarmup() if first_batch is None else BatchWarmup(initial=first_batch)
+    if isinstance(controller, type) or not callable(getattr(controller, "next", None)):
+        raise TypeError(
+            "controller must be a controller object (e.g. bigbatch.batch.BatchWarmup()), "
+            f"got {controller!r}"
+        )
     if first_batch is not None and controller.initial != first_batch:
         raise ValueError(
             f"the controller starts at batch {controller.initial} but the sampler at "

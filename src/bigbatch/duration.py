@@ -67,6 +67,8 @@ class Duration:
                 "'100k samples' or a number of samples)"
             )
         value = float(match["number"]) * _SCALE[match["scale"]]
+        if not math.isfinite(value):
+            raise ValueError(f"not a duration: {text!r} is too long to count")
         unit = match["unit"] or "samples"
         if unit == "%":
             if value > 100:

@@ -252,7 +252,7 @@ class StepEngine:
             )
         if self.schedule is not None:
             # controllers may hold the batch while the schedule still rises (a warm-up)
-            metrics["schedule"] = float(self.schedule(self.samples))
+            metrics["schedule"] = _schedule_factor(self.schedule, self.samples)
         factor = metrics["lr_factor"] = _rate_factor(
             lr_factor(self.lr_scaling, batch, self.base_batch_size, **self._averages),
             metrics.get("schedule"),
@@ -319,6 +319,22 @@ class StepEngine:
         self.batch_size = int(state["batch_size"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
+
+
+def _schedule_factor(schedule: Any, samples: int) -> float:
+    """The schedule's multiplier at ``samples``: a finite number >= 0, else a
+    ``ValueError`` (a NaN rate would turn every weight into NaN, silently)."""
+    value = schedule(samples)
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        factor = math.nan
+    if not math.isfinite(factor) or factor < 0:
+        raise ValueError(
+            f"the schedule gave {value!r} at {samples} samples: a rate's multiplier must be "
+            "a finite number >= 0"
+        )
+    return factor
 
 
 def _rate_factor(rule: float, schedule: float | None, ceiling: float | None) -> float:

@@ -19,6 +19,7 @@ its micro-batches under ``no_sync`` and reduces once per step.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, IterableDataset
 
-from ._checks import positive_int
+from ._checks import positive_int, whole_number
 from .batch.controllers import Controller
 from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
@@ -175,6 +176,10 @@ class AdaptiveBatch:
     over each micro-batch, not the global batch.
     """
 
+    #: refuse an optimizer that holds none of the model's parameters (DeepSpeed's holds
+    #: its own flat copies)
+    checks_optimizer = True
+
     def __init__(  # noqa: PLR0913 - a user-facing loop: every option is a keyword
         self,
         model: nn.Module,
@@ -193,6 +198,10 @@ class AdaptiveBatch:
         loader_options: dict[str, Any] | None = None,
         **step_options: Any,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {model!r}")
+        if self.checks_optimizer:
+            _check_optimizer_trains(model, optimizer)
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.max_micro_batch = positive_int("max_micro_batch", max_micro_batch)
         self.min_sub_batches = (
@@ -269,6 +278,10 @@ class AdaptiveBatch:
         """
         if max_samples is None and max_steps is None:
             raise ValueError("give max_samples or max_steps")
+        if max_samples is not None:
+            max_samples = whole_number("max_samples", max_samples)
+        if max_steps is not None:
+            max_steps = whole_number("max_steps", max_steps)
         while (max_samples is None or self.samples < max_samples) and (
             max_steps is None or self.steps_taken < max_steps
         ):
@@ -338,6 +351,7 @@ class AdaptiveBatch:
         ``r`` takes the random state of rank ``r mod saved ranks`` and the
         batches are re-sharded, so it continues correctly but not bitwise.
         """
+        _check_loadable(state, self.engine.controller)
         if self.world.sharded:
             fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         else:
@@ -350,3 +364,38 @@ class AdaptiveBatch:
         saved = state["rng"]
         set_rng_state(saved[self.world.rank % len(saved)])
         ddp.load_hook_state_dict(self.comm_hook, state.get("comm_hook"), self.world)
+
+
+def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One ``ValueError`` when ``optimizer`` holds none of ``model``'s parameters (it was
+    built from another model: nothing would train); parameters beside the model's (a
+    loss's own) are allowed."""
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if held and own and not any(id(p) in own for p in held):
+        raise ValueError(
+            "the optimizer holds none of the model's parameters (built from another "
+            "model?): build it from model.parameters()"
+        )
+
+
+def _check_loadable(state: Any, controller: Controller) -> None:
+    """A :meth:`AdaptiveBatch.state_dict` a loop of ``controller`` can load, checked before
+    any of it is: one ``ValueError`` naming what is missing, or the controller it does not
+    fit (nothing is half loaded)."""
+    needed = ("model", "optimizer", "source", "engine", "rng")
+    missing = [k for k in needed if not isinstance(state, dict) or k not in state]
+    engine = state.get("engine") if isinstance(state, dict) else None
+    if not missing and isinstance(engine, dict):
+        parts = ("controller", "batch_size", "step", "samples")
+        missing = [f"engine.{k}" for k in parts if k not in engine]
+    if missing:
+        raise ValueError(f"not a state_dict of AdaptiveBatch: it lacks {', '.join(missing)}")
+    trial = copy.deepcopy(controller)  # its own load may fail half-way
+    try:
+        trial.load_state_dict(state["engine"]["controller"])
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"the saved controller state does not fit {controller!r} "
+            f"({type(err).__name__}: {err}): was it saved with another controller?"
+        ) from None

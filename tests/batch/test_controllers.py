@@ -21,6 +21,7 @@ from bigbatch.batch import (
     SimiGrad,
     WarmupSeesaw,
 )
+from bigbatch.batch.controllers import _grown
 
 
 def test_simigrad_grows_below_target_and_shrinks_above():
@@ -153,6 +154,13 @@ def test_ramp_in_the_users_units():
 def test_ramp_names_what_it_cannot_read(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_ramp_table_may_go_down_and_a_growth_factor_cannot_overflow():
+    # the table's cap was its last batch: a table that went down was flattened
+    assert [b for _, b in Ramp(points=[(0, 32), (64, 16)])._table] == [32, 16]
+    huge = BatchWarmup(initial=16, max=1024, factor=1e308)
+    assert _grown(huge, 16) == 1024  # was OverflowError: cannot convert float infinity
 
 
 @pytest.mark.parametrize(

@@ -845,7 +845,7 @@ def _takeover_cap(controller: Any, base: int, noise: SmoothedNoise) -> float:
 def _grown(controller: Any, batch_size: int) -> int:
     """The size a growing controller steps to from ``batch_size``: ``⌈factor · B⌉``, at most
     its ``max`` (``batch_size`` itself at the top)."""
-    return min(controller.max, math.ceil(batch_size * controller.factor))
+    return math.ceil(min(controller.max, batch_size * controller.factor))
 
 
 def _clamp(controller: Any, size: float) -> int:
@@ -1013,7 +1013,7 @@ class Ramp:
         if points is not None:
             self._table = self._points(points, start)
             self._over = None
-            cap = self._table[-1][1] if end is None else positive_int("end", end)
+            cap = max(b for _, b in self._table) if end is None else positive_int("end", end)
             self._table = [(when, min(b, cap)) for when, b in self._table]
             sizes = [b for _, b in self._table]
         else:

@@ -207,6 +207,7 @@ def _warmup_then(total: int, warmup: int, decay: Callable[[float], float]) -> Sc
 
 def warmup_cosine(total: int, warmup: int = 0, final: float = 0.0) -> Schedule:
     """Linear warm-up over ``warmup`` samples, then cosine decay to ``final`` at ``total``."""
+    final = check_number("final", final)
     return _warmup_then(
         total, warmup, lambda t: final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t))
     )
@@ -214,12 +215,14 @@ def warmup_cosine(total: int, warmup: int = 0, final: float = 0.0) -> Schedule:
 
 def warmup_linear(total: int, warmup: int = 0, final: float = 0.0) -> Schedule:
     """Linear warm-up over ``warmup`` samples, then linear decay to ``final`` at ``total``."""
+    final = check_number("final", final)
     return _warmup_then(total, warmup, lambda t: 1 - (1 - final) * t)
 
 
 def warmup_poly(total: int, warmup: int = 0, power: float = 2.0) -> Schedule:
     """Linear warm-up over ``warmup`` samples, then ``(1 - t)^power`` to 0 at ``total``:
     the LARS paper's and MLPerf ResNet-50's polynomial decay (power 2)."""
+    power = check_number("power", power, low_open=True)
     return _warmup_then(total, warmup, lambda t: (1 - t) ** power)
 
 

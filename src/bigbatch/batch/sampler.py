@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from .._checks import positive_int
+from .._checks import check_flag, check_number, positive_int
 from .plan import StepPlan, plan_step
 
 
@@ -35,9 +36,12 @@ class VariableBatchSampler:
         weight_fn: Callable[[int], int] | None = None,
     ) -> None:
         positive_int("dataset_size (samples in the dataset)", dataset_size)
+        if weight_fn is not None and not callable(weight_fn):
+            raise TypeError(f"weight_fn must be a function of a sample's index, got {weight_fn!r}")
         self.dataset_size = dataset_size
-        self.shuffle = shuffle
-        self.seed = int(seed)
+        self.shuffle = check_flag("shuffle", shuffle)
+        # the permutation's seed is seed * 1,000,003 + epoch, a 64-bit integer
+        self.seed = check_number("seed", seed, high=2**32 - 1, whole=True)
         self.weight_fn = weight_fn
         self.epoch = 0
         self.position = 0
@@ -65,7 +69,7 @@ class VariableBatchSampler:
         while weight < size:
             index = self._take_count(1)[0]
             batch.append(index)
-            weight += int(self.weight_fn(index))
+            weight += _weight(self.weight_fn(index), index)
         return batch
 
     def _take_count(self, count: int) -> list[int]:
@@ -225,3 +229,14 @@ class GlobalBatchSampler:
         self.samples, self.steps = int(state["samples"]), int(state["steps"])
         self._replay = [int(s) for s in state.get("replay", [])]
         self.plans, self._before = {}, {}
+
+
+def _weight(value: Any, index: int) -> int:
+    """A sample's weight: a whole number >= 1 (a 0 would never fill a batch)."""
+    try:
+        weight = operator.index(value)  # Python's, numpy's or a one-element tensor's integer
+    except TypeError:
+        weight = None
+    if weight is None or weight < 1:
+        raise ValueError(f"weight_fn({index}) must be a whole number >= 1, got {value!r}")
+    return weight

@@ -115,6 +115,8 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
     the step raises :class:`~bigbatch.NonFiniteError` instead of updating.
     """
 
+    checks_optimizer = False  # ZeRO's optimizer holds its own (flat) parameters
+
     def __init__(  # noqa: PLR0913 - a user-facing loop: every option is a keyword
         self,
         engine: Any,
