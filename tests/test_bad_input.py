@@ -192,7 +192,16 @@ API_CASES = [
     (lambda: bb.batch.lr.warmup_poly(32, power=-1.0), ValueError, "power must be > 0, got -1.0"),
     (lambda: bb.batch.lr.warmup_linear(32, final=-1), ValueError, "final must be >= 0, got -1"),
     (lambda: bb.duration.Duration.parse("1e400"), ValueError, "'1e400' is too long to count"),
+    (lambda: next(loop().steps(max_steps=1)).backward(1.0), TypeError, "the micro-batch's loss"),
+    (lambda: bb.batch.lr.lr_factor("linear", 16, 0), ValueError, "base_batch_size must be a"),
+    (lambda: stats(gsnr="yes"), ValueError, "gsnr must be true or false, got 'yes'"),
+    (lambda: stats(dataset_size=0), ValueError, "dataset_size must be a positive whole number"),
+    (lambda: stats(per_example=3), TypeError, "per_example must be the trained nn.Module"),
 ]
+
+
+def stats(**options):
+    return MicroBatchStatistics([list(model().parameters())], **options)
 
 
 def loop(make_optimizer=None, **options):

@@ -100,6 +100,8 @@ class Step:
         ``loss`` is the micro-batch's mean loss (``loss_reduction="mean"``, the
         default) or its sum (``"sum"``).
         """
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"backward takes the micro-batch's loss tensor, got {loss!r}")
         count = len(self.plan.sizes)
         if self._backwards >= count:
             raise RuntimeError(

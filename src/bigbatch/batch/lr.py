@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .._checks import check_number, choice, whole_number
+from .._checks import check_number, choice, positive_int, whole_number
 
 LR_RULES = ("none", "linear", "sqrt", "adascale", "adascale-sqrt")
 
@@ -110,7 +110,8 @@ def lr_factor(
     finite and positive (the first steps) the gain is 1.
     """
     check_lr_rule(rule)
-    scale = batch_size / base_batch_size
+    batch_size = positive_int("batch_size", batch_size)
+    scale = batch_size / positive_int("base_batch_size", base_batch_size)
     if rule == "none":
         return 1.0
     if rule == "linear":

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._checks import choice
+from .._checks import check_flag, choice, positive_int
 from .._tensors import sq_norms
 from ..batch.plan import loss_weights as default_loss_weights
 from ..dist.world import World
@@ -122,6 +122,14 @@ class MicroBatchStatistics:
         per_example: nn.Module | None = None,
         per_example_sample: int | None = None,
     ) -> None:
+        gsnr = check_flag("gsnr", gsnr)
+        lossy_reduction = check_flag("lossy_reduction", lossy_reduction)
+        if dataset_size is not None:
+            dataset_size = positive_int("dataset_size", dataset_size)
+        if per_example_sample is not None:
+            per_example_sample = positive_int("per_example_sample", per_example_sample)
+        if per_example is not None and not isinstance(per_example, nn.Module):
+            raise TypeError(f"per_example must be the trained nn.Module, got {per_example!r}")
         self.world = world if world is not None else World()
         scalar = self.world.distributed or self.world.sharded or per_example is not None
         self.similarity = choice(
