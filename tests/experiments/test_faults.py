@@ -128,10 +128,11 @@ def test_sigterm_to_a_two_process_launcher_stops_every_rank_after_a_checkpoint(t
 
 
 def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
-    # the other rank's collective fails after dist.timeout (3 s); torch's agent then gives the
-    # stopped rank a fixed 30 s to exit before SIGKILL
+    # the other rank's collective fails after dist.timeout (10 s); torch's agent then gives the
+    # stopped rank a fixed 30 s to exit before SIGKILL. (3 s ended a run before the fault on
+    # the 2-core CI machine: the other pytest worker's two-process runs starved a rank.)
     run = tmp_path / "hung"
-    args = [*SMALL, "--set", "max_samples=400000", "--set", "dist.timeout=3", "--nproc", 2]
+    args = [*SMALL, "--set", "max_samples=400000", "--set", "dist.timeout=10", "--nproc", 2]
     process = bigbatch("train", *args, "--out", run, wait=False, capture=True)
     wait_for_rows(run, 8, process)
     tree = process_tree(process.pid)
