@@ -28,6 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ._checks import whole_number
 from .experiments.config import (
     ConfigError,
     help_text,
@@ -365,8 +366,10 @@ def _federated(args: argparse.Namespace) -> None:
             f"bigbatch federated reads only the [federated] table of {args.config}, "
             f"not {stray[0]!r}"
         )
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be a whole number >= 0, got {args.threads}")
+    try:
+        whole_number("--threads", args.threads)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     settings = _settings(args, "federated")
     out = Path(args.out) if args.out else new_run_dir(task=f"federated-{settings.task}")
     check_new_run_dir(out)

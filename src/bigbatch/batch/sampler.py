@@ -11,6 +11,9 @@ import torch
 from .._checks import check_flag, check_number, positive_int
 from .plan import StepPlan, plan_step
 
+#: the largest seed: a permutation's seed is ``seed * 1,000,003 + epoch``, a 64-bit integer
+MAX_SEED = 2**32 - 1
+
 
 class VariableBatchSampler:
     """Draws batches of changing size from a map-style dataset of ``dataset_size`` samples.
@@ -40,8 +43,7 @@ class VariableBatchSampler:
             raise TypeError(f"weight_fn must be a function of a sample's index, got {weight_fn!r}")
         self.dataset_size = dataset_size
         self.shuffle = check_flag("shuffle", shuffle)
-        # the permutation's seed is seed * 1,000,003 + epoch, a 64-bit integer
-        self.seed = check_number("seed", seed, high=2**32 - 1, whole=True)
+        self.seed = check_number("seed", seed, high=MAX_SEED, whole=True)
         self.weight_fn = weight_fn
         self.epoch = 0
         self.position = 0

@@ -40,6 +40,7 @@ from ..assembly import fewest_sub_batches
 from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
 from ..batch.plan import MAX_MICRO_BATCH
+from ..batch.sampler import MAX_SEED
 from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..duration import Duration
 from ..knobs import NO_DEFAULT, Knob, setting, signature_defaults
@@ -253,7 +254,7 @@ class RunKeys:
         low=0,
     )
     seed: int = run_key(
-        "seed", 0, "seed for model initialisation and data order", low=0, high=2**32 - 1
+        "seed", 0, "seed for model initialisation and data order", low=0, high=MAX_SEED
     )
     max_samples: int = run_key(
         "max_samples", 0, "training budget in samples; 0: the task's default", low=0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..batch.sampler import MAX_SEED
 from ..knobs import setting
 from .config import ConfigError
 from .flags import checked
@@ -103,7 +104,7 @@ class TuneSettings:
         low_open=True,
     )
     jobs: int = setting(1, "trials at a time, each in its own process", low=1)
-    seed: int = setting(0, "seeds the proposals", low=0, high=2**32 - 1, flag="--search-seed")
+    seed: int = setting(0, "seeds the proposals", low=0, high=MAX_SEED, flag="--search-seed")
 
     def __post_init__(self) -> None:
         checked(self)
@@ -215,7 +216,7 @@ class FederatedSettings:
     min_sub_batches: int = setting(
         2, "micro-batches per local step, across which the statistics are measured", low=2
     )
-    seed: int = setting(0, "the seed", low=0, high=2**32 - 1)
+    seed: int = setting(0, "the seed", low=0, high=MAX_SEED)
     #: the accuracies the report gives each scheme's rounds and samples to
     targets: tuple[float, ...] = field(default=(0.85, 0.9, 0.93, 0.95))
 
