@@ -102,7 +102,7 @@ def test_a_recipe_runs_the_protocol_and_reports_the_critical_batch(
     # flags override the recipe; another plan in that directory is refused
     capsys.readouterr()
     assert run_cli("compare", "--quiet", "--config", recipe, "--seeds", "3", "--out", out) == 2
-    assert "holds another comparison (seeds = 2 there, 3 now)" in capsys.readouterr().err
+    assert "a comparison of other settings (seeds = 2 there, 3 now)" in capsys.readouterr().err
 
 
 def test_an_unknown_recipe_option_is_one_error(tmp_path, capsys):

@@ -84,8 +84,8 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     del plan["config"]["keep_freed_memory"]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     assert critical.measure(config, tmp_path, ONE_POINT, quiet=True) == points
-    other_options = r"other options \(batches = \[16, 32\] there, \[16, 64\] now\)"
-    with pytest.raises(ConfigError, match=other_options):
+    other_settings = r"other settings \(batches = \[16, 32\] there, \[16, 64\] now\)"
+    with pytest.raises(ConfigError, match=other_settings):
         other = CriticalSettings(batches=(16, 64), points=(0.25,))
         critical.measure(config, tmp_path, other, quiet=True)
 

@@ -1,7 +1,13 @@
 """Run-directory helpers: a copy made in one rename, and what a killed run leaves."""
 
+import json
+
+import pytest
+
+from bigbatch.experiments.config import ConfigError
 from bigbatch.experiments.rundir import (
     CHECKPOINT,
+    claim_plan,
     copy_atomically,
     first_difference,
     resumable,
@@ -37,3 +43,23 @@ def test_the_first_difference_of_two_plans_names_its_key_and_both_values():
     assert first_difference(there, now) == "base.noise_from = 'sub_batches' there, 'auto' now"
     assert first_difference(now, now) == ""
     assert first_difference({"a": 1}, {}) == "a = 1 there, None now"
+
+
+def test_a_plan_claims_a_new_folder_continues_the_same_plan_and_refuses_another(tmp_path):
+    out, plan = tmp_path / "study", {"config": {"lr": 0.1}, "trials": 4}
+    lock = claim_plan(out, "plan.json", plan, "study", config_at="config")
+    assert json.loads((out / "plan.json").read_text()) == plan
+    with pytest.raises(ConfigError, match="in use by process"):  # one writer at a time
+        claim_plan(out, "plan.json", plan, "study", config_at="config")
+    lock.release()
+    claim_plan(out, "plan.json", plan, "study", config_at="config").release()
+    other = {**plan, "trials": 5}
+    with pytest.raises(ConfigError, match=r"holds a study of other settings \(trials = 4 there"):
+        claim_plan(out, "plan.json", other, "study", config_at="config")
+    # what may change between sessions is left out of the comparison
+    drop_trials = lambda p: {k: v for k, v in p.items() if k != "trials"}  # noqa: E731
+    claim_plan(out, "plan.json", other, "study", config_at="config", compared=drop_trials).release()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match="holds no study"):
+        claim_plan(tmp_path / "mine", "plan.json", plan, "study", config_at="config")

@@ -178,9 +178,10 @@ def test_a_finished_study_run_again_trains_nothing_and_other_settings_are_refuse
     (tmp_path / "t" / "tune.json").write_text(json.dumps(saved))
     assert tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6)).best == first.best
     assert len(fake.calls) == count
-    with pytest.raises(ConfigError, match=r"holds a study with other settings.*trials"):
+    with pytest.raises(ConfigError, match=r"holds a study of other settings.*trials"):
         tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=7))
-    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain").mkdir()  # an empty folder is taken; one holding other files is not
+    (tmp_path / "plain" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="holds no study"):
         tune(BASE, tmp_path / "plain", SPACE, TuneSettings(trials=6))
 

@@ -33,7 +33,7 @@ from .config import ConfigError, flatten, parse_assignment, resolve
 from .flags import settings_from
 from .options import Protocol, TuneSettings
 from .report import comparison as comparison_report
-from .rundir import check_new_run_dir, new_run_dir, plan_difference, read_json
+from .rundir import claim_plan, new_run_dir
 from .sweep import Arm, sweep
 
 #: the [compare] table's names that give the arms rather than how each is tuned
@@ -156,35 +156,33 @@ def run_comparison(
     """Train the comparison into ``out`` (new, or the same comparison's, continued); the
     report. A tuned comparison's studies search with ``tune`` (default: its defaults)."""
     root = out or new_run_dir(task=f"compare-{comparison.base['task']}")
-    index_path = root / "compare.json"
-    planned = comparison.to_dict()
-    if index_path.is_file():
-        saved = read_json(index_path).get("plan")
-        difference = plan_difference(saved, json.loads(json.dumps(planned)), "base")
-        if difference:
-            raise ConfigError(
-                f"--out {str(root)!r} holds another comparison ({difference}); choose a new "
-                "directory, or give that value to continue it"
-            )
-    else:
-        check_new_run_dir(root)
-        root.mkdir(parents=True, exist_ok=True)
-        index_path.write_text(json.dumps({"plan": planned}, indent=2) + "\n")
+    index_path, planned = root / "compare.json", comparison.to_dict()
+    lock = claim_plan(
+        root, index_path.name, {"plan": planned}, "comparison", config_at="base", compared=_plan
+    )
     for arm in comparison.arms:
         print(f"[{arm.stem}] {arm.name}", flush=True)
     p = comparison.protocol
-    results = sweep(
-        comparison.base,
-        comparison.arms,
-        root,
-        multipliers=p.lr_grid,
-        seeds=p.seeds,
-        rank=p.rank,
-        jobs=p.jobs,
-        quiet=quiet or p.jobs > 1,
-        widen=p.widen,
-        tune=(tune or TuneSettings()) if p.tune else None,
-    )
-    index = {"plan": planned, "arms": [r.to_dict() for r in results]}
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    try:
+        results = sweep(
+            comparison.base,
+            comparison.arms,
+            root,
+            multipliers=p.lr_grid,
+            seeds=p.seeds,
+            rank=p.rank,
+            jobs=p.jobs,
+            quiet=quiet or p.jobs > 1,
+            widen=p.widen,
+            tune=(tune or TuneSettings()) if p.tune else None,
+        )
+        index = {"plan": planned, "arms": [r.to_dict() for r in results]}
+        index_path.write_text(json.dumps(index, indent=2) + "\n")
+    finally:
+        lock.release()
     return comparison_report.render(root)
+
+
+def _plan(index: Any) -> Any:
+    """The plan in a comparison's ``compare.json`` (beside its arms' results, once run)."""
+    return index.get("plan") if isinstance(index, dict) else index

@@ -36,16 +36,10 @@ from typing import Any
 
 from . import runner
 from .build import make_controller, with_task_defaults
-from .config import ConfigError, resolve
+from .config import resolve
 from .options import CriticalSettings
 from .report.critical_batch import render
-from .rundir import (
-    CHECKPOINT,
-    check_new_run_dir,
-    copy_atomically,
-    plan_difference,
-    read_metrics,
-)
+from .rundir import CHECKPOINT, claim_plan, copy_atomically, read_metrics
 from .signals import Stopped
 
 #: the rows of the base run averaged for the noise scale beside a point
@@ -109,7 +103,7 @@ def measure(
         branch_samples = math.ceil(0.05 * budget / batches[-1]) * batches[-1]
     plan = {"config": config, "batches": batches, "points": sorted(settings.points)}
     plan.update(branch_samples=branch_samples, tolerance=settings.tolerance, lr_rule=lr_rule)
-    _claim(out, plan)
+    lock = claim_plan(out, PLAN, plan, "critical-batch measurement", config_at="config")
     marks = sorted(math.ceil(p * budget) for p in settings.points)
     # the config's own controller replays the base run without deciding anything, so each
     # point shows what it would have compared with the next size there
@@ -133,6 +127,8 @@ def measure(
     except Stopped as err:  # a signal stopped a run inside: the measurement goes on as a whole
         again = f"run the same command again (--out {out}) to continue"
         raise Stopped(err.signum, err.step, str(out), again) from None
+    finally:
+        lock.release()
     render(out)
     return measured
 
@@ -154,26 +150,6 @@ def _config(config: dict[str, Any], batch: int, small: int, lr_rule: str) -> dic
 BASE = "base"
 #: what a measurement was asked to do, kept so that running it again continues it
 PLAN = "plan.json"
-
-
-def _claim(out: Path, plan: dict[str, Any]) -> None:
-    """Make ``out`` a measurement of ``plan``: a new or empty directory, or one that holds
-    a measurement of the same plan (which continues); a :class:`ConfigError` otherwise."""
-    saved = out / PLAN
-    if saved.is_file():
-        difference = plan_difference(
-            json.loads(saved.read_text()), json.loads(json.dumps(plan)), "config"
-        )
-        if difference:
-            raise ConfigError(
-                f"{str(out)!r} holds a critical-batch measurement of other options "
-                f"({difference}); give "
-                "another --out, or the same options to continue it"
-            )
-        return
-    check_new_run_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(plan, indent=2) + "\n")
 
 
 def _train_base(config: dict[str, Any], out: Path, marks: list[int], quiet: bool) -> list[Path]:

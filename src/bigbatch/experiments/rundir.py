@@ -9,6 +9,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,37 @@ def claim_new_run_dir(path: Path) -> RunLock:
         lock.release()
         raise
     return lock
+
+
+def claim_plan(
+    out: Path,
+    file: str,
+    plan: dict[str, Any],
+    what: str,
+    *,
+    config_at: str,
+    compared: Callable[[dict[str, Any]], Any] = lambda plan: plan,
+) -> RunLock:
+    """Lock ``out`` as the folder of ``plan`` (a comparison, a study, a measurement), which
+    ``out / file`` keeps so that running it again continues it: a new or empty folder,
+    where ``plan`` is written, or one whose saved plan is the same (``compared``: what must
+    not change between sessions). Otherwise a :class:`ConfigError` naming the first
+    difference, or the folder's other contents."""
+    path = out / file
+    if not path.is_file():
+        if out.is_dir() and any(p.name not in BOOKKEEPING for p in out.iterdir()):
+            raise ConfigError(f"--out {str(out)!r} holds no {what}: choose a new folder")
+        lock = claim_new_run_dir(out)
+        path.write_text(json.dumps(plan, indent=2) + "\n")
+        return lock
+    saved, wanted = compared(read_json(path)), json.loads(json.dumps(compared(plan)))
+    difference = plan_difference(saved, wanted, config_at)
+    if difference:
+        raise ConfigError(
+            f"--out {str(out)!r} holds a {what} of other settings ({difference}); choose a new "
+            "folder, or the same settings to continue it"
+        )
+    return RunLock(out).acquire()
 
 
 def discard_if_unused(out: Path) -> None:

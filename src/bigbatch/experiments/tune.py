@@ -28,7 +28,6 @@ and ``tune.png``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -47,7 +46,7 @@ from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
 from .options import TuneSettings
 from .pool import in_processes
-from .rundir import RunLock, claim_new_run_dir, plan_difference, read_json
+from .rundir import claim_plan, read_json
 from .tasks import TASKS
 
 __all__ = [
@@ -156,7 +155,8 @@ def tune(
     if settings.jobs > 1 and not config.get("threads"):
         config = {**config, "threads": max(1, (os.cpu_count() or 1) // settings.jobs)}
     out = Path(out)
-    lock = _claim(out, {"config": config, "space": [asdict(d) for d in space], **asdict(settings)})
+    plan = {"config": config, "space": [asdict(d) for d in space], **asdict(settings)}
+    lock = claim_plan(out, SETTINGS_FILE, plan, "study", config_at="config", compared=_compared)
     try:
         study = _study(out, config)
         _fail_orphans(study)
@@ -199,25 +199,6 @@ def _brackets_in_budget(settings: TuneSettings, space: list[Dimension], warmup: 
             f"{', '.join(f'{r:.3g}' for r in settings.rungs(warmup))}): fewer trials"
         )
     return min(settings.brackets, fit)
-
-
-def _claim(out: Path, settings: dict[str, Any]) -> RunLock:
-    """Lock the study's folder: a new one, or one holding a study of these settings."""
-    path = out / SETTINGS_FILE
-    if not out.exists():
-        lock = claim_new_run_dir(out)
-        path.write_text(json.dumps(settings, indent=1))
-        return lock
-    if not path.is_file():
-        raise ConfigError(f"{str(out)!r} exists and holds no study: choose a new folder")
-    saved, wanted = (_compared(p) for p in (json.loads(path.read_text()), settings))
-    difference = plan_difference(saved, json.loads(json.dumps(wanted)), "config")
-    if difference:
-        raise ConfigError(
-            f"{str(out)!r} holds a study with other settings ({difference}): "
-            "choose a new folder, or the same settings to continue it"
-        )
-    return RunLock(out).acquire()
 
 
 def _compared(plan: dict[str, Any]) -> dict[str, Any]:
