@@ -195,7 +195,7 @@ API_CASES = [
     (lambda: next(loop().steps(max_steps=1)).backward(1.0), TypeError, "the micro-batch's loss"),
     (lambda: bb.batch.lr.lr_factor("linear", 16, 0), ValueError, "base_batch_size must be a"),
     (lambda: stats(gsnr="yes"), ValueError, "gsnr must be true or false, got 'yes'"),
-    (lambda: stats(dataset_size=0), ValueError, "dataset_size must be a positive whole number"),
+    (lambda: stats(dataset_size=0), ValueError, "dataset_size must be a whole number >= 1"),
     (lambda: stats(per_example=3), TypeError, "per_example must be the trained nn.Module"),
 ]
 

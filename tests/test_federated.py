@@ -59,7 +59,7 @@ def test_switch_is_large_until_its_fraction_of_the_samples_then_small():
     [
         ({"large": 16, "small": 32}, "small (32) must not exceed large (16)"),
         ({"large": 16, "small": 8, "switch": 1.5}, "switch"),
-        ({"large": 0, "small": 8}, "large must be a positive whole number, got 0"),
+        ({"large": 0, "small": 8}, "large must be a whole number >= 1, got 0"),
     ],
 )
 def test_switch_refuses_bad_settings_naming_them(kwargs, message):
@@ -191,7 +191,7 @@ def test_planner_refuses_bad_settings_naming_them():
             ControllerScheme(BatchWarmup(initial=64), 4), clients=2, local_samples=8, lr=0.1,
             total_samples=10,
         )  # fmt: skip
-    with pytest.raises(ValueError, match="local_samples must be a positive whole number, got 0"):
+    with pytest.raises(ValueError, match="local_samples must be a whole number >= 1, got 0"):
         RoundPlanner(Fixed(8), clients=2, local_samples=0, lr=0.1, total_samples=10)
     with pytest.raises(ValueError, match="lr_scaling must be one of 'none', 'linear', 'sqrt'"):
         RoundPlanner(

@@ -14,7 +14,7 @@ from bigbatch import StepOptions
     ("field", "value", "message"),
     [
         ("lr_scaling", "cubic", "lr_scaling must be one of"),
-        ("base_batch_size", 0, "base_batch_size must be a positive whole number, got 0"),
+        ("base_batch_size", 0, "base_batch_size must be a whole number >= 1, got 0"),
         ("schedule", 3, "schedule must be a function of samples, got 3"),
         ("max_lr_factor", 0.0, "max_lr_factor must be > 0, got 0.0"),
         ("statistics", "yes", "statistics must be true or false, got 'yes'"),

@@ -16,9 +16,7 @@ def whole_number(name: str, value: Any, low: int = 0) -> int:
 
 def positive_int(name: str, value: Any) -> int:
     """``value`` if it is a whole number >= 1, else ``ValueError`` naming ``name`` and ``value``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive whole number, got {value!r}")
-    return int(value)
+    return whole_number(name, value, low=1)
 
 
 def choice(name: str, value: Any, choices: Sequence[str]) -> str:
