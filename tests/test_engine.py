@@ -1,6 +1,7 @@
 """The step engine: one place for the per-step rules, tested without a framework."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -301,3 +302,17 @@ def test_statistics_every_is_refused_where_every_steps_statistics_are_read():
         )
     with pytest.raises(ValueError, match="statistics_every"):
         bb.StepOptions(statistics_every=0)
+
+
+def test_a_saved_batch_outside_the_new_bounds_resumes_at_the_nearest_bound():
+    model, _, engine = setup(bb.batch.Constant(64))
+    engine.after_optimizer_step(run_step(model, engine))
+    _, _, smaller = setup(bb.batch.Constant(16))  # resumed with less memory
+    with pytest.warns(UserWarning, match=r"batch 64 is outside the controller's bounds \[16, 16\]"):
+        smaller.load_state_dict(engine.state_dict())
+    assert smaller.batch_size == 16
+    _, _, same = setup(bb.batch.Constant(64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within its bounds: no warning
+        same.load_state_dict(engine.state_dict())
+    assert same.batch_size == 64

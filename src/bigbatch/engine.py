@@ -31,6 +31,7 @@ controller that reads statistics keeps the batch it chose.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -316,9 +317,24 @@ class StepEngine:
         if "noise" in state:  # absent from checkpoints that logged the collector's average
             self._noise.load_state_dict(state["noise"])
         self._averages = dict(state.get("averages", {}))
-        self.batch_size = int(state["batch_size"])
+        self.batch_size = _within_bounds(self.controller, int(state["batch_size"]))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
+
+
+def _within_bounds(controller: Controller, saved: int) -> int:
+    """The saved batch clamped to ``controller``'s bounds: a run resumed with a lower
+    ``max`` (to fit memory) trains at it from its first step, not from the controller's
+    next decision; with a warning, since the run then differs from the one saved."""
+    low, high = getattr(controller, "min", 1), getattr(controller, "max", saved)
+    batch = min(max(saved, low), high)
+    if batch != saved:
+        warnings.warn(
+            f"the checkpoint's batch {saved} is outside the controller's bounds "
+            f"[{low}, {high}]: resuming at {batch}",
+            stacklevel=4,
+        )
+    return batch
 
 
 def _schedule_factor(schedule: Any, samples: int) -> float:
