@@ -1,3 +1,4 @@
+import warnings
 from collections import Counter
 
 import pytest
@@ -6,7 +7,11 @@ from hypothesis import strategies as st
 
 from bigbatch.batch import VariableBatchSampler, shard_batch
 
+#: these tests draw batches larger than their small datasets on purpose (across epochs)
+repeats_allowed = pytest.mark.filterwarnings("ignore:a batch of .* samples from a dataset")
 
+
+@repeats_allowed
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(1, 200),
@@ -36,7 +41,21 @@ def test_epochs_differ_and_shuffle_off_is_in_order():
     sampler = VariableBatchSampler(10, seed=3)
     assert sampler.take(10) != sampler.take(10)
     ordered = VariableBatchSampler(5, shuffle=False)
-    assert ordered.take(7) == [0, 1, 2, 3, 4, 0, 1]
+    with pytest.warns(UserWarning, match="a batch of 7 samples from a dataset of 5: it holds"):
+        assert ordered.take(7) == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_a_batch_larger_than_the_dataset_is_said_once():
+    sampler = VariableBatchSampler(4, weight_fn=lambda i: 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sampler.take(4)  # the whole dataset: nothing repeats
+        assert not caught
+        sampler.take(6)
+        sampler.take(9)
+    assert [str(w.message).split(":")[0] for w in caught] == [
+        "a batch of 6 samples from a dataset of 4"
+    ]
 
 
 def test_weight_fn_counts_tokens():
@@ -53,6 +72,7 @@ def test_state_checks_the_dataset():
         VariableBatchSampler(0)
 
 
+@repeats_allowed
 @settings(max_examples=150, deadline=None)
 @given(
     n=st.integers(1, 300),
@@ -89,6 +109,7 @@ def draw(sampler, sizes):
     return steps
 
 
+@repeats_allowed
 @settings(max_examples=100, deadline=None)
 @given(
     n=st.integers(20, 150),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +50,7 @@ class VariableBatchSampler:
         self.position = 0
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
+        self._warned_repeats = False
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
@@ -65,13 +67,22 @@ class VariableBatchSampler:
         """The next batch: ``size`` samples (or ``size`` weight with ``weight_fn``)."""
         positive_int("batch size", size)
         if self.weight_fn is None:
-            return self._take_count(size)
-        batch: list[int] = []
-        weight = 0
-        while weight < size:
-            index = self._take_count(1)[0]
-            batch.append(index)
-            weight += _weight(self.weight_fn(index), index)
+            batch = self._take_count(size)
+        else:
+            batch, weight = [], 0
+            while weight < size:
+                index = self._take_count(1)[0]
+                batch.append(index)
+                weight += _weight(self.weight_fn(index), index)
+        if len(batch) > self.dataset_size and not self._warned_repeats:
+            self._warned_repeats = True
+            warnings.warn(
+                f"a batch of {len(batch)} samples from a dataset of {self.dataset_size}: it "
+                "holds some samples twice, which the noise statistics (and the rate rules that "
+                "read them) take as independent; cap the batch (the controller's max) at the "
+                "dataset's size",
+                stacklevel=2,
+            )
         return batch
 
     def _take_count(self, count: int) -> list[int]:
