@@ -197,6 +197,14 @@ API_CASES = [
     (lambda: stats(gsnr="yes"), ValueError, "gsnr must be true or false, got 'yes'"),
     (lambda: stats(dataset_size=0), ValueError, "dataset_size must be a whole number >= 1"),
     (lambda: stats(per_example=3), TypeError, "per_example must be the trained nn.Module"),
+    (lambda: bb.batch.Ramp(points=[(0, 16, 3)]), ValueError, "a ramp point must be a pair"),
+    (lambda: bb.batch.Ramp(points=[16]), ValueError, "a ramp point must be a pair (WHEN, BATCH)"),
+    (lambda: bb.batch.Ramp(points=16), ValueError, "points must be a list of (WHEN, BATCH)"),
+    (
+        lambda: AGVM(torch.optim.SGD(model().parameters(), lr=0.1), bounds=(1.0,)),
+        ValueError,
+        "bounds must be a pair (low, high), got (1.0,)",
+    ),
 ]
 
 

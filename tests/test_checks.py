@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bigbatch._checks import check_flag, check_number, choice, did_you_mean, whole_number
+from bigbatch._checks import check_flag, check_number, choice, did_you_mean, pair, whole_number
 
 
 @pytest.mark.parametrize(
@@ -80,3 +80,10 @@ def test_flags_and_choices():
         choice("mode", 3, ("a",))
     assert did_you_mean("lamb", ["lars", "lamb2"]) == "; did you mean 'lamb2'?"
     assert did_you_mean("zzz", ["lars"]) == ""
+
+
+def test_a_pair_is_two_items_and_anything_else_is_named():
+    assert pair("bounds", [1, 2], "(low, high)") == (1, 2)
+    for value in [(1,), (1, 2, 3), 5, "ab", None]:
+        with pytest.raises(ValueError, match=r"bounds must be a pair \(low, high\), got "):
+            pair("bounds", value, "(low, high)")

@@ -19,6 +19,14 @@ def positive_int(name: str, value: Any) -> int:
     return whole_number(name, value, low=1)
 
 
+def pair(name: str, value: Any, shape: str) -> tuple[Any, Any]:
+    """``value`` as a 2-tuple, else ``ValueError`` naming it and the ``shape`` expected
+    (``"(low, high)"``): not Python's bare "too many values to unpack"."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair {shape}, got {value!r}")
+    return value[0], value[1]
+
+
 def choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """``value`` if it is one of ``choices``, else ``ValueError`` naming both (and the
     closest choice to a misspelt one)."""

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY
 from typing import Any, Protocol
 
-from .._checks import batch_bounds, positive_int
+from .._checks import batch_bounds, pair, positive_int
 from ..duration import Duration
 from ..knobs import check_settings, setting, settings
 from .smoothing import LossSlope, SmoothedNoise, SmoothedValue
@@ -1028,8 +1028,11 @@ class Ramp:
         self.initial = self._at(0, 0)
 
     def _points(self, points: Sequence[tuple[Any, int]], start: int | None) -> list:
+        if not isinstance(points, Sequence):
+            raise ValueError(f"Ramp's points must be a list of (WHEN, BATCH) pairs, got {points!r}")
+        pairs = [pair("a ramp point", point, "(WHEN, BATCH)") for point in points]
         table = [
-            (self._known(Duration.parse(w)), positive_int("batch in points", b)) for w, b in points
+            (self._known(Duration.parse(w)), positive_int("batch in points", b)) for w, b in pairs
         ]
         units = {d.unit for d, _ in table if d.value > 0}
         if len(units) > 1:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .._checks import check_number, positive_int, whole_number
+from .._checks import check_number, pair, positive_int, whole_number
 from ..batch.lr import scaled_lr
 from ..knobs import Knob
 from ..stats.result import GradientStats
@@ -199,7 +199,7 @@ class AGVM(StatisticsWrapper):
         momentum = check_number("momentum", momentum)
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        low, high = (check_number("bounds", b) for b in bounds)
+        low, high = (check_number("bounds", b) for b in pair("bounds", bounds, "(low, high)"))
         if not 0 < low <= high:
             raise ValueError(f"bounds must satisfy 0 < low <= high, got {bounds!r}")
         self.interval, self.start, self.momentum, self.bounds = (
