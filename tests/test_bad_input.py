@@ -73,6 +73,7 @@ CLI_CASES = [
     (["train", "--task", ""], "--task is empty"),
     (["report", ""], "DIR is empty"),
     (["federated", "--threads", "-1"], "--threads must be a whole number >= 0, got -1"),
+    (["federated", "--clients", "50000"], "clients = 50000 is more than the 40000 training"),
     (["compare", "--vary", "seed=0,0"], "--vary seed: '0' is given twice"),
     (["compare", "--vary", "seed=0", "--lr-grid", "1,,2"], "--lr-grid takes comma-separated"),
     (

@@ -44,7 +44,7 @@ from ..batch.controllers import BatchWarmup
 from ..batch.lr import warmup_cosine
 from ..federated import ControllerScheme, Fixed, RoundPlanner, Scheme, SmallLargeSwitch
 from .build import with_task_defaults
-from .config import defaults
+from .config import ConfigError, defaults
 from .device import set_threads
 from .options import FederatedSettings
 from .report.rounds import render
@@ -129,6 +129,11 @@ def simulate(cfg: FederatedSettings, out: Path | None = None, threads: int | Non
     config = with_task_defaults({**defaults(), "task": cfg.task, "seed": cfg.seed})
     problem = TASKS[cfg.task].build(config)
     labels = _labels(problem.train)
+    if cfg.clients > len(labels):  # each client needs a sample of its own
+        raise ConfigError(
+            f"clients = {cfg.clients} is more than the {len(labels)} training samples of "
+            f"{cfg.task}: at most one client per sample"
+        )
     parts = split_indices(labels, cfg.clients, cfg.split, cfg.alpha, cfg.seed)
 
     def setup(context: Any) -> ClientSetup:
