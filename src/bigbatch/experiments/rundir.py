@@ -70,8 +70,8 @@ class RunLock:
             holder = file.read().strip() or "another process"
             file.close()
             raise ConfigError(
-                f"run directory {str(self.path)!r} is in use by process {holder} (another "
-                "bigbatch train or --resume writes it); wait for it or stop it"
+                f"{str(self.path)!r} is in use by process {holder} (another bigbatch command "
+                "writes it); wait for it or stop it"
             ) from None
         file.seek(0)
         file.truncate()

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -265,8 +266,10 @@ class _Run:
                 lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
                 metrics.write_text("".join(lines[: self.state["metrics_lines"]]))
         else:
-            if start_from is not None:  # a branch of another run
-                loop.load_state_dict(load_checkpoint(Path(start_from))[0]["loop"])
+            if start_from is not None:  # a branch of another run, at its own first batch
+                with warnings.catch_warnings():  # so another batch than the saved one is meant
+                    warnings.filterwarnings("ignore", "the checkpoint's batch", UserWarning)
+                    loop.load_state_dict(load_checkpoint(Path(start_from))[0]["loop"])
                 loop.engine.batch_size = loop.engine.controller.initial
             if self.writer:  # the directory was made and locked by _claim (or the launcher)
                 (out / "config.toml").write_text(to_toml(self.config))
