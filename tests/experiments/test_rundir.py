@@ -1,4 +1,5 @@
-"""Run-directory helpers: a copy made in one rename, and what a killed run leaves."""
+"""Run-directory helpers: a copy made in one rename, what a killed run leaves, a folder kept
+by its plan."""
 
 import json
 
