@@ -42,11 +42,17 @@ def new_run_dir(root: str | Path = "runs", task: str = "run") -> Path:
 
 def check_new_run_dir(path: Path) -> None:
     """A one-line error if ``path`` cannot become a new run (it holds one, or a file)."""
-    if path.exists() and (path.is_file() or any(p.name not in BOOKKEEPING for p in path.iterdir())):
+    if path.exists() and (path.is_file() or _holds_files(path)):
         raise ConfigError(
             f"--out {str(path)!r} already exists and is not empty; "
             "runs are never overwritten (use --resume to continue one)"
         )
+
+
+def _holds_files(folder: Path) -> bool:
+    """Whether ``folder`` holds anything beside a new run's bookkeeping (its lock, a
+    launcher's log)."""
+    return any(p.name not in BOOKKEEPING for p in folder.iterdir())
 
 
 class RunLock:
@@ -129,7 +135,7 @@ def claim_plan(
     difference, or the folder's other contents."""
     path = out / file
     if not path.is_file():
-        if out.is_dir() and any(p.name not in BOOKKEEPING for p in out.iterdir()):
+        if out.is_dir() and _holds_files(out):
             raise ConfigError(f"--out {str(out)!r} holds no {what}: choose a new folder")
         lock = claim_new_run_dir(out)
         path.write_text(json.dumps(plan, indent=2) + "\n")
@@ -147,7 +153,7 @@ def claim_plan(
 def discard_if_unused(out: Path) -> None:
     """Remove a new run directory that a failure left holding only its bookkeeping (the
     lock, a launcher's log), so the same ``--out`` works again at once."""
-    if out.is_dir() and {p.name for p in out.iterdir()} <= BOOKKEEPING:
+    if out.is_dir() and not _holds_files(out):
         shutil.rmtree(out, ignore_errors=True)
 
 

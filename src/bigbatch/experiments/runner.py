@@ -23,7 +23,6 @@ import json
 import math
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -267,10 +266,9 @@ class _Run:
                 metrics.write_text("".join(lines[: self.state["metrics_lines"]]))
         else:
             if start_from is not None:  # a branch of another run, at its own first batch
-                with warnings.catch_warnings():  # so another batch than the saved one is meant
-                    warnings.filterwarnings("ignore", "the checkpoint's batch", UserWarning)
-                    loop.load_state_dict(load_checkpoint(Path(start_from))[0]["loop"])
-                loop.engine.batch_size = loop.engine.controller.initial
+                branched = load_checkpoint(Path(start_from))[0]["loop"]
+                branched["engine"]["batch_size"] = loop.engine.controller.initial
+                loop.load_state_dict(branched)
             if self.writer:  # the directory was made and locked by _claim (or the launcher)
                 (out / "config.toml").write_text(to_toml(self.config))
                 metrics.write_text("")
