@@ -134,6 +134,15 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
     assert make_controller(chosen).multiple == 3.0
 
 
+def test_a_budget_below_the_first_batch_is_refused():
+    """The loop takes whole batches: ``max_samples = 1`` trained one step of 16 unsaid."""
+    from bigbatch.experiments.build import with_task_defaults
+
+    with pytest.raises(ConfigError, match=r"max_samples \(1\) is below the first batch "):
+        with_task_defaults(resolve({"max_samples": 1}))
+    assert with_task_defaults(resolve({"max_samples": 16}))["max_samples"] == 16
+
+
 def test_a_ramp_in_the_users_units_from_config_keys():
     from bigbatch.experiments.build import make_controller, with_task_defaults
 

@@ -78,6 +78,12 @@ def with_task_defaults(
     if kind == "ramp":
         _ramp_start(config, origins)
     fill_controller_defaults(config, origins)
+    if config["max_samples"] < config["batch.initial"]:
+        # the loop takes whole batches: such a budget would train one step of the first
+        raise ConfigError(
+            f"max_samples ({config['max_samples']:,}) is below the first batch "
+            f"(batch.initial = {config['batch.initial']:,}): give a budget of a batch at least"
+        )
     if not config["batch.base"]:
         config["batch.base"] = config["batch.initial"]
         origins["batch.base"] = "batch.initial: the rate is the one at the first batch"
