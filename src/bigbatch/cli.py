@@ -227,10 +227,6 @@ def _tune_arguments(tune: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    return resolve(*_layers(args))
-
-
 def _file(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--config`` file's keys, flattened (none without one); read once a command,
     however many of its tables the command asks for."""
@@ -251,14 +247,15 @@ def _settings(args: argparse.Namespace, name: str) -> Any:
     return settings_from(cls, name, _section(args, name), given(cls, args))
 
 
-def _layers(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The run keys: the ``--config`` file's (less the commands' tables), --task, --set."""
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's config: the ``--config`` file's keys (less the commands' tables), --task,
+    --set."""
     commands = tuple(f"{name}." for name in SECTIONS)
     layers = [{k: v for k, v in _file(args).items() if not k.startswith(commands)}]
     if args.task:
         layers.append({"task": args.task})
     layers.append(dict(parse_assignment(a) for a in args.set))
-    return layers
+    return resolve(*layers)
 
 
 def _train(args: argparse.Namespace) -> int:

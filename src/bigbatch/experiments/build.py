@@ -34,9 +34,6 @@ from .config import (
 from .device import Precision, resolve_device, to_device
 from .tasks import TASKS, Problem
 
-#: config names of the compression methods that differ from the hook's
-_METHOD = {"topk-only": "none"}
-
 
 def with_task_defaults(
     config: dict[str, Any], origins: dict[str, str] | None = None
@@ -400,7 +397,8 @@ def _comm_hook(config: dict[str, Any], model: nn.Module, world: World) -> tuple[
         return powersgd, powerSGD_hook.powerSGD_hook
     if dist.compression == "none":
         return None
-    method = _METHOD.get(dist.compression, dist.compression)
+    # topk-only: the hook's compression with no error control ("none")
+    method = "none" if dist.compression == "topk-only" else dist.compression
     state = CompressionState(
         model,  # type: ignore[arg-type]
         method,

@@ -20,7 +20,7 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import Field, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -90,14 +90,6 @@ class Key:
     #: a number key whose default is :data:`AUTO`: the optimizer's recipe fills it
     #: (``bigbatch.optim.RECIPES``)
     from_recipe: bool = False
-
-    @property
-    def help(self) -> str:
-        return self.knob.help
-
-    @property
-    def choices(self) -> tuple[str, ...] | None:
-        return self.knob.choices
 
     @property
     def kind(self) -> type:
@@ -533,12 +525,6 @@ COMPONENTS: dict[str, tuple[str, dict[str, tuple[Any, Mapping[str, Knob]]]]] = {
 }
 
 
-def _key(f: Field) -> Key:
-    """A section's field as its config key."""
-    recipe = f.metadata.get("recipe", False)
-    return Key(f.metadata["key"], f.default, f.metadata["knob"], from_recipe=recipe)
-
-
 _Section = TypeVar("_Section")
 
 
@@ -557,9 +543,10 @@ def _keys() -> list[Key]:
     keys = []
     for cls in RUN_SECTIONS:
         for f in fields(cls):
-            keys.append(_key(f))
-            if f.metadata["key"] in COMPONENTS:
-                keys += component_keys(*COMPONENTS[f.metadata["key"]])
+            name, recipe = f.metadata["key"], f.metadata.get("recipe", False)
+            keys.append(Key(name, f.default, f.metadata["knob"], from_recipe=recipe))
+            if name in COMPONENTS:
+                keys += component_keys(*COMPONENTS[name])
     return keys
 
 
@@ -741,8 +728,8 @@ def _toml_value(value: Any) -> str:
 def help_text() -> str:
     rows = []
     for key in schema().values():
-        choices = f" [{', '.join(key.choices)}]" if key.choices else ""
-        rows.append(f"  {key.name:22s} {_toml_value(key.default):10s} {key.help}{choices}")
+        choices = f" [{', '.join(key.knob.choices)}]" if key.knob.choices else ""
+        rows.append(f"  {key.name:22s} {_toml_value(key.default):10s} {key.knob.help}{choices}")
     return "config keys (--set key=value, or a TOML file; [table] key = dotted key):\n" + "\n".join(
         rows
     )

@@ -19,7 +19,6 @@ import os
 import platform
 import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -121,13 +120,10 @@ class Precision:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
         self.name, self.device = name, device
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "fp32":
-            yield
-            return
-        with torch.autocast(self.device.type, dtype=_DTYPES[self.name]):
-            yield
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_DTYPES[self.name])
 
     def scaler(self) -> torch.amp.GradScaler | None:
         """A loss scaler for float16 (whose gradients underflow without one); else None."""

@@ -181,12 +181,6 @@ class CriticalSettings:
             raise ConfigError("points takes one fraction of the budget or more, got none")
 
 
-#: the schemes that pick a federation's local batch, the splits of its data and its tasks
-SCHEMES = ("fixed", "switch", "adaptive")
-SPLITS = ("iid", "dirichlet")
-CLASSIFICATION = ("mnist1d", "digits", "teacher")
-
-
 @dataclass(frozen=True)
 class FederatedSettings:
     """One ``bigbatch federated`` simulation: the federation, its data, its rounds and
@@ -194,9 +188,9 @@ class FederatedSettings:
     docs/results.md ("Federated"), where the adaptive arm from local batch 4 at rate
     0.025 was the one to save steps."""
 
-    task: str = setting("mnist1d", "the task", choices=CLASSIFICATION)
+    task: str = setting("mnist1d", "the task", choices=("mnist1d", "digits", "teacher"))
     clients: int = setting(4, "clients, all trained each round", low=1)
-    split: str = setting("iid", "how the training set is shared", choices=SPLITS)
+    split: str = setting("iid", "how the training set is shared", choices=("iid", "dirichlet"))
     alpha: float = setting(0.5, "the Dirichlet split's concentration", low=0, low_open=True)
     rounds: int = setting(20, "rounds", low=1)
     local_samples: int = setting(1024, "samples per client per round", low=1)
@@ -204,7 +198,7 @@ class FederatedSettings:
         "adaptive",
         "fixed (local_batch), switch (large, then local_batch) or adaptive (bigbatch's "
         "controller on the clients' pooled noise statistics, from local_batch)",
-        choices=SCHEMES,
+        choices=("fixed", "switch", "adaptive"),
     )
     local_batch: int = setting(4, "the base local batch", low=1)
     large: int = setting(128, "switch: the first phase's local batch", low=1)

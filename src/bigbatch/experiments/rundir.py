@@ -91,12 +91,6 @@ class RunLock:
             self._file.close()  # closing drops the flock
             self._file = None
 
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 def claim_new_run_dir(path: Path) -> RunLock:
     """Create ``path`` (or take an empty one) and lock it, as one step: of two runs started

@@ -153,8 +153,7 @@ def _claim(out: Path | None, resume: bool, world: World, task: str) -> tuple[Pat
     if world.rank == 0:
         out = Path(out) if out is not None else new_run_dir(task=task)
         try:
-            held_by_launcher = os.environ.get(LOCK_HELD) == str(out.resolve())
-            if held_by_launcher:
+            if os.environ.get(LOCK_HELD) == str(out.resolve()):  # held by the launcher
                 if not resume:
                     check_new_run_dir(out)
             elif resume:

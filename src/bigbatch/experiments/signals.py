@@ -101,13 +101,9 @@ def watch_launcher(interval: float = 1.0) -> None:
         return
 
     def watch() -> None:
-        while _alive(int(pid)):
+        # a rank whose launcher died is handed to another parent (init or a subreaper)
+        while os.getppid() == int(pid):
             time.sleep(interval)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="bigbatch-launcher-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    # a rank whose launcher died is handed to another parent (init or a subreaper)
-    return os.getppid() == pid

@@ -36,13 +36,7 @@ from .summary import finished_summary
 if TYPE_CHECKING:
     from .options import TuneSettings
 
-__all__ = [
-    "RANKS",
-    "Arm",
-    "ArmResult",
-    "metric",
-    "sweep",
-]
+__all__ = ["RANKS", "Arm", "ArmResult", "metric", "sweep"]
 
 
 def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:

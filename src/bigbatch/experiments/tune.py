@@ -97,7 +97,7 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
     known = schema()
     if key not in known:
         resolve(base, {key: low})  # one error, with a suggestion
-    if known[key].kind not in (int, float) or known[key].choices:
+    if known[key].kind not in (int, float) or known[key].knob.choices:
         raise ConfigError(f"--search {key}: only number keys can be searched")
     for end in (low, high):  # each end must be a value the key accepts
         resolve(base, {key: known[key].kind(end)})

@@ -17,28 +17,18 @@
 
 from __future__ import annotations
 
-from .data import (
-    byte_windows,
-    cache_dir,
-    markov_language,
-    mnist1d_arrays,
-    text_corpus,
-    training_rows,
-)
-from .models import Conv1dNet, TinyTransformer
+from .data import byte_windows, markov_language, mnist1d_arrays, text_corpus
+from .models import TinyTransformer
 from .problem import Problem, Task
 from .registry import TASKS
 
 __all__ = [
     "TASKS",
-    "Conv1dNet",
     "Problem",
     "Task",
     "TinyTransformer",
     "byte_windows",
-    "cache_dir",
     "markov_language",
     "mnist1d_arrays",
     "text_corpus",
-    "training_rows",
 ]

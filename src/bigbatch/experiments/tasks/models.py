@@ -98,6 +98,3 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
-
-    def max_attention_logit(self) -> float:
-        return float(torch.stack([b.attn.max_logit for b in self.blocks]).amax())
