@@ -48,3 +48,24 @@ def test_make_source_picks_by_kind_and_refuses_weights_on_a_stream():
     )
     with pytest.raises(ValueError, match="weight_fn needs a map-style dataset"):
         make_source(Counting(), shuffle=True, seed=0, weight_fn=len, loader_options={})
+
+
+def test_a_loader_option_dataloader_does_not_take_is_refused_before_the_first_step():
+    """``loader_options={'bogus': 1}`` failed inside ``DataLoader`` at the first step."""
+    import pytest
+
+    import bigbatch as bb
+
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.arange(20.0))
+    with pytest.raises(
+        TypeError, match=r"\['num_worker'\] is not a DataLoader keyword; did you mean"
+    ):
+        bb.AdaptiveBatch(model, optimizer, data, loader_options={"num_worker": 2})
+    with pytest.raises(TypeError, match=r"loader_options\['batch_size'\]: the loop sets it"):
+        bb.AdaptiveBatch(model, optimizer, data, loader_options={"batch_size": 8})
+    # an iterable dataset is read in order in this process: a worker option would do nothing
+    with pytest.warns(UserWarning, match="loader_options pin_memory are not used") as caught:
+        bb.AdaptiveBatch(model, optimizer, Counting(), loader_options={"pin_memory": True})
+    assert caught[0].filename == __file__  # the warning points at the caller's line

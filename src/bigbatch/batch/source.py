@@ -7,12 +7,15 @@ the micro-batches in between (:func:`~bigbatch.batch.plan.plan_step`).
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
+from .._checks import did_you_mean
 from .sampler import VariableBatchSampler
 
 __all__ = ["IterableSource", "MapSource", "make_source"]
@@ -174,10 +177,35 @@ def make_source(
     loader_options: dict[str, Any],
 ) -> MapSource | IterableSource:
     """The source for ``dataset``: iterable or map-style."""
+    check_loader_options(loader_options)
     if isinstance(dataset, IterableDataset):
         if weight_fn is not None:
             raise ValueError("weight_fn needs a map-style dataset (samples are weighed by index)")
+        unused = [k for k, v in loader_options.items() if k != "collate_fn" and v]
+        if unused:
+            warnings.warn(
+                f"an iterable dataset is read in this process, in order: loader_options "
+                f"{', '.join(unused)} are not used (only collate_fn is)",
+                stacklevel=3,
+            )
         return IterableSource(dataset, loader_options.get("collate_fn"))
     return MapSource(
         dataset, shuffle=shuffle, seed=seed, weight_fn=weight_fn, loader_options=loader_options
     )
+
+
+#: ``DataLoader`` keywords the source sets itself: the loop decides the batches and their order
+SET_BY_THE_LOOP = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+
+
+def check_loader_options(options: dict[str, Any]) -> None:
+    """A ``TypeError`` naming a key of ``loader_options`` that ``DataLoader`` does not take,
+    or that the loop sets itself, before a step is drawn (not at the first one)."""
+    taken = set(inspect.signature(DataLoader).parameters) - {*SET_BY_THE_LOOP, "generator"}
+    for key in options:
+        if key in SET_BY_THE_LOOP or key == "generator":
+            raise TypeError(f"loader_options[{key!r}]: the loop sets it (it draws every batch)")
+        if key not in taken:
+            raise TypeError(
+                f"loader_options[{key!r}] is not a DataLoader keyword{did_you_mean(key, taken)}"
+            )
