@@ -2,6 +2,7 @@
 command line training on a real GPU (``cuda``-marked: skipped without one)."""
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -157,3 +158,12 @@ def test_auto_picks_the_gpu_and_a_killed_cuda_run_resumes(tmp_path, monkeypatch)
     # GPU reductions may add in another order (atomics): the same path, to float tolerance
     assert [r["batch_size"] for r in a] == [r["batch_size"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-4)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux's CPU sets")
+def test_local_processes_share_the_cores_this_process_may_use_not_the_machines(monkeypatch):
+    """A container or a job step given 3 cores of a 64-core machine: 2 processes get one
+    thread each, not 32 (which os.cpu_count() gave)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6})
+    assert [device.share_of_cores(n) for n in (1, 2, 3, 8)] == [3, 1, 1, 1]

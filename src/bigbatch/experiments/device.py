@@ -72,7 +72,17 @@ def set_threads(threads: int, local_processes: int = 1) -> None:
     if threads:
         torch.set_num_threads(threads)
     elif local_processes > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_processes))
+        torch.set_num_threads(share_of_cores(local_processes))
+
+
+def share_of_cores(processes: int) -> int:
+    """The CPU cores each of ``processes`` local processes gets (at least one): of the cores
+    this process may run on (a container's or a job's CPU set), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):  # Linux; elsewhere every core is usable
+        cores = len(os.sched_getaffinity(0))
+    else:  # pragma: no cover - macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(1, cores // processes)
 
 
 #: glibc's ``mallopt`` parameters (``malloc.h``)

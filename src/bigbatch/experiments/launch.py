@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from .device import share_of_cores
 from .rundir import LAUNCHER_LOG, LOCK_HELD, RunLock, claim_new_run_dir, discard_if_unused
 from .signals import LAUNCHER_PID
 
@@ -71,8 +72,7 @@ def launch(nproc: int, out: Path, arguments: Sequence[str], *, resume: bool) -> 
         LOCK_HELD: str(out.resolve()),
         LAUNCHER_PID: str(os.getpid()),
         # one share of the cores per process (and no launcher warning about it)
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
-        or str(max(1, (os.cpu_count() or 1) // nproc)),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(share_of_cores(nproc)),
     }
     try:
         with _environment(environment), _agent_log(out / LAUNCHER_LOG):

@@ -19,7 +19,6 @@ evidence benchmarks (``benchmarks/``) both run through :func:`sweep`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
 from .build import at_rate, with_task_defaults
 from .config import resolve
+from .device import share_of_cores
 from .options import Protocol
 from .pool import in_processes
 from .rundir import read_json
@@ -80,7 +80,7 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
     Protocol(lr_grid=tuple(multipliers), seeds=seeds, rank=rank, jobs=jobs, tune=tune is not None)
     base = dict(base)
     if jobs > 1 and not base.get("threads"):
-        base["threads"] = max(1, (os.cpu_count() or 1) // jobs)
+        base["threads"] = share_of_cores(jobs)
     root = Path(root)
     # an arm's rate before the grid: its lr, or the task's when 0 (every config checked here)
     rates = {arm.stem: with_task_defaults(resolve({**base, **arm.overrides}))["lr"] for arm in arms}

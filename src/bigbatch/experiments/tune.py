@@ -29,7 +29,6 @@ and ``tune.png``.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +43,7 @@ from . import runner
 from .arms import metric
 from .build import at_rate, with_task_defaults
 from .config import ConfigError, resolve, schema, to_toml
+from .device import share_of_cores
 from .options import TuneSettings
 from .pool import in_processes
 from .rundir import claim_plan, read_json
@@ -153,7 +153,7 @@ def tune(
     space = list(space or default_space(config))
     brackets = _brackets_in_budget(settings, space, _warmup(config, space))
     if settings.jobs > 1 and not config.get("threads"):
-        config = {**config, "threads": max(1, (os.cpu_count() or 1) // settings.jobs)}
+        config = {**config, "threads": share_of_cores(settings.jobs)}
     out = Path(out)
     plan = {"config": config, "space": [asdict(d) for d in space], **asdict(settings)}
     lock = claim_plan(out, SETTINGS_FILE, plan, "study", config_at="config", compared=_compared)
