@@ -44,7 +44,7 @@ CLI_CASES = [
     (["train", "--set", "batch.initial=-1"], "batch.initial must be a whole number >= 0, got -1"),
     (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
     (
-        ["train", "--set", "batch.initial=8", "--set", "batch.min=16"],
+        ["train", "--set", "batch.initial=8", "--set", "batch.min=32"],
         "batch.initial (8) is outside",
     ),
     (["train", "--set", "task=imagenet"], "'imagenet'"),

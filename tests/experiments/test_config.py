@@ -73,7 +73,7 @@ def test_set_values_are_read_as_toml():
         ({"batch.target": 2.0}, r"batch.target must be in \[-1, 1\], got 2.0"),
         ({"max_micro_batch": 0}, "max_micro_batch must be a whole number >= 1, got 0"),
         ({"batch.min": 512, "batch.max": 64}, "batch.min .512. is larger than batch.max .64."),
-        ({"batch.initial": 8}, "batch.initial .8. is outside"),
+        ({"batch.initial": 8, "batch.min": 32}, "batch.initial .8. is outside"),
         ({"optimizer": "adam"}, "did you mean 'adamw'"),
         (
             {"batch.controller": "simi"},
@@ -132,6 +132,31 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
         resolve({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
     )
     assert make_controller(chosen).multiple == 3.0
+
+
+def test_a_bound_left_at_its_default_moves_to_what_was_set_past_it():
+    """Only what was set was asked for: a constant batch of 8 or 20,000, a ``batch.max`` of
+    8, needs no other bound set (each was an error naming a bound nobody set)."""
+    from bigbatch.experiments.build import with_task_defaults
+
+    def bounds(**layer):
+        origins = {}
+        run = with_task_defaults(resolve(dict(layer.items())), origins)
+        return [run[k] for k in ("batch.min", "batch.initial", "batch.max")], origins
+
+    assert bounds(**{"batch.controller": "constant", "batch.initial": 8})[0] == [8, 8, 16384]
+    big, why = bounds(**{"batch.controller": "constant", "batch.initial": 20_000})
+    assert big == [16, 20_000, 20_000]
+    assert why["batch.max"] == "batch.initial (20,000), set past its default 16,384"
+    low, why = bounds(**{"batch.max": 8})  # batch_warmup's own first batch is 16
+    assert low == [8, 8, 8]
+    assert why["batch.initial"] == (
+        "the batch_warmup controller's default 16, moved into [batch.min, batch.max]"
+    )
+    assert bounds(**{"batch.min": 32_768})[0] == [32_768, 32_768, 32_768]
+    # a bound that was set stays, and its conflict is an error
+    with pytest.raises(ConfigError, match=r"batch\.initial \(8\) is outside .* = \[4, 4\]"):
+        resolve({"batch.initial": 8, "batch.max": 4})
 
 
 def test_a_budget_below_the_first_batch_is_refused():

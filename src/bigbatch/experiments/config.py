@@ -688,19 +688,45 @@ def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:
 def fill_controller_defaults(config: dict[str, Any], origins: dict[str, str] | None = None) -> None:
     """The chosen controller's own defaults for the batch keys left at 0 (those whose
     controllers differ: :attr:`Key.owners`), so a run's saved config says what it ran
-    with; its own first batch is raised to ``batch.min`` (or lowered to ``batch.max``)
-    when those are set and exclude it, since only the bounds were asked for."""
-    kind = config["batch.controller"]
+    with. Where a bound left at its default excludes what was set, only what was set was
+    asked for: such a bound moves to a first batch set outside it (a constant batch of 8
+    needs no ``batch.min = 8``) or to the other bound set past it (``batch.max = 8`` lowers
+    the default ``batch.min``), and the controller's own first batch is raised to
+    ``batch.min`` or lowered to ``batch.max``."""
+    kind, origins = config["batch.controller"], origins if origins is not None else {}
     own_first = not config["batch.initial"]
     for key in schema().values():
         if key.owners is not None and config[key.name] == key.default:
             config[key.name] = key.owners.get(kind, key.default)
-            if origins is not None and config[key.name] != key.default:
+            if config[key.name] != key.default:
                 origins[key.name] = f"the {kind} controller's default"
-    if own_first:
-        config["batch.initial"] = min(
-            config["batch.max"], max(config["batch.min"], config["batch.initial"])
+    _move_default_bounds(config, origins, own_first)
+
+
+def _move_default_bounds(config: dict[str, Any], origins: dict[str, str], own_first: bool) -> None:
+    """:func:`fill_controller_defaults`' rule for the batch bounds: a bound left at its
+    default moves to what was set past it, the controller's own first batch into them."""
+    first = config["batch.initial"]
+    left = [n for n in ("batch.min", "batch.max") if config[n] == schema()[n].default]
+    moves = []  # (bound, set key that moves it)
+    if not own_first:  # a first batch set outside a bound left at its default
+        moves += [(n, "batch.initial") for n in left]
+    other = {"batch.min": "batch.max", "batch.max": "batch.min"}
+    if len(left) == 1:  # the other bound, set past it
+        moves.append((left[0], other[left[0]]))
+    for bound, cause in moves:
+        outside = (
+            config[cause] < config[bound] if bound == "batch.min" else config[cause] > config[bound]
         )
+        if outside:
+            origins[bound] = f"{cause} ({config[cause]:,}), set past its default {config[bound]:,}"
+            config[bound] = config[cause]
+    if own_first:
+        inside = min(config["batch.max"], max(config["batch.min"], first))
+        if inside != first:
+            own = origins.get("batch.initial", "the controller's default")
+            origins["batch.initial"] = f"{own} {first}, moved into [batch.min, batch.max]"
+        config["batch.initial"] = inside
 
 
 def to_toml(config: Mapping[str, Any]) -> str:
