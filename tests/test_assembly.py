@@ -31,6 +31,15 @@ def test_a_controller_must_start_at_the_samplers_first_batch():
         resolve_controller(controller, 64)
 
 
+def test_the_default_controller_starts_at_any_first_batch_a_sampler_gives():
+    """A plugin's ``GlobalBatchSampler(N, 8)`` with no controller was refused: "initial (8)
+    is outside [min, max] = [16, 16384]", naming arguments its user never passed."""
+    small, large = resolve_controller(None, 8), resolve_controller(None, 32_768)
+    assert (small.initial, small.min, small.max) == (8, 8, 16_384)
+    assert (large.initial, large.min, large.max) == (32_768, 16, 32_768)
+    assert repr(resolve_controller(None, 64)) == repr(bb.batch.BatchWarmup(initial=64))
+
+
 def test_statistics_on_one_process_need_two_sub_batches():
     with pytest.raises(ValueError, match=r"min_sub_batches .* must be at least 2"):
         assemble(make_optimizer(), sub_batches=1)

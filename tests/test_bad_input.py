@@ -198,6 +198,18 @@ API_CASES = [
     (lambda: stats(gsnr="yes"), ValueError, "gsnr must be true or false, got 'yes'"),
     (lambda: stats(dataset_size=0), ValueError, "dataset_size must be a whole number >= 1"),
     (lambda: stats(per_example=3), TypeError, "per_example must be the trained nn.Module"),
+    # a rank past the world drew nothing, forever; a budget of 0 or 2.5 was taken
+    (
+        lambda: GlobalBatchSampler(10, 4, micro_batches=2, world_size=2, rank=2),
+        ValueError,
+        "rank must be in [0, 2), got 2",
+    ),
+    (
+        lambda: GlobalBatchSampler(10, 4, micro_batches=2, max_samples=2.5),
+        ValueError,
+        "max_samples must be a whole number, got 2.5",
+    ),
+    (lambda: bb.batch.plan_step(list(range(8)), count=0), ValueError, "count must be a whole"),
     (lambda: bb.batch.Ramp(points=[(0, 16, 3)]), ValueError, "a ramp point must be a pair"),
     (lambda: bb.batch.Ramp(points=[16]), ValueError, "a ramp point must be a pair (WHEN, BATCH)"),
     (lambda: bb.batch.Ramp(points=16), ValueError, "points must be a list of (WHEN, BATCH)"),

@@ -96,6 +96,17 @@ def _shown(bound: float) -> str:
     return str(int(bound)) if whole else f"{bound:g}"
 
 
+def rank_in_world(rank: Any, world_size: Any) -> tuple[int, int]:
+    """``rank`` in ``[0, world_size)`` and ``world_size`` at least 1, as Python's ints; a
+    rank past the world drew nothing, forever."""
+    world_size = positive_int("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        raise ValueError(f"rank must be a whole number in [0, {world_size}), got {rank!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    return int(rank), world_size
+
+
 def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r}")

@@ -272,9 +272,14 @@ def _per_example_model(
 
 def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:
     """The run's controller: the given one, which must start at ``first_batch`` when a
-    sampler fixes it, or :class:`BatchWarmup` from there (batch 16 without one)."""
+    sampler fixes it, or :class:`BatchWarmup` from there (batch 16 without one), its
+    bounds widened to hold a first batch outside them (a sampler of batch 8)."""
     if controller is None:
-        return BatchWarmup() if first_batch is None else BatchWarmup(initial=first_batch)
+        own = BatchWarmup()
+        if first_batch is None:
+            return own
+        low, high = min(own.min, first_batch), max(own.max, first_batch)
+        return BatchWarmup(initial=first_batch, min=low, max=high)
     if isinstance(controller, type) or not callable(getattr(controller, "next", None)):
         raise TypeError(
             "controller must be a controller object (e.g. bigbatch.batch.BatchWarmup()), "

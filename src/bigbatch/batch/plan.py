@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .._checks import choice, positive_int
+from .._checks import choice, positive_int, rank_in_world
 
 LOSS_REDUCTIONS = ("mean", "sum")
 #: the default largest micro-batch (per process) of every loop and of ``bigbatch train``:
@@ -89,9 +89,7 @@ def shard_batch(indices: list[int], rank: int, world_size: int) -> list[int]:
     sample once per epoch" across ranks and the sampler state identical on
     all of them.
     """
-    positive_int("world_size", world_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    rank, world_size = rank_in_world(rank, world_size)
     if len(indices) < world_size:
         raise ValueError(
             f"a batch of {len(indices)} samples cannot give each of {world_size} ranks a sample"
@@ -121,6 +119,9 @@ def plan_step(
     ``max_micro_batch`` by a sample. With ``weight_fn`` the sizes are weights
     and the boundaries fall at nearly equal weight.
     """
+    rank, world_size = rank_in_world(rank, world_size)
+    if count is not None:
+        count = positive_int("count", count)
     shards = [shard_batch(indices, r, world_size) for r in range(world_size)]
     weights = [[int(weight_fn(i)) for i in s] for s in shards] if weight_fn else None
     if count is None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._checks import check_flag, check_number, positive_int
+from .._checks import check_flag, check_number, positive_int, rank_in_world
 from .plan import StepPlan, plan_step
 
 #: the largest seed: a permutation's seed is ``seed * 1,000,003 + epoch``, a 64-bit integer
@@ -159,6 +159,9 @@ class GlobalBatchSampler:
         self._sampler = VariableBatchSampler(dataset_size, shuffle=shuffle, seed=seed)
         positive_int("batch_size", batch_size)
         positive_int("micro_batches", micro_batches)
+        rank, world_size = rank_in_world(rank, world_size)
+        if max_samples is not None:
+            max_samples = positive_int("max_samples", max_samples)
         if batch_size < micro_batches * world_size:
             raise ValueError(
                 f"batch_size {batch_size} cannot give {micro_batches} micro-batches to each of "
