@@ -53,6 +53,16 @@ def test_no_trainable_parameter_is_an_error():
         ParamLayout([[torch.zeros(3)]])
 
 
+def test_parameters_not_in_groups_are_refused():
+    """A flat list was read as groups of each parameter's rows: views that never get a
+    gradient, so the statistics came out 0 and NaN without a word."""
+    weight, bias = torch.nn.Linear(3, 2).parameters()
+    for flat in ([weight, bias], (p for p in (weight, bias)), weight):
+        with pytest.raises(TypeError, match="must be groups of parameters"):
+            ParamLayout(flat)
+    assert ParamLayout(p for p in [[weight, bias]]).params == [weight, bias]
+
+
 def test_sub_batches_on_one_process():
     batches = SubBatches([3, 5, 2, 6, 4], [[3, 5, 2, 6, 4]], [0.15, 0.25, 0.1, 0.3, 0.2], World())
     assert batches.total == 20 and batches.all_sizes == [3, 5, 2, 6, 4]

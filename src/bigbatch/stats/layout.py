@@ -29,6 +29,14 @@ class ParamLayout:
         param_groups: Sequence[Sequence[Tensor] | dict],
         sources: dict[int, Tensor] | None = None,
     ) -> None:
+        param_groups = [param_groups] if isinstance(param_groups, Tensor) else list(param_groups)
+        if any(isinstance(g, Tensor) for g in param_groups):
+            # a flat list of parameters: each would be read as a group of its rows, views
+            # that never get a gradient (a similarity of 0 and a NaN noise scale, unsaid)
+            raise TypeError(
+                "param_groups must be groups of parameters (optimizer.param_groups, or "
+                "[list(model.parameters())]), not parameters"
+            )
         groups = [list(g["params"]) if isinstance(g, dict) else list(g) for g in param_groups]
         self.params = [p for g in groups for p in g if p.requires_grad]
         #: the tensors whose gradients are each backward's increments (hooks go here)
