@@ -198,6 +198,18 @@ API_CASES = [
     (lambda: stats(gsnr="yes"), ValueError, "gsnr must be true or false, got 'yes'"),
     (lambda: stats(dataset_size=0), ValueError, "dataset_size must be a whole number >= 1"),
     (lambda: stats(per_example=3), TypeError, "per_example must be the trained nn.Module"),
+    # torch's own optimizers took these, or failed with an IndexError
+    (lambda: create_optimizer(model(), "sgd", lr=float("nan")), ValueError, "lr must be finite"),
+    (
+        lambda: create_optimizer(model(), "sgd", lr=0.1, momentum=1.5),
+        ValueError,
+        "momentum must be in [0, 1), got 1.5",
+    ),
+    (
+        lambda: create_optimizer(model(), "adamw", lr=0.1, betas=(0.9,)),
+        ValueError,
+        "betas must be a pair (beta1, beta2), got (0.9,)",
+    ),
     # a rank past the world drew nothing, forever; a budget of 0 or 2.5 was taken
     (
         lambda: GlobalBatchSampler(10, 4, micro_batches=2, world_size=2, rank=2),

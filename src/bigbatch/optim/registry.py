@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import did_you_mean
+from .._checks import check_number, did_you_mean, pair
 from .lamb import LAMB
 from .lars import LARS
 from .merit import MERIT
@@ -272,6 +272,7 @@ def create_optimizer(
     lr = signature.parameters.get("lr")
     if "lr" not in options and lr is not None and lr.default is inspect.Parameter.empty:
         raise ValueError(f"optimizer {info.name!r} needs a learning rate: pass lr=...")
+    _check_common(options)
     if isinstance(model_or_params, nn.Module):
         params: Any = param_groups(
             model_or_params, float(options["weight_decay"]), no_decay=no_decay
@@ -279,3 +280,17 @@ def create_optimizer(
     else:
         params = model_or_params
     return info.factory(params, **options)
+
+
+def _check_common(options: Mapping[str, Any]) -> None:
+    """The hyper-parameters every optimizer here shares, checked for the ones torch builds,
+    which take ``lr=nan`` or ``momentum=1.5`` and fail on ``betas=(0.9,)`` with an
+    ``IndexError`` (bigbatch's own check theirs again, as a group's)."""
+    for key in ("lr", "weight_decay"):
+        if key in options and not isinstance(options[key], torch.Tensor):  # a tensor lr
+            check_number(key, options[key])
+    if "momentum" in options:
+        check_number("momentum", options["momentum"], high=1, high_open=True)
+    if "betas" in options:
+        for i, beta in enumerate(pair("betas", options["betas"], "(beta1, beta2)")):
+            check_number(f"betas[{i}]", beta, high=1, high_open=True)
