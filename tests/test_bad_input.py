@@ -198,6 +198,12 @@ API_CASES = [
     (lambda: stats(gsnr="yes"), ValueError, "gsnr must be true or false, got 'yes'"),
     (lambda: stats(dataset_size=0), ValueError, "dataset_size must be a whole number >= 1"),
     (lambda: stats(per_example=3), TypeError, "per_example must be the trained nn.Module"),
+    (
+        lambda: bb.AdaptiveBatch(model(), "sgd", data()),
+        TypeError,
+        "optimizer must be a torch optimizer built from the model's parameters",
+    ),
+    (lambda: bb.batch.LossSlope(bins=2.7), ValueError, "bins must be a whole number, got 2.7"),
     # torch's own optimizers took these, or failed with an IndexError
     (lambda: create_optimizer(model(), "sgd", lr=float("nan")), ValueError, "lr must be finite"),
     (

@@ -371,7 +371,12 @@ class AdaptiveBatch:
 def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """One ``ValueError`` when ``optimizer`` holds none of ``model``'s parameters (it was
     built from another model: nothing would train); parameters beside the model's (a
-    loss's own) are allowed."""
+    loss's own) are allowed. Not an optimizer (a name, the parameters): a ``TypeError``."""
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise TypeError(
+            "optimizer must be a torch optimizer built from the model's parameters "
+            f"(bigbatch.optim.create_optimizer(model, 'lamb', lr=...)), got {optimizer!r:.80}"
+        )
     own = {id(p) for p in model.parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     if held and own and not any(id(p) in own for p in held):

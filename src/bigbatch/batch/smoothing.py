@@ -270,8 +270,8 @@ class LossSlope:
 
     def __init__(self, span: float = 1.0, bins: int = 8, min_points: int = 16) -> None:
         self.span = check_number("span", span, low_open=True)
-        self.bins = int(check_number("bins", bins, low=2))
-        self.min_points = int(check_number("min_points", min_points, low=3))
+        self.bins = check_number("bins", bins, low=2, whole=True)
+        self.min_points = check_number("min_points", min_points, low=3, whole=True)
         self._width = self.span / self.bins
         self._slices: dict[int, dict[str, float]] = {}  # by slice index from the first value
         self._start = math.nan  # ln(samples) of the first value
