@@ -76,6 +76,21 @@ def test_an_interval_is_a_count_of_steps_or_a_duration_longer_than_zero():
         Duration.interval("0 steps")
     with pytest.raises(ValueError, match="longer than 0"):
         Duration.parse("0").crossed((0, 0), (1, 1))
+    with pytest.raises(ValueError, match="at least 1 step, got 0"):
+        Duration.interval(0)  # was returned as it was: an evaluation every 0 steps
+
+
+@pytest.mark.parametrize(
+    "value, unit, message",
+    [
+        (2.5, "steps", "a duration of steps is whole, got 2.5"),
+        (True, "samples", "a number that is not negative, got True"),
+        (3, "budget", "at most 1 .100%., got 3"),
+    ],
+)
+def test_a_duration_built_directly_is_checked_as_its_text_is(value, unit, message):
+    with pytest.raises(ValueError, match=message):
+        Duration(value, unit)
 
 
 def test_a_duration_as_a_share_of_the_budget():

@@ -47,8 +47,12 @@ class Duration:
             raise ValueError(f"a duration's unit is one of {', '.join(UNITS)}, got {self.unit!r}")
         if not (isinstance(self.value, (int, float)) and math.isfinite(self.value)):
             raise ValueError(f"a duration is a finite number, got {self.value!r}")
-        if self.value < 0:
-            raise ValueError(f"a duration is not negative, got {self}")
+        if isinstance(self.value, bool) or self.value < 0:
+            raise ValueError(f"a duration is a number that is not negative, got {self.value!r}")
+        if self.unit in ("samples", "tokens", "steps") and self.value != int(self.value):
+            raise ValueError(f"a duration of {self.unit} is whole, got {self.value!r}")
+        if self.unit == "budget" and self.value > 1:
+            raise ValueError(f"a share of the budget is at most 1 (100%), got {self.value!r}")
 
     @classmethod
     def parse(cls, text: str | int | float | Duration) -> Duration:
@@ -136,6 +140,8 @@ class Duration:
         """An interval as a config key gives it: a whole number of optimizer steps, or a
         duration's text ("10%", "50k samples", "1M tokens", "200 steps") longer than 0."""
         if isinstance(text, int) and not isinstance(text, bool):
+            if text < 1:
+                raise ValueError(f"an interval is at least 1 step, got {text!r}")
             return text
         duration = cls.parse(text)
         if duration.value <= 0:
