@@ -151,3 +151,24 @@ def test_a_wrappers_key_bounds_are_the_ones_it_checks(name):
             with pytest.raises(ValueError, match=knob.param):
                 make(knob.param, knob.high if knob.high_open else knob.high + 1e-4)
             make(knob.param, knob.high - 1e-4 if knob.high_open else knob.high)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"eta": True}, "eta of ef must be a number, got True"),
+        ({"method": "ef21-sgdm", "eta": 0}, r"eta of ef21-sgdm must be in \(0, 1\], got 0"),
+        ({"seed": -1}, r"seed must be a whole number in \[0, 4294967295\], got -1"),
+        ({"seed": 1.5}, "seed must be a whole number, got 1.5"),
+    ],
+)
+def test_compression_refuses_a_flag_for_eta_and_a_seed_no_generator_takes(options, message):
+    """``eta=True`` was taken as 1.0, a numpy float refused as out of range, any seed taken."""
+    import numpy as np
+
+    from bigbatch.dist.compression import CompressionState
+
+    with pytest.raises(ValueError, match=message):
+        CompressionState(_NoModel(), **options)
+    with pytest.raises(_ChecksPassedError):  # past the checks, to the model
+        CompressionState(_NoModel(), method="econtrol", eta=np.float32(0.5), seed=np.int64(3))

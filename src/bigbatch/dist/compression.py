@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._checks import choice
+from .._checks import check_number, choice
+from ..batch.sampler import MAX_SEED
 from ..knobs import Knob
 from . import error_control
 from .error_control import METHODS, SHARED_ESTIMATE
@@ -124,13 +125,11 @@ class CompressionState:
         if eta is None:
             eta = DEFAULT_ETA.get(self.method, 0.0)
         averaging = self.method == "ef21-sgdm"  # a weight in (0, 1]; else any η >= 0
-        if not isinstance(eta, (int, float)) or not (
-            0 < eta <= 1 if averaging else 0 <= eta < math.inf
-        ):
-            interval = "(0, 1]" if averaging else "[0, inf)"
-            raise ValueError(f"eta of {self.method} must be in {interval}, got {eta!r}")
+        name = f"eta of {self.method}"
+        eta = check_number(name, eta, low_open=averaging, high=1 if averaging else math.inf)
         self.CONFIG["warmup"].check("warmup", warmup, "int")
-        self.ratio, self.eta, self.warmup, self.seed = ratio, float(eta), warmup, seed
+        seed = check_number("seed", seed, high=MAX_SEED, whole=True)
+        self.ratio, self.eta, self.warmup, self.seed = ratio, eta, warmup, seed
         # The state is in the units of the bucket: with a GradScaler, loss-scaled.
         # Overflowed steps leave it untouched (see _keep_finite); a change of
         # scale rescales what it means (a bounded, transient error).
