@@ -204,6 +204,14 @@ API_CASES = [
         "optimizer must be a torch optimizer built from the model's parameters",
     ),
     (lambda: bb.batch.LossSlope(bins=2.7), ValueError, "bins must be a whole number, got 2.7"),
+    (lambda: bb.batch.lr.warmup_stable_decay(100, final=-1), ValueError, "final must be >= 0"),
+    (
+        lambda: bb.batch.lr.scaled_lr(
+            torch.optim.SGD(model().parameters(), lr=0.1), -1.0
+        ).__enter__(),
+        ValueError,
+        "factors must be >= 0, got -1.0",
+    ),
     # torch's own optimizers took these, or failed with an IndexError
     (lambda: create_optimizer(model(), "sgd", lr=float("nan")), ValueError, "lr must be finite"),
     (

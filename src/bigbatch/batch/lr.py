@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -165,7 +166,7 @@ class LRScaling:
         """Multiply group ``i``'s rate by ``factors[i]`` (or every group's by one factor)."""
         self.restore(optimizer)
         groups = optimizer.param_groups
-        each = [factors] * len(groups) if isinstance(factors, (int, float)) else list(factors)
+        each = [factors] * len(groups) if isinstance(factors, numbers.Real) else list(factors)
         if len(each) != len(groups):
             raise ValueError(f"{len(each)} learning-rate factors for {len(groups)} param groups")
         self._saved = [group["lr"] for group in groups]
@@ -183,6 +184,10 @@ class LRScaling:
 @contextlib.contextmanager
 def scaled_lr(optimizer: torch.optim.Optimizer, factors: float | Sequence[float]) -> Iterator[None]:
     """Multiply every group's ``lr`` by ``factors`` inside the block, then restore it exactly."""
+    if isinstance(factors, numbers.Real):
+        check_number("factors", factors)
+    else:
+        factors = [check_number(f"factors[{i}]", f) for i, f in enumerate(factors)]
     scaling = LRScaling()
     scaling.apply(optimizer, factors)
     try:
@@ -238,6 +243,7 @@ def warmup_stable_decay(
     extended or branched from, and only the cool-down decays.
     """
     check_number("cooldown", cooldown, high=1.0)
+    final = check_number("final", final)
     whole_number("total", total)
     start = max(warmup, total - round(cooldown * total))
     length = total - start
