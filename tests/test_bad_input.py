@@ -225,6 +225,8 @@ API_CASES = [
         "betas must be a pair (beta1, beta2), got (0.9,)",
     ),
     # a rank past the world drew nothing, forever; a budget of 0 or 2.5 was taken
+    (lambda: bb.dist.World(rank=3, size=2), ValueError, "rank must be in [0, 2), got 3"),
+    (lambda: bb.dist.World(size=0), ValueError, "size must be a whole number >= 1, got 0"),
     (
         lambda: GlobalBatchSampler(10, 4, micro_batches=2, world_size=2, rank=2),
         ValueError,

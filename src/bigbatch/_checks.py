@@ -96,10 +96,10 @@ def _shown(bound: float) -> str:
     return str(int(bound)) if whole else f"{bound:g}"
 
 
-def rank_in_world(rank: Any, world_size: Any) -> tuple[int, int]:
-    """``rank`` in ``[0, world_size)`` and ``world_size`` at least 1, as Python's ints; a
-    rank past the world drew nothing, forever."""
-    world_size = positive_int("world_size", world_size)
+def rank_in_world(rank: Any, world_size: Any, size_name: str = "world_size") -> tuple[int, int]:
+    """``rank`` in ``[0, world_size)`` and ``world_size`` (named ``size_name``) at least 1,
+    as Python's ints; a rank past the world drew nothing, forever."""
+    world_size = positive_int(size_name, world_size)
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
         raise ValueError(f"rank must be a whole number in [0, {world_size}), got {rank!r}")
     if not 0 <= rank < world_size:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._checks import rank_in_world
 from .fsdp import is_dtensor, is_fully_sharded, mesh_group
 
 __all__ = ["World", "init_from_env"]
@@ -25,6 +26,9 @@ class World:
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
     #: each rank holds a shard of the parameters and of the reduced gradient (FSDP2)
     sharded: bool = False
+
+    def __post_init__(self) -> None:
+        rank_in_world(self.rank, self.size, "size")  # World(rank=3, size=2) was taken
 
     @classmethod
     def of(cls, model: nn.Module) -> World:
