@@ -224,6 +224,21 @@ API_CASES = [
         ValueError,
         "betas must be a pair (beta1, beta2), got (0.9,)",
     ),
+    # a position past the end made take() wait forever; another sampler's state: a KeyError
+    (
+        lambda: bb.batch.VariableBatchSampler(10).load_state_dict(
+            {**bb.batch.VariableBatchSampler(10).state_dict(), "position": 50}
+        ),
+        ValueError,
+        "position must be a whole number in [0, 10], got 50",
+    ),
+    (
+        lambda: bb.batch.VariableBatchSampler(10).load_state_dict(
+            GlobalBatchSampler(10, 4, micro_batches=2).state_dict()
+        ),
+        ValueError,
+        "not a VariableBatchSampler state: it lacks seed",
+    ),
     # a rank past the world drew nothing, forever; a budget of 0 or 2.5 was taken
     (lambda: bb.dist.World(rank=3, size=2), ValueError, "rank must be in [0, 2), got 3"),
     (lambda: bb.dist.World(size=0), ValueError, "size must be a whole number >= 1, got 0"),

@@ -107,13 +107,19 @@ class VariableBatchSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [k for k in self.state_dict() if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"not a VariableBatchSampler state: it lacks {', '.join(missing)}")
         if int(state["dataset_size"]) != self.dataset_size:
             raise ValueError(
                 f"the checkpoint's sampler covered {state['dataset_size']} samples, "
                 f"this dataset has {self.dataset_size}"
             )
-        self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        position = check_number("position", state["position"], high=self.dataset_size, whole=True)
+        self.seed = check_number("seed", state["seed"], high=MAX_SEED, whole=True)
+        self.shuffle = bool(state["shuffle"])
+        self.epoch = check_number("epoch", state["epoch"], whole=True)
+        self.position = position  # past the dataset's end, take() would wait forever
         self._order_epoch = -1
 
 
