@@ -45,6 +45,12 @@ def test_rules_group_parameters_by_module_name():
         module_groups(model, {"a": ["backbone.*"], "b": ["*head*"]})
     with pytest.raises(ValueError, match="unknown module-group rule 'yolo'"):
         module_groups(model, "yolo")
+    # one pattern written as a string is that pattern ("backbone.*" was read character by
+    # character, and its "*" matched every parameter)
+    one = module_groups(model, {"a": "backbone.*", "b": "*"})
+    assert one["a"] == module_groups(model, "detection")["backbone"]
+    with pytest.raises(TypeError, match="rule must be a rule's name or a mapping"):
+        module_groups(model, 5)
 
 
 def test_module_param_groups_split_decay_within_each_module():

@@ -98,6 +98,12 @@ def module_groups(model: nn.Module, rule: Rule) -> dict[str, list[str]]:
             known = ", ".join([*COMPUTED_RULES, *MODULE_RULES])
             raise ValueError(f"unknown module-group rule {rule!r} (known: {known})")
         rule = MODULE_RULES[rule]
+    if not isinstance(rule, Mapping):
+        raise TypeError(
+            f"rule must be a rule's name or a mapping of groups to patterns, got {rule!r}"
+        )
+    # one pattern as itself, as param_groups' no_decay takes it (not one per character)
+    rule = {g: (p,) if isinstance(p, str) else tuple(p) for g, p in rule.items()}
     groups: dict[str, list[str]] = {g: [] for g in rule}
     for name in names:
         group = next(
