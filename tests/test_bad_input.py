@@ -212,6 +212,8 @@ API_CASES = [
         ValueError,
         "factors must be >= 0, got -1.0",
     ),
+    (lambda: bb.optim.Recipe(0.01, schedule="cosin"), ValueError, "did you mean 'cosine'"),
+    (lambda: bb.optim.Recipe(-1.0), ValueError, "weight_decay must be >= 0, got -1.0"),
     # torch's own optimizers took these, or failed with an IndexError
     (lambda: create_optimizer(model(), "sgd", lr=float("nan")), ValueError, "lr must be finite"),
     (

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
-from ..batch.lr import Schedule, schedule_by_name
+from .._checks import check_number, choice
+from ..batch.lr import SCHEDULES, Schedule, schedule_by_name
 
 __all__ = ["RECIPES", "Recipe"]
 
@@ -51,6 +52,12 @@ class Recipe:
     schedule: str = "cosine"
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     evidence: str = ""
+
+    def __post_init__(self) -> None:
+        # frozen: a checked number is stored through object.__setattr__, as dataclasses do
+        object.__setattr__(self, "weight_decay", check_number("weight_decay", self.weight_decay))
+        object.__setattr__(self, "warmup", check_number("warmup", self.warmup, high=1))
+        choice("schedule", self.schedule, SCHEDULES)
 
     def schedule_over(self, total: int) -> Schedule:
         """The recipe's warm-up and decay over ``total`` samples, the schedule that
