@@ -194,16 +194,25 @@ def make_source(
     )
 
 
-#: ``DataLoader`` keywords the source sets itself: the loop decides the batches and their order
-SET_BY_THE_LOOP = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last")
+#: ``DataLoader`` keywords the source sets itself: the loop decides the batches, their order
+#: and the seed of the loader's workers
+SET_BY_THE_LOOP = (
+    "dataset",
+    "batch_size",
+    "shuffle",
+    "sampler",
+    "batch_sampler",
+    "drop_last",
+    "generator",
+)
 
 
 def check_loader_options(options: dict[str, Any]) -> None:
     """A ``TypeError`` naming a key of ``loader_options`` that ``DataLoader`` does not take,
     or that the loop sets itself, before a step is drawn (not at the first one)."""
-    taken = set(inspect.signature(DataLoader).parameters) - {*SET_BY_THE_LOOP, "generator"}
+    taken = set(inspect.signature(DataLoader).parameters) - set(SET_BY_THE_LOOP)
     for key in options:
-        if key in SET_BY_THE_LOOP or key == "generator":
+        if key in SET_BY_THE_LOOP:
             raise TypeError(f"loader_options[{key!r}]: the loop sets it (it draws every batch)")
         if key not in taken:
             raise TypeError(
