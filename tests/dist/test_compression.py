@@ -55,11 +55,12 @@ def test_econtrol_without_feedback_and_ef21_sgdm_without_averaging_are_ef21(clus
 
 
 def test_error_control_converges_where_plain_top_k_does_not(cluster2):
-    # two ranks only: 6 × 1000 steps on four gloo ranks take a minute on two cores, and
-    # the hooks' arithmetic does not depend on the number of ranks (the exactness
-    # tests above run on four)
+    # two ranks only, 300 steps: the hooks' arithmetic does not depend on the number of
+    # ranks (the exactness tests above run on four), and at 300 steps every method with
+    # error control is within 0.6% of the optimum (ef, the farthest; 0.3% at 1,000 steps,
+    # which took 25 s here) where plain Top-K stays 69% away
     distance = {
-        method: cluster2.run(programs.heterogeneous_quadratic, method, 1000)[0]
+        method: cluster2.run(programs.heterogeneous_quadratic, method, 300)[0]
         for method in ("allreduce", "none", "ef", "ef21", "ef21-sgdm", "econtrol")
     }
     assert distance["allreduce"] < 1e-3

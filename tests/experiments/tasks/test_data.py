@@ -1,6 +1,8 @@
-"""The tasks' data: MNIST-1D (cached), the Markov language, the text corpus and its windows."""
+"""The tasks' data: MNIST-1D and the digits (cached), the Markov language, the text corpus
+and its windows."""
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,22 @@ def test_mnist1d_is_generated_once_then_read_from_the_cache(tmp_path, monkeypatc
     os.umask(umask)
     assert cached.stat().st_mode & 0o777 == 0o666 & ~umask  # readable as any file written
     again = tasks.mnist1d_arrays(samples=2_000)
+    assert all(np.array_equal(first[k], again[k]) for k in first)
+
+
+def test_the_digits_are_scikit_learns_read_from_the_cache_after_the_first_time(
+    tmp_path, monkeypatch
+):
+    from sklearn.datasets import load_digits
+
+    monkeypatch.setenv("BIGBATCH_CACHE", str(tmp_path))
+    first = tasks.digits_arrays()
+    digits = load_digits()
+    assert np.array_equal(first["x"], digits.data) and first["x"].dtype == digits.data.dtype
+    assert np.array_equal(first["y"], digits.target)
+    assert [p.name for p in tmp_path.iterdir()] == ["digits.npz"]
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # an import now fails
+    again = tasks.digits_arrays()
     assert all(np.array_equal(first[k], again[k]) for k in first)
 
 

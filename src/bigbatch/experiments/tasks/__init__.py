@@ -6,7 +6,8 @@
 - ``teacher``: a teacher–student problem: inputs from N(0, I), labels from a
   fixed random teacher network of the student's own shape, so 100% is
   reachable; as many samples as asked for.
-- ``digits``: scikit-learn's 8×8 digits (1797 images), an MLP.
+- ``digits``: scikit-learn's 8×8 digits (1797 images), cached on disk after the
+  first read (importing scikit-learn takes a second), an MLP.
 - ``lm``: next-token prediction on a synthetic language, an order-1 Markov
   chain with a known entropy rate (the loss floor), by a small transformer
   that logs its maximum attention logit (what MERIT bounds).
@@ -17,7 +18,7 @@
 
 from __future__ import annotations
 
-from .data import byte_windows, markov_language, mnist1d_arrays, text_corpus
+from .data import byte_windows, digits_arrays, markov_language, mnist1d_arrays, text_corpus
 from .models import TinyTransformer
 from .problem import Problem, Task
 from .registry import TASKS
@@ -28,6 +29,7 @@ __all__ = [
     "Task",
     "TinyTransformer",
     "byte_windows",
+    "digits_arrays",
     "markov_language",
     "mnist1d_arrays",
     "text_corpus",

@@ -73,15 +73,9 @@ def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 1
 
 
 def build_digits(config: dict[str, Any]) -> Problem:
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:  # pragma: no cover - exercised only without the extra
-        raise RuntimeError(
-            "the digits task needs scikit-learn: pip install 'bigbatch[digits]'"
-        ) from None
-    digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target, dtype=torch.long)
+    digits = datasets.digits_arrays()
+    x = torch.tensor(digits["x"] / 16.0, dtype=torch.float32)
+    y = torch.tensor(digits["y"], dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
     split = 1437

@@ -1,5 +1,5 @@
-"""The built-in tasks' data, made on this machine: MNIST-1D (cached), a Markov language,
-an installed package's Python sources as bytes (torch's by default)."""
+"""The built-in tasks' data, made on this machine: MNIST-1D and the digits (cached), a
+Markov language, an installed package's Python sources as bytes (torch's by default)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,42 @@ def mnist1d_arrays(seed: int = 42, samples: int = 50_000) -> dict[str, np.ndarra
 
     The package keeps 80% of ``samples`` for training and 20% for the test set.
     """
-    path = cache_dir() / f"mnist1d-{samples}-seed{seed}.npz"
+
+    def make() -> dict[str, np.ndarray]:
+        from mnist1d.data import get_dataset_args, make_dataset
+
+        args = get_dataset_args()
+        args.num_samples, args.seed = samples, seed
+        data = make_dataset(args)
+        return {k: np.asarray(data[k]) for k in ("x", "y", "x_test", "y_test")}
+
+    return _cached(f"mnist1d-{samples}-seed{seed}", make)
+
+
+def digits_arrays() -> dict[str, np.ndarray]:
+    """scikit-learn's 8x8 digits (``x``: 1,797 images of 64 pixels in 0..16, ``y``: labels),
+    cached as .npz: importing scikit-learn costs a run's process more than a second."""
+
+    def make() -> dict[str, np.ndarray]:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:  # pragma: no cover - exercised only without the extra
+            raise RuntimeError(
+                "the digits task needs scikit-learn: pip install 'bigbatch[digits]'"
+            ) from None
+        digits = load_digits()
+        return {"x": np.asarray(digits.data), "y": np.asarray(digits.target)}
+
+    return _cached("digits", make)
+
+
+def _cached(name: str, make: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays saved as ``<cache>/<name>.npz``, made by ``make`` and saved the first time."""
+    path = cache_dir() / f"{name}.npz"
     if path.is_file():
         with np.load(path) as data:
             return {k: data[k] for k in data.files}
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples, args.seed = samples, seed
-    data = make_dataset(args)
-    arrays = {k: np.asarray(data[k]) for k in ("x", "y", "x_test", "y_test")}
+    arrays = make()
     path.parent.mkdir(parents=True, exist_ok=True)
     # a temporary name of its own: the ranks of a torchrun job or the runs of a sweep
     # build the same cache at once on a fresh machine, and one shared name lost the race
