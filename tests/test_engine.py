@@ -308,8 +308,11 @@ def test_a_saved_batch_outside_the_new_bounds_resumes_at_the_nearest_bound():
     model, _, engine = setup(bb.batch.Constant(64))
     engine.after_optimizer_step(run_step(model, engine))
     _, _, smaller = setup(bb.batch.Constant(16))  # resumed with less memory
-    with pytest.warns(UserWarning, match=r"batch 64 is outside the controller's bounds \[16, 16\]"):
+    with pytest.warns(
+        UserWarning, match=r"batch 64 is outside the controller's bounds \[16, 16\]"
+    ) as record:
         smaller.load_state_dict(engine.state_dict())
+    assert record[0].filename == __file__
     assert smaller.batch_size == 16
     _, _, same = setup(bb.batch.Constant(64))
     with warnings.catch_warnings():

@@ -416,14 +416,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line_warnings() -> None:
-    """bigbatch's own warnings (a renamed key, a damaged checkpoint) as one line each on
-    stderr, as its errors are; other packages' warnings keep Python's format."""
+    """bigbatch's own warnings (a renamed key, a damaged checkpoint: raised in its code or
+    of its own category) as one line each on stderr, as its errors are; other packages'
+    warnings keep Python's format."""
     default = warnings.formatwarning
     if getattr(default, "one_line", False):  # main() called again in one process
         return
 
     def one_line(message, category, filename, lineno, line=None):
-        if f"{os.sep}bigbatch{os.sep}" in filename:
+        if f"{os.sep}bigbatch{os.sep}" in filename or category.__module__.startswith("bigbatch."):
             return f"bigbatch: warning: {message}\n"
         return default(message, category, filename, lineno, line)
 

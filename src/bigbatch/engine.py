@@ -31,7 +31,6 @@ controller that reads statistics keeps the batch it chose.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +39,7 @@ from torch import Tensor
 
 from ._checks import positive_int
 from ._tensors import sq_norms
+from ._warn import warn_at_caller
 from .assembly import assemble, check_statistics, describe, fewest_sub_batches
 from .batch.controllers import Controller
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
@@ -329,10 +329,9 @@ def _within_bounds(controller: Controller, saved: int) -> int:
     low, high = getattr(controller, "min", 1), getattr(controller, "max", saved)
     batch = min(max(saved, low), high)
     if batch != saved:
-        warnings.warn(
+        warn_at_caller(
             f"the checkpoint's batch {saved} is outside the controller's bounds "
-            f"[{low}, {high}]: resuming at {batch}",
-            stacklevel=4,
+            f"[{low}, {high}]: resuming at {batch}"
         )
     return batch
 

@@ -1,6 +1,7 @@
 """The bigbatch command end to end on small tasks."""
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -360,3 +361,16 @@ def test_intervals_in_a_share_of_the_budget_evaluate_and_checkpoint_where_it_is_
     assert evaluated == [logged[0]["samples"], *quarters]  # the first step, then each quarter
     assert json.loads((out / "summary.json").read_text())["ended"] == "budget"
     assert 'eval_every = "25%"' in (out / "config.toml").read_text()  # saved as written
+
+
+def test_bigbatchs_own_warnings_are_one_line_wherever_python_locates_them(monkeypatch):
+    from bigbatch.optim import FewSubBatchesWarning
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after
+    cli._one_line_warnings()
+    # a VRGD run of the CLI warns from inside torch's no_grad wrapper of the step
+    inside_torch = os.path.join(os.path.dirname(torch.__file__), "utils", "_contextlib.py")
+    shown = warnings.formatwarning("few sub-batches", FewSubBatchesWarning, inside_torch, 124)
+    assert shown == "bigbatch: warning: few sub-batches\n"
+    other = warnings.formatwarning("deprecated", FutureWarning, inside_torch, 124)
+    assert other.startswith(inside_torch)  # other packages' warnings keep Python's format

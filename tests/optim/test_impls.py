@@ -12,6 +12,7 @@ import bigbatch as bb
 from bigbatch.optim import LAMB, LARS, MERIT, ImplFallbackWarning, _base
 
 from ..common import count_syncs
+from . import common
 from .common import batches, flat, gpt_like_params, make_model, rel_err, split_groups, train
 
 #: where the ``cuda``-marked tests at the end run (skipped without a GPU)
@@ -197,6 +198,8 @@ def test_compiled_falls_back_to_foreach_with_one_warning(monkeypatch):
     with pytest.warns(ImplFallbackWarning, match="no compiler here") as record:
         got = train(model, LAMB(model.parameters(), impl="compiled"), steps=3)
     assert len(record) == 1
+    # at the line that stepped (``train``'s ``optimizer.step()``), not inside bigbatch or torch
+    assert record[0].filename == common.__file__
     assert rel_err(got, expected) < 1e-6
 
 

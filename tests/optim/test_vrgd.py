@@ -1,5 +1,6 @@
 """VRGD against transcriptions of its formulas (docs/algorithms.md, "VRGD")."""
 
+import inspect
 import warnings
 
 import pytest
@@ -100,8 +101,18 @@ def test_few_sub_batches_are_refused_or_warned_about():
     controller = bb.batch.Constant(16)
     with pytest.raises(ValueError, match=r"at least 4 sub-batches.*min_sub_batches"):
         bb.AdaptiveBatch(model, optimizer, data, controller=controller, min_sub_batches=2)
-    with pytest.warns(FewSubBatchesWarning, match="heavy-tailed"):
-        bb.AdaptiveBatch(model, optimizer, data, controller=controller, min_sub_batches=4)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loop = bb.AdaptiveBatch(model, optimizer, data, controller=controller, min_sub_batches=4)
+        line = inspect.currentframe().f_lineno - 1
+        for step in loop.steps(max_samples=32):  # each step checks its count again
+            for x, y in step.micro_batches():
+                step.backward(nn.functional.mse_loss(model(x), y))
+            step.apply()
+    # once, at the user's line (not inside bigbatch or torch's no_grad wrapper)
+    (warning,) = [w for w in record if w.category is FewSubBatchesWarning]
+    assert "heavy-tailed" in str(warning.message)
+    assert (warning.filename, warning.lineno) == (__file__, line)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loop = bb.AdaptiveBatch(model, optimizer, data, controller=controller, min_sub_batches=8)

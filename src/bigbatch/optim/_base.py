@@ -10,7 +10,6 @@ runs hand-written multi-tensor Triton kernels on CUDA (``_fused.py``).
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
@@ -20,6 +19,7 @@ from torch import Tensor
 
 from .._checks import check_number, choice
 from .._tensors import norms
+from .._warn import warn_at_caller
 from ._shards import local, shards_of
 
 IMPLS = ("reference", "foreach", "compiled", "fused")
@@ -209,11 +209,10 @@ def run_compiled(
                 raise
             _broken.add(key)
             first_line = str(err).splitlines()[0] if str(err) else ""
-            warnings.warn(
+            warn_at_caller(
                 f"impl='compiled' is unavailable for {fn.__name__} here "
                 f"({type(err).__name__}: {first_line}); using impl='foreach'",
                 ImplFallbackWarning,
-                stacklevel=4,
             )
     kwargs = {
         k: (v.item() if k in SCALAR_ARGS and isinstance(v, Tensor) else v)

@@ -11,13 +11,13 @@ gradients disagree are damped, the consistent ones pass unchanged
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from .._checks import check_number, choice
+from .._warn import warn_at_caller
 from ..dist.fsdp import local, shard_like
 from ..knobs import Knob
 from ..stats.result import GradientStats
@@ -94,6 +94,7 @@ class VRGD(StatisticsWrapper):
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._ratio_avg: list[Tensor] | None = None
         self._steps = 0
+        self._warned_of: set[int] = set()
 
     def check_sub_batches(self, count: int) -> None:
         """Refuse fewer than 4 sub-batches per step; warn below 8 (docs/algorithms.md, "VRGD")."""
@@ -104,13 +105,14 @@ class VRGD(StatisticsWrapper):
                 f"gradient variance, got {count}: raise min_sub_batches (more micro-batches) "
                 "or train on more ranks"
             )
-        if count < ADVISED_SUB_BATCHES:
-            warnings.warn(
+        if count < ADVISED_SUB_BATCHES and count not in self._warned_of:
+            # once per count: the loop asks when it is built and the step again
+            self._warned_of.add(count)
+            warn_at_caller(
                 f"VRGD with {count} sub-batches per step: the GSNR of few sub-batches is "
                 f"heavy-tailed (the paper uses {ADVISED_SUB_BATCHES} or more); consider "
                 "min_sub_batches=8 or normalizer='median'",
                 FewSubBatchesWarning,
-                stacklevel=5,  # the caller of AdaptiveBatch (through StepEngine.build, assemble)
             )
 
     def ratios(self, gsnr: list[Tensor]) -> list[Tensor]:
