@@ -43,6 +43,7 @@ def test_a_value_that_was_set_is_not_explained_as_filled():
     assert filled["model.context"] == ("32", "the text task's default")
 
 
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")  # VRGD at 4: on purpose
 def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
     def noise(**keys):
         line = next(r for r in explain(resolve(keys)).splitlines() if r.startswith("noise"))

@@ -62,6 +62,7 @@ def _train(task_name: str, optimizer: str, problem, initial_model) -> dict[str, 
     return problem.evaluate(model)
 
 
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")  # VRGD at 4: on purpose
 @pytest.mark.parametrize(
     ("task_name", "optimizers"),
     [

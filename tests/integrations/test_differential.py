@@ -203,6 +203,7 @@ def run_hf(case, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")  # VRGD at 4: on purpose
 def test_loop_lightning_and_hf_decide_and_train_identically(name, tmp_path):
     case = CASES[name]
     runs = {

@@ -29,6 +29,7 @@ def test_a_step_without_gradients_does_nothing_and_needs_no_statistics():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")  # VRGD at 4: on purpose
 def test_the_closure_runs_before_the_statistics_are_taken():
     """Lightning runs the last backward, and the plugin observes the statistics, inside the
     closure it hands to ``optimizer.step``."""
