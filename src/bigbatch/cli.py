@@ -424,7 +424,8 @@ def _one_line_warnings() -> None:
         return
 
     def one_line(message, category, filename, lineno, line=None):
-        if f"{os.sep}bigbatch{os.sep}" in filename or category.__module__.startswith("bigbatch."):
+        ours = category.__module__.partition(".")[0] == "bigbatch"
+        if ours or f"{os.sep}bigbatch{os.sep}" in filename:
             return f"bigbatch: warning: {message}\n"
         return default(message, category, filename, lineno, line)
 
