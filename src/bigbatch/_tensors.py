@@ -16,43 +16,69 @@ def norm_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+#: On the CPU a tensor of at least this many elements takes a BLAS dot of its own: torch's
+#: norm kernel runs at a fraction of memory bandwidth there (1M floats: 202 us against a
+#: dot's 125; 154 MB: 15 ms against 6.5). Smaller tensors share one ``_foreach_norm``,
+#: where a dot each would cost more in dispatch than in arithmetic (the 30 tensors of the
+#: ``lm`` task's transformer: 416 us as dots, 112 us as one call).
+CPU_DOT_ELEMENTS = 1 << 16
+
+
 def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Per-tensor L2 norms in ``norm_dtype`` (float16 squares would overflow)."""
-    if not tensors:
-        return []
-    if tensors[0].device.type == "cpu":
-        # torch's CPU norm kernel runs at a fraction of memory bandwidth (15 ms
-        # for 154 MB here, BLAS dot 6.5 ms): on the CPU a norm is sqrt(x·x).
-        out = []
-        for t in tensors:
-            flat = t.reshape(-1).to(norm_dtype(t))
-            out.append(torch.dot(flat, flat).sqrt())
-        return out
     out: list[Tensor] = [torch.empty(0)] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        by_dtype[norm_dtype(t)].append(i)
-    for dtype, idx in by_dtype.items():
-        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2, dtype=dtype)):
+    for idx, fused in _fused_norms(tensors):
+        for i, n in zip(idx, fused):
             out[i] = n
+    for i in _dotted(tensors):
+        out[i] = _self_dot(tensors[i]).sqrt()
     return out
 
 
 def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
     """Per-tensor squared L2 norms as one float64 vector (``norm_dtype`` accumulation), in
-    as few kernels as the device allows: one dot each on the CPU (no square root to undo),
-    torch's fused ``_foreach_norm`` per dtype on a GPU."""
+    as few kernels as the device allows: a large CPU tensor's is its dot with itself (no
+    square root to undo), the others' the squares of one fused norm call per dtype."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    if tensors[0].device.type == "cpu":
-        out = []
-        for t in tensors:
-            flat = t.reshape(-1).to(norm_dtype(t))
-            out.append(torch.dot(flat, flat))
-        if all(x.dtype == out[0].dtype for x in out):
-            return torch.stack(out).double()
-        return torch.stack([x.double() for x in out])
-    return torch.stack([n.double() for n in norms(tensors)]).square()
+    order: list[int] = []
+    parts: list[Tensor] = []
+    for idx, fused in _fused_norms(tensors):
+        order += idx
+        parts.append(torch.stack(fused).double().square())
+    if dotted := _dotted(tensors):
+        order += dotted
+        parts.append(torch.stack([_self_dot(tensors[i]).double() for i in dotted]))
+    values = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if order == list(range(len(tensors))):
+        return values
+    return torch.empty_like(values).index_copy_(0, torch.tensor(order), values)
+
+
+def _dotted(tensors: Sequence[Tensor]) -> list[int]:
+    """The indices of the tensors whose norm is a dot of their own (``CPU_DOT_ELEMENTS``)."""
+    return [
+        i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.numel() >= CPU_DOT_ELEMENTS
+    ]
+
+
+def _self_dot(t: Tensor) -> Tensor:
+    flat = t.reshape(-1).to(norm_dtype(t))
+    return torch.dot(flat, flat)
+
+
+def _fused_norms(tensors: Sequence[Tensor]) -> list[tuple[list[int], Sequence[Tensor]]]:
+    """The norms of every tensor but the dotted ones, one ``_foreach_norm`` per
+    accumulation dtype: (the tensors' indices, their norms) for each."""
+    dotted = set(_dotted(tensors))
+    by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        if i not in dotted:
+            by_dtype[norm_dtype(t)].append(i)
+    return [
+        (idx, torch._foreach_norm([tensors[i] for i in idx], 2, dtype=dtype))
+        for dtype, idx in by_dtype.items()
+    ]
 
 
 def dots(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:

@@ -1,0 +1,41 @@
+"""The norm helpers the optimizers and statistics share: a BLAS dot for a large CPU tensor,
+one fused call per accumulation dtype for the rest, in the tensors' own order."""
+
+import torch
+
+from bigbatch._tensors import CPU_DOT_ELEMENTS, norms, sq_norms
+
+
+def mixed_tensors():
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3, 5, generator=gen),
+        torch.randn(CPU_DOT_ELEMENTS + 7, generator=gen),  # a dot of its own
+        torch.randn(4, 6, generator=gen, dtype=torch.float64),
+        torch.randn(6, 4, generator=gen).to(torch.bfloat16).t(),  # not contiguous
+        torch.randn(CPU_DOT_ELEMENTS, generator=gen, dtype=torch.float64),
+        torch.zeros(2),
+    ]
+
+
+def test_norms_and_squared_norms_equal_the_per_tensor_values_in_order():
+    tensors = mixed_tensors()
+    expected = [t.double().norm() for t in tensors]
+    got = norms(tensors)
+    assert [n.dtype for n in got] == [
+        torch.float32,
+        torch.float32,
+        torch.float64,
+        torch.float32,  # bfloat16 squares accumulate in float32
+        torch.float64,
+        torch.float32,
+    ]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=0)
+    squared = sq_norms(tensors)
+    assert squared.dtype == torch.float64 and squared.shape == (len(tensors),)
+    torch.testing.assert_close(squared, torch.stack(expected) ** 2, rtol=1e-5, atol=0)
+
+
+def test_no_tensors_have_no_norms():
+    assert norms([]) == [] and sq_norms([]).shape == (0,)
