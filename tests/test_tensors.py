@@ -1,6 +1,7 @@
 """The norm helpers the optimizers and statistics share: a BLAS dot for a large CPU tensor,
 one fused call per accumulation dtype for the rest, in the tensors' own order."""
 
+import pytest
 import torch
 
 from bigbatch._tensors import CPU_DOT_ELEMENTS, norms, sq_norms
@@ -39,3 +40,11 @@ def test_norms_and_squared_norms_equal_the_per_tensor_values_in_order():
 
 def test_no_tensors_have_no_norms():
     assert norms([]) == [] and sq_norms([]).shape == (0,)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_every_tensor_takes_the_fused_call_in_order():
+    tensors = [t.cuda() for t in mixed_tensors()]  # float32 and float64 interleaved
+    expected = torch.stack([t.double().norm() for t in tensors]).cpu()
+    torch.testing.assert_close(torch.stack([n.double() for n in norms(tensors)]).cpu(), expected)
+    torch.testing.assert_close(sq_norms(tensors).cpu(), expected**2, rtol=1e-5, atol=0)

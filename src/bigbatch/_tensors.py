@@ -52,7 +52,8 @@ def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
     values = torch.cat(parts) if len(parts) > 1 else parts[0]
     if order == list(range(len(tensors))):
         return values
-    return torch.empty_like(values).index_copy_(0, torch.tensor(order), values)
+    where = torch.tensor(order, device=values.device)  # an upload, not a sync
+    return torch.empty_like(values).index_copy_(0, where, values)
 
 
 def _dotted(tensors: Sequence[Tensor]) -> list[int]:
