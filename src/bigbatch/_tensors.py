@@ -41,19 +41,14 @@ def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
     square root to undo), the others' the squares of one fused norm call per dtype."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    order: list[int] = []
-    parts: list[Tensor] = []
+    out: list[Tensor] = [torch.empty(0)] * len(tensors)
     for idx, fused in _fused_norms(tensors):
-        order += idx
-        parts.append(torch.stack(fused).double().square())
-    if dotted := _dotted(tensors):
-        order += dotted
-        parts.append(torch.stack([_self_dot(tensors[i]).double() for i in dotted]))
-    values = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if order == list(range(len(tensors))):
-        return values
-    where = torch.tensor(order, device=values.device)  # an upload, not a sync
-    return torch.empty_like(values).index_copy_(0, where, values)
+        # unbind views the rows of one stacked result: no kernel per tensor, no index upload
+        for i, value in zip(idx, torch.stack(fused).double().square().unbind(0)):
+            out[i] = value
+    for i in _dotted(tensors):
+        out[i] = _self_dot(tensors[i]).double()
+    return torch.stack(out)
 
 
 def _dotted(tensors: Sequence[Tensor]) -> list[int]:
