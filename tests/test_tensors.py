@@ -38,6 +38,12 @@ def test_norms_and_squared_norms_equal_the_per_tensor_values_in_order():
     torch.testing.assert_close(squared, torch.stack(expected) ** 2, rtol=1e-5, atol=0)
 
 
+def test_small_tensors_of_one_dtype_take_one_fused_call():
+    tensors = [t for t in mixed_tensors() if t.dtype == torch.float32 and t.numel() < 100]
+    expected = torch.stack([t.double().norm() for t in tensors]) ** 2
+    torch.testing.assert_close(sq_norms(tensors), expected, rtol=1e-5, atol=0)
+
+
 def test_no_tensors_have_no_norms():
     assert norms([]) == [] and sq_norms([]).shape == (0,)
 

@@ -41,12 +41,15 @@ def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
     square root to undo), the others' the squares of one fused norm call per dtype."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
+    groups, dotted = _fused_norms(tensors), _dotted(tensors)
+    if len(groups) == 1 and not dotted:  # one dtype, no large CPU tensor: already in order
+        return torch.stack(groups[0][1]).double().square()
     out: list[Tensor] = [torch.empty(0)] * len(tensors)
-    for idx, fused in _fused_norms(tensors):
+    for idx, fused in groups:
         # unbind views the rows of one stacked result: no kernel per tensor, no index upload
         for i, value in zip(idx, torch.stack(fused).double().square().unbind(0)):
             out[i] = value
-    for i in _dotted(tensors):
+    for i in dotted:
         out[i] = _self_dot(tensors[i]).double()
     return torch.stack(out)
 
