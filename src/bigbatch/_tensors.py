@@ -26,11 +26,12 @@ CPU_DOT_ELEMENTS = 1 << 16
 
 def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Per-tensor L2 norms in ``norm_dtype`` (float16 squares would overflow)."""
+    dotted = _dotted(tensors)
     out: list[Tensor] = [torch.empty(0)] * len(tensors)
-    for idx, fused in _fused_norms(tensors):
+    for idx, fused in _fused_norms(tensors, dotted):
         for i, n in zip(idx, fused):
             out[i] = n
-    for i in _dotted(tensors):
+    for i in dotted:
         out[i] = _self_dot(tensors[i]).sqrt()
     return out
 
@@ -41,7 +42,8 @@ def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
     square root to undo), the others' the squares of one fused norm call per dtype."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    groups, dotted = _fused_norms(tensors), _dotted(tensors)
+    dotted = _dotted(tensors)
+    groups = _fused_norms(tensors, dotted)
     if len(groups) == 1 and not dotted:  # one dtype, no large CPU tensor: already in order
         return torch.stack(groups[0][1]).double().square()
     out: list[Tensor] = [torch.empty(0)] * len(tensors)
@@ -66,13 +68,15 @@ def _self_dot(t: Tensor) -> Tensor:
     return torch.dot(flat, flat)
 
 
-def _fused_norms(tensors: Sequence[Tensor]) -> list[tuple[list[int], Sequence[Tensor]]]:
-    """The norms of every tensor but the dotted ones, one ``_foreach_norm`` per
+def _fused_norms(
+    tensors: Sequence[Tensor], dotted: list[int]
+) -> list[tuple[list[int], Sequence[Tensor]]]:
+    """The norms of every tensor but the ``dotted`` ones, one ``_foreach_norm`` per
     accumulation dtype: (the tensors' indices, their norms) for each."""
-    dotted = set(_dotted(tensors))
+    own_dot = set(dotted)
     by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
-        if i not in dotted:
+        if i not in own_dot:
             by_dtype[norm_dtype(t)].append(i)
     return [
         (idx, torch._foreach_norm([tensors[i] for i in idx], 2, dtype=dtype))
