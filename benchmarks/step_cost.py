@@ -6,6 +6,7 @@
     python benchmarks/step_cost.py --models lm-gpu --batches 64,256 --micro-batches 4 \
         --arms off,sub-batches,gsnr --details --device cuda  # the statistics' own cost
     python benchmarks/step_cost.py --part throughput --device cuda  # bigbatch train, samples/s
+    python benchmarks/step_cost.py --part ops --models text,text-gpu,gpt2 --arms plain,examples,off
 
 **cost.** Arms, each its own copy of the same model and optimizer (LAMB), interleaved
 step by step in a rotating order, median step time (CUDA events on a GPU):
@@ -15,8 +16,8 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
   statistics (``noise_from="sub_batches"``: four micro-batches per step);
 - ``gsnr``: the same, with the per-element gradient SNR as well (``gsnr=True``);
 - ``examples``: the same with the per-example statistics (``noise_from="examples"``: one
-  micro-batch, the noise from the gradient norms of 32 of its examples, taken in the
-  same backward); ``all examples``: every example's norm;
+  micro-batch, the noise from the gradient norms of 32 to 63 units of its examples, taken
+  in the same backward, the default); ``all examples``: every example its own unit;
 - ``off``: the same with ``statistics=False``;
 - with ``--every K``, ``sub-batches/K`` and ``examples/K``: the statistics measured at
   every K-th step only (``statistics_every=K``), the steps between unsplit; each timed
@@ -36,6 +37,11 @@ GPT-2-small shape (width 768, 12 layers, 12 heads, vocabulary 50,257; context
 ``--gpt2-context``, 1,024 by default, 64 on a CPU, where a step of 1,024 tokens takes
 minutes) and an overhead-bound ``mlp`` (32 features, 256 hidden, 10 classes), where the
 loop's own Python is what a step costs.
+
+**ops.** The ATen operators one optimizer step dispatches (``bigbatch.testing.count_ops``),
+every arm with torch's AdamW (``foreach=True``, so that the optimizer dispatches alike on
+every device), counted on the ``meta`` device (the same operators, nothing computed; GPT-2
+at its context of 1,024): on a GPU a small model's step costs a kernel launch per operator.
 
 **agreement.** On the ``text``, ``mnist1d`` and ``lm`` tasks' models (``--tasks``; ``--set``
 changes their config), trained for ``--warm-steps`` steps first, both estimators read the
@@ -68,7 +74,7 @@ from bigbatch.experiments.config import resolve, with_overrides
 from bigbatch.experiments.device import keep_freed_memory
 from bigbatch.experiments.tasks import TASKS, TinyTransformer
 from bigbatch.stats import MicroBatchStatistics
-from bigbatch.testing import host_syncs
+from bigbatch.testing import count_ops, host_syncs
 
 ARMS = ("plain", "sub-batches", "examples", "all examples", "off")
 #: every arm there is (``--arms``): the default ones and the sub-batch statistics with GSNR
@@ -109,11 +115,19 @@ def make_data(name: str, context: int, sequences: int) -> TensorDataset:
 
 
 class Arm:
-    """One arm: its model, optimizer and (for the bigbatch arms) loop."""
+    """One arm: its model, optimizer and (for the bigbatch arms) loop.
 
-    def __init__(self, name: str, model: nn.Module, data, batch: int, args) -> None:
+    The optimizer is LAMB, or with ``adamw`` torch's AdamW with ``foreach=True``, which
+    dispatches the same operators on a CPU as on a GPU (for counting them).
+    """
+
+    def __init__(self, name: str, model: nn.Module, data, batch: int, args, adamw=False) -> None:
         self.name, self.model, self.device = name, model, args.device
-        self.optimizer = bb.optim.LAMB(bb.optim.param_groups(model, 0.01), lr=1e-3)
+        self.optimizer = (
+            torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+            if adamw
+            else bb.optim.LAMB(bb.optim.param_groups(model, 0.01), lr=1e-3)
+        )
         self.autocast = (
             torch.autocast("cuda", torch.bfloat16)
             if args.device.type == "cuda"
@@ -136,7 +150,7 @@ class Arm:
                 statistics=name != "off",
                 gsnr=base == "gsnr",
                 noise_from="sub_batches" if split else "examples",
-                noise_examples=None if name == "all examples" else 32,
+                noise_units=None if name == "all examples" else 32,
                 statistics_every=self.every,
                 loader_options={"pin_memory": args.device.type == "cuda"},
             )
@@ -189,6 +203,36 @@ def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
     print(f"| {model_name} | {batch} | {' | '.join(cells)} |", flush=True)
 
 
+def ops(model_name: str, batch: int, context: int, args) -> dict[str, int]:
+    """Operators one optimizer step dispatches, per arm (AdamW, foreach, in every arm), after
+    two warm-up steps, on ``--ops-device`` (``meta`` by default: the same operators as any
+    device, nothing computed, so GPT-2 at context 1,024 counts in seconds)."""
+    device = torch.device(args.ops_device)
+    here = argparse.Namespace(**{**vars(args), "device": device})
+    _, _, depth, _, features = MODELS[model_name]
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = make_model(model_name, context)
+        rows = max(4 * batch, 256)
+        if depth == 0:
+            data = TensorDataset(torch.zeros(rows, features), torch.zeros(rows, dtype=torch.long))
+        else:
+            tokens = torch.zeros(rows, context + 1, dtype=torch.long)
+            data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    counts = {}
+    for name in args.arms:
+        arm = Arm(name, copy.deepcopy(model), data, batch, here, adamw=True)
+        count_ops(arm.step)  # warm-up steps, counted too (on meta a read needs the count)
+        count_ops(arm.step)
+        counts[name] = sum(count_ops(arm.step).values())
+        if arm.loop is not None and arm.loop.collector is not None:
+            arm.loop.collector.close()
+    base = counts[args.arms[0]]
+    cells = [f"{n}" + (f" ({n / base:.2f}x)" if i else "") for i, n in enumerate(counts.values())]
+    print(f"| {model_name} | {context} | {batch} | {' | '.join(cells)} |", flush=True)
+    return counts
+
+
 def throughput(args) -> None:
     cuda = args.device.type == "cuda"
     config = with_overrides(
@@ -233,39 +277,41 @@ def agreement(task: str, args) -> None:
         optimizer.step()
         optimizer.zero_grad()
     params = [list(model.parameters())]
-    collectors = {
-        "sub-batches": MicroBatchStatistics(params, ema_beta=0.0, similarity="scalar"),
-        "examples": MicroBatchStatistics(
+    # each estimator its own collector, one at a time over the same batches (a layer is
+    # measured by one collector at a time)
+    estimators = {
+        "sub-batches": lambda: MicroBatchStatistics(params, ema_beta=0.0, similarity="scalar"),
+        "examples": lambda: MicroBatchStatistics(
             params, ema_beta=0.0, similarity="scalar", per_example=model
         ),
-        "4 examples of 16": MicroBatchStatistics(
-            params, ema_beta=0.0, similarity="scalar", per_example=model, per_example_sample=4
+        "4 units": lambda: MicroBatchStatistics(
+            params, ema_beta=0.0, similarity="scalar", per_example=model, per_example_units=4
         ),
     }
     # Gray et al. (2024): the normalization layers' noise scale alone, where there are some
     norms = [p for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()]
     if norms:
-        collectors["norm layers only"] = MicroBatchStatistics(
+        estimators["norm layers only"] = lambda: MicroBatchStatistics(
             [norms], ema_beta=0.0, similarity="scalar", per_example=model
         )
-    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in collectors}
-    for _ in range(args.batches_measured):
-        batch = next(batches)
-        size = len(batch[0])
-        sizes = [size // 4] * 4
-        for collector in collectors.values():
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in estimators}
+    measured = [next(batches) for _ in range(args.batches_measured)]
+    for name, make in estimators.items():
+        collector = make()
+        for batch in measured:
+            size = len(batch[0])
+            sizes = [size // 4] * 4
             collector.begin(sizes)
-        start = 0
-        for i, b in enumerate(sizes):
-            for collector in collectors.values():
+            start = 0
+            for i, b in enumerate(sizes):
                 collector.before_backward(i)
-            part = [t[start : start + b] for t in batch]
-            (problem.loss(model, part) * b / size).backward()
-            start += b
-        for name, collector in collectors.items():
+                part = [t[start : start + b] for t in batch]
+                (problem.loss(model, part) * b / size).backward()
+                start += b
             got = collector.finish()
-            rows[name].append((got.grad_sq_norm.item(), got.trace.item()))
-        model.zero_grad(set_to_none=True)
+            rows[name].append((got.grad_sq_norm, got.trace))
+            model.zero_grad(set_to_none=True)
+        collector.close()
     for name, values in rows.items():
         signal = torch.tensor([v[0] for v in values], dtype=torch.float64)
         trace = torch.tensor([v[1] for v in values], dtype=torch.float64)
@@ -288,7 +334,10 @@ def agreement(task: str, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--part", choices=("cost", "agreement", "throughput"), nargs="+", default=["cost"]
+        "--part",
+        choices=("cost", "ops", "agreement", "throughput"),
+        nargs="+",
+        default=["cost"],
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", default="text,gpt2", help=f"of {', '.join(MODELS)}")
@@ -300,6 +349,9 @@ def main() -> None:
         "--micro-batches", type=int, help="each bigbatch arm's split (default: 4 for sub-batches)"
     )
     parser.add_argument("--details", action="store_true", help="host syncs and buffers too")
+    parser.add_argument(
+        "--ops-device", default="meta", help="where --part ops runs its steps (meta: no compute)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per arm")
     parser.add_argument("--gpt2-steps", type=int, default=None, help="default: --steps")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -330,7 +382,7 @@ def main() -> None:
     cpu = args.device.type == "cpu"
     print(f"# torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads")
     if "cost" in args.part:
-        names = ["examples (32)" if a == "examples" else a for a in arms_of(args.arms, args.every)]
+        names = list(arms_of(args.arms, args.every))
         print(f"\n| model | batch | {' | '.join(names)} |")
         print("|---|---|" + "---|" * len(names))
         for name in args.models.split(","):
@@ -341,6 +393,19 @@ def main() -> None:
             steps = args.gpt2_steps if name == "gpt2" and args.gpt2_steps else args.steps
             for batch in (int(b) for b in batches.split(",")):
                 cost(name, batch, context, steps, args)
+    if "ops" in args.part:
+        print(f"\n| model | context | batch | {' | '.join(args.arms)} |  (operators per step)")
+        print("|---|---|---|" + "---|" * len(args.arms))
+        computed = args.ops_device != "meta"
+        for name in args.models.split(","):
+            batches, context = args.batches, MODELS[name][4]
+            if name == "gpt2" and computed:  # a real step of GPT-2 at 1,024 on a CPU: minutes
+                batches = args.gpt2_batches or ("16" if cpu else args.batches)
+                context = args.gpt2_context or (64 if cpu else context)
+            elif name == "gpt2":
+                context = args.gpt2_context or context
+            for batch in (int(b) for b in batches.split(",")):
+                ops(name, batch, context, args)
     if "agreement" in args.part:
         print("\n| task | estimator | |G|² | tr Σ | B_simple |")
         print("|---|---|---|---|---|")

@@ -114,9 +114,9 @@ def test_one_read_per_step_with_statistics(micro_batches, gsnr):
 
 
 @pytest.mark.parametrize("micro_batches", [1, 4])
-@pytest.mark.parametrize("sample", [None, 4])
-def test_one_read_per_step_with_per_example_statistics(micro_batches, sample):
-    model, loop = make_loop(micro_batches, noise_from="examples", noise_examples=sample)
+@pytest.mark.parametrize("units", [None, 4])
+def test_one_read_per_step_with_per_example_statistics(micro_batches, units):
+    model, loop = make_loop(micro_batches, noise_from="examples", noise_units=units)
     assert loop.collector.per_example is not None
     assert reads_per_step(model, loop, steps=10) == [["tolist"]] * 10
     assert loop.batch_size > 16 * micro_batches, "the controller must have acted"

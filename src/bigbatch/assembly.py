@@ -148,7 +148,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
             grad_accumulates=framework is None or framework.grad_accumulates,
             per_example=per_example,
-            per_example_sample=options.noise_examples,
+            per_example_units=options.noise_units,
         )
     if registers_hooks and model is not None:
         ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
@@ -344,7 +344,7 @@ def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any]
         "ema_beta": collector.averages.beta,
         "dataset_size": collector.dataset_size,
         "lossy_reduction": collector.lossy_reduction,
-        "per_example": collector.per_example.sample if collector.per_example else False,
+        "per_example": collector.per_example.units if collector.per_example else False,
     }
 
 

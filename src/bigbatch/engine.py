@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ._checks import positive_int
-from ._tensors import sq_norms
+from ._tensors import norms, sq_norms
 from ._warn import warn_at_caller
 from .assembly import assemble, check_statistics, describe, fewest_sub_batches
 from .batch.controllers import Controller
@@ -212,9 +212,11 @@ class StepEngine:
             self.collector.before_backward(index)
 
     def add_loss(self, weighted: Tensor) -> None:
-        """A micro-batch's weighted loss, as backpropagated (for the logged batch loss)."""
-        share = weighted.detach()
-        self._loss = share if self._loss is None else self._loss + share
+        """A micro-batch's weighted loss, as backpropagated (for the logged batch loss; read
+        with no gradient, after the backward)."""
+        weighted = weighted.reshape(()) if weighted.dim() else weighted  # a loss of shape (1,)
+        with torch.no_grad():
+            self._loss = weighted if self._loss is None else self._loss + weighted
 
     # ------------------------------------------------------------ the optimizer step
 
@@ -373,7 +375,10 @@ def _statistics(
     """The step's statistics, as tensors and floats (the loss among them), and whether the
     step is finite: one host read. The gradient's finiteness rides on ``|g|²``, which the
     statistics reduce anyway (a NaN anywhere, on any rank, makes it NaN)."""
-    stats = collector.finish(loss_scale=_loss_scale(scaler, collector.layout.device), loss=loss)
+    pending = collector.finish_pending(
+        loss_scale=_loss_scale(scaler, collector.layout.device), loss=loss
+    )
+    stats = pending.read()
     metrics = stats.as_floats()
     # the collector's β-average ratio is not what any controller decides on: the logged
     # noise_scale is the deciding estimate (StepEngine._log_noise_scale)
@@ -415,12 +420,18 @@ def _mean_loss_and_finiteness(
     norm ``batch_grad_sq_norm``, which the same reduction gives."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
     present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
-    # squared norms: a NaN or an infinity survives the sum, and no square root is needed
-    total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
-    parts = [loss.double().reshape(()), total.to(loss.device)]
-    if scale is not None:
-        parts.append(scale.double().reshape(()).to(loss.device))
-    read = world.all_reduce_sum(torch.stack(parts) / world.size).tolist()
+    with torch.no_grad():
+        if not world.distributed and scale is None:
+            # one process: the norms and the loss in one read (a NaN or an infinity in a
+            # gradient makes its norm so); two operators beside the read
+            read = torch.stack([loss, *norms(present)]).tolist()
+            return {"loss": read[0]}, math.isfinite(math.fsum(read))
+        # squared norms: a NaN or an infinity survives the sum, and no square root is needed
+        total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
+        parts = [loss.double().reshape(()), total.to(loss.device)]
+        if scale is not None:
+            parts.append(scale.double().reshape(()).to(loss.device))
+        read = world.all_reduce_sum(torch.stack(parts) / world.size).tolist()
     value, total_sq = read[0], read[1]
     metrics = {"loss": value}
     if scale is not None:

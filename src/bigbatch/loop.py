@@ -109,7 +109,9 @@ class Step:
             )
         engine, index = self._loop.engine, self._backwards
         engine.before_backward(index)
-        loss = loss * engine.loss_weight(index)
+        weight = engine.loss_weight(index)
+        if weight != 1.0:  # one micro-batch of a mean loss: nothing to scale
+            loss = loss * weight
         engine.add_loss(loss)
         self._loop._backward(loss)
         self._backwards += 1

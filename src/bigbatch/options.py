@@ -69,10 +69,12 @@ class StepOptions:
     #: said once in the log; the default: the default run takes 0.66x the time of the split
     #: one on MNIST-1D, 0.86x on text; docs/results.md, "Per-example statistics by default")
     noise_from: str = "auto"
-    #: with per-example statistics, the examples of each micro-batch whose norms are
-    #: measured (an unbiased sample of a shuffled batch, at a cost that stops growing with
-    #: the micro-batch; None: all of them)
-    noise_examples: int | None = 32
+    #: with per-example statistics, how finely each micro-batch is cut: a micro-batch of
+    #: ``n`` examples into units of ``⌊n / noise_units⌋`` examples (from ``noise_units`` to
+    #: twice as many units; each example alone below twice ``noise_units``), and each
+    #: unit's gradient norm is taken in the backward (bigbatch.stats.per_example; None:
+    #: every example alone). At least 2
+    noise_units: int | None = 32
     #: measure the statistics at every ``statistics_every``-th optimizer step (1: every
     #: step). The steps between run as a plain step would: no statistics, no split into
     #: micro-batches beyond what memory asks. A noise-scale controller
@@ -105,8 +107,13 @@ class StepOptions:
         if self.similarity is not None:
             choice("similarity", self.similarity, SIMILARITY_MODES)
         choice("noise_from", self.noise_from, NOISE_SOURCES)
-        if self.noise_examples is not None:
-            positive_int("noise_examples", self.noise_examples)
+        if self.noise_units is not None:
+            positive_int("noise_units", self.noise_units)
+            if self.noise_units < 2:
+                raise ValueError(
+                    f"noise_units must be at least 2 (one unit has no noise to measure), "
+                    f"got {self.noise_units}"
+                )
         positive_int("statistics_every", self.statistics_every)
         check_number("ema_beta", self.ema_beta, high=1.0, high_open=True)
         check_flag("finite_correction", self.finite_correction)

@@ -1,19 +1,22 @@
 """Helpers the tests and the benchmarks share: counting host synchronisations on a GPU,
-and starting local gloo ranks."""
+counting the operators a step dispatches, and starting local gloo ranks."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import socket
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SyncCount", "free_port", "host_syncs", "init_gloo"]
+__all__ = ["SyncCount", "count_ops", "free_port", "host_syncs", "init_gloo"]
 
 
 @dataclass
@@ -45,6 +48,43 @@ def host_syncs(device: torch.device | str = "cuda") -> Iterator[SyncCount]:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     counted.count = sum("called a synchronizing" in str(w.message) for w in caught)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every ATen operator dispatched below autograd, by name; a read of a meta
+    tensor's values (which have none) gives zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops[func.overloadpacket.__name__] += 1
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is not None and source.device.type == "meta":
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return False if source.dtype == torch.bool else 0
+            target = kwargs.get("device")
+            copies = func is torch.ops.aten._to_copy.default and target is not None
+            if copies and torch.device(target).type != "meta":
+                dtype = kwargs.get("dtype") or source.dtype
+                return torch.zeros(source.shape, dtype=dtype, device=target)
+        return func(*args, **kwargs)
+
+
+def count_ops(fn: Callable[[], Any]) -> collections.Counter[str]:
+    """The ATen operators ``fn()`` dispatches, by name (views and in-place ones included).
+
+    On a GPU each operator that is not a view launches at least one kernel from the host,
+    and a small model's step is bound by those launches; the count is the same on every
+    machine, so the CPU can hold a GPU's step to it. ``sum(count_ops(fn).values())``
+    is the total. On the ``meta`` device a step dispatches the same operators and computes
+    nothing (a read of its values gives zeros), so a GPT-2-sized step counts in seconds.
+    """
+    with _OpCounter() as counter:
+        fn()
+    return counter.ops
 
 
 def free_port() -> int:

@@ -193,7 +193,7 @@ def one_step_statistics(
         step.backward(nn.functional.mse_loss(loop.model(x), y))
     step.apply()
     got = {
-        "similarity": step.stats.group_similarity.tolist(),
+        "similarity": list(step.stats.group_similarity),
         "overall": float(step.stats.similarity),
         "loss": float(step.stats.loss),
     }
@@ -371,8 +371,8 @@ def similarity_series(steps: int, batch: int) -> dict:
         scalar.append(
             float(
                 scalar_similarity(
-                    stats.grad_sq_norm.double(),
-                    stats.trace.double(),
+                    torch.tensor(stats.grad_sq_norm, dtype=torch.float64),
+                    torch.tensor(stats.trace, dtype=torch.float64),
                     first,
                     batch - first,
                     len(loop.source.dataset),

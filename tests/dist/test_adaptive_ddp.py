@@ -108,14 +108,19 @@ def test_shards_cover_every_sample_once_per_epoch(cluster):
 
 def test_a_resumed_run_with_the_same_ranks_is_identical(cluster):
     result = cluster.run(programs.resume_same_world, 40, 15)[0]
-    assert result["again"] == result["rest"]  # batches, similarities, losses, shards
     if cluster.world_size == 2:
+        assert result["again"] == result["rest"]  # batches, similarities, losses, shards
         assert torch.equal(result["resumed"], result["straight"])
     else:
         # A new DDP model reduces its first step in the initial bucket layout
         # and rebuilds the buckets afterwards; with 3+ ranks gloo's ring then
         # sums some elements in another order on that one step (last-bit
-        # differences, 2e-16 here). Documented in docs/distributed.md.
+        # differences, 2e-16 here), which the float64 statistics show too; the
+        # decisions are the same. Documented in docs/distributed.md.
+        again, rest = result["again"], result["rest"]
+        assert again["batch"] == rest["batch"] and again.keys() == rest.keys()
+        for key in again:
+            torch.testing.assert_close(again[key], rest[key], rtol=1e-12, atol=1e-15)
         torch.testing.assert_close(result["resumed"], result["straight"], rtol=1e-13, atol=1e-15)
 
 

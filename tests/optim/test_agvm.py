@@ -23,8 +23,8 @@ class Detector(nn.Module):
 
 def stats_with_halves(halves):
     """GradientStats carrying only what AGVM reads."""
-    z = torch.zeros(())
-    return GradientStats(z, z, z, z, z, z, z, sizes=[1, 1], group_halves=halves)
+    return GradientStats(0.0, [], 0.0, 0.0, 0.0, 0.0, 0.0, sizes=[1, 1],
+                         group_halves=halves.tolist())  # fmt: skip
 
 
 def halves_for(cosines):

@@ -31,14 +31,14 @@ def test_similarity_and_noise_equal_the_slow_computation(sizes):
         [list(model[0].parameters()), list(model[2].parameters())], ema_beta=0.0
     )
     got = collect(model, x, y, sizes, stats)
-    assert got.similarity.item() == pytest.approx(cosine, abs=1e-5)
-    assert got.grad_sq_norm.item() == pytest.approx(signal.item(), rel=1e-4)
-    assert got.trace.item() == pytest.approx(trace.item(), rel=1e-4)
-    assert got.noise_scale.item() == pytest.approx((trace / signal).item(), rel=1e-4)
+    assert got.similarity == pytest.approx(cosine, abs=1e-5)
+    assert got.grad_sq_norm == pytest.approx(signal.item(), rel=1e-4)
+    assert got.trace == pytest.approx(trace.item(), rel=1e-4)
+    assert got.noise_scale == pytest.approx((trace / signal).item(), rel=1e-4)
     # per group: the first Linear's parameters come first in the flat vectors
     n0 = sum(p.numel() for p in model[0].parameters())
     group0 = (g_a[:n0] @ g_b[:n0] / (g_a[:n0].norm() * g_b[:n0].norm())).item()
-    assert got.group_similarity[0].item() == pytest.approx(group0, abs=1e-5)
+    assert got.group_similarity[0] == pytest.approx(group0, abs=1e-5)
     # .grad is the batch mean gradient, as an ordinary loop would have it
     grad = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
     torch.testing.assert_close(grad, full, rtol=1e-5, atol=1e-7)
@@ -60,7 +60,7 @@ def test_loss_scale_is_divided_out():
         loss_scale=1024.0,
     )
     for name in ("similarity", "grad_sq_norm", "trace", "noise_scale"):
-        assert getattr(scaled, name).item() == pytest.approx(getattr(plain, name).item(), rel=1e-4)
+        assert getattr(scaled, name) == pytest.approx(getattr(plain, name), rel=1e-4)
 
 
 @pytest.mark.parametrize("gsnr", [False, True])
@@ -80,8 +80,8 @@ def test_a_backward_outside_a_step_changes_nothing(gsnr):
     model.zero_grad()
     again = collect(model, x, y, sizes, stats)
     for name in ("similarity", "grad_sq_norm", "trace"):
-        assert getattr(got, name).item() == getattr(clean, name).item()
-        assert getattr(again, name).item() == getattr(clean, name).item()
+        assert getattr(got, name) == getattr(clean, name)
+        assert getattr(again, name) == getattr(clean, name)
     if gsnr:
         assert all(torch.equal(a, b) for a, b in zip(got.gsnr, clean.gsnr))
 
@@ -111,7 +111,7 @@ def test_state_round_trip_keeps_the_moving_averages():
     a = collect(model, x, y, sizes, stats)
     model.zero_grad()
     b = collect(model, x, y, sizes, other)
-    assert a.noise_scale.item() == b.noise_scale.item()
+    assert a.noise_scale == b.noise_scale
 
 
 def test_equal_loss_weights_as_framework_loops_use():
@@ -128,11 +128,11 @@ def test_equal_loss_weights_as_framework_loops_use():
     got = stats.finish()
     full = per_batch.mean(0)  # what .grad holds: the mean of the micro-batch means
     signal, trace = noise_components(per_batch.square().sum(1), sizes, full.square().sum())
-    assert got.grad_sq_norm.item() == pytest.approx(signal.item(), rel=1e-4)
-    assert got.trace.item() == pytest.approx(trace.item(), rel=1e-4)
+    assert got.grad_sq_norm == pytest.approx(signal.item(), rel=1e-4)
+    assert got.trace == pytest.approx(trace.item(), rel=1e-4)
     g_a, g_b = per_batch[:2].mean(0), per_batch[2:].mean(0)
     cosine = (g_a @ g_b / (g_a.norm() * g_b.norm())).item()
-    assert got.similarity.item() == pytest.approx(cosine, abs=1e-5)
+    assert got.similarity == pytest.approx(cosine, abs=1e-5)
     variance = ((per_batch - full) ** 2).mean(0)
     flat = torch.cat([r.flatten() for r in got.gsnr]).double()
     informative = variance > 1e-12
@@ -168,5 +168,5 @@ def test_statistics_match_the_slow_computation_on_cuda():
         part = slice(6 * i, 6 * i + 6)
         (nn.functional.cross_entropy(model(x[part]), y[part]) / 4).backward()
     got = stats.finish()
-    torch.testing.assert_close(got.grad_sq_norm.double(), expected[0], rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(got.trace.double(), expected[1], rtol=1e-4, atol=1e-7)
+    assert got.grad_sq_norm == pytest.approx(expected[0].item(), rel=1e-4, abs=1e-7)
+    assert got.trace == pytest.approx(expected[1].item(), rel=1e-4, abs=1e-7)

@@ -45,13 +45,13 @@ def linear_regression_run(sizes, steps, d=20, noise=1.0, seed=0):
 @pytest.mark.parametrize("sizes", [[16, 16, 16, 16], [13, 16, 17, 18, 9]])
 def test_noise_scale_and_similarity_match_the_analytic_values(sizes):
     results, b_simple = linear_regression_run(sizes, steps=1500)
-    signal = sum(r.grad_sq_norm.item() for r in results) / len(results)
-    trace = sum(r.trace.item() for r in results) / len(results)
+    signal = sum(r.grad_sq_norm for r in results) / len(results)
+    trace = sum(r.trace for r in results) / len(results)
     assert signal == pytest.approx(1.0, rel=0.1)
     assert trace / signal == pytest.approx(b_simple, rel=0.1)
     half = len(sizes) // 2
     expected = expected_similarity(b_simple, sum(sizes[:half]), sum(sizes[half:]))
-    similarity = sum(r.similarity.item() for r in results) / len(results)
+    similarity = sum(r.similarity for r in results) / len(results)
     assert abs(similarity - expected) < 0.03
 
 

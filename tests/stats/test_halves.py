@@ -7,6 +7,7 @@ import torch
 from bigbatch._tensors import norms
 from bigbatch.stats.halves import FromNoiseScalars, SplitMicroBatches
 from bigbatch.stats.layout import ParamLayout
+from bigbatch.stats.result import Gather
 
 from .common import backward_micro_batches, sub_batches
 
@@ -15,7 +16,14 @@ SIZES = [3, 5, 2, 6, 4]  # half A: the first two micro-batches (8 samples), half
 
 def per_group(values):
     """Per-parameter values summed per group: the first two parameters, then the third."""
-    return torch.stack([values[0] + values[1], values[2]])
+    return [float(values[0] + values[1]), float(values[2])]
+
+
+def gathered(halves, grads):
+    """What ``halves`` puts into a step's read, as the floats read back."""
+    into = Gather()
+    halves.gather(into, grads)
+    return into.split(into.tensor().tolist())
 
 
 def test_split_micro_batches_measures_each_half_per_group():
@@ -34,8 +42,8 @@ def test_split_micro_batches_measures_each_half_per_group():
             params, increments, batches, before=lambda i: halves.before_backward(i, batches)
         )
         grads = layout.grads()
-        sq_full = layout.per_group(norms(grads), square=True)
-        got = halves.read(grads, sq_full, None, None, batches)
+        sq_full = layout.per_group(norms(grads), square=True).tolist()
+        got = halves.read(gathered(halves, grads), sq_full, None, None, batches)
         a = [sum(step[j] for step in increments[:2]).double() for j in range(3)]
         b = [sum(step[j] for step in increments[2:]).double() for j in range(3)]
         expected = (
@@ -44,7 +52,7 @@ def test_split_micro_batches_measures_each_half_per_group():
             per_group([(x * y).sum() for x, y in zip(a, b)]),
         )
         for value, want in zip(got, expected):
-            torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6)
+            assert value == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert halves.memory() == 4 * sum(p.numel() for p in params)  # one copy of the gradient
 
 
@@ -55,23 +63,18 @@ def test_split_micro_batches_needs_two_and_the_half_way_announcement():
     batches = sub_batches([4, 4])
     halves.begin(batches)
     halves.before_backward(0, batches)  # micro-batch 1 (half B) never announced
-    grads = [torch.ones(3)]
     with pytest.raises(RuntimeError, match="never announced"):
-        halves.read(grads, torch.tensor([3.0]), None, None, batches)
+        halves.gather(Gather(), [torch.ones(3)])
 
 
 @pytest.mark.parametrize("dataset_size", [None, 100])
 def test_from_noise_scalars_gives_the_expected_terms_of_the_first_micro_batches(dataset_size):
-    signal = torch.tensor([2.0, 0.5], dtype=torch.float64)
-    trace = torch.tensor([30.0, 4.0], dtype=torch.float64)
-    got = FromNoiseScalars(dataset_size).read([], None, signal, trace, sub_batches(SIZES))
+    signal, trace = [2.0, 0.5], [30.0, 4.0]
+    got = FromNoiseScalars(dataset_size).read({}, [], signal, trace, sub_batches(SIZES))
+    g, t = torch.tensor(signal), torch.tensor(trace)
     if dataset_size is None:  # E|g_X|² = |G|² + trΣ / B_X, E<g_A, g_B> = |G|²
-        expected = (signal + trace / 8, signal + trace / 12, signal)
+        expected = (g + t / 8, g + t / 12, g)
     else:  # without replacement from 100: trΣ (N - B_X) / (B_X (N - 1)), cross -trΣ / (N - 1)
-        expected = (
-            signal + trace * 92 / (8 * 99),
-            signal + trace * 88 / (12 * 99),
-            signal - trace / 99,
-        )
+        expected = (g + t * 92 / (8 * 99), g + t * 88 / (12 * 99), g - t / 99)
     for value, want in zip(got, expected):
-        torch.testing.assert_close(value, want)
+        assert value == pytest.approx(want.tolist())

@@ -20,7 +20,7 @@ def test_the_sum_of_each_micro_batchs_mean_gradient_norm_per_group():
     sizes, weights = [4, 8], [4 / 12, 8 / 12]  # the batch's mean loss, split
     batches = SubBatches(sizes, [sizes], weights, World())
     norms = MicroBatchNorms(ParamLayout(groups), lambda: batches)
-    norms.begin()
+    norms.begin(batches)
     expected = torch.zeros(2, dtype=torch.float64)
     for index, (xs, ys) in enumerate(zip(x.split(sizes), y.split(sizes), strict=True)):
         batches.current = index
@@ -32,9 +32,11 @@ def test_the_sum_of_each_micro_batchs_mean_gradient_norm_per_group():
              sum(g.double().square().sum() for g in mean_grads[2:])]
         )  # fmt: skip
         (loss * weights[index]).backward()
-    assert torch.allclose(norms.finish(), expected, rtol=1e-6)  # float32 gradients
+    small = norms.finish(batches)
+    assert torch.allclose(small.sums, expected, rtol=1e-6)  # float32 gradients
+    assert (small.count, small.h, small.factor) == (2, (1 / 4 + 1 / 8) / 2, 1.0)
     with pytest.raises(RuntimeError, match="without begin"):
-        norms.finish()
+        norms.finish(batches)
 
 
 def test_a_backward_outside_a_step_is_not_counted():

@@ -1,5 +1,8 @@
-"""Per-example squared gradient norms from the backward pass, against torch.func's per-example
-gradients, and the one-pass noise estimate against the sub-batch estimator."""
+"""The units' squared gradient norms from the backward pass, against torch.func's per-example
+gradients summed per unit; the layers' own gradients against autograd's; the one-pass noise
+estimate against the sub-batch estimator."""
+
+import copy
 
 import pytest
 import torch
@@ -13,9 +16,9 @@ import bigbatch as bb
 from bigbatch.stats import MicroBatchStatistics, noise_components
 from bigbatch.stats.estimators import noise_from_examples
 from bigbatch.stats.layout import ParamLayout
-from bigbatch.stats.per_example import PerExampleNorms, uncovered
+from bigbatch.stats.per_example import PerExampleNorms, uncovered, unit_size
 
-from .common import collect, make_problem, slow_gradients
+from .common import collect, make_problem, slow_gradients, sub_batches
 
 
 class Sequences(nn.Module):
@@ -44,51 +47,152 @@ class Images(nn.Module):
         return self.head(torch.relu(self.conv(x)).flatten(1)).squeeze(1)
 
 
-def per_example_sq_norms(model, inputs):
-    """``|g_i|²`` of each example's own output, by torch.func (the slow, exact way)."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
+class Transformer(nn.Module):
+    """A GPT's layers on sequences: token and position embeddings, two LayerNorms of one shape
+    (taken together at the step's end), Linears on 3-D inputs."""
+
+    def __init__(self, vocab=13, width=8, context=5):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).expand(ids.shape)
+        h = self.embed(ids) + self.pos(positions)
+        h = h + self.down(torch.tanh(self.up(self.norm1(h))))
+        return self.head(self.norm2(h)).logsumexp(-1).mean(1)
+
+
+def per_example_gradients(model, inputs):
+    """Each example's gradient of its own output, by torch.func (the slow, exact way): a dict
+    of ``(N, *shape)`` tensors, one per trainable parameter."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
 
     def one(p, x):
-        return functional_call(model, p, (x[None],)).sum()
+        return functional_call(model, p, (x[None],), strict=False).sum()
 
-    grads = vmap(grad(one), in_dims=(None, 0))(params, inputs)
-    return sum(g.reshape(len(inputs), -1).square().sum(1) for g in grads.values())
+    return vmap(grad(one), in_dims=(None, 0))(params, inputs)
 
 
-@pytest.mark.parametrize(
-    "model, inputs",
-    [
-        (Sequences().double(), torch.randint(0, 11, (6, 7))),
-        (Images().double(), torch.randn(5, 2, 6, 6, dtype=torch.float64)),
-        (nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double(), torch.randn(6, 4)),
-    ],
-    ids=["embedding-layernorm-conv1d-linear", "conv2d", "mlp"],
-)
-def test_the_hooks_give_each_examples_squared_norm(model, inputs):
-    torch.manual_seed(0)
-    inputs = inputs.double() if inputs.is_floating_point() else inputs
-    expected = per_example_sq_norms(model, inputs).sum()
-    norms = PerExampleNorms(model, ParamLayout([list(model.parameters())]))
-    norms.begin()
-    weight = 0.25  # the mean loss of the micro-batch, weighted as a loop weights it
+def unit_sq_norms(model, inputs, m, weight=1.0):
+    """``Σ_u |Σ_{i∈u} g_i|²`` over the whole units of ``m`` examples, each example's
+    gradient weighted by ``weight``."""
+    grads = per_example_gradients(model, inputs)
+    k = len(inputs) // m
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads.values():
+        units = (g[: k * m].reshape(k, m, -1) * weight).sum(1)
+        total += units.double().square().sum()
+    return total
+
+
+def measured(model, inputs, units, weight=0.25):
+    """Σ of the squared norms the layers record over one micro-batch of ``inputs`` (its
+    mean output times ``weight`` backpropagated), and the parameters' gradients."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    norms = PerExampleNorms(model, ParamLayout([trained]), units)
+    norms.begin(sub_batches([len(inputs)]))
     loss = model(inputs).reshape(len(inputs), -1).sum(1).mean() * weight
-    norms.set_scale((len(inputs) / weight) ** 2)
     loss.backward()
-    torch.testing.assert_close(norms.finish(), expected.reshape(1), rtol=1e-10, atol=0)
+    small = norms.finish(sub_batches([len(inputs)]))
+    norms.close()
+    total = sum(n.double().square() for n in small.norms)
+    return total, [p.grad.clone() for p in trained], small
 
 
-@settings(max_examples=20, deadline=None)
-@given(steps=st.integers(1, 9), width_in=st.integers(1, 6), width_out=st.integers(1, 6))
-def test_the_ghost_norm_and_the_matrix_agree(steps, width_in, width_out):
-    # which of the two the rule takes depends on T against the widths: both are exact
-    from bigbatch.stats.per_example import _matrix_sq
+MODELS = {
+    "embedding-layernorm-conv1d-linear": (
+        lambda: Sequences().double(),
+        lambda n: torch.randint(0, 11, (n, 7)),
+    ),
+    "conv2d": (lambda: Images().double(), lambda n: torch.randn(n, 2, 6, 6, dtype=torch.float64)),
+    "mlp": (
+        lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double(),
+        lambda n: torch.randn(n, 4, dtype=torch.float64),
+    ),
+    "transformer": (lambda: Transformer().double(), lambda n: torch.randint(0, 13, (n, 5))),
+}
 
-    a = torch.randn(3, steps, width_in, dtype=torch.float64)
-    d = torch.randn(3, steps, width_out, dtype=torch.float64)
-    matrix = torch.bmm(d.transpose(1, 2), a).square().sum((1, 2))
-    ghost = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(d, d.transpose(1, 2))).sum((1, 2))
-    torch.testing.assert_close(_matrix_sq(a, d), matrix.sum())
-    torch.testing.assert_close(ghost, matrix)
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "n, units, m", [(6, 32, 1), (12, 4, 3), (14, 4, 3)], ids=["examples", "units", "remainder"]
+)
+def test_each_units_squared_norm_is_exact_and_the_gradients_are_autograds(name, n, units, m):
+    make_model, make_inputs = MODELS[name]
+    torch.manual_seed(0)
+    model, inputs = make_model(), make_inputs(n)
+    weight = 0.25  # the mean loss of the micro-batch, weighted as a loop weights it
+    # each example's share of .grad is weight / n times its own gradient
+    expected = unit_sq_norms(model, inputs, m, weight / n)
+    plain = copy.deepcopy(model)
+    (plain(inputs).reshape(n, -1).sum(1).mean() * weight).backward()
+    total, grads, small = measured(model, inputs, units, weight)
+    torch.testing.assert_close(total, expected, rtol=1e-10, atol=0)
+    assert small.count == n // m and small.factor == (n / m) ** 2
+    for got, want in zip(grads, (p.grad for p in plain.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(2, 9),
+    steps=st.integers(1, 6),
+    width_in=st.integers(1, 7),
+    width_out=st.integers(1, 7),
+    units=st.integers(2, 5),
+    bias=st.booleans(),
+)
+def test_a_linear_layer_of_any_shape_gives_its_units_norms(n, steps, width_in, width_out, units,
+                                                           bias):  # fmt: skip
+    # the ghost norm and the units' gradients are both exact: which is taken depends on
+    # the rows of a unit against the widths
+    torch.manual_seed(0)
+    model = nn.Linear(width_in, width_out, bias=bias).double()
+    inputs = torch.randn(n, steps, width_in, dtype=torch.float64)
+    m = unit_size(n, units)
+    expected = unit_sq_norms(model, inputs, m, 1 / n)
+    plain = copy.deepcopy(model)
+    plain(inputs).reshape(n, -1).sum(1).mean().backward()
+    total, grads, _ = measured(model, inputs, units, 1.0)
+    torch.testing.assert_close(total, expected, rtol=1e-9, atol=1e-300)
+    for got, want in zip(grads, (p.grad for p in plain.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n, units", [(6, 32), (14, 4)], ids=["examples", "remainder"])
+def test_layer_norms_taken_together_at_the_steps_end_give_the_same_norms(monkeypatch, n, units):
+    # as on a GPU: the two LayerNorms of one shape in one batched computation
+    import bigbatch.stats.per_example as per_example
+
+    torch.manual_seed(0)
+    model, inputs = Transformer().double(), torch.randint(0, 13, (n, 5))
+    alone, grads, _ = measured(copy.deepcopy(model), inputs, units)
+    monkeypatch.setattr(per_example, "_batches_layer_norms", lambda device: True)
+    together, grads_together, _ = measured(model, inputs, units)
+    torch.testing.assert_close(together, alone, rtol=1e-12, atol=0)
+    for a, b in zip(grads, grads_together, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_large_vocabulary_sums_each_units_rows_by_key(monkeypatch):
+    import bigbatch.stats.per_example as per_example
+
+    torch.manual_seed(0)
+    model, inputs = Sequences().double(), torch.randint(0, 11, (12, 7))
+    tables, _, _ = measured(copy.deepcopy(model), inputs, 4)
+    monkeypatch.setattr(per_example, "_TABLE_ROWS", 0)
+    monkeypatch.setattr(per_example, "_TABLE_NUMBERS", 0)
+    by_key, _, _ = measured(model, inputs, 4)
+    torch.testing.assert_close(by_key, tables, rtol=1e-10, atol=0)
+    torch.testing.assert_close(by_key, unit_sq_norms(model, inputs, 3, 0.25 / 12))
+
+
+def test_the_unit_size_keeps_at_most_the_units_asked_for():
+    assert [unit_size(n, 32) for n in (1, 16, 32, 63, 64, 100, 1024)] == [1, 1, 1, 1, 2, 3, 32]
+    assert unit_size(1024, None) == 1
 
 
 def test_what_is_not_covered_is_named():
@@ -108,24 +212,28 @@ def test_what_is_not_covered_is_named():
         MicroBatchStatistics([list(norm.parameters())], per_example=norm)
 
 
-def test_a_frozen_parameter_of_a_hooked_layer_counts_for_nothing():
+def test_a_frozen_parameter_of_a_measured_layer_counts_for_nothing():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
     model[0].bias.requires_grad_(False)
     inputs = torch.randn(5, 4, dtype=torch.float64)
-    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    expected = unit_sq_norms(model, inputs, 1, 0.25 / 5)
+    total, _, small = measured(model, inputs, 32)
+    torch.testing.assert_close(total, expected, rtol=1e-10, atol=0)
+    assert len(small.norms) == 3 and model[0].bias.grad is None
 
-    def one(p, x):
-        return functional_call(model, p, (x[None],), strict=False).sum()
 
-    grads = vmap(grad(one), in_dims=(None, 0))(params, inputs)
-    expected = sum(g.reshape(5, -1).square().sum(1) for g in grads.values()).sum()
-    trained = [p for p in model.parameters() if p.requires_grad]
-    norms = PerExampleNorms(model, ParamLayout([trained]))
-    norms.begin()
-    norms.set_scale(25.0)
-    model(inputs).sum(1).mean().backward()
-    torch.testing.assert_close(norms.finish(), expected.reshape(1), rtol=1e-10, atol=0)
+def test_a_measured_model_copies_and_closes_as_a_plain_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    stats = MicroBatchStatistics([list(model.parameters())], per_example=model)
+    twin = copy.deepcopy(model)  # its layers run its own weights, not the original's
+    with torch.no_grad():
+        twin[0].weight.zero_()
+    x = torch.randn(2, 4)
+    assert not torch.equal(twin(x), model(x))
+    stats.close()
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[1])
 
 
 def test_a_layer_run_twice_in_one_forward_is_refused():
@@ -137,6 +245,7 @@ def test_a_layer_run_twice_in_one_forward_is_refused():
     stats.begin([4])
     with pytest.raises(RuntimeError, match="without a positional input tensor"):
         lin(input=torch.randn(4, 3))
+    stats.close()
 
 
 @pytest.mark.parametrize("sizes", [[23], [12, 11], [6, 6, 6, 5]])
@@ -151,10 +260,10 @@ def test_one_pass_noise_equals_the_estimator_on_single_examples(sizes):
     )
     stats = MicroBatchStatistics([list(model.parameters())], ema_beta=0.0, per_example=model)
     got = collect(model, x, y, sizes, stats, loss_scale=8.0)
-    assert got.grad_sq_norm.item() == pytest.approx(signal.item(), rel=1e-4)
-    assert got.trace.item() == pytest.approx(trace.item(), rel=1e-4)
+    assert got.grad_sq_norm == pytest.approx(signal.item(), rel=1e-4)
+    assert got.trace == pytest.approx(trace.item(), rel=1e-4)
     # the similarity is the scalar one: the halves' expectation from the same scalars
-    assert 0 < got.similarity.item() < 1
+    assert 0 < got.similarity < 1
 
 
 def test_noise_from_examples_is_unbiased_on_a_gaussian_oracle():
@@ -222,31 +331,35 @@ def test_bf16_autocast_and_micro_batches_of_a_memory_limit():
     torch.testing.assert_close(half, whole, rtol=0.1, atol=0)
 
 
-def test_a_sample_of_each_micro_batch_measures_its_first_examples():
+def test_units_of_several_examples_give_the_sub_batch_estimate_of_their_size():
+    # micro-batches of 12 and 11, at most 4 units: units of 11 // 4 = 2 examples, the
+    # whole units of each micro-batch (its last example, if odd, trains unmeasured)
     model, x, y = make_problem()
-    sizes, sample = [12, 11], 5
-    single = slow_gradients(model, x, y, [1] * len(x))  # one backward per example
-    measured = [*range(0, 5), *range(12, 17)]
-    mean_sq = torch.stack([single[i].square().sum() for i in measured]).mean()
-    signal, trace = noise_from_examples(mean_sq, len(x), torch.stack(single).mean(0).square().sum())
+    units = [[s, s + 1] for s in (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20)]
+    single = slow_gradients(model, x, y, [1] * len(x))
+    unit_sq = torch.stack([sum(single[i] for i in u).div(2).square().sum() for u in units])
+    full = torch.stack(single).mean(0).square().sum()
     stats = MicroBatchStatistics(
-        [list(model.parameters())], ema_beta=0.0, per_example=model, per_example_sample=sample
+        [list(model.parameters())], ema_beta=0.0, per_example=model, per_example_units=4
     )
-    got = collect(model, x, y, sizes, stats)
-    assert got.grad_sq_norm.item() == pytest.approx(signal.item(), rel=1e-4)
-    assert got.trace.item() == pytest.approx(trace.item(), rel=1e-4)
+    got = collect(model, x, y, [12, 11], stats)
+    # E mean|g_2|² = |G|² + trΣ / 2, E |g_23|² = |G|² + trΣ / 23
+    h, phi, mean_sq = 1 / 2, 1 / 23, unit_sq.mean()
+    assert got.trace == pytest.approx(((mean_sq - full) / (h - phi)).item(), rel=1e-4)
+    signal = (h * full - phi * mean_sq) / (h - phi)
+    assert got.grad_sq_norm == pytest.approx(signal.item(), rel=1e-4)
 
 
 @pytest.mark.cuda
-def test_the_hooks_give_each_examples_squared_norm_on_cuda():
+def test_the_layers_give_each_examples_squared_norm_on_cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model = Sequences().cuda()
     inputs = torch.randint(0, 11, (6, 7), device="cuda")
-    expected = per_example_sq_norms(model, inputs).sum()
+    expected = unit_sq_norms(model, inputs, 1)
     norms = PerExampleNorms(model, ParamLayout([list(model.parameters())]))
-    norms.begin()
-    loss = model(inputs).mean()
-    norms.set_scale(len(inputs) ** 2)
-    loss.backward()
-    torch.testing.assert_close(norms.finish().float(), expected.reshape(1), rtol=1e-4, atol=0)
+    norms.begin(sub_batches([6]))
+    model(inputs).mean().backward()
+    small = norms.finish(sub_batches([6]))
+    total = sum(n.double().square() for n in small.norms).cpu() * small.factor
+    torch.testing.assert_close(total, expected.cpu(), rtol=1e-4, atol=0)

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from .._checks import did_you_mean
 from .sampler import VariableBatchSampler
@@ -28,6 +29,10 @@ class MapSource:
     ``DataLoader`` (with the caller's collate function, workers and pinned
     memory) loads the current step's micro-batches and nothing beyond, so its
     workers prefetch within a step, never a step whose size is not decided.
+    Without workers the micro-batches are read here as that ``DataLoader`` would
+    read them (the dataset's ``__getitems__`` or its items, the collate function,
+    pinned memory), without an iterator a step: a small model's step is bound by
+    the operators its host dispatches, and an iterator adds six.
     """
 
     def __init__(
@@ -62,13 +67,20 @@ class MapSource:
 
     def load(self, micro_batches: list[list[int]]) -> Iterator[Any]:
         """This rank's micro-batches, collated."""
+        dataset, options = self.dataset, self._options
+        if type(dataset) is TensorDataset and "collate_fn" not in options:
+            # one gather per tensor instead of a sample-by-sample read and a stack of
+            # as many rows (the same micro-batch, in a fraction of the host's time)
+            dataset, options = _TensorRows(dataset), {**options, "collate_fn": _as_is}
+        if not options.get("num_workers", 0):
+            collate = options.get("collate_fn") or default_collate
+            pin = options.get("pin_memory", False) and torch.cuda.is_available()
+            for indices in micro_batches:
+                batch = collate(_fetch(dataset, indices))
+                yield pin_memory(batch) if pin else batch
+            return
         self._plan = micro_batches
         if self._loader is None:
-            dataset, options = self.dataset, self._options
-            if type(dataset) is TensorDataset and "collate_fn" not in options:
-                # one gather per tensor instead of a sample-by-sample read and a stack of
-                # as many rows (the same micro-batch, in a fraction of the host's time)
-                dataset, options = _TensorRows(dataset), {**options, "collate_fn": _as_is}
             self._loader = DataLoader(
                 dataset,
                 batch_sampler=_CurrentPlan(self),
@@ -106,6 +118,12 @@ class _TensorRows(Dataset):
 
 def _as_is(batch: Any) -> Any:
     return batch
+
+
+def _fetch(dataset: Dataset, indices: list[int]) -> Any:
+    """The samples at ``indices``, as a ``DataLoader`` without workers fetches them."""
+    many = getattr(dataset, "__getitems__", None)
+    return many(indices) if many is not None else [dataset[i] for i in indices]
 
 
 class _CurrentPlan:

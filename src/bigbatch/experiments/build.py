@@ -367,7 +367,7 @@ def _loop(
         max_micro_batch=machine.max_micro_batch,
         min_sub_batches=machine.min_sub_batches or None,
         noise_from=batch.noise_from,
-        noise_examples=batch.noise_examples or None,
+        noise_units=batch.noise_units or None,
         statistics_every=batch.statistics_every,
         lr_scaling=batch.lr_scaling,
         base_batch_size=batch.base,

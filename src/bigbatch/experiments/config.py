@@ -395,11 +395,13 @@ class BatchKeys:
         "where the model allows, unless min_sub_batches splits every step anyway)",
         choices=NOISE_SOURCES,
     )
-    noise_examples: int = run_key(
-        "noise_examples",
-        StepOptions.noise_examples,
-        "per-example statistics: the examples of each micro-batch whose gradient norms are "
-        "measured (an unbiased sample); 0: all",
+    noise_units: int = run_key(
+        "noise_units",
+        StepOptions.noise_units,
+        "per-example statistics: each micro-batch of n examples is cut into units of "
+        "floor(n / noise_units) examples (this many units or up to twice as many; each "
+        "example alone below twice this many), each unit's gradient norm taken in the "
+        "backward; 0: every example alone",
         low=0,
     )
     statistics_every: int = run_key(

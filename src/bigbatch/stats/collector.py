@@ -15,10 +15,11 @@ process, and under DDP the micro-batches of every rank (docs/algorithms.md,
 - with ``gsnr=True``, one to three gradient-sized buffers and a few
   element-wise passes per micro-batch (:mod:`~bigbatch.stats.gsnr`).
 
-Nothing moves between the host and the device during a step: per-micro-batch
-norms accumulate in a device tensor, Python numbers enter only as scalars,
-and the caller reads everything at once (``GradientStats.as_floats``, one
-synchronisation per optimizer step).
+Nothing moves between the host and the device during a step: the norms stay
+on the device, Python numbers enter only as scalars, and everything is read
+at once (one synchronisation per optimizer step, :meth:`MicroBatchStatistics.finish`;
+:meth:`~MicroBatchStatistics.finish_pending` leaves the read for later). The
+estimators then run on the host, on the floats read.
 
 Around an ordinary accumulation loop (``bigbatch.AdaptiveBatch`` does this
 for you)::
@@ -28,7 +29,7 @@ for you)::
     for i, (x, y) in enumerate(micro_batches):
         stats.before_backward(i)
         (loss_fn(model(x), y) * sizes[i] / sum(sizes)).backward()
-    result = stats.finish()                 # before optimizer.step()
+    result = stats.finish()                 # before optimizer.step(): GradientStats
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_flag, choice, positive_int
-from .._tensors import sq_norms
+from .._tensors import norms
 from ..batch.plan import loss_weights as default_loss_weights
 from ..dist.world import World
 from .estimators import half_split_cosine
@@ -48,9 +49,9 @@ from .gsnr import ShiftedGSNR, WelfordGSNR
 from .halves import SIMILARITY_MODES, FromNoiseScalars, SplitMicroBatches, SplitRanks
 from .layout import ParamLayout, SubBatches
 from .micro_batch_norms import MicroBatchNorms
-from .noise import NoiseAverages, PerRankNoise, ReducedNoise
-from .per_example import PerExampleNorms
-from .result import GradientStats
+from .noise import NoiseAverages, PerRankNoise, ReducedNoise, SmallNorms
+from .per_example import UNITS, PerExampleNorms
+from .result import Gather, GradientStats, PendingStats
 
 __all__ = ["SIMILARITY_MODES", "GradientStats", "MicroBatchStatistics"]
 
@@ -98,8 +99,9 @@ class MicroBatchStatistics:
             micro-batches). Every trainable parameter must be covered
             (:func:`~bigbatch.stats.per_example.uncovered`); not with a lossy
             reduction or ``gsnr``, which read the micro-batches.
-        per_example_sample: measure only this many examples of each micro-batch (an
-            unbiased estimate at a bounded cost; None: all).
+        per_example_units: with ``per_example``, the most units of examples per
+            micro-batch whose norms are taken (:mod:`~bigbatch.stats.per_example`; None:
+            every example alone).
         grad_accumulates: ``.grad`` holds this rank's earlier micro-batches when the
             last one's backward runs. False where the framework reduces and frees
             each micro-batch's gradient (DeepSpeed ZeRO-2): the rank-local noise
@@ -120,14 +122,14 @@ class MicroBatchStatistics:
         grad_sources: dict[int, Tensor] | None = None,
         grad_accumulates: bool = True,
         per_example: nn.Module | None = None,
-        per_example_sample: int | None = None,
+        per_example_units: int | None = UNITS,
     ) -> None:
         gsnr = check_flag("gsnr", gsnr)
         lossy_reduction = check_flag("lossy_reduction", lossy_reduction)
         if dataset_size is not None:
             dataset_size = positive_int("dataset_size", dataset_size)
-        if per_example_sample is not None:
-            per_example_sample = positive_int("per_example_sample", per_example_sample)
+        if per_example_units is not None:
+            per_example_units = positive_int("per_example_units", per_example_units)
         if per_example is not None and not isinstance(per_example, nn.Module):
             raise TypeError(f"per_example must be the trained nn.Module, got {per_example!r}")
         self.world = world if world is not None else World()
@@ -149,22 +151,24 @@ class MicroBatchStatistics:
         self.noise = (
             PerRankNoise(self.layout, current, self.world, dataset_size, grad_accumulates)
             if self.lossy_reduction
-            else ReducedNoise(self.world, dataset_size)
+            else ReducedNoise(self.layout, self.world, dataset_size)
         )
         self.gsnr_part = _gsnr_part(self.layout, current, self.world) if gsnr else None
-        self.averages = NoiseAverages(ema_beta, self.layout.device)
+        self.averages = NoiseAverages(ema_beta)
         #: the per-example norms, where they replace the micro-batches'
         self.per_example = (
-            PerExampleNorms(per_example, self.layout, per_example_sample)
+            PerExampleNorms(per_example, self.layout, per_example_units, dataset_size)
             if per_example is not None
             else None
         )
-        #: where the small-batch norms come from: each example, or each micro-batch
+        #: where the small-batch norms come from: units of examples, or micro-batches
         self.small_norms = (
             self.per_example
             if self.per_example is not None
-            else MicroBatchNorms(self.layout, current)
+            else MicroBatchNorms(self.layout, current, dataset_size)
         )
+        #: the last step's statistics, until they are read (read in order, for the averages)
+        self._unread: PendingStats | None = None
         self._hooks = [
             *self.small_norms.handles,
             *self.noise.handles,
@@ -209,7 +213,7 @@ class MicroBatchStatistics:
         self.noise.begin(batches)
         if self.gsnr_part is not None:
             self.gsnr_part.begin(batches)
-        self.small_norms.begin()
+        self.small_norms.begin(batches)
 
     def before_backward(self, index: int) -> None:
         """Announce that the next backward pass is micro-batch ``index``'s.
@@ -221,63 +225,59 @@ class MicroBatchStatistics:
             raise RuntimeError("call begin(sizes) before before_backward")
         self.halves.before_backward(index, self._batches)
         self._batches.current = index
-        if self.per_example is not None:
-            # .grad ends as the batch's mean gradient (DDP averaging W ranks' sums), so an
-            # example's gradient is B / W times its share of this rank's .grad, whatever the
-            # micro-batches' loss weights
-            batches = self._batches
-            self.per_example.set_scale((batches.total / batches.world.size) ** 2)
+        self.small_norms.next_micro_batch()
 
     def finish(
         self, loss_scale: Tensor | float | None = None, loss: Tensor | None = None
     ) -> GradientStats:
-        """The step's statistics; call after the last backward, before the optimizer step.
+        """The step's statistics, read now (one host synchronisation); call after the last
+        backward, before the optimizer step.
 
         ``loss`` (optional) is this rank's share of the batch loss, summed as
         its micro-batch losses were weighted in backward; under DDP it travels
         in the same all-reduce and comes back as the batch's mean loss.
-        Nothing is read to the host here.
         """
+        return self.finish_pending(loss_scale, loss).read()
+
+    def finish_pending(
+        self, loss_scale: Tensor | float | None = None, loss: Tensor | None = None
+    ) -> PendingStats:
+        """:meth:`finish` without the read: the step's numbers gathered on the device (a few
+        operators, the collectives under DDP), read when the result's ``read()`` is called."""
         batches = self._batches
         if batches is None or batches.current is None:
             raise RuntimeError("finish() without a step: call begin() and before_backward()")
-        scale_sq = _squared(loss_scale)
-        grads = self.layout.grads()
-        sq_full = self.layout.per_group(sq_norms(grads))
-        # micro-batch i's mean gradient is its increment / its loss weight (divided at the
-        # hook); with per-example norms, each example's gradient
-        examples = self.per_example is not None
-        sub_sq_sum = self.small_norms.finish() / scale_sq
-        loss_sum = (
-            loss.detach().to(sub_sq_sum).reshape(())
-            if loss is not None
-            else sub_sq_sum.new_zeros(())
-        )
-        reduce_args = (sub_sq_sum, sq_full, loss_sum, scale_sq, batches)
-        signal_g, trace_g, loss_sum = (
-            self.noise.reduce(*reduce_args, examples=_examples_measured(self.per_example, batches))
-            if examples
-            else self.noise.reduce(*reduce_args)
-        )
-        signal, trace = signal_g.sum(), trace_g.sum()
-        sq_a, sq_b, dot_ab = self.halves.read(grads, sq_full, signal_g, trace_g, batches)
-        signal_ema, trace_ema = self.averages.update(signal, trace)
-
-        gsnr = self.gsnr_part.finish(grads, batches) if self.gsnr_part is not None else None
+        if self._unread is not None:  # the averages take every step, in order
+            self._unread.read()
         self._batches = None
-        return GradientStats(
-            similarity=half_split_cosine(sq_a.sum(), sq_b.sum(), dot_ab.sum()).float(),
-            group_similarity=half_split_cosine(sq_a, sq_b, dot_ab).float(),
-            grad_sq_norm=signal.float(),
-            trace=trace.float(),
-            noise_scale=(trace_ema / signal_ema).float(),
-            grad_sq_norm_ema=signal_ema.float(),
-            trace_ema=trace_ema.float(),
-            sizes=batches.all_sizes,
-            gsnr=gsnr,
-            loss=loss_sum.float() if loss is not None else None,
-            group_halves=torch.stack([sq_a, sq_b, dot_ab]).float(),
-        )
+        scale, host_scale = _loss_scale(loss_scale)
+        grads = self.layout.grads()
+        with torch.no_grad():
+            into = Gather()
+            grad_norms = _norms(grads)
+            small = self.small_norms.finish(batches)
+            loss_sum = loss if loss is not None else grad_norms[0].new_zeros(())
+            if isinstance(self.noise, PerRankNoise):
+                scale_sq = scale.double() ** 2 if scale is not None else host_scale**2
+                self.noise.gather(into, grad_norms, small, loss_sum, scale_sq, batches)
+            else:
+                self.noise.gather(into, grad_norms, small, loss_sum)
+            if scale is not None:
+                into.scalars("scale", [scale])
+            self.halves.gather(into, grads)
+            gsnr = self.gsnr_part.finish(grads, batches) if self.gsnr_part is not None else None
+            values = into.tensor()
+
+        def decode(floats: list[float]) -> GradientStats:
+            self._unread = None
+            read = into.split(floats)
+            scale_sq = read["scale"][0] ** 2 if "scale" in read else host_scale**2
+            stats = _estimate(self, read, scale_sq, small, batches)
+            stats.gsnr, stats.loss = gsnr, stats.loss if loss is not None else None
+            return stats
+
+        self._unread = PendingStats(values, decode)
+        return self._unread
 
     def provides(self) -> frozenset[str]:
         """What beyond the scalars this collector gathers (``"gsnr"``)."""
@@ -305,6 +305,32 @@ class MicroBatchStatistics:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         self.averages.load_state_dict(state)
+
+
+def _estimate(
+    collector: MicroBatchStatistics,
+    read: dict[str, list[float]],
+    scale_sq: float,
+    small: SmallNorms,
+    batches: SubBatches,
+) -> GradientStats:
+    """A step's statistics from the floats read, on the host (the averages take the step)."""
+    signal_g, trace_g, loss, sq_full = collector.noise.estimate(read, small, batches, scale_sq)
+    signal, trace = math.fsum(signal_g), math.fsum(trace_g)
+    sq_a, sq_b, dot_ab = collector.halves.read(read, sq_full, signal_g, trace_g, batches)
+    signal_ema, trace_ema = collector.averages.update(signal, trace)
+    return GradientStats(
+        similarity=half_split_cosine(math.fsum(sq_a), math.fsum(sq_b), math.fsum(dot_ab)),
+        group_similarity=[half_split_cosine(*t) for t in zip(sq_a, sq_b, dot_ab)],
+        grad_sq_norm=signal,
+        trace=trace,
+        noise_scale=_ratio(trace_ema, signal_ema),
+        grad_sq_norm_ema=signal_ema,
+        trace_ema=trace_ema,
+        sizes=batches.all_sizes,
+        loss=loss,
+        group_halves=[list(sq_a), list(sq_b), list(dot_ab)],
+    )
 
 
 def _check_sources(
@@ -354,13 +380,6 @@ def _gsnr_part(
     return WelfordGSNR(layout, current)
 
 
-def _examples_measured(per_example: PerExampleNorms | None, batches: SubBatches) -> int:
-    """How many examples' norms the step measured, on every rank."""
-    sample = per_example.sample if per_example is not None else None
-    every = batches.all_sizes
-    return sum(every) if sample is None else sum(min(b, sample) for b in every)
-
-
 def _sub_batches(
     sizes: Sequence[int],
     rank_sizes: Sequence[Sequence[int]] | None,
@@ -398,12 +417,25 @@ def _sub_batches(
     return SubBatches(local, every, [float(w) for w in loss_weights], world)
 
 
-def _squared(scale: Tensor | float | None) -> Tensor | float:
-    """The squared loss scale: a device tensor stays one (no host read), a number a number."""
+def _loss_scale(scale: Tensor | float | None) -> tuple[Tensor | None, float]:
+    """The loss scale: a tensor (read with the rest of the step), or a number (1 for none)."""
     if scale is None:
-        return 1.0
+        return None, 1.0
     if isinstance(scale, Tensor):
-        return scale.detach().double().reshape(()) ** 2
+        return scale.detach().reshape(()), 1.0
     if not math.isfinite(float(scale)) or float(scale) <= 0:
         raise ValueError(f"loss_scale must be a positive finite number, got {scale!r}")
-    return float(scale) ** 2
+    return None, float(scale)
+
+
+def _norms(grads: list[Tensor]) -> list[Tensor]:
+    """Each gradient's L2 norm, one fused call per accumulation dtype, in order."""
+    return norms(grads)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, NaN (not an error) where it is undefined."""
+    try:
+        return numerator / denominator
+    except ZeroDivisionError:
+        return math.nan

@@ -81,7 +81,7 @@ def noise_from_mean(
             f"sub-batches of sizes {list(sizes)} carry no noise information "
             f"(dataset_size={dataset_size})"
         )
-    return _unbiased(mean_sub_sq_norm, full_sq_norm, h, phi)
+    return unbiased(mean_sub_sq_norm, full_sq_norm, h, phi)
 
 
 def noise_from_examples(
@@ -102,11 +102,12 @@ def noise_from_examples(
             f"a batch of {examples} examples carries no noise information "
             f"(dataset_size={dataset_size})"
         )
-    return _unbiased(mean_example_sq_norm, full_sq_norm, h, phi)
+    return unbiased(mean_example_sq_norm, full_sq_norm, h, phi)
 
 
-def _unbiased(mean_sub_sq: Tensor, full_sq: Tensor, h: float, phi: float) -> tuple[Tensor, Tensor]:
-    """Solve ``E L = |G|² + h trΣ``, ``E T = |G|² + φ trΣ`` for ``(|G|², trΣ)``."""
+def unbiased(mean_sub_sq: Tensor, full_sq: Tensor, h: float, phi: float) -> tuple[Tensor, Tensor]:
+    """Solve ``E L = |G|² + h trΣ``, ``E T = |G|² + φ trΣ`` for ``(|G|², trΣ)`` (tensors or
+    floats)."""
     denominator = h - phi
     trace = (mean_sub_sq - full_sq) / denominator
     signal = (h * full_sq - phi * mean_sub_sq) / denominator
@@ -114,8 +115,12 @@ def _unbiased(mean_sub_sq: Tensor, full_sq: Tensor, h: float, phi: float) -> tup
 
 
 def half_split_cosine(sq_a: Tensor, sq_b: Tensor, dot_ab: Tensor, eps: float = 1e-30) -> Tensor:
-    """``<g_A, g_B> / (|g_A| |g_B|)`` from the squared norms and the dot product, in [-1, 1]."""
-    return (dot_ab / (sq_a.clamp(min=eps) * sq_b.clamp(min=eps)).sqrt()).clamp(-1.0, 1.0)
+    """``<g_A, g_B> / (|g_A| |g_B|)`` from the squared norms and the dot product, in [-1, 1]
+    (tensors, or floats; a NaN stays NaN)."""
+    if isinstance(sq_a, Tensor):
+        return (dot_ab / (sq_a.clamp(min=eps) * sq_b.clamp(min=eps)).sqrt()).clamp(-1.0, 1.0)
+    cosine = dot_ab / math.sqrt(max(sq_a, eps) * max(sq_b, eps))
+    return cosine if math.isnan(cosine) else min(1.0, max(-1.0, cosine))
 
 
 def scalar_halves(

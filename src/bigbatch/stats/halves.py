@@ -11,7 +11,8 @@
   no buffer, no traffic.
 
 The measured forms hold each half's gradient up to a positive factor (its
-share of the batch), which no cosine sees.
+share of the batch), which no cosine sees. Each mode *gathers* its device numbers
+into the step's single read and *reads* the terms from the floats, on the host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from ..dist.hooks import TwoGroupCosine
 from ..dist.world import World
 from .estimators import scalar_halves
 from .layout import ParamLayout, SubBatches
+from .noise import _group_sums
+from .result import Gather
+
+#: per group: the three terms, each a list of floats
+Halves = tuple[list[float], list[float], list[float]]
 
 SIMILARITY_MODES = ("split", "scalar")
 
@@ -52,20 +58,24 @@ class SplitMicroBatches:
                 torch._foreach_copy_(self._half, grads)
             self._taken = True
 
-    def read(
-        self,
-        grads: list[Tensor],
-        sq_full: Tensor,
-        signal: Tensor,
-        trace: Tensor,
-        batches: SubBatches,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def gather(self, into: Gather, grads: list[Tensor]) -> None:
         if not self._taken or self._half is None:
             raise RuntimeError("the half-way micro-batch was never announced (before_backward)")
-        sq_a = self.layout.per_group(norms(self._half), square=True)
-        dot_a_full = self.layout.per_group(dots(self._half, grads))
+        into.scalars("half_norms", norms(self._half))
+        into.scalars("half_dots", dots(self._half, grads))
+
+    def read(
+        self, read: dict[str, list[float]], sq_full: list[float], signal, trace, batches
+    ) -> Halves:
+        owners, groups = self.layout.owner_list, self.layout.num_groups
+        sq_a = _group_sums([v * v for v in read["half_norms"]], owners, groups)
+        dot_a_full = _group_sums(read["half_dots"], owners, groups)
         # .grad = a + b: |b|² = |g|² - 2<a, g> + |a|², <a, b> = <a, g> - |a|²
-        return sq_a, sq_full - 2 * dot_a_full + sq_a, dot_a_full - sq_a
+        return (
+            sq_a,
+            [f - 2 * d + a for f, d, a in zip(sq_full, dot_a_full, sq_a)],
+            [d - a for d, a in zip(dot_a_full, sq_a)],
+        )
 
     def traffic(self) -> int:
         return 0
@@ -87,15 +97,14 @@ class SplitRanks:
     def before_backward(self, index: int, batches: SubBatches) -> None:
         pass
 
+    def gather(self, into: Gather, grads: list[Tensor]) -> None:
+        into.vector("halves", torch.stack(self.hook_state.read()).reshape(-1))
+
     def read(
-        self,
-        grads: list[Tensor],
-        sq_full: Tensor,
-        signal: Tensor,
-        trace: Tensor,
-        batches: SubBatches,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return self.hook_state.read()
+        self, read: dict[str, list[float]], sq_full: list[float], signal, trace, batches
+    ) -> Halves:
+        values, groups = read["halves"], len(read["halves"]) // 3
+        return values[:groups], values[groups : 2 * groups], values[2 * groups :]
 
     def traffic(self) -> int:
         return self.hook_state.traffic()
@@ -116,18 +125,25 @@ class FromNoiseScalars:
     def before_backward(self, index: int, batches: SubBatches) -> None:
         pass
 
+    def gather(self, into: Gather, grads: list[Tensor]) -> None:
+        pass
+
     def read(
         self,
-        grads: list[Tensor],
-        sq_full: Tensor,
-        signal: Tensor,
-        trace: Tensor,
+        read: dict[str, list[float]],
+        sq_full: list[float],
+        signal: list[float],
+        trace: list[float],
         batches: SubBatches,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> Halves:
         size_a = sum(batches.half_sizes())
         if not 0 < size_a < batches.total:  # one micro-batch (per-example norms): its halves
             size_a = batches.total / 2
-        return scalar_halves(signal, trace, size_a, batches.total - size_a, self.dataset_size)
+        size_b = batches.total - size_a
+        terms = [
+            scalar_halves(g, t, size_a, size_b, self.dataset_size) for g, t in zip(signal, trace)
+        ]
+        return tuple([list(column) for column in zip(*terms)])  # type: ignore[return-value]
 
     def traffic(self) -> int:
         return 0

@@ -50,6 +50,11 @@ class ParamLayout:
         self.owner = torch.tensor(self._owner_list, device=self.device)
         self._subsets: dict[tuple[int, ...], Tensor] = {}
 
+    @property
+    def owner_list(self) -> list[int]:
+        """The group of each parameter, as a list."""
+        return self._owner_list
+
     def group_of(self, param_index: int) -> int:
         """The group of parameter ``param_index`` (an index into ``params``)."""
         return self._owner_list[param_index]

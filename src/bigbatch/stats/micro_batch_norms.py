@@ -17,14 +17,21 @@ import torch
 from torch import Tensor
 
 from .._tensors import norms
+from .estimators import inverse_size
 from .layout import ParamLayout, SubBatches
+from .noise import SmallNorms
 
 
 class MicroBatchNorms:
     """``Σ_i |g_i|²`` per parameter group over a step's micro-batches ``i``."""
 
-    def __init__(self, layout: ParamLayout, current: Callable[[], SubBatches | None]) -> None:
-        self.layout = layout
+    def __init__(
+        self,
+        layout: ParamLayout,
+        current: Callable[[], SubBatches | None],
+        dataset_size: int | None = None,
+    ) -> None:
+        self.layout, self.dataset_size = layout, dataset_size
         self._current = current
         self._sub_sq: Tensor | None = None  # (micro-batches, groups): |g_i|² / l_i²
         self.handles = [
@@ -33,21 +40,24 @@ class MicroBatchNorms:
             )
         ]
 
-    def begin(self) -> None:
-        """Start a step of the current sub-batches: no norms yet."""
-        batches = self._current()
-        assert batches is not None  # the collector sets them before it begins its parts
+    def begin(self, batches: SubBatches) -> None:
+        """Start a step of these sub-batches: no norms yet."""
         self._sub_sq = torch.zeros(
             len(batches.sizes), self.layout.num_groups, device=self.layout.device,
             dtype=torch.float64,
         )  # fmt: skip
 
-    def finish(self) -> Tensor:
-        """The sum over this rank's micro-batches, per group, in float64; ends the step."""
+    def next_micro_batch(self) -> None:
+        pass
+
+    def finish(self, batches: SubBatches) -> SmallNorms:
+        """The sum over this rank's micro-batches, per group (float64); ends the step."""
         sub_sq, self._sub_sq = self._sub_sq, None
         if sub_sq is None:
             raise RuntimeError("micro-batch norms: finish() without begin()")
-        return sub_sq.sum(0)
+        sizes = batches.all_sizes
+        h = sum(inverse_size(b, self.dataset_size) for b in sizes) / len(sizes)
+        return SmallNorms(count=len(sizes), h=h, sums=sub_sq.sum(0))
 
     def _on_gradients(self, grads: Sequence[Tensor | None]) -> None:
         """Every parameter's increment of this backward, before it reaches ``.grad``."""

@@ -1,75 +1,143 @@
-"""``(|G|², tr Σ)`` per group from the step's sub-batch norms, two ways; one is chosen once.
+"""``(|G|², tr Σ)`` per group from the step's small-batch norms, two ways; one is chosen once.
 
-- :class:`ReducedNoise`: the sub-batches are every rank's micro-batches;
-  their summed squared norms and ``|g|²`` of the reduced gradient (and the
-  loss) travel in one all-reduce of ``2 G + 1`` float64 under DDP or FSDP2
-  (where ``|g|²`` is the sum of the ranks' shards'; nothing on one process),
-  so every rank decides from bitwise identical numbers.
+Each part first *gathers* device numbers into the step's single read
+(:class:`~bigbatch.stats.result.Gather`), then *estimates* from the floats read,
+on the host:
+
+- :class:`ReducedNoise`: the small batches are every rank's micro-batches, or
+  the units of examples of :mod:`~bigbatch.stats.per_example`; their squared
+  norms and ``|g|²`` of the reduced gradient (and the loss) travel in one
+  all-reduce of ``2 G + 1`` float64 under DDP or FSDP2 (where ``|g|²`` is the
+  sum of the ranks' shards'; nothing travels on one process), so every rank
+  decides from bitwise identical numbers.
 - :class:`PerRankNoise`: the reduced gradient is not the exact mean (a lossy
-  comm hook, e.g. compression): each rank estimates from its own
-  micro-batches and the uncompressed ``|g|²`` of its local mean (taken in a
-  tensor hook at its last micro-batch, before DDP reduces), and the
-  estimates are averaged.
+  comm hook, e.g. compression): each rank estimates from its own micro-batches
+  and the uncompressed ``|g|²`` of its local mean (taken in a tensor hook at its
+  last micro-batch, before DDP reduces), and the estimates are averaged.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._tensors import norms
 from ..dist.world import World
-from .estimators import ema_update, noise_from_examples, noise_from_mean
+from .estimators import inverse_size, noise_from_mean, unbiased
 from .layout import ParamLayout, SubBatches
+from .result import Gather
+
+
+@dataclass
+class SmallNorms:
+    """The step's small-batch gradient norms, as a source left them.
+
+    Either ``sums``, a device vector of ``Σ |g_b|²`` per group (already squared and
+    weighted), or ``norms``, device scalars whose squares are summed into their
+    ``groups`` on the host. ``count`` small batches were measured over every rank, with
+    ``h`` the mean of ``φ(b)`` over them; the mean squared norm of a small batch's mean
+    gradient is ``factor × Σ / count``.
+    """
+
+    count: int
+    h: float
+    factor: float = 1.0
+    sums: Tensor | None = None
+    norms: Sequence[Tensor] = ()
+    groups: Sequence[int] = ()
+
+
+def _group_sums(squares: Sequence[float], groups: Sequence[int], num_groups: int) -> list[float]:
+    out = [0.0] * num_groups
+    for value, group in zip(squares, groups):
+        out[group] += value
+    return out
 
 
 class ReducedNoise:
-    """Noise estimates from all sub-batches and the reduced ``.grad``."""
+    """Noise estimates from all small batches and the reduced ``.grad``."""
 
-    def __init__(self, world: World, dataset_size: int | None) -> None:
-        self.world, self.dataset_size = world, dataset_size
+    def __init__(self, layout: ParamLayout, world: World, dataset_size: int | None) -> None:
+        self.layout, self.world, self.dataset_size = layout, world, dataset_size
         self.bytes = 0
         self.handles: list = []
+        self._owners: dict[tuple[int, ...], Tensor] = {}
 
     def begin(self, batches: SubBatches) -> None:
         pass
 
-    def reduce(
+    def gather(
         self,
-        sub_sq_sum: Tensor,
-        sq_full: Tensor,
+        into: Gather,
+        grad_norms: Sequence[Tensor],
+        small: SmallNorms,
         loss: Tensor,
-        scale_sq: Tensor | float,
-        batches: SubBatches,
-        examples: int | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(|G|², trΣ, loss)`` per group from ``sub_sq_sum``, the sum of the squared norms
-        of this rank's sub-batch mean gradients (with ``examples``, of the gradients of
-        the examples measured, that many on all ranks), and ``sq_full``, the reduced
-        gradient's."""
-        groups = len(sq_full)
-        if self.world.distributed:
-            size = self.world.size
-            # DDP: every rank holds the whole reduced gradient (average the equal values);
-            # FSDP2: each holds a shard (sum the shards' squared norms)
-            sq_part = sq_full if self.world.sharded else sq_full / size
-            packed = torch.cat([sub_sq_sum, sq_part, (loss / size)[None]])
-            self.world.all_reduce_sum(packed)
-            self.bytes += packed.numel() * packed.element_size()
-            sub_sq_sum, sq_full, loss = packed[:groups], packed[groups:-1], packed[-1]
-        if examples:  # every sub-batch one example
-            signal, trace = noise_from_examples(
-                sub_sq_sum / examples, batches.total, sq_full / scale_sq, self.dataset_size
+    ) -> None:
+        """Put this rank's numbers into the read: as they are on one process, summed over the
+        ranks (one all-reduce) under DDP or FSDP2."""
+        if not self.world.distributed:
+            into.scalars("loss", [loss])
+            into.scalars("grad", grad_norms)
+            if small.sums is not None:
+                into.vector("small", small.sums)
+            else:
+                into.scalars("small", small.norms)
+            return
+        size, groups = self.world.size, self.layout.num_groups
+        sq_full = self.layout.per_group(torch.stack(list(grad_norms)), square=True)
+        # DDP: every rank holds the whole reduced gradient (average the equal values);
+        # FSDP2: each holds a shard (sum the shards' squared norms)
+        sq_part = sq_full if self.world.sharded else sq_full / size
+        sums = small.sums if small.sums is not None else self._sum_norms(small)
+        packed = torch.cat([sums, sq_part, (loss.double() / size).reshape(1)])
+        self.world.all_reduce_sum(packed)
+        self.bytes += packed.numel() * packed.element_size()
+        into.vector("reduced", packed)
+        assert len(packed) == 2 * groups + 1
+
+    def _sum_norms(self, small: SmallNorms) -> Tensor:
+        """The squared norms summed per group on the device (for the all-reduce)."""
+        key = tuple(small.groups)
+        owners = self._owners.get(key)
+        if owners is None:
+            owners = self._owners[key] = torch.tensor(key, device=self.layout.device)
+        squares = torch.stack(list(small.norms)).double().square()
+        out = torch.zeros(self.layout.num_groups, dtype=torch.float64, device=squares.device)
+        return out.index_add_(0, owners, squares)
+
+    def estimate(
+        self, read: dict[str, list[float]], small: SmallNorms, batches: SubBatches, scale_sq: float
+    ) -> tuple[list[float], list[float], float, list[float]]:
+        """``(|G|², trΣ, loss, |g|² before unscaling)``, the first two per group."""
+        groups = self.layout.num_groups
+        if "reduced" in read:
+            packed = read["reduced"]
+            sums, sq_full, loss = packed[:groups], packed[groups:-1], packed[-1]
+        else:
+            loss = read["loss"][0]
+            sq_full = _group_sums([v * v for v in read["grad"]], self.layout.owner_list, groups)
+            if small.sums is not None:
+                sums = read["small"]
+            else:
+                sums = _group_sums([v * v for v in read["small"]], small.groups, groups)
+        phi = inverse_size(batches.total, self.dataset_size)
+        if small.h - phi <= 0:
+            raise ValueError(
+                f"small batches of mean inverse size {small.h:.4g} in a batch of "
+                f"{batches.total} carry no noise information (dataset_size={self.dataset_size})"
             )
-            return signal, trace, loss
-        sizes = batches.all_sizes
-        signal, trace = noise_from_mean(
-            sub_sq_sum / len(sizes), sizes, sq_full / scale_sq, self.dataset_size
-        )
-        return signal, trace, loss
+        signal, trace = [], []
+        for s, full in zip(sums, sq_full):
+            mean_small = s * small.factor / small.count / scale_sq
+            g, t = unbiased(mean_small, full / scale_sq, small.h, phi)
+            signal.append(g)
+            trace.append(t)
+        return signal, trace, loss, list(sq_full)
 
     def traffic(self) -> int:
         return self.bytes
@@ -135,25 +203,34 @@ class PerRankNoise:
         self._local_sq[self.layout.group_of(param_index)] += norms([total])[0].double().square()
         self._sums.pop(param_index, None)
 
-    def reduce(
+    def gather(
         self,
-        sub_sq_sum: Tensor,
-        sq_full: Tensor,
+        into: Gather,
+        grad_norms: Sequence[Tensor],
+        small: SmallNorms,
         loss: Tensor,
         scale_sq: Tensor | float,
         batches: SubBatches,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        assert self._local_sq is not None
-        groups = len(sq_full)
+    ) -> None:
+        """This rank's estimate, averaged over the ranks (one all-reduce of ``2 G + 1``)."""
+        assert self._local_sq is not None and small.sums is not None
+        groups = self.layout.num_groups
         # the rank's local mean: its accumulated gradient over its summed loss weights
         local_sq = self._local_sq / sum(batches.loss_weights) ** 2 / scale_sq
         signal, trace = noise_from_mean(
-            sub_sq_sum / len(batches.sizes), batches.sizes, local_sq, self.dataset_size
+            small.sums / len(batches.sizes) / scale_sq, batches.sizes, local_sq, self.dataset_size
         )
-        packed = torch.cat([signal, trace, loss[None]]) / self.world.size
+        packed = torch.cat([signal, trace, loss.double().reshape(1)]) / self.world.size
         self.world.all_reduce_sum(packed)
         self.bytes += packed.numel() * packed.element_size()
-        return packed[:groups], packed[groups:-1], packed[-1]
+        into.vector("rank_estimates", packed)
+        assert len(packed) == 2 * groups + 1
+
+    def estimate(
+        self, read: dict[str, list[float]], small: SmallNorms, batches: SubBatches, scale_sq: float
+    ) -> tuple[list[float], list[float], float, list[float]]:
+        packed, groups = read["rank_estimates"], self.layout.num_groups
+        return packed[:groups], packed[groups:-1], packed[-1], []
 
     def traffic(self) -> int:
         return self.bytes
@@ -162,34 +239,32 @@ class PerRankNoise:
 class NoiseAverages:
     """Bias-corrected moving averages of ``|G|²`` and ``tr Σ``, apart (gpt-neox, β 0.99).
 
-    The noise scale is the ratio of the two averages, never an average of
-    ratios; a non-finite step's estimates are skipped without a host read.
+    The noise scale is the ratio of the two averages, never an average of ratios; a
+    non-finite step's estimates are skipped. Kept on the host: they are updated from the
+    floats the step reads anyway.
     """
 
-    def __init__(self, beta: float, device: torch.device) -> None:
+    def __init__(self, beta: float) -> None:
         if not 0 <= beta < 1:
             raise ValueError(f"ema_beta must be in [0, 1), got {beta!r}")
         self.beta = beta
-        self._signal = torch.zeros((), device=device, dtype=torch.float64)
-        self._trace = torch.zeros((), device=device, dtype=torch.float64)
+        self._signal = self._trace = 0.0
         self._steps = 0
 
-    def update(self, signal: Tensor, trace: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, signal: float, trace: float) -> tuple[float, float]:
         """Add one step's estimates; the corrected averages ``(|G|², tr Σ)``."""
-        ema_update(self._signal, signal, self.beta)
-        ema_update(self._trace, trace, self.beta)
+        if math.isfinite(signal):
+            self._signal = self.beta * self._signal + (1 - self.beta) * signal
+        if math.isfinite(trace):
+            self._trace = self.beta * self._trace + (1 - self.beta) * trace
         self._steps += 1
         correction = 1 - self.beta**self._steps
         return self._signal / correction, self._trace / correction
 
     def state_dict(self) -> dict[str, object]:
-        return {
-            "signal_ema": self._signal.clone(),
-            "trace_ema": self._trace.clone(),
-            "ema_steps": self._steps,
-        }
+        return {"signal_ema": self._signal, "trace_ema": self._trace, "ema_steps": self._steps}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self._signal.copy_(state["signal_ema"])  # type: ignore[arg-type]
-        self._trace.copy_(state["trace_ema"])  # type: ignore[arg-type]
+        self._signal = float(state["signal_ema"])  # type: ignore[arg-type]
+        self._trace = float(state["trace_ema"])  # type: ignore[arg-type]
         self._steps = int(state["ema_steps"])  # type: ignore[call-overload]

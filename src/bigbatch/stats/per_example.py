@@ -1,144 +1,290 @@
-"""Per-example squared gradient norms in the backward pass the step already runs.
+"""Gradient norms of each example, or of small groups of examples, from the one backward pass.
 
-The noise scale needs ``E|g|²`` at two batch sizes (docs/algorithms.md,
-"Gradient statistics"). The sub-batch estimator gets the small one from
-micro-batches, which costs a split of every step. The per-example gradients
-give it at batch 1, and for the layers that hold almost all of a model's
-parameters their squared norms come from what the layer's backward already
-has, its input ``a`` and its output's gradient ``δ``, without forming the
-per-example gradient (Goodfellow 2015, "Efficient per-example gradient
-computations"):
+The noise scale needs ``E|g_b|²`` at a batch ``b`` smaller than the step's
+(docs/algorithms.md, "Gradient statistics"). Splitting the step into
+micro-batches gives it, at the price of one forward and backward per split.
+Here it comes from inside the step's single backward pass: each micro-batch of
+``n`` examples is cut into ``k`` *units* of ``m`` consecutive examples (the
+examples of a shuffled batch are exchangeable, so any ``m`` of them are a random
+batch of ``m``), and every covered layer forms its weight gradient unit by unit,
+so that each unit's squared gradient norm falls out of work the backward does
+anyway:
 
-- ``Linear`` on ``(N, d_in)``: ``|g_i(W)|² = |a_i|² |δ_i|²``; on sequences
-  ``(N, T, d_in)`` either the "ghost norm" ``Σ_{t,t'} (a_t·a_t')(δ_t·δ_t')``
-  (Li et al. 2022, "Large language models can be strong differentially
-  private learners") or ``|δ_iᵀ a_i|²``, whichever costs less (``2T²`` against
-  ``d_in d_out``); the bias ``|Σ_t δ_t|²``;
-- ``Embedding``: ``Σ_{t,t'} [x_t = x_t'] δ_t·δ_t'`` (rows hit twice add up);
-- ``LayerNorm``: ``|Σ_t x̂_t ⊙ δ_t|²`` and ``|Σ_t δ_t|²`` (Gray et al. 2024 find
-  these alone track a transformer's noise scale);
-- ``Conv1d``/``Conv2d`` (one group): the ``Linear`` rule on the unfolded input.
+- ``Linear`` (and ``Conv1d``/``Conv2d`` on their unfolded input): the weight
+  gradient as one batched product over the units, ``G_u = δ_uᵀ a_u``, summed
+  for ``.grad`` and normed for the statistics: the "simultaneous" per-example
+  gradient of Gray et al. 2024 ("Normalization layer per-example gradients are
+  sufficient to predict gradient noise scale in transformers", nanoGNS), which
+  replaces the weight gradient's product instead of adding one. Where a unit
+  holds few rows against the layer's size (a vector input, one row per
+  example) the Gram matrices of its inputs and output gradients give the norm
+  for less (the "ghost norm", Li et al. 2022), the choice made per layer by cost
+  as Bu et al. 2023's book-keeping does;
+- ``Embedding``: each unit's rows scattered into a table of its own (or, for a
+  vocabulary too large for ``k`` tables, summed by sorted key);
+- ``LayerNorm``: ``Σ_t x̂_t ⊙ δ_t`` and ``Σ_t δ_t`` per unit, taken once at the
+  end of the step for every LayerNorm of one shape together (their inputs and
+  output gradients are held until then), so that each such layer costs what
+  its plain backward does.
 
-:data:`RULES` is the registry, as data. A model is *covered* when every
-trainable parameter belongs to exactly one module of a type in it, as that
-module's own ``weight`` or ``bias``, and every such module runs once per
-forward; then :class:`PerExampleNorms` gives ``Σ_i |g_i|²`` per parameter group
-for each micro-batch, and the step needs micro-batches only for memory.
-A model that is not covered (a bare ``nn.Parameter``, a BatchNorm, which
-couples the examples, tied weights) keeps the sub-batch estimator;
-:func:`uncovered` names what is missing.
+With ``n`` below ``2 units`` (``units`` is 32 by default) every example is its
+own unit: the per-example norms. Larger micro-batches have units of
+``m = ⌊n_min / units⌋`` examples, between ``units`` and ``2 units`` of them (the
+examples past the last whole unit train but are not measured). Every unit's
+norm is exact and the estimate built from them unbiased for any ``m``
+(McCandlish et al. 2018, App. A); its variance stays that of ``k`` per-example
+norms while ``m`` is below the noise scale.
+
+:data:`RULES` is the registry, as data. A model is *covered* when every trainable
+parameter belongs to exactly one module of a type in it, as that module's own
+``weight`` or ``bias``, and every such module runs once per forward. A model that
+is not (a bare ``nn.Parameter``, a BatchNorm, which couples the examples, tied
+weights) keeps the sub-batch estimator; :func:`uncovered` names what is missing.
 
 Examples are the first dimension of each layer's input (batch-first models).
+Nothing is read to the host: each layer leaves a few device scalars, which the
+collector reads with the rest of the step's statistics in one transfer.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional
 
-from .layout import ParamLayout
+from .._tensors import norm_dtype
+from .estimators import inverse_size
+from .layout import ParamLayout, SubBatches
+from .noise import SmallNorms
 
-__all__ = ["RULES", "PerExampleNorms", "uncovered"]
+__all__ = ["RULES", "PerExampleNorms", "uncovered", "unit_size"]
+
+#: the default most units per micro-batch
+UNITS = 32
+#: a layer forms its per-unit gradients (``k p q`` numbers) unless the Gram matrices of
+#: its units (``2 (mT)² (p + q)`` multiply-adds) cost less than this many times fewer
+#: multiply-adds: a number written and read twice costs about that many
+_ELEMENT_COST = 16
+#: an embedding's units each take a table of their own while the tables hold at most this
+#: many times the micro-batch's rows, or this many numbers at most; beyond (a large
+#: vocabulary), each unit's rows are summed by sorted key, in the micro-batch's memory
+_TABLE_ROWS = 1
+_TABLE_NUMBERS = 1 << 22
 
 #: ``torch.compiler.disable`` that imports Dynamo when first called (torch >= 2.1 has it)
 _eager_under_compile = getattr(torch, "_disable_dynamo", torch.compiler.disable)
 
-#: a rule: (module, its input, its output's gradient) -> {parameter name: Σ_i |g_i|²}, each
-#: a 0-dimensional tensor (the sum over the examples: the estimator needs no more)
-Rule = Callable[[nn.Module, Tensor, Tensor], dict[str, Tensor]]
+
+def unit_size(smallest: int, units: int | None = UNITS) -> int:
+    """The examples per unit of a step whose smallest micro-batch has ``smallest``:
+    ``⌊smallest / units⌋``, at least one (None: one), so that a micro-batch holds between
+    ``units`` and ``2 units`` whole units, or each of its examples alone."""
+    if units is None:
+        return 1
+    return max(1, smallest // units)
 
 
-def _sq(x: Tensor) -> Tensor:
-    """``|x|²`` in one kernel (two from bf16: summed in fp32)."""
-    flat = _wide(x).reshape(-1)
-    return flat.dot(flat)
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs a matrix product in on ``device``, or None where it is off."""
+    kind = device.type
+    try:
+        if not torch.is_autocast_enabled(kind):
+            return None
+    except RuntimeError:  # a device autocast does not know (meta)
+        return None
+    return torch.get_autocast_dtype(kind)
 
 
-def _matrix_sq(a: Tensor, d: Tensor) -> Tensor:
-    """``Σ_i |d_iᵀ a_i|²`` for ``a`` ``(N, T, p)`` and ``d`` ``(N, T, q)``, the cheaper way."""
-    steps, p, q = a.shape[1], a.shape[2], d.shape[2]
-    if steps == 1:
-        return _wide(a).square().sum((1, 2)).dot(_wide(d).square().sum((1, 2)))
-    if 2 * steps * steps <= p * q:  # the ghost norm: two T x T Gram matrices
-        grams = torch.bmm(a, a.transpose(1, 2)), torch.bmm(d, d.transpose(1, 2))
-        return _wide(grams[0]).reshape(-1).dot(_wide(grams[1]).reshape(-1))
-    return _sq(torch.bmm(d.transpose(1, 2), a))
+@dataclass
+class _Step:
+    """One step's measurements: a device scalar per part, with its parameter group."""
+
+    #: examples per unit
+    m: int
+    norms: list[Tensor] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+    #: LayerNorms' (input, mean, rstd, output gradient, units, groups), taken at the end
+    held: list[tuple] = field(default_factory=list)
+    #: the layers that ran in the current micro-batch's forward
+    ran: set[int] = field(default_factory=set)
 
 
-def _wide(x: Tensor) -> Tensor:
-    """``x`` in float32 at least, for element-wise work and sums."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+class _Layer:
+    """What a covered layer's function needs of the collector: its step and its groups."""
+
+    def __init__(self, probe: PerExampleNorms, name: str, groups: dict[str, int]) -> None:
+        self.probe, self.name, self.groups = probe, name, groups
+
+    def units(self, n: int) -> tuple[int, int]:
+        """``(k, m)``: the units of a micro-batch of ``n`` examples and their size."""
+        m = self.probe.step.m
+        return n // m, m
+
+    def record(self, names: Sequence[str], norms: Sequence[Tensor]) -> None:
+        """The norms of this layer's parameters ``names`` (a frozen one's are not kept)."""
+        step = self.probe.step
+        for name, norm in zip(names, norms):
+            if name in self.groups:
+                step.norms.append(norm)
+                step.groups.append(self.groups[name])
+
+    def offsets(self, n: int, k: int, m: int, rows: int, dims: int, device) -> Tensor:
+        """Per example of a micro-batch of ``n``, where its unit's table starts (``k rows``
+        past the last unit), shaped to add to ids of ``dims`` dimensions; cached."""
+        key = (n, k, m, rows, dims, device)
+        cached = self.probe.offsets.get(key)
+        if cached is None:
+            unit = torch.arange(n, device=device).div_(m, rounding_mode="floor").clamp_(max=k)
+            cached = unit.mul_(rows).reshape(n, *([1] * (dims - 1)))
+            self.probe.offsets[key] = cached
+        return cached
 
 
-def _for_products(x: Tensor, like: Tensor) -> Tensor:
-    """``x`` in the dtype the matrix products run in: bf16 where the gradient is bf16 (the
-    tensor cores, accumulating in fp32; bf16 has fp32's range), else fp32 at least (an
-    fp16 product of activations can overflow)."""
-    if like.dtype == torch.bfloat16:
-        return x.to(torch.bfloat16)
-    return _wide(x)
+# ---------------------------------------------------------------- Linear (and convolutions)
 
 
-def _sequence(x: Tensor) -> Tensor:
-    """``(N, ..., f)`` as ``(N, T, f)``."""
-    return x.reshape(x.shape[0], -1, x.shape[-1])
+def _by_units(x: Tensor, k: int, m: int) -> Tensor:
+    """The first ``k m`` examples of ``x`` as ``(k, rows, features)``."""
+    if k * m != len(x):
+        x = x[: k * m]
+    return x.reshape(k, -1, x.shape[-1])
 
 
-def _linear(module: nn.Module, a: Tensor, d: Tensor) -> dict[str, Tensor]:
-    a, d = _for_products(_sequence(a), d), _for_products(_sequence(d), d)
-    out = {"weight": _matrix_sq(a, d)}
-    if module.bias is not None:
-        out["bias"] = _sq(d.sum(1))
-    return out
+def _ghost_is_cheaper(rows: int, p: int, q: int) -> bool:
+    """A unit of ``rows`` rows: its Gram matrices (``2 rows² (p + q)``) against its
+    gradient (``p q`` numbers, written and read twice)."""
+    return 2 * rows * rows * (p + q) < _ELEMENT_COST * p * q
 
 
-def _embedding(module: nn.Module, x: Tensor, d: Tensor) -> dict[str, Tensor]:
-    ids = x.reshape(x.shape[0], -1)
-    d = _for_products(_sequence(d), d)
-    if module.padding_idx is not None:  # the padding row gets no gradient
-        d = d * (ids != module.padding_idx).unsqueeze(-1)
-    gram = _wide(torch.bmm(d, d.transpose(1, 2)))
-    same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(gram.dtype)
-    return {"weight": same.reshape(-1).dot(gram.reshape(-1))}
-
-
-def _layer_norm(module: nn.Module, x: Tensor, d: Tensor) -> dict[str, Tensor]:
-    shape = module.normalized_shape
-    n = x.shape[0]
-    d = _wide(d).reshape(n, -1, *shape)
-    out = {}
-    if module.weight is not None:
-        normed = functional.layer_norm(_wide(x), shape, None, None, module.eps)
-        out["weight"] = _sq((normed.reshape(d.shape) * d).sum(1))
-    if module.bias is not None:
-        out["bias"] = _sq(d.sum(1))
-    return out
-
-
-def _conv(module: nn.Module, x: Tensor, d: Tensor) -> dict[str, Tensor]:
-    one_d = isinstance(module, nn.Conv1d)
-    if one_d:  # as a 2-D convolution of height 1
-        x, d = x.unsqueeze(2), d.unsqueeze(2)
-        kernel, dilation = (1, *module.kernel_size), (1, *module.dilation)
-        padding, stride = (0, *module.padding), (1, *module.stride)
+def _matrix_gradients(
+    layer: _Layer, a: Tensor, d: Tensor, bias: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The weight (``q x p``) and bias gradients of ``d ᵀ a`` over the first dimension's
+    examples (``a`` ``(N, ..., p)``, ``d`` ``(N, ..., q)``), and each unit's norms recorded."""
+    n, p, q = len(a), a.shape[-1], d.shape[-1]
+    k, m = layer.units(n)
+    rows = (a.numel() // n) // p * m
+    if rows == 1:  # one row an example, each its own unit: |g_i(W)|² = |a_i|² |δ_i|²
+        a, d = a.reshape(n, p), d.reshape(n, q)
+        grad_w = d.t().mm(a)
+        wide = norm_dtype(a)
+        rows_w = torch.linalg.vector_norm(a, dim=1, dtype=wide) * torch.linalg.vector_norm(
+            d, dim=1, dtype=wide
+        )
+        if not bias:
+            layer.record(("weight",), (torch.linalg.vector_norm(rows_w),))
+            return grad_w, None
+        norm_w, norm_b = torch.linalg.vector_norm(rows_w), torch.linalg.vector_norm(d, dtype=wide)
+        layer.record(("weight", "bias"), (norm_w, norm_b))
+        return grad_w, d.sum(0)
+    au, du = _by_units(a, k, m), _by_units(d, k, m)
+    if _ghost_is_cheaper(rows, p, q):
+        grad_w = d.reshape(-1, q).t().mm(a.reshape(-1, p))
+        gram_a, gram_d = torch.bmm(au, au.mT), torch.bmm(du, du.mT)
+        wide = norm_dtype(gram_a)
+        norm_w = (gram_a.to(wide) * gram_d.to(wide)).sum().sqrt()
     else:
-        kernel, dilation = module.kernel_size, module.dilation
-        padding, stride = module.padding, module.stride
-    x = _for_products(x, d)
-    columns = functional.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
-    n = x.shape[0]
-    a = columns.transpose(1, 2)  # (N, positions, C_in · kernel)
-    d = _for_products(d, d).reshape(n, d.shape[1], -1).transpose(1, 2)  # (N, positions, C_out)
-    out = {"weight": _matrix_sq(a, d)}
-    if module.bias is not None:
-        out["bias"] = _sq(d.sum(1))
-    return out
+        units = torch.bmm(du.mT, au)  # (k, q, p): the simultaneous form
+        grad_w = units.sum(0)
+        if k * m != n:
+            grad_w = grad_w.addmm_(d[k * m :].reshape(-1, q).t(), a[k * m :].reshape(-1, p))
+        norm_w = None
+    grad_b = None
+    if bias:
+        unit_b = du.sum(1)
+        grad_b = unit_b.sum(0)
+        if k * m != n:
+            grad_b = grad_b + d[k * m :].reshape(-1, q).sum(0)
+        if norm_w is None:
+            norm_w, norm_b = torch._foreach_norm([units, unit_b], 2, dtype=norm_dtype(units))
+        else:
+            norm_b = torch.linalg.vector_norm(unit_b, dtype=norm_dtype(unit_b))
+        layer.record(("weight", "bias"), (norm_w, norm_b))
+    else:
+        if norm_w is None:
+            norm_w = torch.linalg.vector_norm(units, dtype=norm_dtype(units))
+        layer.record(("weight",), (norm_w,))
+    return grad_w, grad_b
 
 
-def _conv_supported(module: nn.Module) -> bool:
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, layer: _Layer) -> Tensor:
+        dtype = _autocast_dtype(x.device)
+        if dtype is not None:  # as autocast would: the product in its dtype
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        ctx.layer, ctx.has_bias = layer, bias is not None
+        ctx.save_for_backward(x, weight)
+        return functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w, grad_b = _matrix_gradients(ctx.layer, x, grad, ctx.has_bias)
+        return grad_x, grad_w, grad_b, None
+
+
+def _linear(module: nn.Linear, layer: _Layer, x: Tensor) -> Tensor:
+    return _LinearFunction.apply(x, module.weight, module.bias, layer)
+
+
+def _conv_geometry(module: nn.Module) -> tuple:
+    """A convolution as a 2-D one: (kernel, dilation, padding, stride)."""
+    if isinstance(module, nn.Conv1d):  # a 2-D convolution of height 1
+        return (
+            (1, *module.kernel_size),
+            (1, *module.dilation),
+            (0, *module.padding),
+            (1, *module.stride),
+        )
+    return module.kernel_size, module.dilation, module.padding, module.stride
+
+
+class _ConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, layer):
+        dtype = _autocast_dtype(x.device)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        ctx.module, ctx.layer, ctx.has_bias = module, layer, bias is not None
+        ctx.save_for_backward(x, weight)
+        return module._conv_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        module, grad = ctx.module, grad.to(x.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.convolution_backward(
+                grad, x, weight, None, module.stride, module.padding, module.dilation,
+                False, [0] * len(module.padding), 1, [True, False, False],
+            )[0]  # fmt: skip
+        one_d = isinstance(module, nn.Conv1d)
+        x2, g2 = (x.unsqueeze(2), grad.unsqueeze(2)) if one_d else (x, grad)
+        kernel, dilation, padding, stride = _conv_geometry(module)
+        columns = functional.unfold(x2, kernel, dilation=dilation, padding=padding, stride=stride)
+        n = len(x)
+        a = columns.transpose(1, 2)  # (N, positions, C_in · kernel)
+        d = g2.reshape(n, g2.shape[1], -1).transpose(1, 2)  # (N, positions, C_out)
+        grad_w, grad_b = _matrix_gradients(ctx.layer, a, d, ctx.has_bias)
+        return grad_x, grad_w.reshape(weight.shape), grad_b, None, None
+
+
+def _conv(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
+    return _ConvFunction.apply(x, module.weight, module.bias, module, layer)
+
+
+def _conv_qualifies(module: nn.Module) -> bool:
     return (
         module.groups == 1
         and module.padding_mode == "zeros"
@@ -146,13 +292,162 @@ def _conv_supported(module: nn.Module) -> bool:
     )
 
 
-#: the layers whose per-example norms are known, and when a module qualifies
+# ---------------------------------------------------------------- Embedding
+
+
+def _unit_keys(layer: _Layer, ids: Tensor, rows: int, padding: int | None) -> tuple[Tensor, int]:
+    """Each id moved into its unit's own table of ``rows`` rows, and the units; the examples
+    past the last unit and the padding id point at row ``k rows``, which is left out."""
+    k, m = layer.units(len(ids))
+    keys = ids + layer.offsets(len(ids), k, m, rows, ids.dim(), ids.device)
+    if padding is not None:
+        keys = keys.masked_fill(ids == padding, k * rows)
+    return keys, k
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, module: nn.Embedding, layer: _Layer) -> Tensor:
+        ctx.module, ctx.layer = module, layer
+        ctx.save_for_backward(ids)
+        ctx.rows = weight.shape[0]
+        return functional.embedding(ids, weight, module.padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (ids,) = ctx.saved_tensors
+        module, layer, rows = ctx.module, ctx.layer, ctx.rows
+        padding = -1 if module.padding_idx is None else module.padding_idx
+        grad_w = torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding, False)
+        keys, k = _unit_keys(layer, ids, rows, module.padding_idx)
+        width = grad.shape[-1]
+        if k * rows <= _TABLE_ROWS * ids.numel() or k * rows * width <= _TABLE_NUMBERS:
+            tables = torch.ops.aten.embedding_dense_backward(
+                grad, keys, k * rows + 1, k * rows, False
+            )
+        else:  # each unit's rows summed by sorted key: memory of the micro-batch's rows
+            tables = _summed_by_key(grad.reshape(-1, grad.shape[-1]), keys.reshape(-1), k * rows)
+        layer.record(("weight",), (torch.linalg.vector_norm(tables, dtype=norm_dtype(tables)),))
+        return None, grad_w, None, None
+
+
+def _summed_by_key(rows: Tensor, keys: Tensor, dropped: int) -> Tensor:
+    """The rows of equal key summed (one output row per distinct key; key ``dropped`` as zero)."""
+    rows = rows.masked_fill((keys == dropped).unsqueeze(1), 0)
+    ordered, order = keys.sort()
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    segment = first.cumsum(0).sub_(1)
+    out = rows.new_zeros(len(rows), rows.shape[1])
+    return out.index_add_(0, segment, rows.index_select(0, order))
+
+
+def _embedding(module: nn.Embedding, layer: _Layer, ids: Tensor) -> Tensor:
+    return _EmbeddingFunction.apply(ids, module.weight, module, layer)
+
+
+def _embedding_qualifies(module: nn.Module) -> bool:
+    # max_norm renormalises rows in place and scale_grad_by_freq counts over the batch
+    return not module.sparse and module.max_norm is None and not module.scale_grad_by_freq
+
+
+# ---------------------------------------------------------------- LayerNorm
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, layer):
+        if _autocast_dtype(x.device) is not None:  # autocast runs layer_norm in float32
+            x = x.float()
+            weight = weight.float() if weight is not None else None
+            bias = bias.float() if bias is not None else None
+        out, mean, rstd = torch.native_layer_norm(x, module.normalized_shape, weight, bias,
+                                                  module.eps)  # fmt: skip
+        ctx.module, ctx.layer = module, layer
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        module, layer = ctx.module, ctx.layer
+        mask = [ctx.needs_input_grad[0], weight is not None, bias is not None]
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad, x, module.normalized_shape, mean, rstd, weight, bias, mask
+        )
+        names = tuple(n for n, t in (("weight", weight), ("bias", bias)) if t is not None)
+        k, m = layer.units(len(x))
+        entry = (x, mean, rstd, grad, k, m, len(module.normalized_shape), layer, names)
+        if _batches_layer_norms(x.device):
+            # the per-unit sums wait for the step's end, where every LayerNorm of this shape
+            # takes them together (a handful of operators for all, instead of eight each)
+            layer.probe.step.held.append(entry)
+        else:
+            _layer_norm_units([entry])
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _batches_layer_norms(device: torch.device) -> bool:
+    """Whether LayerNorms on ``device`` are taken together at the step's end: where each
+    operator launches a kernel (a GPU); on a CPU, where an operator launches nothing and
+    stacking the layers' inputs costs more than it saves, each in its own backward."""
+    return device.type != "cpu"
+
+
+def _layer_norm(module: nn.LayerNorm, layer: _Layer, x: Tensor) -> Tensor:
+    return _LayerNormFunction.apply(x, module.weight, module.bias, module, layer)
+
+
+def _layer_norm_sums(step: _Step) -> None:
+    """Every held LayerNorm's per-unit gradient norms, batched over the layers of one shape."""
+    batches: dict[tuple, list[tuple]] = defaultdict(list)
+    for entry in step.held:
+        x, _, _, grad, k, m, dims, _, names = entry
+        batches[(x.shape, x.dtype, grad.dtype, k, m, dims, names)].append(entry)
+    for entries in batches.values():
+        _layer_norm_units(entries)
+    step.held.clear()
+
+
+def _layer_norm_units(entries: list[tuple]) -> None:
+    """The per-unit norms of LayerNorms of one shape, ``Σ_{t∈u} x̂_t ⊙ δ_t`` and ``Σ_{t∈u} δ_t``,
+    recorded: one layer as it is, several stacked into one computation."""
+    x, mean, rstd, grad, k, m, dims, _, names = entries[0]
+    if len(entries) > 1:
+        x, mean, rstd, grad = (torch.stack([e[i] for e in entries]) for i in range(4))
+    else:
+        x, mean, rstd, grad = x[None], mean[None], rstd[None], grad[None]
+    used = k * m
+    if used != x.shape[1]:
+        x, mean, rstd, grad = x[:, :used], mean[:, :used], rstd[:, :used], grad[:, :used]
+    width = math.prod(x.shape[x.dim() - dims :])
+    layers = len(entries)
+    parts = []
+    if "weight" in names:
+        products = (x - mean).mul_(rstd).mul_(grad)
+        parts.append(products.reshape(layers, k, -1, width).sum(2))
+    if "bias" in names:
+        parts.append(grad.reshape(layers, k, -1, width).sum(2))
+    stacked = parts[0][:, None] if len(parts) == 1 else torch.stack(parts, 1)
+    norms = torch.linalg.vector_norm(stacked, dim=(2, 3), dtype=norm_dtype(stacked))
+    flat = norms.reshape(-1).unbind(0)  # layer by layer, its parameters in order
+    for i, (*_, layer, _) in enumerate(entries):
+        layer.record(names, flat[i * len(names) : (i + 1) * len(names)])
+
+
+# ---------------------------------------------------------------- the registry
+
+#: a rule: (module, its layer record, its input) -> its output, through a function whose
+#: backward records the units' norms
+Rule = Callable[[nn.Module, _Layer, Tensor], Tensor]
+
+#: the layers whose units' norms are known, and when a module qualifies
 RULES: dict[type, tuple[Rule, Callable[[nn.Module], bool]]] = {
     nn.Linear: (_linear, lambda m: True),
-    nn.Embedding: (_embedding, lambda m: not m.sparse),
+    nn.Embedding: (_embedding, _embedding_qualifies),
     nn.LayerNorm: (_layer_norm, lambda m: True),
-    nn.Conv1d: (_conv, _conv_supported),
-    nn.Conv2d: (_conv, _conv_supported),
+    nn.Conv1d: (_conv, _conv_qualifies),
+    nn.Conv2d: (_conv, _conv_qualifies),
 }
 
 
@@ -172,7 +467,7 @@ def _is_fsdp_subclass(module: nn.Module, kind: type) -> bool:
 def _covered_modules(
     model: nn.Module, params: Sequence[Tensor]
 ) -> tuple[list[tuple[nn.Module, Rule]], list[str]]:
-    """The modules to hook, and the names of the trainable parameters none covers."""
+    """The modules to measure, and the names of the trainable parameters none covers."""
     wanted = {id(p) for p in params}
     owners: dict[int, int] = {}
     chosen = []
@@ -198,21 +493,74 @@ def uncovered(model: nn.Module, params: Sequence[Tensor]) -> list[str]:
     return _covered_modules(model, params)[1]
 
 
-class PerExampleNorms:
-    """``Σ_i |g_i|²`` per parameter group over each step, from hooks on the covered layers.
+class _MeasuredForward:
+    """A covered layer's ``forward`` while it is measured: its rule's function in a step with
+    gradients on, else the layer's own. An object (not a closure), so that a deep copy of
+    the model calls its own copy of the layer."""
 
-    ``g_i`` is example ``i``'s gradient of its own loss: ``B`` times its share of
-    the batch's mean gradient, so each share's squared norm is scaled by ``B²``
-    (``(B/W)²`` on each of ``W`` ranks, whose ``.grad`` DDP averages;
-    :meth:`set_scale`). With ``sample``, only the first ``sample`` examples of each
-    micro-batch are measured: the examples of a shuffled batch are exchangeable, so
-    their mean squared norm is still an unbiased estimate of every example's, at a
-    cost that stops growing with the micro-batch (it matters for long sequences,
-    where a layer's norms cost about what its weight gradient does). Nothing is read
-    to the host.
+    def __init__(self, module: nn.Module, rule: Rule, layer: _Layer) -> None:
+        self.module, self.rule, self.layer = module, rule, layer
+
+    def _call(self, *args, **kwargs):
+        module, layer = self.module, self.layer
+        step = layer.probe.step
+        if step is None or not torch.is_grad_enabled():
+            return type(module).forward(module, *args, **kwargs)
+        if not args or kwargs or not isinstance(args[0], Tensor):
+            raise RuntimeError(
+                f"per-example statistics: layer {layer.name!r} was called without a "
+                "positional input tensor, which its measurement reads; call it with one"
+            )
+        key = id(layer)
+        if key in step.ran:  # the sum of two uses' gradients is not the sum of their norms
+            raise RuntimeError(
+                f"per-example statistics: layer {layer.name!r} ran twice in one "
+                "micro-batch's forward (shared, or re-run by activation checkpointing); "
+                "use the sub-batch statistics (noise_from='sub_batches') for such a model"
+            )
+        step.ran.add(key)
+        return self.rule(module, layer, args[0])
+
+    # under torch.compile the layer runs eagerly, between the compiled graphs around it (its
+    # function's backward records into the collector); torch's lazy form imports Dynamo at
+    # the first call, not with bigbatch
+    __call__ = _eager_under_compile(_call)
+
+
+class _Restore:
+    """Puts back a module's own ``forward`` (what :meth:`PerExampleNorms.close` removes)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+class PerExampleNorms:
+    """``Σ_u |c_u|²`` over the units of each step, per covered parameter, from the backward.
+
+    ``c_u`` is unit ``u``'s contribution to ``.grad`` (:mod:`this module's <.per_example>`
+    units); :meth:`finish` returns one float32 device scalar per (layer parameter,
+    micro-batch), its norm, and the parameter group of each. Each covered layer's
+    ``forward`` is replaced on the instance (:meth:`close` puts the class's back) by a
+    function whose backward forms the unit gradients; outside a step, with gradients
+    off, it is the layer's own forward.
+
+    Args:
+        model: the trained module (every trainable parameter in ``layout`` covered).
+        layout: the parameters and their groups.
+        units: the most units per micro-batch (None: every example its own).
+        dataset_size: samples in a finite dataset (the finite-population correction).
     """
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, sample: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ParamLayout,
+        units: int | None = UNITS,
+        dataset_size: int | None = None,
+    ) -> None:
         chosen, missing = _covered_modules(model, layout.params)
         if missing:
             raise ValueError(
@@ -222,87 +570,62 @@ class PerExampleNorms:
                 f"{' ...' if len(missing) > 5 else ''}"
             )
         group = {id(p): layout.group_of(i) for i, p in enumerate(layout.params)}
-        # each hooked layer's trained parameters and their groups (a frozen one has none)
-        self._groups = {
-            id(m): {n: group[id(p)] for n, p in m.named_parameters(recurse=False) if id(p) in group}
-            for m, _ in chosen
-        }
-        self._rules = {id(m): rule for m, rule in chosen}
-        self._names = {id(m): name for name, m in model.named_modules()}
+        names = {id(m): name for name, m in model.named_modules()}
         self.num_groups, self.device = layout.num_groups, layout.device
-        #: the examples of each micro-batch whose norms are taken (its first ones; None: all)
-        self.sample = sample
-        #: this step's per-layer sums, per group (None outside a step)
-        self.parts: list[list[Tensor]] | None = None
-        self._scale = 1.0
-        self._ran: set[int] = set()
-        self.handles = [m.register_forward_hook(self._on_forward) for m, _ in chosen]
-
-    def begin(self) -> None:
-        """Start a step: no sums yet."""
-        self.parts = [[] for _ in range(self.num_groups)]
-        self._ran.clear()
-
-    def set_scale(self, scale: float) -> None:
-        """The factor of the squared shares of the step (its micro-batch whose backward runs
-        next has had its forward; the next forward is the next micro-batch's)."""
-        self._scale = scale
-        self._ran.clear()
-
-    # under torch.compile the hook runs eagerly, between the compiled graphs of the layers
-    # around it (Dynamo cannot trace a hook that registers a gradient hook on a closure);
-    # torch's lazy form imports Dynamo at the first call, not with bigbatch (importing it
-    # with bigbatch also imported Triton before TRITON_INTERPRET could apply)
-    @_eager_under_compile
-    def _on_forward(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
-        if self.parts is None or not torch.is_grad_enabled() or not isinstance(output, Tensor):
-            return
-        if not output.requires_grad:
-            return
-        key = id(module)
-        if key in self._ran:  # the sum of two uses' gradients is not the sum of their norms
-            raise RuntimeError(
-                f"per-example statistics: layer {self._names.get(key, key)!r} ran twice in one "
-                "micro-batch's forward (shared, or re-run by activation checkpointing); use "
-                "the sub-batch statistics (noise_from='sub_batches') for such a model"
+        #: the most units per micro-batch (None: every example its own)
+        self.units = units
+        self.dataset_size = dataset_size
+        #: the step under way (None outside one)
+        self.step: _Step | None = None
+        #: the embeddings' unit offsets, by micro-batch shape
+        self.offsets: dict[tuple, Tensor] = {}
+        self.handles = []
+        taken = [n for m, _ in chosen if isinstance(vars(m).get("forward"), _MeasuredForward)
+                 for n in [names.get(id(m), type(m).__name__)]]  # fmt: skip
+        if taken:
+            raise ValueError(
+                f"layer {taken[0]!r} is measured by another collector already: one at a time "
+                "(close() the other first)"
             )
-        if not inputs or not isinstance(inputs[0], Tensor):
-            raise RuntimeError(
-                f"per-example statistics: layer {self._names.get(key, key)!r} was called "
-                "without a positional input tensor, which its hook reads; call it with one"
-            )
-        self._ran.add(key)
-        # the input as autograd keeps it anyway (no detach: nothing flows back through it)
-        saved = inputs[0]
-        if self.sample is not None and len(saved) > self.sample:
-            saved = saved[: self.sample]
-        output.register_hook(lambda grad: self._on_grad(module, saved, grad))
+        for module, rule in chosen:
+            groups = {
+                n: group[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in group
+            }
+            layer = _Layer(self, names.get(id(module), type(module).__name__), groups)
+            module.forward = _MeasuredForward(module, rule, layer)
+            self.handles.append(_Restore(module))
 
-    def _on_grad(self, module: nn.Module, saved: Tensor, grad: Tensor) -> None:
-        parts = self.parts
-        if parts is None:
-            return
-        if len(grad) > len(saved):  # a sample of the micro-batch
-            grad = grad[: len(saved)]
-        groups = self._groups[id(module)]
-        with torch.no_grad():
-            for name, total in self._rules[id(module)](module, saved, grad).items():
-                if name in groups:
-                    parts[groups[name]].append(total)
+    def begin(self, batches: SubBatches) -> None:
+        """Start a step: its unit size from the smallest micro-batch of any rank."""
+        self.step = _Step(unit_size(min(batches.all_sizes), self.units))
 
-    def finish(self) -> Tensor:
-        """``Σ_i |g_i|²`` per group over the step's examples measured (this rank's), in
-        float64; ends the step."""
-        parts, self.parts = self.parts, None
-        if parts is None:
+    def next_micro_batch(self) -> None:
+        """The next forward is another micro-batch's: each layer may run once in it."""
+        if self.step is not None:
+            self.step.ran.clear()
+
+    def finish(self, batches: SubBatches) -> SmallNorms:
+        """The step's norms (device scalars), the group of each and the units they cover,
+        over every rank; ends the step."""
+        step = self.step
+        if step is None:
             raise RuntimeError("per-example norms: finish() without begin()")
-        sums = [
-            torch.stack(p).sum().double()
-            if p
-            else torch.zeros((), dtype=torch.float64, device=self.device)
-            for p in parts
-        ]
-        return torch.stack(sums) * self._scale
+        _layer_norm_sums(step)
+        self.step = None
+        m = step.m
+        count = sum(b // m for b in batches.all_sizes)
+        if count < 2:
+            raise ValueError(f"statistics need at least 2 examples per step, got sizes "
+                             f"{batches.rank_sizes}")  # fmt: skip
+        # a unit's share of .grad is W m / B times its mean gradient (DDP averages W ranks)
+        factor = (batches.total / (batches.world.size * m)) ** 2
+        return SmallNorms(
+            count=count,
+            h=inverse_size(m, self.dataset_size),
+            factor=factor,
+            norms=step.norms,
+            groups=step.groups,
+        )
 
     def close(self) -> None:
         for handle in self.handles:

@@ -1,19 +1,56 @@
-"""What one optimizer step's statistics hold."""
+"""What one optimizer step's statistics hold, and how they come to the host in one read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-#: the scalar fields :meth:`GradientStats.as_floats` reads, in order
+#: the scalar fields :meth:`GradientStats.as_floats` gives, in order
 SCALARS = ("similarity", "grad_sq_norm", "trace", "noise_scale", "grad_sq_norm_ema", "trace_ema")
+
+
+class Gather:
+    """Device numbers for one step's single read: named parts, each a list of scalars or a
+    vector, put into one tensor with one ``stack`` (a ``cat`` more for vectors)."""
+
+    def __init__(self) -> None:
+        self._scalars: list[Tensor] = []
+        self._vectors: list[Tensor] = []
+        self._spans: dict[str, tuple[bool, int, int]] = {}
+
+    def scalars(self, name: str, values: Sequence[Tensor]) -> None:
+        """Zero-dimensional tensors (of any float dtype)."""
+        self._spans[name] = (True, len(self._scalars), len(values))
+        self._scalars.extend(values)
+
+    def vector(self, name: str, values: Tensor) -> None:
+        """A one-dimensional tensor."""
+        start = sum(len(v) for v in self._vectors)
+        self._spans[name] = (False, start, len(values))
+        self._vectors.append(values)
+
+    def tensor(self) -> Tensor:
+        """Everything as one vector, in the widest dtype given (scalars first)."""
+        parts = [torch.stack(self._scalars)] if self._scalars else []
+        parts.extend(self._vectors)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # dtypes promoted
+
+    def split(self, floats: Sequence[float]) -> dict[str, list[float]]:
+        """The read floats, by part."""
+        scalars = len(self._scalars)
+        out = {}
+        for name, (scalar, start, length) in self._spans.items():
+            offset = start if scalar else scalars + start
+            out[name] = list(floats[offset : offset + length])
+        return out
 
 
 @dataclass
 class GradientStats:
-    """What one optimizer step measured; tensors on the parameters' device.
+    """What one optimizer step measured, as Python floats (``gsnr``: device tensors).
 
     ``similarity`` is the cosine of the mean gradients of the two halves of the
     sub-batches (SimiGrad's signal); ``group_similarity`` the same per
@@ -24,57 +61,73 @@ class GradientStats:
     ``mean² / variance`` of the sub-batch gradients. See ``docs/algorithms.md``.
     """
 
-    similarity: Tensor
-    group_similarity: Tensor
-    grad_sq_norm: Tensor
-    trace: Tensor
-    noise_scale: Tensor
-    grad_sq_norm_ema: Tensor
-    trace_ema: Tensor
+    similarity: float
+    group_similarity: list[float]
+    grad_sq_norm: float
+    trace: float
+    noise_scale: float
+    grad_sq_norm_ema: float
+    trace_ema: float
     sizes: list[int]
     gsnr: list[Tensor] | None = field(default=None, repr=False)
     #: the batch's mean loss, when the caller passed its local share to ``finish``
-    loss: Tensor | None = None
-    #: per group, ``(|g_A|², |g_B|², <g_A, g_B>)`` (measured, or their scalar
-    #: estimates), shape ``(3, groups)``: the cosine of any set of groups
-    #: is ``Σ dot / sqrt(Σ sq_a · Σ sq_b)`` over its columns (AGVM's module groups)
-    group_halves: Tensor | None = field(default=None, repr=False)
-
-    _host: tuple[dict[str, float], list[list[float]]] | None = field(
-        default=None, init=False, repr=False
-    )
+    loss: float | None = None
+    #: per group, ``(|g_A|², |g_B|², <g_A, g_B>)`` (measured, or their scalar estimates):
+    #: the cosine of any set of groups is ``Σ dot / sqrt(Σ sq_a · Σ sq_b)`` over its
+    #: columns (AGVM's module groups)
+    group_halves: list[list[float]] | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
         return sum(self.sizes)
 
     def as_floats(self) -> dict[str, float]:
-        """The scalar statistics (and the loss) as Python floats.
-
-        The first call reads them, the per-group similarities and the half
-        terms in one device-to-host transfer (the step's one synchronisation);
-        later calls and :meth:`host_group_halves` reuse it.
-        """
-        return dict(self._read()[0])
+        """The scalar statistics, the per-group similarities and the loss, by name."""
+        out = {name: getattr(self, name) for name in SCALARS}
+        if self.loss is not None:
+            out["loss"] = self.loss
+        for i, s in enumerate(self.group_similarity):
+            out[f"similarity/group{i}"] = s
+        return out
 
     def host_group_halves(self) -> list[list[float]]:
-        """``group_halves`` as three lists of floats, from the same one read."""
-        return [list(row) for row in self._read()[1]]
+        """``group_halves`` as three lists of floats."""
+        return [list(row) for row in self.group_halves or []]
 
-    def _read(self) -> tuple[dict[str, float], list[list[float]]]:
-        if self._host is None:
-            names = list(SCALARS) + (["loss"] if self.loss is not None else [])
-            parts = [getattr(self, n).detach().reshape(1).float() for n in names]
-            parts.append(self.group_similarity.detach().reshape(-1).float())
-            if self.group_halves is not None:
-                parts.append(self.group_halves.detach().reshape(-1).float())
-            floats = torch.cat(parts).tolist()  # the one host synchronisation
-            out = dict(zip(names, floats))
-            groups = self.group_similarity.numel()
-            rest = floats[len(names) :]
-            for i, s in enumerate(rest[:groups]):
-                out[f"similarity/group{i}"] = s
-            halves = rest[groups:]
-            rows = [halves[i * groups : (i + 1) * groups] for i in range(3)] if halves else []
-            self._host = (out, rows)
-        return self._host
+
+class PendingStats:
+    """A step's statistics still on the device: :meth:`read` brings them to the host in one
+    transfer (the step's one synchronisation) and computes the :class:`GradientStats`.
+
+    :meth:`start` begins that transfer without waiting (a CUDA copy to pinned memory), so
+    that a loop can read the step's numbers one step later without stalling the device.
+    """
+
+    def __init__(self, values: Tensor, decode: Callable[[list[float]], GradientStats]) -> None:
+        self._values: Tensor | None = values
+        self._decode = decode
+        self._copy: Tensor | None = None
+        self._event = None
+        self._stats: GradientStats | None = None
+
+    def start(self) -> None:
+        """Begin copying the numbers to the host (on a GPU: pinned memory, no wait)."""
+        values = self._values
+        if values is None or self._copy is not None or values.device.type != "cuda":
+            return
+        self._copy = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._copy.copy_(values, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def read(self) -> GradientStats:
+        """The statistics (the first call waits for the numbers and computes them)."""
+        if self._stats is None:
+            if self._copy is not None:
+                self._event.synchronize()
+                floats = self._copy.tolist()
+            else:
+                floats = self._values.tolist()  # the one host synchronisation
+            self._values = self._copy = self._event = None
+            self._stats = self._decode(floats)
+        return self._stats

@@ -1,0 +1,83 @@
+"""The operators a bigbatch step dispatches against a plain PyTorch step's (issue 73's bound).
+
+A small model's GPU step is bound by kernel launches, one per dispatched operator,
+and the count is the same on every machine: counted here on the ``meta`` device
+(nothing computed, so GPT-2 at its context of 1,024 takes seconds), with torch's
+AdamW (``foreach=True``) in every arm so that the optimizer dispatches alike. The
+bound: the default statistics at most 1.15x a plain step's operators, statistics
+off at most 1.02x. ``benchmarks/step_cost.py --part ops`` prints the full table.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import bigbatch as bb
+from bigbatch.experiments.tasks import TinyTransformer
+from bigbatch.testing import count_ops
+
+#: (vocabulary, width, depth, heads, context): the text task, the same at GPU scale, GPT-2
+SHAPES = {
+    "text": (256, 64, 2, 4, 32),
+    "text-gpu": (256, 256, 4, 4, 256),
+    "gpt2": (50_257, 768, 12, 12, 1024),
+}
+DEFAULT_BOUND, OFF_BOUND = 1.15, 1.02
+
+
+def counts(shape: str, batch: int) -> dict[str, int]:
+    """Operators of one optimizer step after two warm-up steps: plain, default, off."""
+    vocab, width, depth, heads, context = SHAPES[shape]
+    with torch.device("meta"):
+        model = TinyTransformer(vocab, context, width, depth, heads=heads)
+        tokens = torch.zeros(2 * batch, context + 1, dtype=torch.long)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    out = {}
+    for arm in ("plain", "default", "off"):
+        step, loop = stepper(arm, model, data, batch)
+        count_ops(step)  # warm-up steps (on meta, a read needs the counting mode)
+        count_ops(step)
+        out[arm] = sum(count_ops(step).values())
+        if loop is not None and loop.collector is not None:
+            loop.collector.close()
+    return out
+
+
+def stepper(arm, model, data, batch):
+    """One optimizer step of ``arm`` as a function, and its loop (None for plain)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+    def loss(x, y):
+        return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    if arm == "plain":
+
+        def plain():
+            x, y = data[:batch]
+            loss(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return plain, None
+    loop = bb.AdaptiveBatch(
+        model, optimizer, data, controller=bb.batch.Constant(batch), statistics=arm == "default"
+    )
+
+    def adaptive():
+        for s in loop.steps(max_steps=loop.steps_taken + 1):
+            for x, y in s.micro_batches():
+                s.backward(loss(x, y))
+            s.apply()
+
+    return adaptive, loop
+
+
+@pytest.mark.parametrize(
+    "shape, batch",
+    [("text", 16), ("text", 1024), ("text-gpu", 64), ("gpt2", 16), ("gpt2", 1024)],
+)
+def test_a_step_dispatches_about_what_a_plain_step_does(shape, batch):
+    got = counts(shape, batch)
+    assert got["default"] <= DEFAULT_BOUND * got["plain"], got
+    assert got["off"] <= OFF_BOUND * got["plain"], got
