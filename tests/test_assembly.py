@@ -18,7 +18,8 @@ def make_optimizer():
 def test_the_default_controller_warms_up_from_the_first_batch():
     parts = assemble(make_optimizer(), sub_batches=2)
     assert isinstance(parts.controller, bb.batch.BatchWarmup) and parts.controller.initial == 16
-    assert parts.world == World() and parts.options == StepOptions()
+    # the default controller reads the statistics: they are collected
+    assert parts.world == World() and parts.options == StepOptions(statistics=True)
     started = assemble(make_optimizer(), sub_batches=2, first_batch=128)
     assert started.controller.initial == 128
 

@@ -60,7 +60,9 @@ def test_the_batch_adapts_and_training_converges():
 
 
 def test_micro_batches_follow_the_plan():
-    model, loop = make_run(controller=bb.batch.Constant(150), noise_from="sub_batches")
+    model, loop = make_run(
+        controller=bb.batch.Constant(150), noise_from="sub_batches", statistics=True
+    )
     step = next(loop.steps(max_steps=1))
     shapes = [x.shape[0] for x, _ in step.micro_batches()]
     assert shapes == [38, 38, 37, 37]
@@ -229,8 +231,10 @@ def test_a_nan_step_can_stop_the_run_before_any_update():
 
 def test_per_example_statistics_need_no_split_of_the_step():
     controller = bb.batch.Constant(48)
-    sub_model, sub = make_run(controller=controller, noise_from="sub_batches")
-    one_model, one = make_run(controller=copy.deepcopy(controller), noise_from="examples")
+    sub_model, sub = make_run(controller=controller, noise_from="sub_batches", statistics=True)
+    one_model, one = make_run(
+        controller=copy.deepcopy(controller), noise_from="examples", statistics=True
+    )
     _, off = make_run(controller=copy.deepcopy(controller), statistics=False)
     assert (sub.min_sub_batches, one.min_sub_batches, off.min_sub_batches) == (4, 1, 1)
     step = next(one.steps(max_steps=1))
@@ -253,14 +257,19 @@ def test_per_example_statistics_need_no_split_of_the_step():
 
 
 def test_auto_takes_the_examples_where_the_model_allows_and_says_why_not(caplog):
-    _, covered = make_run(controller=bb.batch.Constant(32), noise_from="auto")
+    _, covered = make_run(controller=bb.batch.Constant(32), noise_from="auto", statistics=True)
     assert covered.collector.per_example is not None and covered.min_sub_batches == 1
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level("INFO", logger="bigbatch"):
         loop = bb.AdaptiveBatch(
-            model, opt, make_data(), controller=bb.batch.Constant(32), noise_from="auto"
+            model,
+            opt,
+            make_data(),
+            controller=bb.batch.Constant(32),
+            noise_from="auto",
+            statistics=True,
         )
     assert loop.collector.per_example is None and loop.min_sub_batches == 4
     assert "no per-example rule for 1.weight, 1.bias" in caplog.text
@@ -270,13 +279,16 @@ def test_auto_takes_the_examples_where_the_model_allows_and_says_why_not(caplog)
     # sub-batch statistics come free, so auto takes them; examples still insists
     caplog.clear()
     with caplog.at_level("INFO", logger="bigbatch"):
-        _, split = make_run(controller=bb.batch.Constant(32), min_sub_batches=4)
+        _, split = make_run(controller=bb.batch.Constant(32), min_sub_batches=4, statistics=True)
     assert split.collector.per_example is None and split.min_sub_batches == 4
     assert "every step is split into 4 micro-batches anyway" in caplog.text
     _, insisted = make_run(
-        controller=bb.batch.Constant(32), min_sub_batches=4, noise_from="examples"
+        controller=bb.batch.Constant(32), min_sub_batches=4, noise_from="examples", statistics=True
     )
     assert insisted.collector.per_example is not None
+    # a constant batch reads no statistics: none are taken unless asked for
+    _, constant = make_run(controller=bb.batch.Constant(32))
+    assert constant.collector is None and constant.min_sub_batches == 1
 
 
 def test_simigrad_keeps_its_measured_cosine_under_per_example_statistics():

@@ -19,9 +19,11 @@ from torch import nn
 
 from ._checks import positive_int
 from .batch.controllers import BatchWarmup, Controller
+from .batch.lr import resolve_lr_rule
 from .dist import ddp, fsdp
 from .dist.hooks import CommHook, is_lossless
 from .dist.world import World
+from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
 from .options import StepOptions
 from .stats.collector import MicroBatchStatistics
@@ -119,14 +121,17 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     controller = resolve_controller(controller, first_batch)
     wrapped = isinstance(optimizer, StatisticsWrapper)
     gsnr = options.gsnr or (wrapped and "gsnr" in optimizer.requirements())
+    options = _with_statistics(options, optimizer, controller, gsnr)
     _check_every(options, type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else "")
     in_use = _hook_in_use(comm_hook, registers_hooks, model)
     obstacles = _per_example_obstacles(framework is not None, gsnr, in_use, weighted)
-    per_example, noise_why = _per_example_model(options, model, optimizer, obstacles, sub_batches)
+    per_example, noise_why = _per_example_model(
+        options, model, optimizer, obstacles, sub_batches, world
+    )
     options = _similarity_for(options, controller, per_example, world)
     if sub_batches is None:
         sub_batches = fewest_sub_batches(
-            options.statistics, per_example is not None, options.similarity == "split"
+            options.statistics, per_example is not None, options.similarity == "split", world.size
         )
     _check_sub_batches(
         controller, positive_int("sub_batches", sub_batches), world, options, per_example
@@ -223,12 +228,17 @@ def _similarity_for(
     return options
 
 
-def fewest_sub_batches(statistics: bool, per_example: bool, split: bool) -> int:
-    """The micro-batches per rank a step's statistics need: 4 for the sub-batch estimator
-    (more sub-batches, a steadier estimate), 2 for per-example statistics beside a measured
-    split similarity, else 1. The one rule for every default of ``min_sub_batches``."""
+#: the sub-batches in all the sub-batch estimator wants a step (more, a steadier estimate)
+SUB_BATCHES = 4
+
+
+def fewest_sub_batches(statistics: bool, per_example: bool, split: bool, ranks: int = 1) -> int:
+    """The micro-batches per rank a step's statistics need: for the sub-batch estimator
+    ``SUB_BATCHES`` (4) in all over the ``ranks`` (one a rank from 4 ranks on: each rank's
+    gradient is a sub-batch's), 2 for per-example statistics beside a measured split
+    similarity, else 1. The one rule for every default of ``min_sub_batches``."""
     if statistics and not per_example:
-        return 4
+        return -(-SUB_BATCHES // ranks)
     return 2 if statistics and split else 1
 
 
@@ -238,12 +248,15 @@ def _per_example_model(
     optimizer: torch.optim.Optimizer,
     obstacles: list[str],
     sub_batches: int | None = None,
+    world: World | None = None,
 ) -> tuple[nn.Module | None, str]:
     """The module whose layers give per-example norms (``noise_from``), or None for
     sub-batch statistics: asked for and possible, or ``"auto"``, possible and of use:
     where every step is split anyway (``sub_batches`` >= 2: a framework's accumulation, or
     asked for) the sub-batch statistics come free and the hooks would only cost (the
-    Lightning example took 1.1x the time with them, docs/results.md); and why, in words."""
+    Lightning example took 1.1x the time with them, docs/results.md), and so they do from
+    ``SUB_BATCHES`` data-parallel ranks on, each rank's own gradient a sub-batch's; and
+    why, in words."""
     if not options.statistics:
         return None, ""
     if options.noise_from == "sub_batches":
@@ -251,6 +264,11 @@ def _per_example_model(
     reasons = list(obstacles)
     if options.noise_from == "auto" and sub_batches is not None and sub_batches >= 2:
         reasons.append(f"every step is split into {sub_batches} micro-batches anyway")
+    ranks = world.size if world is not None else 1
+    if options.noise_from == "auto" and sub_batches is None and ranks >= SUB_BATCHES:
+        # McCandlish et al. 2018, App. A: each rank's gradient before the all-reduce is a
+        # small batch's, measured with no hook on any layer
+        reasons.append(f"{ranks} ranks: each rank's own gradient is a small batch's")
     if model is None:
         reasons.append("no model was given to hook")
     module = ddp.unwrap(model) if model is not None else None
@@ -291,6 +309,29 @@ def resolve_controller(controller: Controller | None, first_batch: int | None) -
             f"{first_batch}: give both the same first batch"
         )
     return controller
+
+
+def _with_statistics(
+    options: StepOptions, optimizer: torch.optim.Optimizer, controller: Controller, gsnr: bool
+) -> StepOptions:
+    """``options`` with ``statistics`` decided: as set, else where something reads them."""
+    if options.statistics is not None:
+        return options
+    read = statistics_read(optimizer, controller, options) or gsnr
+    return dataclasses.replace(options, statistics=read)
+
+
+def statistics_read(
+    optimizer: torch.optim.Optimizer, controller: Controller, options: StepOptions
+) -> bool:
+    """Whether anything in the run reads the gradient statistics: the controller, the rate
+    rule (AdaScale) or a statistics-reading optimizer (VRGD, AGVM)."""
+    rule = resolve_lr_rule(options.lr_scaling, controller, optimizer_family(optimizer))
+    return (
+        getattr(controller, "needs_statistics", True)
+        or rule.startswith("adascale")
+        or isinstance(optimizer, StatisticsWrapper)
+    )
 
 
 def check_statistics(

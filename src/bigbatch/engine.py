@@ -139,6 +139,7 @@ class StepEngine:
             collector is not None,
             collector is not None and collector.per_example is not None,
             collector is not None and collector.similarity == "split",
+            self.world.size,
         )
         #: whether the step under way measures the statistics (``statistics_every``)
         self.measuring = False

@@ -50,9 +50,11 @@ class StepOptions:
     #: where steps become unstable (McCandlish et al. 2018's ``ε_max``; Cohen et al.
     #: 2021), so a rule that scales the rate stops at ``lr × max_lr_factor``
     max_lr_factor: float | None = None
-    #: collect the gradient statistics (the adaptive controllers, the AdaScale rules,
-    #: VRGD and AGVM need them)
-    statistics: bool = True
+    #: collect the gradient statistics: None (the default) where something reads them (a
+    #: controller that follows them, the AdaScale rules, VRGD, AGVM, ``gsnr``), so that a
+    #: constant batch or a fixed ramp pays for none; True to measure and log them anyway;
+    #: False for none
+    statistics: bool | None = None
     #: also collect the element-wise gradient SNR (a VRGD optimizer asks by itself)
     gsnr: bool = False
     #: ``"split"`` (the cosine of two halves, measured) or ``"scalar"`` (from the noise
@@ -102,7 +104,8 @@ class StepOptions:
             check_number("max_lr_factor", self.max_lr_factor, low_open=True)
         if self.schedule is not None and not callable(self.schedule):
             raise ValueError(f"schedule must be a function of samples, got {self.schedule!r}")
-        check_flag("statistics", self.statistics)
+        if self.statistics is not None:
+            check_flag("statistics", self.statistics)
         check_flag("gsnr", self.gsnr)
         if self.similarity is not None:
             choice("similarity", self.similarity, SIMILARITY_MODES)

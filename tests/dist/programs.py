@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.utils.data import TensorDataset
 
 from bigbatch import AdaptiveBatch
-from bigbatch.batch import Constant, CriticalBatchRamp, SimiGrad
+from bigbatch.batch import BatchWarmup, Constant, CriticalBatchRamp, SimiGrad
 from bigbatch.optim import AGVM, VRGD, create_optimizer
 from bigbatch.stats import noise_components, scalar_similarity
 
@@ -43,13 +43,14 @@ def make_loop(
     similarity: str | None = None,
     lr: float = 0.05,
     max_micro_batch: int = 8,
-    min_sub_batches: int = 2,
+    min_sub_batches: int | None = 2,
     data: TensorDataset | None = None,
     gsnr: bool = False,
     optimizer: str = "sgd",
     fsdp: bool = False,
     noise_from: str = "sub_batches",
     statistics_every: int = 1,
+    statistics: bool | None = True,  # measured under a constant batch too
 ) -> AdaptiveBatch:
     model = make_model()
     if fsdp:
@@ -81,6 +82,7 @@ def make_loop(
         gsnr=gsnr,
         noise_from=noise_from,
         statistics_every=statistics_every,
+        statistics=statistics,
     )
 
 
@@ -555,6 +557,7 @@ def within_rank_statistics(batch: int) -> dict:
         max_micro_batch=8,
         min_sub_batches=2,
         lr_scaling="none",
+        statistics=True,
         # a user's own hook: taken to be lossy, so the noise is estimated within each rank
         comm_hook=(None, lambda _, bucket: default_hooks.allreduce_hook(None, bucket)),
     )
@@ -706,3 +709,24 @@ def engines_built_by_the_loop_and_a_plugin() -> dict:
     except ValueError as err:
         refused = str(err)
     return {"loop": loop.engine.describe(), "plugin": build(options).describe(), "refused": refused}
+
+
+def auto_noise_source(fsdp: bool = False) -> dict:
+    """Where ``noise_from="auto"`` takes the noise from on this world, and a step's numbers."""
+    loop = make_loop(
+        BatchWarmup(initial=8 * dist.get_world_size(), min=dist.get_world_size()),
+        noise_from="auto",
+        min_sub_batches=None,
+        max_micro_batch=64,
+        fsdp=fsdp,
+    )
+    step = next(loop.steps(max_steps=1))
+    for x, y in step.micro_batches():
+        step.backward(nn.functional.mse_loss(loop.model(x), y))
+    step.apply()
+    return {
+        "per_example": loop.collector.per_example is not None,
+        "micro_batches": len(step.sizes),
+        "why": loop.engine.noise_why,
+        "trace": step.metrics["trace"],
+    }

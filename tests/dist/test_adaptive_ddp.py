@@ -219,3 +219,15 @@ def test_a_plugin_builds_the_loops_engine_from_a_framework_wrapped_model(cluster
     assert result["plugin"] == result["loop"]
     assert result["plugin"]["collector"]["lossy_reduction"] is True  # the framework's hook
     assert "similarity='split' under DDP" in result["refused"]
+
+
+def test_auto_takes_the_ranks_gradients_from_four_ranks_and_the_examples_below(cluster):
+    """From 4 ranks on, each rank's own gradient before the all-reduce is a small batch's
+    (McCandlish et al. 2018, App. A): one micro-batch a rank, no layer measured."""
+    result = cluster.run(programs.auto_noise_source)[0]
+    assert result["micro_batches"] == 1 and math.isfinite(result["trace"])
+    if cluster.world_size >= 4:
+        assert not result["per_example"]
+        assert "4 ranks: each rank's own gradient is a small batch's" in result["why"]
+    else:
+        assert result["per_example"] and "every trained parameter" in result["why"]

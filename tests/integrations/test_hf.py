@@ -26,7 +26,7 @@ class Net(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
-def make_trainer(tmp_path, sampler, controller, **args):
+def make_trainer(tmp_path, sampler, controller, statistics=None, **args):
     settings = dict(
         output_dir=str(tmp_path),
         gradient_accumulation_steps=sampler.micro_batches,
@@ -44,7 +44,12 @@ def make_trainer(tmp_path, sampler, controller, **args):
     )
     arguments = transformers.TrainingArguments(**{**settings, **args})
     return AdaptiveBatchTrainer(
-        model=Net(), args=arguments, train_dataset=Teacher(), sampler=sampler, controller=controller
+        model=Net(),
+        args=arguments,
+        train_dataset=Teacher(),
+        sampler=sampler,
+        controller=controller,
+        statistics=statistics,
     )
 
 
@@ -112,10 +117,11 @@ def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
 def test_statistics_are_taken_before_gradient_clipping(tmp_path):
     batch, k = 64, 4
     sampler = bb.batch.GlobalBatchSampler(4096, batch, micro_batches=k, max_samples=batch)
-    trainer = train(make_trainer(tmp_path, sampler, bb.batch.Constant(batch), max_grad_norm=1e-4))
+    constant = bb.batch.Constant(batch)
+    trainer = train(make_trainer(tmp_path, sampler, constant, True, max_grad_norm=1e-4))
     clipped = trainer.bigbatch.history[0]
     sampler = bb.batch.GlobalBatchSampler(4096, batch, micro_batches=k, max_samples=batch)
-    trainer = train(make_trainer(tmp_path, sampler, bb.batch.Constant(batch)))
+    trainer = train(make_trainer(tmp_path, sampler, bb.batch.Constant(batch), True))
     unclipped = trainer.bigbatch.history[0]
     for name in ("grad_sq_norm", "trace", "similarity"):
         assert clipped[name] == pytest.approx(unclipped[name], rel=1e-6), name

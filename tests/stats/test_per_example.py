@@ -177,17 +177,22 @@ def test_layer_norms_taken_together_at_the_steps_end_give_the_same_norms(monkeyp
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_a_large_vocabulary_sums_each_units_rows_by_key(monkeypatch):
+@pytest.mark.parametrize("n, units, m", [(6, 32, 1), (14, 4, 3)], ids=["examples", "remainder"])
+def test_an_embeddings_three_ways_give_the_same_norms(monkeypatch, n, units, m):
+    # a table a unit (a small vocabulary), the units' Gram matrices, rows summed by key
     import bigbatch.stats.per_example as per_example
 
     torch.manual_seed(0)
-    model, inputs = Sequences().double(), torch.randint(0, 11, (12, 7))
-    tables, _, _ = measured(copy.deepcopy(model), inputs, 4)
+    model, inputs = Sequences().double(), torch.randint(0, 11, (n, 7))
+    inputs[0, :3] = 0  # the padding id, which gets no gradient
+    expected = unit_sq_norms(model, inputs, m, 0.25 / n)
+    tables, _, _ = measured(copy.deepcopy(model), inputs, units)
     monkeypatch.setattr(per_example, "_TABLE_ROWS", 0)
-    monkeypatch.setattr(per_example, "_TABLE_NUMBERS", 0)
-    by_key, _, _ = measured(model, inputs, 4)
-    torch.testing.assert_close(by_key, tables, rtol=1e-10, atol=0)
-    torch.testing.assert_close(by_key, unit_sq_norms(model, inputs, 3, 0.25 / 12))
+    grams, _, _ = measured(copy.deepcopy(model), inputs, units)
+    monkeypatch.setattr(per_example, "_GRAM_NUMBERS", 0)
+    by_key, _, _ = measured(model, inputs, units)
+    for got in (tables, grams, by_key):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
 
 
 def test_the_unit_size_keeps_at_most_the_units_asked_for():
@@ -289,6 +294,7 @@ def _three_steps(model, forward, **options):
         data,
         controller=bb.batch.Constant(64),
         noise_from="examples",
+        statistics=True,
         lr_scaling="none",
         shuffle=False,
         **options,

@@ -368,6 +368,7 @@ def _loop(
         min_sub_batches=machine.min_sub_batches or None,
         noise_from=batch.noise_from,
         noise_units=batch.noise_units or None,
+        statistics=True if batch.log_statistics else None,
         statistics_every=batch.statistics_every,
         lr_scaling=batch.lr_scaling,
         base_batch_size=batch.base,

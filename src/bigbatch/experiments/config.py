@@ -404,6 +404,13 @@ class BatchKeys:
         "backward; 0: every example alone",
         low=0,
     )
+    log_statistics: bool = run_key(
+        "log_statistics",
+        False,
+        "measure (and log) the gradient statistics even where nothing reads them (a constant "
+        "batch, a ramp); otherwise only a controller, rate rule or optimizer that reads them "
+        "pays for them",
+    )
     statistics_every: int = run_key(
         "statistics_every",
         StepOptions.statistics_every,

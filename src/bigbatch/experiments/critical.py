@@ -140,6 +140,8 @@ def _config(config: dict[str, Any], batch: int, small: int, lr_rule: str) -> dic
         "batch.min": min(batch, config["batch.min"]),
         "batch.lr_scaling": lr_rule,
         "batch.base": small,
+        # the measurement reports the noise scale along the run beside the branches' losses
+        "log_statistics": True,
         # every branch is compared at the same samples: none may end early at the target
         "stop_at_target": False,
     }

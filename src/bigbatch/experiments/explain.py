@@ -78,7 +78,8 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
         )
     collector = engine.collector
     if collector is None:
-        return "not measured"
+        name = type(engine.controller).__name__
+        return f"not measured: nothing reads it ({name}; log_statistics = true measures it)"
     many, every = engine.sub_batches, run["statistics_every"]
     steps = "every step" if every == 1 else f"one step in {every}"
     if every > 1 and getattr(engine.controller, "learns_between_measurements", False):

@@ -151,6 +151,7 @@ def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
         min_sub_batches=min(_sub_batches(setup), plan.local_batch),
         seed=setup.seed * 1_000_003 + plan.round,
         lr_scaling="none",
+        statistics=True,  # the server's planner reads them, not the client's controller
         # the client's micro-batch rule (_sub_batches) and the federated measurements
         # (docs/results.md, "Federated") are the sub-batch statistics'; kept so
         noise_from="sub_batches",

@@ -71,10 +71,11 @@ UNITS = 32
 #: multiply-adds: a number written and read twice costs about that many
 _ELEMENT_COST = 16
 #: an embedding's units each take a table of their own while the tables hold at most this
-#: many times the micro-batch's rows, or this many numbers at most; beyond (a large
-#: vocabulary), each unit's rows are summed by sorted key, in the micro-batch's memory
+#: many times the micro-batch's rows; beyond (a large vocabulary), the Gram matrices of
+#: the units' output gradients while they hold at most this many numbers a row of the
+#: micro-batch, else each unit's rows are summed by sorted key, in the micro-batch's memory
 _TABLE_ROWS = 1
-_TABLE_NUMBERS = 1 << 22
+_GRAM_NUMBERS = 64
 
 #: ``torch.compiler.disable`` that imports Dynamo when first called (torch >= 2.1 has it)
 _eager_under_compile = getattr(torch, "_disable_dynamo", torch.compiler.disable)
@@ -134,13 +135,13 @@ class _Layer:
                 step.groups.append(self.groups[name])
 
     def offsets(self, n: int, k: int, m: int, rows: int, dims: int, device) -> Tensor:
-        """Per example of a micro-batch of ``n``, where its unit's table starts (``k rows``
-        past the last unit), shaped to add to ids of ``dims`` dimensions; cached."""
+        """Per example of a micro-batch of ``n``, where its unit's table starts, shaped to add
+        to ids of ``dims`` dimensions; cached."""
         key = (n, k, m, rows, dims, device)
         cached = self.probe.offsets.get(key)
         if cached is None:
             unit = torch.arange(n, device=device).div_(m, rounding_mode="floor").clamp_(max=k)
-            cached = unit.mul_(rows).reshape(n, *([1] * (dims - 1)))
+            cached = unit.mul_(rows).reshape(n, *([1] * (dims - 1)))  # (past the units: k)
             self.probe.offsets[key] = cached
         return cached
 
@@ -295,14 +296,16 @@ def _conv_qualifies(module: nn.Module) -> bool:
 # ---------------------------------------------------------------- Embedding
 
 
-def _unit_keys(layer: _Layer, ids: Tensor, rows: int, padding: int | None) -> tuple[Tensor, int]:
-    """Each id moved into its unit's own table of ``rows`` rows, and the units; the examples
-    past the last unit and the padding id point at row ``k rows``, which is left out."""
+def _unit_keys(layer: _Layer, ids: Tensor, rows: int, padding: int | None) -> Tensor:
+    """Each id moved into its unit's own table of ``rows`` rows; the examples past the last
+    unit and the padding id point at row ``k rows``, which is left out."""
     k, m = layer.units(len(ids))
     keys = ids + layer.offsets(len(ids), k, m, rows, ids.dim(), ids.device)
+    if k * m != len(ids):
+        keys[k * m :] = k * rows
     if padding is not None:
         keys = keys.masked_fill(ids == padding, k * rows)
-    return keys, k
+    return keys
 
 
 class _EmbeddingFunction(torch.autograd.Function):
@@ -319,16 +322,35 @@ class _EmbeddingFunction(torch.autograd.Function):
         module, layer, rows = ctx.module, ctx.layer, ctx.rows
         padding = -1 if module.padding_idx is None else module.padding_idx
         grad_w = torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding, False)
-        keys, k = _unit_keys(layer, ids, rows, module.padding_idx)
-        width = grad.shape[-1]
-        if k * rows <= _TABLE_ROWS * ids.numel() or k * rows * width <= _TABLE_NUMBERS:
+        k, m = layer.units(len(ids))
+        tokens = ids.numel() // len(ids) * m  # a unit's
+        if k * rows <= _TABLE_ROWS * ids.numel():  # the units' tables hold no more rows
+            keys = _unit_keys(layer, ids, rows, module.padding_idx)
             tables = torch.ops.aten.embedding_dense_backward(
                 grad, keys, k * rows + 1, k * rows, False
             )
+            norm = torch.linalg.vector_norm(tables, dtype=norm_dtype(tables))
+        elif k * tokens * tokens <= _GRAM_NUMBERS * ids.numel():
+            norm = _gram_norm(ids, grad, k, m, module.padding_idx)
         else:  # each unit's rows summed by sorted key: memory of the micro-batch's rows
+            keys = _unit_keys(layer, ids, rows, module.padding_idx)
             tables = _summed_by_key(grad.reshape(-1, grad.shape[-1]), keys.reshape(-1), k * rows)
-        layer.record(("weight",), (torch.linalg.vector_norm(tables, dtype=norm_dtype(tables)),))
+            norm = torch.linalg.vector_norm(tables, dtype=norm_dtype(tables))
+        layer.record(("weight",), (norm,))
         return None, grad_w, None, None
+
+
+def _gram_norm(ids: Tensor, grad: Tensor, k: int, m: int, padding: int | None) -> Tensor:
+    """``sqrt Σ_u Σ_{t,t'∈u} [x_t = x_t'] δ_t·δ_t'``: each unit's rows summed by id, squared,
+    from the Gram matrix of its output gradients (Li et al. 2022's ghost norm for an
+    embedding), for a vocabulary too large for a table a unit."""
+    ids, d = _by_units(ids.reshape(len(ids), -1, 1), k, m)[..., 0], _by_units(grad, k, m)
+    if padding is not None:  # the padding row gets no gradient
+        d = d * (ids != padding).unsqueeze(-1)
+    gram = torch.bmm(d, d.mT)
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    wide = norm_dtype(gram)
+    return (gram.to(wide) * same).sum().sqrt()
 
 
 def _summed_by_key(rows: Tensor, keys: Tensor, dropped: int) -> Tensor:
