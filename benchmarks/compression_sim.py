@@ -9,8 +9,8 @@
 Each step draws a batch (256 by default) with replacement, splits it into
 ``--ranks`` shards, takes each shard's gradient divided by the number of ranks
 (its share of the mean), and reduces the shares the way
-``bigbatch.dist.compression_hook`` does on real ranks: plainly for the first
-10 steps, then through :func:`bigbatch.dist.error_control.local_step` with
+``bigbatch.parallel.compression_hook`` does on real ranks: plainly for the first
+10 steps, then through :func:`bigbatch.parallel.error_control.local_step` with
 Top-K of the whole flattened gradient (one DDP bucket holds these models
 whole). The optimizer steps with the result under the task's cosine
 schedule. No process group, so an arm takes about a minute on one core
@@ -30,12 +30,12 @@ import statistics
 import torch
 
 from bigbatch.batch.lr import lr_factor, schedule_by_name
-from bigbatch.dist.compression import rand_k, top_k
-from bigbatch.dist.error_control import SHARED_ESTIMATE, local_step, start
 from bigbatch.experiments.build import with_task_defaults
 from bigbatch.experiments.config import resolve
 from bigbatch.experiments.tasks import TASKS
 from bigbatch.optim import create_optimizer
+from bigbatch.parallel.compression import rand_k, top_k
+from bigbatch.parallel.error_control import SHARED_ESTIMATE, local_step, start
 
 WARMUP = 10
 METHODS = ("all-reduce", "ef", "ef21", "ef21-sgdm", "econtrol", "none")

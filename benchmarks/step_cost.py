@@ -23,6 +23,10 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
   every K-th step only (``statistics_every=K``), the steps between unsplit; each timed
   unit is K steps (one measured), so the time is the mean step over the cycle.
 
+``--steady N`` adds the steady-state time: blocks of N steps with one synchronisation at
+the end of each (a per-step synchronisation charges the host's work in full on a GPU),
+interleaved, the median block over N.
+
 ``--keep-freed-memory`` keeps glibc's malloc from handing freed memory back between
 steps, as ``bigbatch train`` does on a CPU (every arm alike). ``--micro-batches K``
 splits every bigbatch arm's step in ``K`` (the statistics' own cost at one split:
@@ -198,9 +202,28 @@ def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
         f"{times[a] * 1e3:.1f} ms" + (f" ({times[a] / base:.2f}x)" if i else "")
         for i, a in enumerate(names)
     ]
+    if args.steady:
+        # steady state: blocks of many steps with one synchronisation each (a step's own
+        # synchronisation, its read, still happens inside), interleaved, the median block
+        blocks = {a.name: _block(a, args.steady) for a in arms}
+        steady = medians(interleaved(blocks, max(3, steps // args.steady), device=args.device))
+        steady = {a.name: steady[a.name] / (args.steady * a.every) for a in arms}
+        cells = [
+            f"{cell}; steady {steady[a] * 1e3:.1f} ms"
+            + (f" ({steady[a] / steady[names[0]]:.2f}x)" if i else "")
+            for i, (cell, a) in enumerate(zip(cells, names, strict=True))
+        ]
     if args.details:
         cells = [f"{cell}; {arm.details()}" for cell, arm in zip(cells, arms, strict=True)]
     print(f"| {model_name} | {batch} | {' | '.join(cells)} |", flush=True)
+
+
+def _block(arm: Arm, steps: int):
+    def run() -> None:
+        for _ in range(steps):
+            arm.step()
+
+    return run
 
 
 def ops(model_name: str, batch: int, context: int, args) -> dict[str, int]:
@@ -349,6 +372,9 @@ def main() -> None:
         "--micro-batches", type=int, help="each bigbatch arm's split (default: 4 for sub-batches)"
     )
     parser.add_argument("--details", action="store_true", help="host syncs and buffers too")
+    parser.add_argument(
+        "--steady", type=int, default=0, help="also time blocks of this many steps, one sync each"
+    )
     parser.add_argument(
         "--ops-device", default="meta", help="where --part ops runs its steps (meta: no compute)"
     )

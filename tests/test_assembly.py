@@ -7,8 +7,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import bigbatch as bb
 from bigbatch.assembly import assemble, describe_collector, resolve_controller
-from bigbatch.dist.world import World
 from bigbatch.options import StepOptions
+from bigbatch.parallel.world import World
 
 
 def make_optimizer():

@@ -124,7 +124,7 @@ def test_a_wrappers_key_bounds_are_the_ones_it_checks(name):
     import torch
 
     from bigbatch import optim
-    from bigbatch.dist.compression import CompressionState
+    from bigbatch.parallel.compression import CompressionState
 
     wrapper = CompressionState if name == "CompressionState" else getattr(optim, name)
 
@@ -166,7 +166,7 @@ def test_compression_refuses_a_flag_for_eta_and_a_seed_no_generator_takes(option
     """``eta=True`` was taken as 1.0, a numpy float refused as out of range, any seed taken."""
     import numpy as np
 
-    from bigbatch.dist.compression import CompressionState
+    from bigbatch.parallel.compression import CompressionState
 
     with pytest.raises(ValueError, match=message):
         CompressionState(_NoModel(), **options)

@@ -1,6 +1,6 @@
 """bigbatch: make very large batches train as well as small ones in PyTorch."""
 
-from . import batch, dist, optim, schedules, stats
+from . import batch, optim, parallel, schedules, stats
 from .engine import StepEngine, StepResult
 from .loop import AdaptiveBatch, NonFiniteError, Step
 from .options import StepOptions
@@ -16,8 +16,8 @@ __all__ = [
     "StepResult",
     "__version__",
     "batch",
-    "dist",
     "optim",
+    "parallel",
     "schedules",
     "stats",
 ]

@@ -20,12 +20,12 @@ from torch import nn
 from ._checks import positive_int
 from .batch.controllers import BatchWarmup, Controller
 from .batch.lr import resolve_lr_rule
-from .dist import ddp, fsdp
-from .dist.hooks import CommHook, is_lossless
-from .dist.world import World
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
 from .options import StepOptions
+from .parallel import ddp, fsdp
+from .parallel.hooks import CommHook, is_lossless
+from .parallel.world import World
 from .stats.collector import MicroBatchStatistics
 from .stats.per_example import uncovered
 

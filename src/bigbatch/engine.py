@@ -45,11 +45,11 @@ from .batch.controllers import Controller
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
 from .batch.plan import StepPlan
 from .batch.smoothing import SmoothedNoise
-from .dist.fsdp import local
-from .dist.world import World
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
 from .options import NONFINITE_POLICIES, StepOptions
+from .parallel.fsdp import local
+from .parallel.world import World
 from .stats.collector import MicroBatchStatistics
 from .stats.estimators import inverse_size
 from .stats.result import GradientStats

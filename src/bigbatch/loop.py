@@ -31,10 +31,10 @@ from ._checks import positive_int, whole_number
 from .batch.controllers import Controller
 from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
-from .dist import ddp, fsdp
-from .dist.hooks import CommHook
 from .engine import NonFiniteError, StepEngine, StepResult
 from .options import StepOptions
+from .parallel import ddp, fsdp
+from .parallel.hooks import CommHook
 from .state import rng_state, set_rng_state
 from .stats.result import GradientStats
 
@@ -331,7 +331,7 @@ class AdaptiveBatch:
         number of processes. Under FSDP2 the model and optimizer states are
         gathered whole to rank 0's CPU (plain tensors; the other ranks' are
         empty: save rank 0's), so they load with another number of processes,
-        under DDP, or on one process (``bigbatch.dist.fsdp.full_state``).
+        under DDP, or on one process (``bigbatch.parallel.fsdp.full_state``).
         """
         if self.world.sharded:
             model_state, optimizer_state = fsdp.full_state(self.model, self.optimizer)

@@ -205,8 +205,8 @@ def test_every_declared_key_names_an_argument_of_its_component():
     import inspect
 
     from bigbatch.batch.controllers import CONTROLLERS
-    from bigbatch.dist.compression import CompressionState
     from bigbatch.optim import AGVM, VRGD
+    from bigbatch.parallel.compression import CompressionState
 
     for component in (*CONTROLLERS.values(), AGVM, VRGD, CompressionState):
         parameters = inspect.signature(component).parameters

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from ..dist.cluster import Cluster
+from ..parallel.cluster import Cluster
 from . import deepspeed_programs as programs
 
 STAGES = [0, 1, 2]

@@ -4,7 +4,7 @@ way, the collector run over them, and micro-batch backward passes for the collec
 import torch
 from torch import nn
 
-from bigbatch.dist.world import World
+from bigbatch.parallel.world import World
 from bigbatch.stats.layout import SubBatches
 
 

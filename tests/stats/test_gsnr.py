@@ -4,7 +4,7 @@ computation: Welford's update (one process) and the shifted sums (DDP, FSDP2).""
 import pytest
 import torch
 
-from bigbatch.dist.world import World
+from bigbatch.parallel.world import World
 from bigbatch.stats import MicroBatchStatistics
 from bigbatch.stats.gsnr import ShiftedGSNR, WelfordGSNR
 from bigbatch.stats.layout import ParamLayout

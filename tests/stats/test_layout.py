@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bigbatch.dist.world import World
+from bigbatch.parallel.world import World
 from bigbatch.stats.layout import ParamLayout, SubBatches
 
 

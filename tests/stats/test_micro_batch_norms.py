@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from bigbatch.dist.world import World
+from bigbatch.parallel.world import World
 from bigbatch.stats.layout import ParamLayout, SubBatches
 from bigbatch.stats.micro_batch_norms import MicroBatchNorms
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bigbatch.dist.world import World
+from bigbatch.parallel.world import World
 from bigbatch.stats.estimators import noise_from_mean
 from bigbatch.stats.layout import ParamLayout
 from bigbatch.stats.noise import NoiseAverages, PerRankNoise, ReducedNoise, SmallNorms

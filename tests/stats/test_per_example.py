@@ -164,13 +164,14 @@ def test_a_linear_layer_of_any_shape_gives_its_units_norms(n, steps, width_in, w
 
 @pytest.mark.parametrize("n, units", [(6, 32), (14, 4)], ids=["examples", "remainder"])
 def test_layer_norms_taken_together_at_the_steps_end_give_the_same_norms(monkeypatch, n, units):
-    # as on a GPU: the two LayerNorms of one shape in one batched computation
+    # the two LayerNorms of one shape in one batched computation, or each in its backward
     import bigbatch.stats.per_example as per_example
 
     torch.manual_seed(0)
     model, inputs = Transformer().double(), torch.randint(0, 13, (n, 5))
+    monkeypatch.setattr(per_example, "_CPU_BATCHED_NUMBERS", 0)
     alone, grads, _ = measured(copy.deepcopy(model), inputs, units)
-    monkeypatch.setattr(per_example, "_batches_layer_norms", lambda device: True)
+    monkeypatch.setattr(per_example, "_CPU_BATCHED_NUMBERS", 1 << 30)
     together, grads_together, _ = measured(model, inputs, units)
     torch.testing.assert_close(together, alone, rtol=1e-12, atol=0)
     for a, b in zip(grads, grads_together, strict=True):

@@ -11,11 +11,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from ..batch.controllers import CONTROLLERS, Controller, parse_points
 from ..batch.lr import lr_factor, lr_rule_with_reason, schedule_by_name
-from ..dist.compression import CompressionState, compression_hook
-from ..dist.world import World
 from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
+from ..parallel.compression import CompressionState, compression_hook
+from ..parallel.world import World
 from .config import (
     AUTO,
     BatchKeys,

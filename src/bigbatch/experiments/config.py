@@ -41,12 +41,12 @@ from ..batch.controllers import CONTROLLERS
 from ..batch.lr import LR_RULES, SCHEDULES
 from ..batch.plan import MAX_MICRO_BATCH
 from ..batch.sampler import MAX_SEED
-from ..dist.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..duration import Duration
 from ..knobs import NO_DEFAULT, Knob, setting, signature_defaults
 from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
 from ..optim.agvm import GROUPS_CONFIG
 from ..options import NOISE_SOURCES, NONFINITE_POLICIES, StepOptions
+from ..parallel.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..stats import SIMILARITY_MODES
 from .device import PRECISIONS
 from .tasks import TASKS

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..dist.world import World, init_from_env
 from ..duration import Duration
 from ..loop import AdaptiveBatch
+from ..parallel.world import World, init_from_env
 from ..sinks import Sinks
 from .build import build, intervals, run_device, run_facts, train_step, with_task_defaults
 from .config import ConfigError, DistKeys, MachineKeys, RunKeys, resolve, section, to_toml

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist.world import World
+from ..parallel.world import World
 
 __all__ = ["LAUNCHER_PID", "STOP_SIGNALS", "StopRequest", "Stopped", "watch_launcher"]
 

@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..dist.compression import CompressionState
 from ..loop import AdaptiveBatch
+from ..parallel.compression import CompressionState
 from .rundir import read_json
 from .tasks import Task
 

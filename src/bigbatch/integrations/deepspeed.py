@@ -68,12 +68,12 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..assembly import FrameworkStep
 from ..batch.controllers import Controller
-from ..dist.world import World
 from ..engine import NonFiniteError, StepEngine, StepResult
 from ..loop import AdaptiveBatch
 from ..optim._base import BigBatchOptimizer
 from ..optim.wrapper import StatisticsWrapper
 from ..options import StepOptions
+from ..parallel.world import World
 from ..state import rng_state, set_rng_state
 
 __all__ = ["CLIENT_STATE_KEY", "AdaptiveBatchDeepSpeed", "client_optimizer"]

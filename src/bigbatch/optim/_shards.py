@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..dist.fsdp import is_dtensor, local
+from ..parallel.fsdp import is_dtensor, local
 
 __all__ = ["Shards", "local", "shards_of"]
 

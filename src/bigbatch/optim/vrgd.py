@@ -18,8 +18,8 @@ from torch import Tensor
 
 from .._checks import check_number, choice
 from .._warn import warn_at_caller
-from ..dist.fsdp import local, shard_like
 from ..knobs import Knob
+from ..parallel.fsdp import local, shard_like
 from ..stats.result import GradientStats
 from .wrapper import StatisticsWrapper
 

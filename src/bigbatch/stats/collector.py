@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from .._checks import check_flag, choice, positive_int
 from .._tensors import norms
 from ..batch.plan import loss_weights as default_loss_weights
-from ..dist.world import World
+from ..parallel.world import World
 from .estimators import half_split_cosine
 from .gsnr import ShiftedGSNR, WelfordGSNR
 from .halves import SIMILARITY_MODES, FromNoiseScalars, SplitMicroBatches, SplitRanks
@@ -83,14 +83,14 @@ class MicroBatchStatistics:
             registers); ``"scalar"`` estimates it from the noise scalars, with
             no gradient-sized buffer or traffic. Default: ``"split"`` on one
             process, ``"scalar"`` under DDP and FSDP2.
-        world: the data-parallel world (``bigbatch.dist.World.of(ddp_model)``);
+        world: the data-parallel world (``bigbatch.parallel.World.of(ddp_model)``);
             one process by default.
         lossy_reduction: DDP reduces the gradients with a lossy comm hook
             (compression): the noise estimates then use only each rank's own,
             uncompressed micro-batches and are averaged over the ranks; needs
             2+ micro-batches per rank.
         grad_sources: under FSDP2, each sharded parameter's unsharded tensor
-            (``bigbatch.dist.fsdp.unsharded_parameters``), where the
+            (``bigbatch.parallel.fsdp.unsharded_parameters``), where the
             micro-batch gradients are read before the reduce-scatter.
         per_example: the trained module, to take the small-batch norms from each
             example's gradient in the backward pass (:mod:`~bigbatch.stats.per_example`)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..dist.world import World
+from ..parallel.world import World
 from .layout import ParamLayout, SubBatches
 
 EPS = 1e-30

@@ -4,7 +4,7 @@
   at the first micro-batch of half B holds half A's gradient; one copy into a
   persistent buffer and three reductions at the end.
 - :class:`SplitRanks` (DDP, ``"split"``): SimiGrad's two groups of ranks,
-  measured by the :func:`~bigbatch.dist.hooks.two_group_cosine_hook` (one
+  measured by the :func:`~bigbatch.parallel.hooks.two_group_cosine_hook` (one
   extra gradient-sized all-reduce).
 - :class:`FromNoiseScalars` (``"scalar"``): the expected terms from the step's
   ``|G|²`` and ``tr Σ`` (docs/algorithms.md, "The similarity from scalars"):
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from .._tensors import dots, norms
-from ..dist.hooks import TwoGroupCosine
-from ..dist.world import World
+from ..parallel.hooks import TwoGroupCosine
+from ..parallel.world import World
 from .estimators import scalar_halves
 from .layout import ParamLayout, SubBatches
 from .noise import _group_sums
@@ -88,7 +88,7 @@ class SplitRanks:
     """Ranks ``[0, W // 2)`` against the rest, measured in the DDP comm hook."""
 
     def __init__(self, layout: ParamLayout, world: World) -> None:
-        #: the comm hook's state: register it (``bigbatch.dist.ddp.register`` does)
+        #: the comm hook's state: register it (``bigbatch.parallel.ddp.register`` does)
         self.hook_state = TwoGroupCosine(layout.groups, world.group)
 
     def begin(self, batches: SubBatches) -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..dist.fsdp import local
-from ..dist.world import World
+from ..parallel.fsdp import local
+from ..parallel.world import World
 
 
 class ParamLayout:
@@ -20,7 +20,7 @@ class ParamLayout:
     during a step.
 
     ``sources`` maps a sharded parameter (by ``id``) to the unsharded tensor
-    its micro-batch gradients flow through (FSDP2, :mod:`bigbatch.dist.fsdp`):
+    its micro-batch gradients flow through (FSDP2, :mod:`bigbatch.parallel.fsdp`):
     hooks go on ``hooked``; ``grads()`` are then this rank's shards.
     """
 

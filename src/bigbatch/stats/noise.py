@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import norms
-from ..dist.world import World
+from ..parallel.world import World
 from .estimators import inverse_size, noise_from_mean, unbiased
 from .layout import ParamLayout, SubBatches
 from .result import Gather

@@ -400,7 +400,7 @@ class _LayerNormFunction(torch.autograd.Function):
         names = tuple(n for n, t in (("weight", weight), ("bias", bias)) if t is not None)
         k, m = layer.units(len(x))
         entry = (x, mean, rstd, grad, k, m, len(module.normalized_shape), layer, names)
-        if _batches_layer_norms(x.device):
+        if _batches_layer_norms(x):
             # the per-unit sums wait for the step's end, where every LayerNorm of this shape
             # takes them together (a handful of operators for all, instead of eight each)
             layer.probe.step.held.append(entry)
@@ -409,11 +409,16 @@ class _LayerNormFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _batches_layer_norms(device: torch.device) -> bool:
-    """Whether LayerNorms on ``device`` are taken together at the step's end: where each
-    operator launches a kernel (a GPU); on a CPU, where an operator launches nothing and
-    stacking the layers' inputs costs more than it saves, each in its own backward."""
-    return device.type != "cpu"
+#: on a CPU, LayerNorms with inputs of at most this many numbers are taken together too
+_CPU_BATCHED_NUMBERS = 1 << 16
+
+
+def _batches_layer_norms(x: Tensor) -> bool:
+    """Whether a LayerNorm of input ``x`` is taken together with the others of its shape at
+    the step's end: where each operator launches a kernel (a GPU), and on a CPU where the
+    input is small enough that the operators cost more than stacking the inputs (at the
+    text model's batch 16, 8 operators a layer); else in its own backward."""
+    return x.device.type != "cpu" or x.numel() <= _CPU_BATCHED_NUMBERS
 
 
 def _layer_norm(module: nn.LayerNorm, layer: _Layer, x: Tensor) -> Tensor:

@@ -5,8 +5,8 @@ import functools
 import pytest
 import torch
 
-from bigbatch.dist import compression
-from bigbatch.dist.error_control import METHODS, SHARED_ESTIMATE, local_step, start
+from bigbatch.parallel import compression
+from bigbatch.parallel.error_control import METHODS, SHARED_ESTIMATE, local_step, start
 
 
 def top_k(ratio):

@@ -3,7 +3,7 @@
 Compressors (Top-K, Rand-K) send a fraction of each bucket; an error-control
 method (``"ef"``, ``"ef21"``, ``"ef21-sgdm"``, ``"econtrol"``, or ``"none"``)
 keeps the compression error from accumulating into a biased step. The rules
-themselves live in :mod:`bigbatch.dist.error_control`; this module applies
+themselves live in :mod:`bigbatch.parallel.error_control`; this module applies
 them to DDP's buckets, runs the collectives and keeps the state.
 
 All in gradient units: a comm hook never sees the step size, and bigbatch

@@ -8,19 +8,16 @@ per rank, as the tests run on a 2-core machine.
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import queue
-import socket
 import time
 import traceback
 from typing import Any
 
-from bigbatch.testing import free_port, init_gloo
-
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bigbatch.testing import free_port, init_gloo
 
 TIMEOUT = 300  # seconds a program may take before the pool is declared hung
 

@@ -204,7 +204,9 @@ def test_vrgd_and_agvm_train_identically_on_every_rank(cluster2):
 @pytest.mark.parametrize(
     "batch, max_micro_batch, weighted", [(9, 1, False), (17_000, 512, True), (13, 4, False)]
 )
-def test_every_rank_runs_the_same_number_of_micro_batches(cluster2, batch, max_micro_batch, weighted):
+def test_every_rank_runs_the_same_number_of_micro_batches(
+    cluster2, batch, max_micro_batch, weighted
+):
     sizes = cluster2.run(programs.micro_batch_counts, batch, max_micro_batch, weighted)[0]
     assert len(sizes[0]) == len(sizes[1])
 

@@ -1,6 +1,6 @@
 """What a loop asks about its model's data parallelism, for a plain module (one process).
 
-The DDP and FSDP2 sides run on gloo ranks in tests/dist/test_adaptive_ddp.py and
+The DDP and FSDP2 sides run on gloo ranks in tests/parallel/test_adaptive_ddp.py and
 test_fsdp.py.
 """
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from bigbatch.dist import ddp
-from bigbatch.dist.world import World
+from bigbatch.parallel import ddp
+from bigbatch.parallel.world import World
 
 
 def test_unwrap_returns_a_plain_module_itself():

@@ -1,12 +1,12 @@
 """Which ``(state, hook)`` pairs reduce gradients exactly (the two-group hook itself runs on gloo
-ranks in tests/dist/test_adaptive_ddp.py)."""
+ranks in tests/parallel/test_adaptive_ddp.py)."""
 
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from bigbatch.dist.hooks import is_lossless
+from bigbatch.parallel.hooks import is_lossless
 
 
 def my_hook(state, bucket):  # a user's own reduction: bigbatch cannot know what it does

@@ -1,5 +1,5 @@
 """What a loop needs to know about a ``DistributedDataParallel`` model, in one place
-(and where a step accumulates, about an FSDP2 one: :mod:`bigbatch.dist.fsdp`)."""
+(and where a step accumulates, about an FSDP2 one: :mod:`bigbatch.parallel.fsdp`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The error-control rules of compressed gradient reduction, on one rank's flat tensors.
 
-The functional core of :class:`~bigbatch.dist.compression.CompressionState`
+The functional core of :class:`~bigbatch.parallel.compression.CompressionState`
 (which adds the buckets, the collectives and the bookkeeping): what a rank
 compresses, and how its state moves once the compressed message is known.
 ``x`` is this rank's share of the gradient (its gradient divided by the world

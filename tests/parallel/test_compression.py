@@ -1,9 +1,10 @@
-"""Compression hooks with error control on gloo ranks (docs/algorithms.md, "Compression with error control")."""
+"""Compression hooks with error control on gloo ranks (docs/algorithms.md, "Compression with
+error control")."""
 
 import pytest
 import torch
 
-from bigbatch.dist.compression import kept, rand_k, top_k
+from bigbatch.parallel.compression import kept, rand_k, top_k
 
 from . import programs
 

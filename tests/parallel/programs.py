@@ -87,7 +87,8 @@ def make_loop(
 
 
 def shard(model: nn.Module) -> nn.Module:
-    """``model`` under FSDP2: each linear layer, then the root, ``fully_shard``-ed over the ranks."""
+    """``model`` under FSDP2: each linear layer, then the root, ``fully_shard``-ed over the
+    ranks."""
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(model[0])
@@ -123,7 +124,7 @@ def flat_params(loop: AdaptiveBatch) -> torch.Tensor:
 # ---------------------------------------------------------------- programs
 
 
-def adaptive_run(  # noqa: PLR0913 - each a variant some test runs
+def adaptive_run(
     steps: int,
     similarity: str,
     fsdp: bool = False,
@@ -317,7 +318,7 @@ def hook_with_inner(steps: int, inner: str) -> dict:
     """The two-group hook around torch's all-reduce or PowerSGD hook, against plain DDP."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    from bigbatch.dist import TwoGroupCosine, two_group_cosine_hook
+    from bigbatch.parallel import TwoGroupCosine, two_group_cosine_hook
 
     plain = make_loop(Constant(24 * dist.get_world_size()), similarity="scalar")
     train(plain, steps)
@@ -427,7 +428,7 @@ def wrapped_run(optimizer: str, steps: int) -> dict:
 
 def compressed_run(method: str, compressor: str, ratio: float, steps: int, **options) -> dict:
     """The regression problem through AdaptiveBatch with a compression hook."""
-    from bigbatch.dist import CompressionState, compression_hook
+    from bigbatch.parallel import CompressionState, compression_hook
 
     world = dist.get_world_size()
     model = DDP(make_model())
@@ -455,7 +456,7 @@ def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> floa
     targets), so local gradients disagree at the optimum: Top-K without
     error control cannot settle there.
     """
-    from bigbatch.dist import CompressionState, compression_hook
+    from bigbatch.parallel import CompressionState, compression_hook
 
     world, rank, d, n = dist.get_world_size(), dist.get_rank(), 40, 200
     problems = []
@@ -490,7 +491,7 @@ def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> floa
 
 
 def compressed_resume(method: str, steps: int, at: int) -> dict:
-    from bigbatch.dist import CompressionState, compression_hook
+    from bigbatch.parallel import CompressionState, compression_hook
 
     def build():
         model = DDP(make_model())
@@ -647,9 +648,9 @@ def sharded_optimizer_collectives(name: str, layers: int) -> int:
 
 def cli_build(strategy: str, steps: int) -> dict:
     """The command line's model and loop for ``dist.strategy`` on these ranks, a few steps."""
-    from bigbatch.dist import World
     from bigbatch.experiments.build import build, with_task_defaults
     from bigbatch.experiments.config import resolve
+    from bigbatch.parallel import World
 
     config = with_task_defaults(
         resolve({"task": "teacher", "device": "cpu", "dist.strategy": strategy})

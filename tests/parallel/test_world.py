@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from bigbatch.dist.world import World, init_from_env
+from bigbatch.parallel.world import World, init_from_env
 
 
 def test_one_process_by_default():
