@@ -16,7 +16,7 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
   statistics (``noise_from="sub_batches"``: four micro-batches per step);
 - ``gsnr``: the same, with the per-element gradient SNR as well (``gsnr=True``);
 - ``examples``: the same with the per-example statistics (``noise_from="examples"``: one
-  micro-batch, the noise from the gradient norms of 32 to 63 units of its examples, taken
+  micro-batch, the noise from the gradient norms of 8 to 15 units of its examples, taken
   in the same backward, the default); ``all examples``: every example its own unit;
 - ``off``: the same with ``statistics=False``;
 - with ``--every K``, ``sub-batches/K`` and ``examples/K``: the statistics measured at
@@ -154,7 +154,7 @@ class Arm:
                 statistics=name != "off",
                 gsnr=base == "gsnr",
                 noise_from="sub_batches" if split else "examples",
-                noise_units=None if name == "all examples" else 32,
+                noise_units=None if name == "all examples" else bb.stats.per_example.UNITS,
                 statistics_every=self.every,
                 loader_options={"pin_memory": args.device.type == "cuda"},
             )

@@ -18,6 +18,7 @@ from ._checks import check_flag, check_number, choice, positive_int
 from .batch.lr import LR_RULES, Schedule
 from .batch.plan import LOSS_REDUCTIONS
 from .stats.halves import SIMILARITY_MODES
+from .stats.per_example import UNITS
 
 __all__ = ["NOISE_SOURCES", "NONFINITE_POLICIES", "StepOptions"]
 
@@ -76,7 +77,7 @@ class StepOptions:
     #: twice as many units; each example alone below twice ``noise_units``), and each
     #: unit's gradient norm is taken in the backward (bigbatch.stats.per_example; None:
     #: every example alone). At least 2
-    noise_units: int | None = 32
+    noise_units: int | None = UNITS
     #: measure the statistics at every ``statistics_every``-th optimizer step (1: every
     #: step). The steps between run as a plain step would: no statistics, no split into
     #: micro-batches beyond what memory asks. A noise-scale controller
