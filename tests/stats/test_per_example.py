@@ -264,7 +264,9 @@ def test_one_pass_noise_equals_the_estimator_on_single_examples(sizes):
     signal, trace = noise_components(
         torch.stack([g.square().sum() for g in single]), [1] * len(x), mean.square().sum()
     )
-    stats = MicroBatchStatistics([list(model.parameters())], ema_beta=0.0, per_example=model)
+    stats = MicroBatchStatistics(
+        [list(model.parameters())], ema_beta=0.0, per_example=model, per_example_units=None
+    )
     got = collect(model, x, y, sizes, stats, loss_scale=8.0)
     assert got.grad_sq_norm == pytest.approx(signal.item(), rel=1e-4)
     assert got.trace == pytest.approx(trace.item(), rel=1e-4)
@@ -327,14 +329,14 @@ def test_a_compiled_model_gives_the_same_statistics():
 def test_bf16_autocast_and_micro_batches_of_a_memory_limit():
     # the rules read bf16 activations in fp32; a step split for memory sums its micro-batches
     model = _mlp()
-    whole = _three_steps(model, model)
+    whole = _three_steps(model, model, noise_units=None)
     model = _mlp()
 
     def bf16(x):
         with torch.autocast("cpu", torch.bfloat16):
             return model(x)
 
-    half = _three_steps(model, bf16, max_micro_batch=16)
+    half = _three_steps(model, bf16, max_micro_batch=16, noise_units=None)
     torch.testing.assert_close(half, whole, rtol=0.1, atol=0)
 
 
