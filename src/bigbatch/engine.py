@@ -317,11 +317,10 @@ class StepEngine:
         self.controller.load_state_dict(state["controller"])
         if self.collector is not None and state.get("statistics") is not None:
             self.collector.load_state_dict(state["statistics"])
-        if "noise" in state:  # absent from checkpoints that logged the collector's average
-            self._noise.load_state_dict(state["noise"])
-        self._averages = dict(state.get("averages", {}))
+        self._noise.load_state_dict(state["noise"])
+        self._averages = dict(state["averages"])
         self.batch_size = _within_bounds(self.controller, int(state["batch_size"]))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_steps = int(state["skipped_steps"])
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
 
 

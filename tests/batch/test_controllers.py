@@ -111,8 +111,6 @@ def test_constant_and_ramp():
     assert ramp.next({}, 64, 5000) == 1024
     table = Ramp(points=[(0, 128), (1000, 256), (5000, 512)])
     assert [table.next({}, 0, s) for s in (0, 999, 1000, 4999, 10**6)] == [128, 128, 256, 256, 512]
-    with pytest.warns(DeprecationWarning, match="over"):
-        assert Ramp(64, 1024, samples=1000).next({}, 64, 500) == 544
 
 
 def test_ramp_in_the_users_units():
@@ -432,9 +430,6 @@ def test_warmup_with_a_loss_lag_resumes_where_it_stopped():
         batch = paths[0][-1]
     assert paths[0] == paths[1] and len(set(paths[0])) > 1  # equal decisions, and some change
     assert copy.state_dict() == c.state_dict() and c.current_multiple() == 4.0
-    old = c.state_dict()
-    del old["slope"]  # a checkpoint from before the rule: the slope starts afresh
-    BatchWarmup().load_state_dict(old)
 
 
 def test_controllers_print_their_settings():
@@ -532,12 +527,6 @@ def test_every_controller_declares_whether_it_reads_statistics():
     assert CriticalBatchRamp().needs_statistics and DampedSimiGrad().needs_statistics
     assert BatchWarmup().needs_statistics and not BatchWarmup().holds_lr
     assert not Constant(64).needs_statistics and not Ramp(64, 128, 10).needs_statistics
-
-
-def test_a_ramps_old_steps_keyword_still_works_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="Ramp\\(points=...\\)"):
-        old = Ramp(steps=[(0, 64), (100, 128)])
-    assert repr(old) == repr(Ramp(points=[(0, 64), (100, 128)]))
 
 
 # ------------------------------------------------------------------ Seesaw

@@ -345,6 +345,3 @@ def test_the_signal_that_borrowed_the_trace_carries_the_traces_error_and_resumes
     copy = SmoothedNoise(20)
     copy.load_state_dict(noise.state_dict())
     assert copy.bounds(1.0) == noise.bounds(1.0)
-    old = {k: v for k, v in noise.state_dict().items() if k != "borrowed"}
-    copy.load_state_dict(old)
-    assert copy.borrowed.count == 0 and copy._signal_interval(1.0) == noise.signal.interval(1.0)

@@ -59,6 +59,7 @@ def fake_train(
         "samples": 2 * steps * batch,
         "avg_batch_size": float(batch),
         "wall_seconds": 1.0,
+        "ended": "budget",
     }
     if config["task"] == "lm":  # a transformer: the runner logs its largest attention logit
         summary["max_attention_logit"] = 10.0 * config["lr"] / 0.004

@@ -3,6 +3,7 @@ from dataclasses import fields
 import pytest
 
 from bigbatch.experiments.config import (
+    RENAMED,
     RUN_SECTIONS,
     BatchKeys,
     ConfigError,
@@ -191,14 +192,6 @@ def test_a_ramp_in_the_users_units_from_config_keys():
         ramp(**{"batch.ramp_points": "0:32, 25%:64", "batch.initial": 16})
     with pytest.raises(ConfigError, match=r"batch\.ramp_points = '0:32, 25%': a ramp point"):
         resolve({"batch.ramp_points": "0:32, 25%"})
-    # the old key, in samples (0: half the budget), still read with a warning
-    with pytest.warns(FutureWarning, match="batch.ramp_over"):
-        old = resolve({"batch.ramp_samples": 0})
-    assert old["batch.ramp_over"] == "50%"
-    with pytest.warns(FutureWarning):
-        assert resolve({"batch.ramp_samples": 150_000})["batch.ramp_over"] == "150000"
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="must be text, got False"):
-        resolve({"batch.ramp_samples": False})  # not a 0: it was taken as one
 
 
 def test_every_declared_key_names_an_argument_of_its_component():
@@ -213,19 +206,11 @@ def test_every_declared_key_names_an_argument_of_its_component():
         assert all(knob.param in parameters for knob in component.CONFIG.values()), component
 
 
-def test_an_old_key_name_still_works_and_warns_with_the_new_one():
-    with pytest.warns(FutureWarning) as record:
-        config = resolve({"agvm_interval": 7, "agvm": True})
-    assert sorted(str(w.message).split(";")[0] for w in record) == [
-        "config key 'agvm' is now 'agvm.enabled'",
-        "config key 'agvm_interval' is now 'agvm.interval'",
-    ]
-    assert config["agvm.interval"] == 7 and config["agvm.enabled"] is True
-    # both names in one layer: which wins would be the order they were written in
-    with pytest.raises(ConfigError, match=r"'agvm_interval' is the old name of 'agvm.interval'"):
-        resolve({"agvm.interval": 7, "agvm_interval": 3})
-    with pytest.warns(FutureWarning):  # in two layers, the later one's, as for any key
-        assert resolve({"agvm_interval": 3}, {"agvm.interval": 7})["agvm.interval"] == 7
+def test_an_old_key_name_is_refused_with_the_new_one():
+    # no old names before 1.0: each renamed key is one error that names the key it is now
+    for old, new in RENAMED.items():
+        with pytest.raises(ConfigError, match=f"config key '{old}' is now '{new}'"):
+            resolve({old: 1})
 
 
 def test_a_config_file_that_is_not_toml_text_or_not_a_file_is_named(tmp_path):

@@ -58,6 +58,6 @@ def test_only_a_run_that_ended_with_a_result_is_finished(tmp_path, ended):
     assert (finished_summary(tmp_path) == summary) == (ended in FINISHED)
 
 
-def test_a_summary_from_before_runs_said_how_they_ended_is_finished(tmp_path):
+def test_a_summary_that_does_not_say_how_the_run_ended_is_no_result(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"final_accuracy": 0.9}))
-    assert finished_summary(tmp_path) == {"final_accuracy": 0.9}
+    assert finished_summary(tmp_path) is None

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import KW_ONLY
@@ -320,7 +319,7 @@ class BatchWarmup:
       tasks the late doublings cost no measurable loss while the early ones
       did. ``decay_power`` > 0 weighs the estimate by the schedule's
       multiplier ``s`` (``measured["schedule"]``) to the power given, for
-      users who want that growth held back (the default before 0.3: 1).
+      users who want that growth held back.
     - **One step's estimate is noisy** (``|G|²`` spreads 0.7–2× its mean on
       the default task): numerator and denominator are averaged apart over
       ``window`` steps (:class:`~bigbatch.batch.smoothing.SmoothedNoise`),
@@ -466,10 +465,9 @@ class BatchWarmup:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._noise.load_state_dict(state["noise"])
         self._schedule = float(state["schedule"])
-        if "slope" in state:  # checkpoints from before the loss_lag rule have none
-            self._slope.load_state_dict(state["slope"])
-            self._warming.last = float(state["warming"])
-            self._warmed = bool(state["warmed"])
+        self._slope.load_state_dict(state["slope"])
+        self._warming.last = float(state["warming"])
+        self._warmed = bool(state["warmed"])
 
 
 @settings
@@ -911,8 +909,7 @@ class NoiseScale:
         return {"noise": self._noise.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "noise" in state:  # checkpoints before the controller smoothed for itself have none
-            self._noise.load_state_dict(state["noise"])
+        self._noise.load_state_dict(state["noise"])
 
 
 @settings
@@ -959,8 +956,7 @@ class Ramp:
     counted (``measured["step"]``), both saved in every checkpoint, so a resumed run
     follows the same ramp. Under ``lr_scaling="auto"`` the rate follows the optimizer
     family's rule at each change (``family_lr_rule``: ×√ratio for Adam-type, as in
-    OLMo-core; ×ratio for SGD- and LARS-type). ``samples=`` (and ``steps=`` for
-    ``points=``), the names before 0.3, still work with a ``DeprecationWarning``.
+    OLMo-core; ×ratio for SGD- and LARS-type).
     """
 
     start: int | None = setting(None, **_INITIAL)
@@ -985,9 +981,6 @@ class Ramp:
     #: the run's context, which ``bigbatch train`` passes (not config keys)
     budget: int | None = None
     tokens_per_sample: int | None = None
-    #: the names before 0.3 (``DeprecationWarning``)
-    samples: int | None = None
-    steps: Sequence[tuple[int, int]] | None = None
 
     needs_statistics = False
     holds_lr = False
@@ -996,14 +989,6 @@ class Ramp:
     def __post_init__(self) -> None:
         check_settings(self)  # the keyed bounds; the lengths and the table are read below
         start, end, over, points = self.start, self.end, self.over, self.points
-        if self.samples is not None:
-            warnings.warn("Ramp(samples=N) is now Ramp(over=N)", DeprecationWarning, stacklevel=3)
-            over = self.samples
-        if self.steps is not None:
-            warnings.warn(
-                "Ramp(steps=...) is now Ramp(points=...)", DeprecationWarning, stacklevel=3
-            )
-            points = self.steps if points is None else points
         if isinstance(points, str):
             points = parse_points(points) if points.strip() else None
         if self.budget is not None:

@@ -239,9 +239,7 @@ class SmoothedNoise:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.signal.load_state_dict(state["signal"])
         self.trace.load_state_dict(state["trace"])
-        self.borrowed.reset()
-        if "borrowed" in state:  # absent from checkpoints of before statistics in between
-            self.borrowed.load_state_dict(state["borrowed"])
+        self.borrowed.load_state_dict(state["borrowed"])
 
 
 _FIT = ("n", "x", "y", "xx", "xy", "yy")

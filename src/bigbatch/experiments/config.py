@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -113,7 +112,7 @@ def share_of_budget(text: str) -> Duration:
     return duration
 
 
-#: old key names, still accepted with a warning
+#: keys by an earlier name: refused with the name they have now (no old names before 1.0)
 RENAMED = {
     "batch.ramp_samples": "batch.ramp_over",
     "agvm": "agvm.enabled",
@@ -121,12 +120,7 @@ RENAMED = {
     "agvm_interval": "agvm.interval",
     "agvm_start": "agvm.start",
     "agvm_momentum": "agvm.momentum",
-}
-
-#: old values of renamed keys, as the new key reads them (``batch.ramp_samples = 0`` meant
-#: half the budget)
-_OLD_VALUES: dict[str, Callable[[Any], Any]] = {
-    "batch.ramp_samples": lambda n: "50%" if n == 0 and n is not False else n,
+    "noise_examples": "noise_units",
 }
 
 
@@ -642,12 +636,9 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
     known = schema()
     config = defaults()
     for layer in layers:
-        both = [old for old, new in RENAMED.items() if old in layer and new in layer]
-        if both:  # which would win is the order they were written in
-            raise ConfigError(f"{both[0]!r} is the old name of {RENAMED[both[0]]!r}: give one")
         for name, value in layer.items():
-            value = _OLD_VALUES[name](value) if name in _OLD_VALUES else value
-            name = _current_name(name)
+            if name in RENAMED:
+                raise ConfigError(f"config key {name!r} is now {RENAMED[name]!r}")
             if name not in known:
                 raise ConfigError(f"unknown config key {name!r}{did_you_mean(name, known)}")
             config[name] = _check(known[name], value)
@@ -669,18 +660,6 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
             f"({fewest}): every sub-batch needs a sample"
         )
     return config
-
-
-def _current_name(name: str) -> str:
-    """A key's current name; an old one is accepted with a warning naming the new one."""
-    if name in RENAMED:
-        warnings.warn(
-            f"config key {name!r} is now {RENAMED[name]!r}; the old name will be removed",
-            FutureWarning,
-            stacklevel=4,
-        )
-        return RENAMED[name]
-    return name
 
 
 def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:

@@ -32,16 +32,12 @@ FINISHED = frozenset({"budget", "target", "skip_limit"})
 
 
 def finished_summary(run_dir: Path) -> dict[str, Any] | None:
-    """The summary of the run in ``run_dir`` if it ended with a result, else None.
-
-    Summaries written before runs said how they ended (no ``ended``) were
-    written only at the end of the budget or by a diverged sweep run: finished.
-    """
+    """The summary of the run in ``run_dir`` if it ended with a result, else None."""
     path = Path(run_dir) / "summary.json"
     if not path.is_file():
         return None
     summary = read_json(path)
-    return summary if summary.get("ended", "budget") in FINISHED else None
+    return summary if summary.get("ended") in FINISHED else None
 
 
 def batch_path_ratio(batches: list[int]) -> float | None:

@@ -66,12 +66,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def _position_table_renamed(state: dict, prefix: str, *args: object) -> None:
-    """Checkpoints written before 0.3 hold the position table as ``pos``, a bare parameter."""
-    if prefix + "pos" in state:
-        state[prefix + "pos.weight"] = state.pop(prefix + "pos")
-
-
 class TinyTransformer(nn.Module):
     """A pre-norm GPT: token and learned position embeddings, ``depth`` blocks of causal
     attention (``heads`` heads) and a 4x MLP, a linear head over the vocabulary."""
@@ -86,7 +80,6 @@ class TinyTransformer(nn.Module):
         # (bigbatch.stats.per_example); ``_weight`` skips an initialisation that would draw
         # from the random stream and change every later layer's start
         self.pos = nn.Embedding(context, width, _weight=torch.zeros(context, width))
-        self._register_load_state_dict_pre_hook(_position_table_renamed)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
