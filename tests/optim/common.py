@@ -4,22 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
 #: what the ``impl`` fixture runs ("foreach-blocked": foreach with every tensor split)
 IMPLS = ("reference", "foreach", "foreach-blocked", "compiled")
+#: what the ``eager_impl`` fixture runs: the edge cases are the functional code's, which the
+#: compiled impl traces as it is (its agreement is tested once per optimizer)
+EAGER_IMPLS = IMPLS[:-1]
 
 
-def impl_cases(switches, compiled: tuple[str, ...]) -> list[tuple[str, str]]:
-    """``(impl, switch)`` pairs: every switch under the eager impls, ``compiled`` only compiled.
+def impl_cases(switches, compiled: tuple[str, ...]) -> list:
+    """``(impl, switch)`` pairs: every switch under the eager impls, ``compiled`` only compiled
+    (marked ``compile``).
 
     The compiled impl is the reference function through torch.compile, which
     compiles once per switch (5–10 s each on two cores): the reference cases
     check every switch, and the compiled ones check the compilation on the
     defaults and on every switch at once.
     """
-    return [(i, s) for i in IMPLS for s in switches if i != "compiled" or s in compiled]
+    eager = [(i, s) for i in EAGER_IMPLS for s in switches]
+    return eager + [pytest.param("compiled", s, marks=pytest.mark.compile) for s in compiled]
 
 
 class TinyNet(nn.Module):
