@@ -51,7 +51,9 @@ def main() -> None:
     for step in loop.steps(max_samples=1_500_000):  # bigbatch
         for x, y in step.micro_batches():  # bigbatch
             step.backward(nn.functional.cross_entropy(model(x), y))  # bigbatch
-        step.apply()  # bigbatch
+        # bigbatch: clip here, in apply (after the statistics read the batch's gradient,
+        # before the update), not before it; LAMB also clips at 1 itself (max_grad_norm)
+        step.apply(max_grad_norm=1.0)
         if step.index % 40 == 0:
             print(progress(step.metrics))
     with torch.no_grad():

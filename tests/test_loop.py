@@ -323,3 +323,38 @@ def test_statistics_every_k_splits_only_the_measured_steps_and_resumes_exactly()
     train(resumed, model, max_steps=40)
     for p, q in zip(model.parameters(), expected):
         assert torch.equal(p.detach(), q)
+
+
+@pytest.mark.parametrize("noise_from", ["examples", "sub_batches"])
+def test_clipping_in_apply_comes_after_the_statistics_and_before_the_update(noise_from):
+    """The statistics read the batch's own gradient; the optimizer steps with the clipped one."""
+
+    def one_step(max_grad_norm):
+        model, loop = make_run(
+            controller=bb.batch.Constant(32), optimizer="sgd", noise_from=noise_from,
+            statistics=True, lr_scaling="none",
+        )  # fmt: skip
+        step = next(loop.steps(max_steps=1))
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        grads = []
+
+        def keep(optimizer, args, kwargs):
+            grads.extend(p.grad.clone() for p in model.parameters())
+
+        loop.optimizer.register_step_pre_hook(keep)
+        step.apply(max_grad_norm=max_grad_norm)
+        return step.metrics, grads
+
+    plain, grads = one_step(None)
+    clipped, clipped_grads = one_step(1e-3)
+    for name in ("grad_sq_norm", "trace", "similarity"):
+        assert clipped[name] == plain[name], name
+    total = torch.cat([g.flatten() for g in grads]).norm()
+    assert total > 1e-3
+    # the optimizer stepped with the gradient scaled to the norm asked for
+    for g, c in zip(grads, clipped_grads, strict=True):
+        torch.testing.assert_close(c, g * (1e-3 / total), rtol=1e-4, atol=1e-12)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        step = next(make_run()[1].steps(max_steps=1))
+        step.apply(max_grad_norm=-1.0)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, IterableDataset
 
-from ._checks import positive_int, whole_number
+from ._checks import check_number, positive_int, whole_number
 from .batch.controllers import Controller
 from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
@@ -116,8 +116,16 @@ class Step:
         self._loop._backward(loss)
         self._backwards += 1
 
-    def apply(self) -> None:
-        """Optimizer step at the batch's learning rate; then choose the next batch size."""
+    def apply(self, max_grad_norm: float | None = None) -> None:
+        """Optimizer step at the batch's learning rate; then choose the next batch size.
+
+        ``max_grad_norm`` clips the gradient's total norm to it after the statistics have
+        read the gradient and before the update (``clip_grad_norm_``, on the unscaled
+        gradient under a ``GradScaler``): clipped before ``apply``, the statistics would
+        take the clipped gradient for the batch's.
+        """
+        if max_grad_norm is not None:
+            check_number("max_grad_norm", max_grad_norm, low_open=True)
         if self._applied:
             raise RuntimeError(f"step {self.index} was already applied")
         if self._backwards != len(self.plan.sizes):
@@ -126,7 +134,7 @@ class Step:
                 f"{self._backwards} times"
             )
         self._applied = True
-        result = self._loop._optimizer_step()
+        result = self._loop._optimizer_step(max_grad_norm)
         self.stats, self.metrics = result.stats, result.metrics
 
 
@@ -306,9 +314,11 @@ class AdaptiveBatch:
             weight_fn=self.source.weight_fn,
         )
 
-    def _optimizer_step(self) -> StepResult:
+    def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:
         result = self.engine.before_optimizer_step()
         if not result.skip:
+            if max_grad_norm is not None:
+                self._clip(max_grad_norm)
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -317,6 +327,13 @@ class AdaptiveBatch:
         self.engine.after_optimizer_step(result)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _clip(self, max_norm: float) -> None:
+        """Clip the gradient's total norm, unscaled first under a ``GradScaler`` (no read)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
     # ------------------------------------------------------------ state
 

@@ -184,7 +184,12 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
         # accumulation steps as well
         self.deepspeed.backward(loss, scale_wrt_gas=False)
 
-    def _optimizer_step(self) -> StepResult:
+    def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:
+        if max_grad_norm is not None:
+            raise ValueError(
+                "under DeepSpeed the gradient is clipped by its config's gradient_clipping, "
+                "inside its step: apply() takes no max_grad_norm"
+            )
         result = self.engine.before_optimizer_step()
         if result.skip:
             self._drop_step(result)
