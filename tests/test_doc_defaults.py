@@ -25,6 +25,10 @@ LISTED = (
 )
 
 
+#: every registered controller class by its name (the research ones live in batch.contrib)
+CLASSES = {cls.__name__: cls for cls in batch.CONTROLLERS.values()}
+
+
 def value(text: str) -> object:
     """A default as the docs write it: a literal, or a fraction such as ``1/3``."""
     tree = ast.parse(text, mode="eval").body
@@ -50,7 +54,7 @@ def test_the_fraction_reader():
 def test_a_controllers_row_lists_its_constructors_defaults(name):
     defaults = {
         p.name: p.default
-        for p in inspect.signature(getattr(batch, name)).parameters.values()
+        for p in inspect.signature(CLASSES[name]).parameters.values()
         if p.default is not inspect.Parameter.empty
     }
     rows = documented()

@@ -122,7 +122,8 @@ def test_a_loop_that_never_gives_its_loss_has_none_not_zero(statistics):
 
 @pytest.mark.parametrize("statistics", [True, False])
 def test_a_non_finite_step_is_skipped_before_anything_learns_from_it(statistics):
-    controller = bb.batch.CriticalBatchRamp(0.01, initial=16, window=2) if statistics else None
+    ramp = bb.batch.contrib.CriticalBatchRamp
+    controller = ramp(0.01, initial=16, window=2) if statistics else None
     model, opt, engine = setup(controller or bb.batch.Constant(16), statistics=statistics)
     averages = engine.collector.state_dict() if statistics else None
     result = run_step(model, engine, poison=True)
@@ -145,7 +146,7 @@ def test_a_non_finite_step_raises_when_asked():
 @pytest.mark.parametrize(
     "controller, optimizer, rule",
     [
-        (bb.batch.CriticalBatchRamp(initial=16), "sgd", "none"),  # follows the noise: held
+        (bb.batch.contrib.CriticalBatchRamp(initial=16), "sgd", "none"),  # follows the noise: held
         (bb.batch.Constant(16), "sgd", "linear"),
         (bb.batch.Constant(16), "lamb", "sqrt"),
         (bb.batch.SimiGrad(initial=16), "lamb", "sqrt"),
@@ -159,7 +160,7 @@ def test_auto_rule_by_controller_and_optimizer_family(controller, optimizer, rul
 
 def test_what_the_rules_need_is_checked_up_front():
     with pytest.raises(ValueError, match="needs statistics"):
-        setup(bb.batch.CriticalBatchRamp(initial=16), statistics=False)
+        setup(bb.batch.contrib.CriticalBatchRamp(initial=16), statistics=False)
     with pytest.raises(ValueError, match="needs statistics"):
         setup(bb.batch.Constant(16), statistics=False, lr_scaling="adascale")
 
@@ -173,12 +174,12 @@ def test_what_the_rules_need_is_checked_up_front():
 
 
 def test_state_round_trip():
-    model, opt, engine = setup(bb.batch.CriticalBatchRamp(0.5, initial=16, window=2))
+    model, opt, engine = setup(bb.batch.contrib.CriticalBatchRamp(0.5, initial=16, window=2))
     for seed in range(6):
         engine.after_optimizer_step(run_step(model, engine, seed=seed))
         opt.zero_grad()
     state = engine.state_dict()
-    _, _, other = setup(bb.batch.CriticalBatchRamp(0.5, initial=16, window=2))
+    _, _, other = setup(bb.batch.contrib.CriticalBatchRamp(0.5, initial=16, window=2))
     other.load_state_dict(state)
     again = other.state_dict()
     assert again["controller"] == state["controller"]
@@ -213,12 +214,12 @@ def test_under_seesaw_the_rate_over_the_familys_invariant_is_the_schedule(optimi
     assert result.metrics["lr_factor"] < 0.05  # capped at 16: the run still ends annealed
 
 
-class Recording(bb.batch.CriticalBatchRamp):
+class Recording(bb.batch.contrib.CriticalBatchRamp):
     """A statistics-reading controller that records the steps it was asked at, and what."""
 
     def __init__(self, between: bool = False) -> None:
         super().__init__(0.5, initial=16, window=2)
-        self.learns_between_measurements = between
+        self.contract = bb.batch.Contract(learns_between_measurements=between, lr_follows="none")
         self.asked: list[int] = []
         self.seen: list[dict] = []
 

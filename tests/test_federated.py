@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from bigbatch.batch import BatchWarmup
+from bigbatch.batch import BatchWarmup, Contract
 from bigbatch.batch.lr import warmup_cosine
 from bigbatch.federated import (
     ClientReport,
@@ -70,7 +70,8 @@ def test_switch_refuses_bad_settings_naming_them(kwargs, message):
 class Doubler:
     """A controller that doubles at its third measurement and counts what it saw."""
 
-    initial, min, max, needs_statistics, holds_lr = 64, 1, 10_000, True, False
+    initial, min, max = 64, 1, 10_000
+    contract = Contract()
 
     def __init__(self):
         self.seen = []

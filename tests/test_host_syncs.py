@@ -72,7 +72,9 @@ def make_loop(micro_batches, statistics=True, gsnr=False, optimizer="sgd", scale
         else bb.optim.VRGD(torch.optim.SGD(model.parameters(), lr=0.05))
     )
     controller = (
-        bb.batch.CriticalBatchRamp(8.0, initial=16 * micro_batches, min=micro_batches, window=2)
+        bb.batch.contrib.CriticalBatchRamp(
+            8.0, initial=16 * micro_batches, min=micro_batches, window=2
+        )
         if statistics
         else bb.batch.Constant(16 * micro_batches)
     )
@@ -173,7 +175,7 @@ def test_one_host_sync_per_step_on_cuda(micro_batches, gsnr, noise_from):
         model,
         bb.optim.LAMB(model.parameters(), lr=1e-3),
         data,
-        controller=bb.batch.CriticalBatchRamp(8.0, initial=32 * micro_batches, window=2),
+        controller=bb.batch.contrib.CriticalBatchRamp(8.0, initial=32 * micro_batches, window=2),
         max_micro_batch=32,
         min_sub_batches=micro_batches,
         gsnr=gsnr,

@@ -111,7 +111,7 @@ def test_between_measurements_the_batch_gradients_norm_is_unscaled_from_a_grad_s
     what the same run without a scaler logs."""
 
     def run(**options):
-        controller = bb.batch.CriticalBatchRamp(1.0, initial=16, window=4)
+        controller = bb.batch.contrib.CriticalBatchRamp(1.0, initial=16, window=4)
         model, loop = make_run(
             optimizer="sgd", controller=controller, statistics_every=2, **options
         )
@@ -128,7 +128,7 @@ def test_between_measurements_the_batch_gradients_norm_is_unscaled_from_a_grad_s
 
 def test_noise_scale_controller_and_adascale():
     model, loop = make_run(
-        controller=bb.batch.NoiseScale(initial=16, min=8, max=512),
+        controller=bb.batch.contrib.NoiseScale(initial=16, min=8, max=512),
         lr_scaling="adascale-sqrt",
         schedule=bb.schedules.warmup_cosine(20_000, 2000),
     )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ._checks import positive_int
-from .batch.controllers import BatchWarmup, Controller
+from .batch.controllers import BatchWarmup, Controller, contract_of
 from .batch.lr import resolve_lr_rule
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
@@ -221,7 +221,7 @@ def _similarity_for(
     """SimiGrad's rules decide on the measured cosine of two halves (``reads_similarity``):
     under per-example statistics on one process they keep two micro-batches for it (the
     ranks are the halves under DDP)."""
-    reads = getattr(controller, "reads_similarity", False)
+    reads = contract_of(controller).reads_similarity
     alone = not (world.distributed or world.sharded)
     if per_example is not None and options.similarity is None and reads and alone:
         return dataclasses.replace(options, similarity="split")
@@ -328,7 +328,7 @@ def statistics_read(
     rule (AdaScale) or a statistics-reading optimizer (VRGD, AGVM)."""
     rule = resolve_lr_rule(options.lr_scaling, controller, optimizer_family(optimizer))
     return (
-        getattr(controller, "needs_statistics", True)
+        contract_of(controller).needs_statistics
         or rule.startswith("adascale")
         or isinstance(optimizer, StatisticsWrapper)
     )
@@ -342,7 +342,7 @@ def check_statistics(
 ) -> None:
     """One error if the controller, the rate rule or a statistics-reading optimizer needs
     statistics the collector does not gather."""
-    needs = getattr(controller, "needs_statistics", True) or lr_scaling.startswith("adascale")
+    needs = contract_of(controller).needs_statistics or lr_scaling.startswith("adascale")
     if needs and collector is None:
         raise ValueError(
             f"{type(controller).__name__} with lr_scaling={lr_scaling!r} needs statistics=True"

@@ -41,7 +41,7 @@ from ._checks import positive_int
 from ._tensors import norms, sq_norms
 from ._warn import warn_at_caller
 from .assembly import assemble, check_statistics, describe, fewest_sub_batches
-from .batch.controllers import Controller
+from .batch.controllers import Controller, contract_of
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
 from .batch.plan import StepPlan
 from .batch.smoothing import SmoothedNoise
@@ -270,7 +270,7 @@ class StepEngine:
         # an overflowed GradScaler step teaches the controller nothing, and a step between
         # measurements only a controller that learns |G|² from the batch gradient alone
         informs = stats is not None or "batch_grad_sq_norm" in metrics
-        if finite and (informs or not self.controller.needs_statistics):
+        if finite and (informs or not contract_of(self.controller).needs_statistics):
             self.batch_size = int(self.controller.next(metrics, batch, self.samples))
         if finite:
             self._log_noise_scale(metrics)
@@ -398,7 +398,7 @@ def _between_measurements(
     wanted = (
         collector is not None
         and not collector.lossy_reduction
-        and getattr(engine.controller, "learns_between_measurements", False)
+        and contract_of(engine.controller).learns_between_measurements
     )
     if not wanted:
         return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss)

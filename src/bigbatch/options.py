@@ -81,7 +81,7 @@ class StepOptions:
     #: measure the statistics at every ``statistics_every``-th optimizer step (1: every
     #: step). The steps between run as a plain step would: no statistics, no split into
     #: micro-batches beyond what memory asks. A noise-scale controller
-    #: (``learns_between_measurements``) still learns ``|G|²`` from their batch gradient's
+    #: (``Contract.learns_between_measurements``) still learns ``|G|²`` from their batch gradient's
     #: norm; one that reads the similarity holds the batch, its window counting measured
     #: steps. Not with VRGD, AGVM or ``gsnr``, which read every step's statistics
     statistics_every: int = 1

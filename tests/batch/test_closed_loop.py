@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from bigbatch.batch import CriticalBatchRamp, DampedSimiGrad, SimiGrad, micro_batch_sizes
+from bigbatch.batch import SimiGrad, micro_batch_sizes
+from bigbatch.batch.contrib import CriticalBatchRamp, DampedSimiGrad
 from bigbatch.stats.estimators import half_split_cosine, noise_from_mean
 
 DIMENSION = 8

@@ -10,17 +10,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import bigbatch.batch
-from bigbatch.batch import (
-    BatchWarmup,
-    Constant,
-    CriticalBatchRamp,
-    DampedSimiGrad,
-    NoiseScale,
-    Ramp,
-    Seesaw,
-    SimiGrad,
-    WarmupSeesaw,
-)
+from bigbatch.batch import BatchWarmup, Constant, Contract, Ramp, Seesaw, SimiGrad, contract_of
+from bigbatch.batch.contrib import CriticalBatchRamp, DampedSimiGrad, NoiseScale, WarmupSeesaw
 from bigbatch.batch.controllers import _grown
 
 
@@ -522,11 +513,30 @@ def test_damped_bounds_and_discrete_moves(values, target):
         batch = new
 
 
-def test_every_controller_declares_whether_it_reads_statistics():
-    assert SimiGrad().needs_statistics and NoiseScale().needs_statistics
-    assert CriticalBatchRamp().needs_statistics and DampedSimiGrad().needs_statistics
-    assert BatchWarmup().needs_statistics and not BatchWarmup().holds_lr
-    assert not Constant(64).needs_statistics and not Ramp(64, 128, 10).needs_statistics
+def test_every_controller_declares_its_contract():
+    contracts = {name: contract_of(cls) for name, cls in bigbatch.batch.CONTROLLERS.items()}
+    reads = {name for name, c in contracts.items() if c.needs_statistics}
+    assert reads == set(contracts) - {"constant", "ramp"}
+    follows = {name: c.lr_follows for name, c in contracts.items()}
+    assert follows == {
+        "batch_warmup": "task",
+        "seesaw": "family",
+        "simigrad": "task",
+        "constant": "task",
+        "ramp": "family",
+        "critical_ramp": "none",
+        "warmup_seesaw": "family",
+        "damped_simigrad": "none",
+        "noise_scale": "none",
+    }
+    assert {n for n, c in contracts.items() if c.reads_similarity} == {
+        "simigrad",
+        "damped_simigrad",
+    }
+    # a controller of the user's own without one: reads the statistics, the task's rule
+    assert contract_of(object()) == Contract()
+    with pytest.raises(ValueError, match="lr_follows must be one of"):
+        Contract(lr_follows="held")
 
 
 # ------------------------------------------------------------------ Seesaw
@@ -606,8 +616,8 @@ def test_seesaw_checks_its_settings_and_round_trips_its_state():
         Seesaw(granularity=0.5)
     with pytest.raises(ValueError, match="critical_multiple"):
         Seesaw(critical_multiple=-1)
-    assert Seesaw(critical_multiple=0).needs_statistics is False
-    assert Seesaw().needs_statistics is True
+    assert Seesaw(critical_multiple=0).contract.needs_statistics is False
+    assert Seesaw().contract.needs_statistics is True
     rng = random.Random(0)
     stats = [
         {"schedule": 1 - i / 60, "grad_sq_norm": rng.uniform(0.5, 2), "trace": rng.uniform(20, 60)}
@@ -711,7 +721,7 @@ def test_warmup_seesaw_checks_its_settings_and_round_trips_its_state():
         WarmupSeesaw(growth=0.5)
     with pytest.raises(ValueError, match="critical_multiple"):
         WarmupSeesaw(critical_multiple=-1)
-    assert WarmupSeesaw.family_lr_rule and not WarmupSeesaw.holds_lr
+    assert WarmupSeesaw.contract.lr_follows == "family"
     rng = random.Random(0)
     stats = [
         {
@@ -751,6 +761,6 @@ def test_warmup_seesaw_checks_its_settings_and_round_trips_its_state():
 def test_a_controllers_repr_is_its_constructor_call(controller):
     """The summary and the logs name a controller by its settings: every argument, as the
     constructor takes it, so the text rebuilds the same controller."""
-    rebuilt = eval(repr(controller), vars(bigbatch.batch))
+    rebuilt = eval(repr(controller), {c.__name__: c for c in bigbatch.batch.CONTROLLERS.values()})
     assert repr(rebuilt) == repr(controller)
     assert len(inspect.signature(type(controller)).parameters) == repr(controller).count("=")

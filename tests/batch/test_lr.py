@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bigbatch import schedules
-from bigbatch.batch import Ramp, Seesaw, adascale_gain, lr_factor, scaled_lr
+from bigbatch.batch import Contract, Ramp, Seesaw, adascale_gain, lr_factor, scaled_lr
 from bigbatch.batch.lr import resolve_lr_rule
 
 
@@ -17,7 +17,7 @@ def test_batch_rules():
 
 
 class _Holds:
-    holds_lr = True
+    contract = Contract(lr_follows="none")
 
 
 def test_auto_is_the_measured_rule_else_the_familys_and_none_under_a_noise_follower():

@@ -60,7 +60,7 @@ def make_optimizer(kind, net):
 def controller(case):
     if "ramp" in case:  # a ramp fixed in the user's units: optimizer steps and samples
         return bb.batch.Ramp(points=case["ramp"], budget=BUDGET)
-    return bb.batch.CriticalBatchRamp(1.0, initial=FIRST, min=16, max=1024, window=4)
+    return bb.batch.contrib.CriticalBatchRamp(1.0, initial=FIRST, min=16, max=1024, window=4)
 
 
 CASES = {

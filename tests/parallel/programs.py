@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.utils.data import TensorDataset
 
 from bigbatch import AdaptiveBatch
-from bigbatch.batch import BatchWarmup, Constant, CriticalBatchRamp, SimiGrad
+from bigbatch.batch import BatchWarmup, Constant, SimiGrad
+from bigbatch.batch.contrib import CriticalBatchRamp
 from bigbatch.optim import AGVM, VRGD, create_optimizer
 from bigbatch.stats import noise_components, scalar_similarity
 

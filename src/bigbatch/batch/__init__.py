@@ -1,17 +1,16 @@
 """Batch-size control: controllers, learning-rate rules, micro-batch plans, the sampler."""
 
+from . import contrib  # registers the research controllers beside the public ones
 from .controllers import (
     CONTROLLERS,
     BatchWarmup,
     Constant,
+    Contract,
     Controller,
-    CriticalBatchRamp,
-    DampedSimiGrad,
-    NoiseScale,
     Ramp,
     Seesaw,
     SimiGrad,
-    WarmupSeesaw,
+    contract_of,
 )
 from .lr import LR_RULES, adascale_gain, lr_factor, scaled_lr
 from .plan import (
@@ -30,12 +29,10 @@ __all__ = [
     "LR_RULES",
     "BatchWarmup",
     "Constant",
+    "Contract",
     "Controller",
-    "CriticalBatchRamp",
-    "DampedSimiGrad",
     "GlobalBatchSampler",
     "LossSlope",
-    "NoiseScale",
     "Ramp",
     "Seesaw",
     "SimiGrad",
@@ -43,8 +40,9 @@ __all__ = [
     "SmoothedValue",
     "StepPlan",
     "VariableBatchSampler",
-    "WarmupSeesaw",
     "adascale_gain",
+    "contract_of",
+    "contrib",
     "loss_weights",
     "lr_factor",
     "micro_batch_sizes",

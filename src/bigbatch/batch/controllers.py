@@ -14,22 +14,17 @@ model, so all are tested without one.
   budget in samples; up to the noise scale itself where the loss has
   stopped falling with more samples), the rate following by the optimizer
   family's rule (in ``bigbatch train``, a built-in task's measured rule first).
-- :class:`CriticalBatchRamp`: a monotone ramp that doubles the batch once
-  ``κ · B_simple`` is confidently above the next size (the critical batch
-  grows during training: McCandlish et al. 2018; Merrill et al. 2025).
-- :class:`DampedSimiGrad`: SimiGrad's similarity target held by a damped
-  log-space proportional–integral loop with a dead band, so it settles
-  instead of cycling.
-- :class:`NoiseScale`: ``B = κ · B_simple`` (McCandlish et al. 2018), re-chosen
-  only when it moves by more than 5%, as AdaptDL re-chooses.
 - :class:`Seesaw`: the batch takes over the learning-rate schedule's decay
   (Smith et al. 2018; Meterez et al. 2025), capped by the critical batch.
-- :class:`WarmupSeesaw`: :class:`BatchWarmup`'s doublings find the batch while
-  the rate is at its peak, then the batch takes over the decay as in Seesaw.
 - :class:`Constant` and :class:`Ramp`: the static and scheduled baselines.
 
-Why the published SimiGrad rule cycles, and what the two new controllers do
-instead, is in ``docs/algorithms.md`` ("Batch-size controllers").
+The research controllers (the former default ``CriticalBatchRamp``,
+``WarmupSeesaw``, ``DampedSimiGrad``, ``NoiseScale``) are in
+:mod:`bigbatch.batch.contrib`. Why the published SimiGrad rule cycles, and what
+the damped one does instead, is in ``docs/algorithms.md`` ("Batch-size
+controllers"). Each controller says what it reads and how the rate follows its
+batch in one :class:`Contract`, and :func:`register` names it for the command
+line's ``batch.controller``.
 
 Every controller is a dataclass of its settings (:func:`bigbatch.knobs.settings`):
 each argument's default, bounds, help and config key are written once, as a
@@ -44,13 +39,13 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import KW_ONLY
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from .._checks import batch_bounds, pair, positive_int
 from ..duration import Duration
 from ..knobs import check_settings, setting, settings
-from .smoothing import LossSlope, SmoothedNoise, SmoothedValue
+from .smoothing import LossSlope, SmoothedNoise
 
 # The settings several controllers share (bigbatch.knobs.setting's arguments): the config
 # key (``batch.<key>``), its help and its bounds, written once
@@ -88,23 +83,72 @@ _CRITICAL_MULTIPLE = dict(
 )
 
 
+@dataclass(frozen=True)
+class Contract:
+    """What a controller reads and how the learning rate follows its batch: the one record
+    the loop, the engine and the command line ask a controller about.
+
+    ``needs_statistics``: it reads the gradient statistics (else a run may take none).
+    ``reads_similarity``: it decides on the measured half-batch cosine, so per-example
+    statistics keep two micro-batches for it. ``learns_between_measurements``: with
+    ``statistics_every > 1`` it is also called on the steps between measurements, whose
+    ``measured`` holds the batch gradient's ``batch_grad_sq_norm`` and its
+    ``batch_inverse_size`` instead of the statistics
+    (:meth:`~bigbatch.batch.smoothing.SmoothedNoise.observe`). ``lr_follows``: what
+    ``lr_scaling="auto"`` is under it (``bigbatch.batch.lr``): ``"none"`` where its batch
+    follows the noise scale (the rate held), ``"family"`` where its batch takes over the
+    schedule's decay or follows a fixed ramp (the optimizer family's rule), ``"task"`` (the
+    rule a task measured for the optimizer, else the family's).
+    """
+
+    needs_statistics: bool = True
+    reads_similarity: bool = False
+    learns_between_measurements: bool = False
+    lr_follows: str = "task"
+
+    def __post_init__(self) -> None:
+        if self.lr_follows not in LR_FOLLOWS:
+            raise ValueError(
+                f"lr_follows must be one of {', '.join(map(repr, LR_FOLLOWS))}, "
+                f"got {self.lr_follows!r}"
+            )
+
+
+#: what ``lr_scaling="auto"`` may follow under a controller (:attr:`Contract.lr_follows`)
+LR_FOLLOWS = ("none", "family", "task")
+
+
+def contract_of(controller: Any) -> Contract:
+    """``controller``'s :class:`Contract` (its ``contract`` attribute); a controller of the
+    user's own without one reads the statistics and lets the rate follow the task's rule."""
+    contract = getattr(controller, "contract", None)
+    return contract if isinstance(contract, Contract) else Contract()
+
+
+#: every controller by its config name (``batch.controller``), as :func:`register` adds them
+CONTROLLERS: dict[str, type] = {}
+
+
+def register(name: str):
+    """Add a controller class to :data:`CONTROLLERS` under ``name`` (a class decorator)."""
+
+    def add(cls: type) -> type:
+        if name in CONTROLLERS:
+            raise ValueError(f"a controller is registered as {name!r} already")
+        CONTROLLERS[name] = cls
+        return cls
+
+    return add
+
+
 class Controller(Protocol):
     """``next(measured, batch_size, samples) -> batch_size``; plain-data state.
 
     ``measured`` holds the step's statistics as floats (``similarity``, and
     the step's unbiased ``grad_sq_norm`` and ``trace``), its rate multiplier
     ``lr_factor`` and ``schedule``; ``samples`` the samples trained on
-    including this step. ``needs_statistics`` declares whether the
-    controller reads them at all (a loop may then skip collecting them);
-    ``holds_lr`` whether its batch follows the noise scale, so that the
-    learning rate should not follow the batch (``bigbatch.batch.lr``). Optional
-    flags: ``reads_similarity`` (it decides on the measured half-batch cosine,
-    so per-example statistics keep two micro-batches for it),
-    ``family_lr_rule`` (``lr_scaling="auto"`` is the optimizer family's rule) and
-    ``learns_between_measurements`` (with ``statistics_every > 1`` it is also called
-    on the steps between measurements, whose ``measured`` holds the batch gradient's
-    ``batch_grad_sq_norm`` and its ``batch_inverse_size`` instead of the statistics:
-    :meth:`~bigbatch.batch.smoothing.SmoothedNoise.observe`).
+    including this step. ``contract`` (a :class:`Contract`) says what it reads and
+    how the learning rate follows its batch.
 
     A controller that decides on the noise scale also has ``estimate() ->
     dict[str, float]``: the ``noise_scale`` it acts on, with its
@@ -115,9 +159,7 @@ class Controller(Protocol):
     initial: int
     min: int
     max: int
-    needs_statistics: bool
-    #: the batch follows the noise scale, so ``lr_scaling="auto"`` holds the rate
-    holds_lr: bool
+    contract: Contract
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int: ...
 
@@ -126,159 +168,7 @@ class Controller(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-@settings
-class SimiGrad:
-    """SimiGrad's controller: hold the mean half-batch gradient cosine at ``target``.
-
-    Every ``interval`` steps, with ``s`` the mean of the last ``window`` finite
-    similarities: if ``s < target`` the gradient is noisy, so
-    ``B ← max(B + 1, ⌊growth · B⌋)``; if ``s > target``,
-    ``B ← max(1, min(B - 1, ⌊shrink · B⌋))``; then clamp to ``[min, max]``.
-    Non-finite similarities are skipped (the batch does not move on them).
-
-    Choosing ``target``: equal halves of a batch ``B`` have similarity about
-    ``1 / (1 + 2 B_simple / B)`` (docs/algorithms.md, "Gradient statistics"), so
-    the controller settles near ``B = 2 B_simple s* / (1 - s*)``. The default
-    ``s* = 1/3`` settles at ``B ≈ B_simple``, the critical batch of McCandlish et al. (2018), where
-    doubling the batch still nearly halves the steps; a higher target buys
-    fewer steps with more samples (0.8 → ``8 B_simple``, SimiGrad's BERT
-    setting), a lower one the reverse (its CIFAR-10 runs used 0–0.2).
-
-    This is the published rule, kept exactly: with a noisy similarity it is a
-    bang-bang loop behind a ``window``-step delay and saws the batch up and
-    down (a limit cycle; see :class:`DampedSimiGrad` for a controller that
-    settles).
-    """
-
-    target: float = setting(1 / 3, **_TARGET)
-    initial: int = setting(64, **_INITIAL)
-    min: int = setting(16, **_MIN)
-    max: int = setting(16384, **_MAX)
-    _: KW_ONLY
-    window: int = setting(20, **_WINDOW)
-    interval: int = setting(1, "steps between decisions", low=1)
-    growth: float = setting(1.1, "factor of a growth", low=1, low_open=True)
-    shrink: float = setting(0.9, "factor of a shrink", low=0, high=1, low_open=True, high_open=True)
-
-    needs_statistics = True
-    #: decides on the measured half-batch cosine: keep the split (two micro-batches)
-    reads_similarity = True
-    holds_lr = False
-
-    def __post_init__(self) -> None:
-        _check(self)
-        self._recent: deque[float] = deque(maxlen=self.window)
-        self._steps = 0
-
-    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        similarity = measured.get("similarity", math.nan)
-        if math.isfinite(similarity):
-            self._recent.append(similarity)
-        self._steps += 1
-        if not self._recent or self._steps % self.interval:
-            return batch_size
-        mean = sum(self._recent) / len(self._recent)
-        if mean < self.target:
-            batch_size = max(batch_size + 1, math.floor(self.growth * batch_size))
-        elif mean > self.target:
-            batch_size = max(1, min(batch_size - 1, math.floor(self.shrink * batch_size)))
-        return _clamp(self, batch_size)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"recent": list(self._recent), "steps": self._steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._recent = deque((float(s) for s in state["recent"]), maxlen=self.window)
-        self._steps = int(state["steps"])
-
-
-@settings
-class CriticalBatchRamp:
-    """Grow the batch by ``factor`` once ``multiple · B_simple`` is confidently above the next size.
-
-    The critical batch, beyond which a larger batch stops saving optimizer
-    steps, is about the noise scale ``B_simple = tr Σ / |G|²`` (McCandlish et
-    al. 2018) and grows as training proceeds (McCandlish et al.; Zhang et al.
-    2024; Merrill et al. 2025, whose batch-size warm-up from the measured
-    critical batch took 43% of OLMo's steps away). This controller follows it
-    upward in discrete steps and never comes back down, so it has no cycle to
-    fall into:
-
-    - every step, the step's unbiased ``|G|²`` and ``tr Σ`` estimates feed a
-      :class:`~bigbatch.batch.smoothing.SmoothedNoise` (numerator and
-      denominator averaged apart over ``window`` steps, with standard errors);
-    - once the learning rate has warmed up (``warmup`` samples have passed
-      and the schedule multiplier, ``measured["schedule"]``, has stopped
-      rising), when the lower end of ``B_simple``'s interval
-      at ``confidence`` standard errors, times ``multiple``, reaches the next
-      size ``⌈factor · B⌉``, the batch grows to it (clamped to ``max``); a
-      noise scale that is merely jumping around never passes that test;
-    - with ``shrink=True`` it also halves (by ``factor``) once even the upper
-      end of the interval, times ``multiple``, is below the smaller size;
-      off by default.
-
-    Choosing ``multiple`` (κ): 1 trains at the critical batch, where doubling
-    the batch still nearly halves the steps; larger values buy fewer steps
-    with more samples. Growing the batch while the learning rate is *not*
-    scaled up with it (``lr_scaling="none"``) also lowers the gradient noise
-    the way a learning-rate decay does (Smith et al. 2018, "Don't decay the
-    learning rate, increase the batch size"). During a learning-rate warm-up
-    the noise scale is high but the small learning rate, not the noise,
-    limits progress, so the batch is held while the schedule rises (and for
-    ``warmup`` samples, for a warm-up the controller cannot see).
-
-    κ = 6 and ×2 were chosen on MNIST-1D and the ``lm`` task only, from batch 256
-    (docs/results.md, the evidence benchmark: κ = 4, 6 and 8); the first batch
-    is 64, as for every controller.
-    """
-
-    multiple: float = setting(6.0, **_MULTIPLE)
-    initial: int = setting(64, **_INITIAL)
-    min: int = setting(16, **_MIN)
-    max: int = setting(16384, **_MAX)
-    _: KW_ONLY
-    factor: float = setting(2.0, **_FACTOR)
-    confidence: float = setting(1.0, **_CONFIDENCE)
-    window: int = setting(20, **_WINDOW)
-    warmup: int = setting(0, "samples before the first decision", low=0)
-    shrink: bool = setting(False, "also shrink when the noise scale falls", key="shrink")
-
-    needs_statistics = True
-    #: its noise scale learns |G|² from the steps between measurements too
-    learns_between_measurements = True
-    holds_lr = True
-
-    def __post_init__(self) -> None:
-        _check(self)
-        self._noise = SmoothedNoise(self.window)
-        self._warming = _WarmUp(self.warmup)
-
-    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._noise.observe(measured)
-        # half a window of evidence before the first decision: two steps' spread is no error bar
-        if self._warming(measured, samples) or not self._noise.ready:
-            return batch_size
-        lower, upper = self._noise.bounds(self.confidence)
-        bigger = _grown(self, batch_size)
-        if bigger > batch_size and self.multiple * lower >= bigger:
-            return bigger
-        smaller = max(self.min, math.floor(batch_size / self.factor))
-        if self.shrink and smaller < batch_size and self.multiple * upper < smaller:
-            return smaller
-        return _clamp(self, batch_size)
-
-    def estimate(self) -> dict[str, float]:
-        """What decides, for logging: the smoothed ``B_simple`` and its bounds."""
-        return self._noise.estimate(self.confidence)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"noise": self._noise.state_dict(), "schedule": self._warming.last}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._noise.load_state_dict(state["noise"])
-        self._warming.last = float(state["schedule"])
-
-
+@register("batch_warmup")
 @settings
 class BatchWarmup:
     """Start small; double the batch once a fraction of the noise scale has grown past it.
@@ -331,8 +221,8 @@ class BatchWarmup:
     old batch and rate) and the next decision waits for ``window / 2`` new
     steps. The batch never shrinks.
 
-    ``holds_lr`` is False: under ``lr_scaling="auto"`` the rate follows the
-    batch by the optimizer family's rule (``sqrt`` for Adam-type optimizers,
+    Its contract's ``lr_follows`` is ``"task"``: under ``lr_scaling="auto"`` the rate
+    follows the batch by the optimizer family's rule (``sqrt`` for Adam-type optimizers,
     Merrill et al.'s ×√2 per doubling; ``linear`` for SGD- and LARS-type), or
     in ``bigbatch train`` by the rule a built-in task measured for the optimizer.
     The defaults were chosen on ``mnist1d``, ``lm`` and ``text``
@@ -384,10 +274,8 @@ class BatchWarmup:
         low_open=True,
     )
 
-    needs_statistics = True
     #: its noise scale learns |G|² from the steps between measurements too
-    learns_between_measurements = True
-    holds_lr = False
+    contract = Contract(learns_between_measurements=True)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -470,6 +358,7 @@ class BatchWarmup:
         self._warmed = bool(state["warmed"])
 
 
+@register("seesaw")
 @settings
 class Seesaw:
     """Grow the batch where the schedule lowers the rate, up to the critical batch.
@@ -478,7 +367,7 @@ class Seesaw:
     to a fraction ``d = m(s) / m_peak`` of its peak, the batch is
     ``initial / d``: the batch takes over the decay. Under the optimizer
     family's rule (``lr_scaling="auto"`` resolves to it for this controller,
-    see :attr:`family_lr_rule`) the rate then moves so that the run is the
+    its contract's ``lr_follows``) the rate then moves so that the run is the
     same run in its noise, only in fewer steps:
 
     - SGD-type (momentum SGD, LARS, their VR forms; the ``linear`` rule):
@@ -531,20 +420,20 @@ class Seesaw:
     window: int = setting(20, **_WINDOW)
     clip: float = setting(3.0, "spreads each step's |G|^2 and tr(Sigma) are held within", **_CLIP)
 
-    #: False without the noise cap (set by the settings)
-    needs_statistics = True
-    #: its noise scale learns |G|² from the steps between measurements too
-    learns_between_measurements = True
-    holds_lr = False
     #: the batch replaces the schedule's decay: ``lr_scaling="auto"`` is the optimizer
     #: family's equivalence rule (``bigbatch.batch.lr.FAMILY_RULES``), never a rule measured
-    #: for a static batch
-    family_lr_rule = True
+    #: for a static batch; its noise scale learns |G|² from the steps between measurements
+    #: too, and it reads none without the noise cap (set by the settings)
+    contract = Contract(learns_between_measurements=True, lr_follows="family")
 
     def __post_init__(self) -> None:
         _check(self)
         _check_growth(self)
-        self.needs_statistics = self.critical_multiple > 0
+        self.contract = Contract(
+            needs_statistics=self.critical_multiple > 0,
+            learns_between_measurements=True,
+            lr_follows="family",
+        )
         self._noise = SmoothedNoise(self.window)
         self._decay = _Decay()
 
@@ -584,187 +473,69 @@ class Seesaw:
         self._decay.load_state_dict(state)
 
 
+@register("simigrad")
 @settings
-class WarmupSeesaw(BatchWarmup):
-    """:class:`BatchWarmup`'s doublings while the rate is at its peak, then the batch takes
-    over the schedule's decay as :class:`Seesaw` does.
+class SimiGrad:
+    """SimiGrad's controller: hold the mean half-batch gradient cosine at ``target``.
 
-    Seesaw grows from a fixed start, and the start decides what it saves: below the
-    best static batch it pays for the small batch all run, above it the loss is lost
-    before the decay begins (docs/results.md, issue 53). Here the start is found as the
-    default controller finds its batch: from ``initial``, the *level* doubles once
-    ``κ · B_simple`` is confidently above the next size (:class:`BatchWarmup`, every
-    setting of which applies). Past the rate's warm-up, where the schedule has fallen to
-    ``d = m / m_peak``, the batch is ``level / d`` (Smith et al. 2018; Meterez et al.
-    2025), up to the cap: ``max``, ``growth × level`` and ``critical_multiple`` times
-    the upper end of ``B_simple`` (McCandlish et al. 2018), as for Seesaw. Beyond the
-    cap the rest of the decay stays with the rate, so the run ends annealed.
+    Every ``interval`` steps, with ``s`` the mean of the last ``window`` finite
+    similarities: if ``s < target`` the gradient is noisy, so
+    ``B ← max(B + 1, ⌊growth · B⌋)``; if ``s > target``,
+    ``B ← max(1, min(B - 1, ⌊shrink · B⌋))``; then clamp to ``[min, max]``.
+    Non-finite similarities are skipped (the batch does not move on them).
 
-    With ``level_at_peak`` (the default) the level's evidence is the noise scale times
-    ``d``: near a noise-dominated equilibrium ``|G|²`` falls with the rate, so
-    ``B_simple`` rises as ``1/d`` during the decay. Weighed by ``d``, it is the noise
-    scale at the peak rate, and the decay's growth is the takeover's alone instead of
-    being counted twice; without it the level doubles on ``B_simple`` as measured and
-    only the critical-batch cap bounds the takeover. The rate follows the batch by the
-    optimizer family's rule (``family_lr_rule``): ×√ratio for Adam-type optimizers, at
-    both kinds of change. Measured against the default on four tasks (docs/results.md,
-    "The start from the noise scale"), either form trades steps for loss rather than
-    saving both, so it is not the default.
+    Choosing ``target``: equal halves of a batch ``B`` have similarity about
+    ``1 / (1 + 2 B_simple / B)`` (docs/algorithms.md, "Gradient statistics"), so
+    the controller settles near ``B = 2 B_simple s* / (1 - s*)``. The default
+    ``s* = 1/3`` settles at ``B ≈ B_simple``, the critical batch of McCandlish et al. (2018), where
+    doubling the batch still nearly halves the steps; a higher target buys
+    fewer steps with more samples (0.8 → ``8 B_simple``, SimiGrad's BERT
+    setting), a lower one the reverse (its CIFAR-10 runs used 0–0.2).
+
+    This is the published rule, kept exactly: with a noisy similarity it is a
+    bang-bang loop behind a ``window``-step delay and saws the batch up and
+    down (a limit cycle; see :class:`DampedSimiGrad` for a controller that
+    settles).
     """
 
-    _: KW_ONLY
-    growth: float = setting(8.0, **_GROWTH)
-    critical_multiple: float = setting(0.5, **_CRITICAL_MULTIPLE)
-    level_at_peak: bool = setting(
-        True,
-        "the level doubles on the noise scale at the peak rate (B_simple x "
-        "the schedule's fall); false: on B_simple as measured, so the decay also raises the "
-        "level and the critical-batch cap alone bounds the batch",
-        key="level_at_peak",
-    )
-
-    family_lr_rule = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_growth(self)
-        self._decay = _Decay()
-        self._level = self.initial  # the batch the noise asks for at the peak rate
-
-    def critical_batch(self) -> float:
-        """The estimate a doubling of the level must clear: :class:`BatchWarmup`'s, times
-        the schedule's decay ``d`` (the noise scale at the peak rate) with ``level_at_peak``."""
-        return super().critical_batch() * (self._decay.value if self.level_at_peak else 1.0)
-
-    def cap(self) -> float:
-        """The largest batch now: ``max``, ``growth × level``, ``critical_multiple ×
-        upper(B_simple)``; 0 while that estimate has fewer than ``window / 2`` steps."""
-        return _takeover_cap(self, self._level, self._noise)
-
-    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._decay.update(measured, samples)
-        self._level = super().next(measured, self._level, samples)
-        # the level is the noise's own choice; the cap bounds only the decay's growth on it
-        wanted = max(self._level, min(self._level * self._decay.growth(1.0), self.cap()))
-        return _clamp(self, max(batch_size, math.floor(wanted + 1e-9)))
-
-    def estimate(self) -> dict[str, float]:
-        """:class:`BatchWarmup`'s, the level, the schedule's decay and the cap."""
-        return {
-            **super().estimate(),
-            "level": float(self._level),
-            "decay": self._decay.value,
-            "batch_cap": self.cap(),
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "level": self._level, "takeover": self._decay.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._level = int(state["level"])
-        self._decay.load_state_dict(state["takeover"])
-
-
-@settings
-class DampedSimiGrad:
-    """SimiGrad's target similarity, held by a damped log-space PI loop that settles.
-
-    Under the noise model of the statistics, equal halves of a batch ``B``
-    have similarity ``s = 1 / (1 + 2 B_simple / B)``, so ``logit(s*) -
-    logit(s) = log(B* / B)``: the error in logit space is the log-ratio
-    between the batch that would give the target and the current one. The
-    controller acts on it like a process controller, not a thermostat:
-
-    - the similarity is averaged over ``window`` steps with a standard error
-      (:class:`~bigbatch.batch.smoothing.SmoothedValue`); the error is the
-      logit distance from the target to the interval ``mean ± confidence``
-      standard errors, less a ``dead_band`` (log-batch units), and zero when
-      the target lies within: hysteresis sized by the evidence, so noise
-      around the set point moves nothing;
-    - ``log B`` moves by ``proportional · Δerror + integral · error`` (the
-      velocity form of a PI controller), at most ``max_rate`` per step, and
-      stays within ``[log min, log max]`` (no integral wind-up at a bound);
-    - the batch itself changes only once ``log B`` has moved ``min_change``
-      away from it (×1.28 by default): it moves in discrete steps, never by a
-      sample at a time.
-
-    With the defaults a batch far from its target moves by about 10% per step
-    (SimiGrad's pace) and stops inside the interval instead of overshooting
-    behind a 20-step average. The batch is held while the learning-rate
-    schedule rises (``measured["schedule"]``) and for ``warmup`` samples. The
-    published controller is :class:`SimiGrad`.
-    """
-
-    # a logit's domain: (0, 1)
-    target: float = setting(1 / 3, **{**_TARGET, "low": 0, "low_open": True, "high_open": True})
+    target: float = setting(1 / 3, **_TARGET)
     initial: int = setting(64, **_INITIAL)
     min: int = setting(16, **_MIN)
     max: int = setting(16384, **_MAX)
     _: KW_ONLY
     window: int = setting(20, **_WINDOW)
-    confidence: float = setting(2.0, "standard errors of the similarity's interval", low=0)
-    dead_band: float = setting(0.2, "log-batch error ignored around the target", low=0)
-    integral: float = setting(0.2, "integral gain", low=0, low_open=True)
-    proportional: float = setting(0.5, "proportional gain", low=0)
-    max_rate: float = setting(0.1, "largest move of log B per step", low=0, low_open=True)
-    min_change: float = setting(0.25, "smallest move of log B that changes the batch", low=0)
-    warmup: int = setting(0, "samples before the first decision", low=0)
+    interval: int = setting(1, "steps between decisions", low=1)
+    growth: float = setting(1.1, "factor of a growth", low=1, low_open=True)
+    shrink: float = setting(0.9, "factor of a shrink", low=0, high=1, low_open=True, high_open=True)
 
-    needs_statistics = True
     #: decides on the measured half-batch cosine: keep the split (two micro-batches)
-    reads_similarity = True
-    holds_lr = True
+    contract = Contract(reads_similarity=True)
 
     def __post_init__(self) -> None:
         _check(self)
-        self._similarity = SmoothedValue(self.window)
-        self._error = 0.0
-        self._log_batch = math.log(self.initial)
-        self._warming = _WarmUp(self.warmup)
-
-    def error(self) -> float:
-        """``log(B*/B)`` beyond the evidence's interval and the dead band; 0 inside."""
-        low, high = self._similarity.interval(self.confidence)
-        goal = _logit(self.target)
-        # a higher similarity means a batch larger than needed: the error has the other sign
-        below = goal - _logit(min(0.99, max(0.01, high))) - self.dead_band
-        above = goal - _logit(min(0.99, max(0.01, low))) + self.dead_band
-        if math.isinf(high) or below <= 0 <= above:
-            return 0.0
-        return below if below > 0 else above
+        self._recent: deque[float] = deque(maxlen=self.window)
+        self._steps = 0
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._similarity.update(measured.get("similarity", math.nan))
-        if self._warming(measured, samples):
-            self._log_batch = math.log(batch_size)
+        similarity = measured.get("similarity", math.nan)
+        if math.isfinite(similarity):
+            self._recent.append(similarity)
+        self._steps += 1
+        if not self._recent or self._steps % self.interval:
             return batch_size
-        error = self.error()
-        move = self.proportional * (error - self._error) + self.integral * error
-        self._error = error
-        move = min(self.max_rate, max(-self.max_rate, move))
-        low, high = math.log(self.min), math.log(self.max)
-        self._log_batch = min(high, max(low, self._log_batch + move))
-        if abs(self._log_batch - math.log(batch_size)) < self.min_change:
-            return batch_size
-        # round away from the current size, so the move is never below min_change
-        target = math.exp(self._log_batch)
-        new = math.ceil(target) if target > batch_size else math.floor(target)
-        return _clamp(self, new)
+        mean = sum(self._recent) / len(self._recent)
+        if mean < self.target:
+            batch_size = max(batch_size + 1, math.floor(self.growth * batch_size))
+        elif mean > self.target:
+            batch_size = max(1, min(batch_size - 1, math.floor(self.shrink * batch_size)))
+        return _clamp(self, batch_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "similarity": self._similarity.state_dict(),
-            "error": self._error,
-            "log_batch": self._log_batch,
-            "schedule": self._warming.last,
-        }
+        return {"recent": list(self._recent), "steps": self._steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._similarity.load_state_dict(state["similarity"])
-        self._error = float(state["error"])
-        self._log_batch = float(state["log_batch"])
-        self._warming.last = float(state["schedule"])
+        self._recent = deque((float(s) for s in state["recent"]), maxlen=self.window)
+        self._steps = int(state["steps"])
 
 
 class _WarmUp:
@@ -862,64 +633,14 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
-@settings
-class NoiseScale:
-    """``B = multiple · B_simple``, clamped, re-chosen when it moves by more than ``threshold``.
-
-    ``B_simple`` is the steps' ``|G|²`` and ``tr Σ`` averaged apart over
-    ``window`` steps (:class:`~bigbatch.batch.smoothing.SmoothedNoise`);
-    ``multiple`` (κ) 1 trains at the critical batch. A noise scale not yet
-    known (a noise-dominated start can give a negative ``|G|²`` average)
-    keeps the batch.
-    """
-
-    multiple: float = setting(1.0, **_MULTIPLE)
-    initial: int = setting(64, **_INITIAL)
-    min: int = setting(16, **_MIN)
-    max: int = setting(16384, **_MAX)
-    _: KW_ONLY
-    threshold: float = setting(0.05, "relative move of the wanted batch that changes it", low=0)
-    window: int = setting(20, **_WINDOW)
-
-    needs_statistics = True
-    #: its noise scale learns |G|² from the steps between measurements too
-    learns_between_measurements = True
-    holds_lr = True
-
-    def __post_init__(self) -> None:
-        _check(self)
-        self._noise = SmoothedNoise(self.window)
-
-    def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        self._noise.observe(measured)
-        noise = self._noise.noise_scale()
-        if not math.isfinite(noise) or noise <= 0:
-            return batch_size
-        # clamped before rounding: a noise scale near the float limit times κ is inf
-        wanted = _clamp(self, self.multiple * noise)
-        if abs(wanted - batch_size) <= self.threshold * batch_size:
-            return batch_size
-        return wanted
-
-    def estimate(self) -> dict[str, float]:
-        """What decides, for logging: the smoothed ``B_simple`` (bounds at one standard error)."""
-        return self._noise.estimate(1.0)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"noise": self._noise.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._noise.load_state_dict(state["noise"])
-
-
+@register("constant")
 @settings
 class Constant:
     """A static batch: the baseline every adaptive method is compared with."""
 
     batch_size: int = setting(**_INITIAL)
 
-    needs_statistics = False
-    holds_lr = False
+    contract = Contract(needs_statistics=False)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -938,6 +659,7 @@ class Constant:
         return f"Constant({self.initial})"
 
 
+@register("ramp")
 @settings
 class Ramp:
     """A batch fixed in advance: a linear ramp, or a table of points, in the user's units.
@@ -955,7 +677,7 @@ class Ramp:
     The position is read from the samples and the optimizer steps the engine has
     counted (``measured["step"]``), both saved in every checkpoint, so a resumed run
     follows the same ramp. Under ``lr_scaling="auto"`` the rate follows the optimizer
-    family's rule at each change (``family_lr_rule``: ×√ratio for Adam-type, as in
+    family's rule at each change (``lr_follows="family"``: ×√ratio for Adam-type, as in
     OLMo-core; ×ratio for SGD- and LARS-type).
     """
 
@@ -982,9 +704,7 @@ class Ramp:
     budget: int | None = None
     tokens_per_sample: int | None = None
 
-    needs_statistics = False
-    holds_lr = False
-    family_lr_rule = True
+    contract = Contract(needs_statistics=False, lr_follows="family")
 
     def __post_init__(self) -> None:
         check_settings(self)  # the keyed bounds; the lengths and the table are read below
@@ -1082,16 +802,3 @@ def parse_points(text: str) -> list[tuple[Duration, int]]:
             )
         points.append((Duration.parse(when), int(batch)))
     return points
-
-
-CONTROLLERS = {
-    "batch_warmup": BatchWarmup,
-    "seesaw": Seesaw,
-    "warmup_seesaw": WarmupSeesaw,
-    "simigrad": SimiGrad,
-    "critical_ramp": CriticalBatchRamp,
-    "damped_simigrad": DampedSimiGrad,
-    "noise_scale": NoiseScale,
-    "constant": Constant,
-    "ramp": Ramp,
-}

@@ -9,10 +9,10 @@ base batch ``B0`` is multiplied at batch ``B`` (docs/algorithms.md, "Batch-size 
   ``S = B/B0`` and ``σ² = trΣ / B0`` (Johnson et al. 2020), ``1 ≤ r ≤ S``;
 - ``adascale-sqrt``: ``sqrt(r)``, which AdaptDL found right for Adam-type
   optimizers (Adam, AdamW, LAMB, MERIT);
-- ``auto``: ``none`` under a controller that follows the noise scale (it
-  declares ``holds_lr``), the family's rule under one that declares
-  ``family_lr_rule`` (its batch takes over the schedule's decay, or follows a
-  fixed ramp), else the rule measured for the optimizer on the task at hand
+- ``auto``: what the controller's contract says (``Contract.lr_follows``):
+  ``none`` under a controller that follows the noise scale, the family's rule
+  under one whose batch takes over the schedule's decay, or follows a fixed
+  ramp, else the rule measured for the optimizer on the task at hand
   where it has one, else the optimizer family's rule (:data:`FAMILY_RULES`:
   ``sqrt`` for Adam-type, ``linear`` for SGD- and LARS-type), see
   :func:`resolve_lr_rule`.
@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .._checks import check_number, choice, positive_int, whole_number
+from .controllers import contract_of
 
 LR_RULES = ("none", "linear", "sqrt", "adascale", "adascale-sqrt")
 
@@ -65,8 +66,8 @@ def resolve_lr_rule(
 ) -> str:
     """The rule ``auto`` stands for (any other rule is returned as it is).
 
-    ``none`` for a controller that declares ``holds_lr`` (it follows the noise
-    scale); the family's rule for one that declares ``family_lr_rule`` (its batch
+    ``none`` for a controller whose contract's ``lr_follows`` is ``"none"`` (it follows the
+    noise scale); the family's rule for one whose is ``"family"`` (its batch
     takes over the schedule's decay, :class:`~bigbatch.batch.Seesaw`, or follows a ramp
     fixed in advance, :class:`~bigbatch.batch.Ramp`); otherwise
     ``measured`` (the rule measured for this optimizer on
@@ -84,13 +85,14 @@ def lr_rule_with_reason(
     if rule != "auto":
         return rule, "as set"
     name = type(controller).__name__ if not isinstance(controller, type) else controller.__name__
-    if getattr(controller, "holds_lr", False):
+    follows = contract_of(controller).lr_follows
+    if follows == "none":
         return "none", f"auto: {name} holds the rate (its batch follows the noise scale)"
     family_rule = FAMILY_RULES.get(family or "", "sqrt")
     # a batch that replaces the schedule's decay keeps the run the same run in fewer steps
     # only under the family's equivalence rule, not a rule measured for static batches; a
     # fixed ramp follows the same rule, as OLMo-core's batch-size schedule does
-    if getattr(controller, "family_lr_rule", False):
+    if follows == "family":
         return family_rule, f"auto: the {family or 'unknown'} family's rule, as {name} asks"
     if measured is not None:
         return check_lr_rule(measured), "auto: the rule measured for this optimizer on the task"

@@ -17,6 +17,7 @@ run's ``config.toml``; :func:`section` reads one section of it as its typed clas
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -36,7 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from .._checks import batch_bounds, did_you_mean
 from ..assembly import fewest_sub_batches
-from ..batch.controllers import CONTROLLERS
+from ..batch.controllers import CONTROLLERS, contract_of
 from ..batch.lr import LR_RULES, SCHEDULES
 from ..batch.plan import MAX_MICRO_BATCH
 from ..batch.sampler import MAX_SEED
@@ -352,6 +353,19 @@ class LogKeys:
     )
 
 
+def _summary(cls: type) -> str:
+    """A controller in a few words: the first sentence of its docstring, as plain text."""
+    paragraph = " ".join((cls.__doc__ or cls.__name__).strip().split("\n\n")[0].split())
+    sentence = paragraph.split(". ")[0].rstrip(".")
+    return re.sub(r":\w+:`~?([^`]*)`", r"\1", sentence).replace("``", "")
+
+
+def _following(lr_follows: str) -> str:
+    """The controllers under which ``lr_scaling="auto"`` follows ``lr_follows``."""
+    names = [n for n, cls in CONTROLLERS.items() if contract_of(cls).lr_follows == lr_follows]
+    return ", ".join(names)
+
+
 @dataclass(frozen=True)
 class BatchKeys:
     """How the batch size is chosen and how the rate follows it (beside these, the keys
@@ -360,23 +374,17 @@ class BatchKeys:
     controller: str = run_key(
         "batch.controller",
         "batch_warmup",
-        "how the batch size is chosen: batch_warmup (start small, double once "
-        "noise_multiple * B_simple * schedule^decay_power is confidently above the "
-        "next size, the LR following by batch.lr_scaling's rule), critical_ramp (double when "
-        "noise_multiple * B_simple is above the next size, LR held), damped_simigrad "
-        "(hold the similarity batch.target, damped), simigrad (the published rule), "
-        "seesaw (the batch takes over the schedule's decay, up to batch.max_growth x "
-        "batch.initial and the critical-batch estimate), noise_scale, constant, ramp",
+        "how the batch size is chosen: "
+        + "; ".join(f"{name}: {_summary(cls)}" for name, cls in CONTROLLERS.items()),
         choices=tuple(CONTROLLERS),
     )
     lr_scaling: str = run_key(
         "batch.lr_scaling",
         "auto",
         "how the LR follows the batch relative to batch.base; auto: held (none) under "
-        "critical_ramp, damped_simigrad and noise_scale, the family's rule under seesaw and "
-        "ramp, else (batch_warmup, simigrad, constant) the rule measured for the optimizer "
-        "on the task (bigbatch tasks), else sqrt for Adam-type and linear for SGD- and "
-        "LARS-type optimizers",
+        f"{_following('none')}; the family's rule under {_following('family')}; else "
+        f"({_following('task')}) the rule measured for the optimizer on the task (bigbatch "
+        "tasks), else sqrt for Adam-type and linear for SGD- and LARS-type optimizers",
         choices=("auto", *LR_RULES),
     )
     base: int = run_key("batch.base", 0, "batch the lr is tuned for; 0: batch.initial", low=0)
@@ -667,8 +675,9 @@ def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:
     the loop's own rule (:func:`bigbatch.assembly.fewest_sub_batches`): per-example
     statistics keep a split for a measured similarity, asked for or read by the
     controller (SimiGrad's rules); ``auto`` counts as per-example, its least need."""
-    split = config["batch.similarity"] == "split" or getattr(
-        CONTROLLERS[config["batch.controller"]], "reads_similarity", False
+    split = (
+        config["batch.similarity"] == "split"
+        or contract_of(CONTROLLERS[config["batch.controller"]]).reads_similarity
     )
     return fewest_sub_batches(True, config["noise_from"] != "sub_batches", split)
 

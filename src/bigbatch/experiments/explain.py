@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..batch.controllers import contract_of
 from .build import build, fit_batches_to_data, run_device, with_task_defaults
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
@@ -82,7 +83,7 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
         return f"not measured: nothing reads it ({name}; log_statistics = true measures it)"
     many, every = engine.sub_batches, run["statistics_every"]
     steps = "every step" if every == 1 else f"one step in {every}"
-    if every > 1 and getattr(engine.controller, "learns_between_measurements", False):
+    if every > 1 and contract_of(engine.controller).learns_between_measurements:
         steps += " (|G|^2 also from the batch gradient's norm between)"
     if collector.per_example is not None:
         source = "each example's gradient norm in the one backward"
