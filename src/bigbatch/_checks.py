@@ -20,8 +20,7 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def pair(name: str, value: Any, shape: str) -> tuple[Any, Any]:
-    """``value`` as a 2-tuple, else ``ValueError`` naming it and the ``shape`` expected
-    (``"(low, high)"``): not Python's bare "too many values to unpack"."""
+    """``value`` as a 2-tuple, else ``ValueError`` naming it and the ``shape`` expected."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
         raise ValueError(f"{name} must be a pair {shape}, got {value!r}")
     return value[0], value[1]
@@ -29,7 +28,7 @@ def pair(name: str, value: Any, shape: str) -> tuple[Any, Any]:
 
 def choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """``value`` if it is one of ``choices``, else ``ValueError`` naming both (and the
-    closest choice to a misspelt one)."""
+    closest choice)."""
     if value not in choices:
         hint = did_you_mean(value, choices) if isinstance(value, str) else ""
         raise ValueError(
@@ -55,14 +54,9 @@ def check_number(
     allow_inf: bool = False,
     whole: bool = False,
 ) -> Any:
-    """Return ``value`` as a float (a whole number as itself), or raise ``ValueError``
-    naming ``name``, the bounds and ``value``.
-
-    Any real number is accepted (Python, numpy or 0-dim tensor scalars are
-    not: a tensor hyper-parameter is a different feature); NaN and, unless
-    ``allow_inf``, infinities are not. ``whole``: an integer (Python's or numpy's,
-    returned as Python's).
-    """
+    """``value`` as a float (a whole number as itself), else ``ValueError`` naming ``name``,
+    the bounds and ``value``. Real numbers only (no tensors); no NaN, no infinity unless
+    ``allow_inf``; ``whole``: an integer."""
     kind = "a whole number" if whole else "a number"
     expected = numbers.Integral if whole else numbers.Real
     if isinstance(value, bool) or not isinstance(value, expected):
@@ -97,8 +91,7 @@ def _shown(bound: float) -> str:
 
 
 def rank_in_world(rank: Any, world_size: Any, size_name: str = "world_size") -> tuple[int, int]:
-    """``rank`` in ``[0, world_size)`` and ``world_size`` (named ``size_name``) at least 1,
-    as Python's ints; a rank past the world drew nothing, forever."""
+    """``rank`` in ``[0, world_size)`` and ``world_size`` at least 1, as Python ints."""
     world_size = positive_int(size_name, world_size)
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
         raise ValueError(f"rank must be a whole number in [0, {world_size}), got {rank!r}")

@@ -18,9 +18,7 @@ def norm_dtype(t: Tensor) -> torch.dtype:
 
 def norms(tensors: Sequence[Tensor]) -> list[Tensor]:
     """Per-tensor L2 norms in ``norm_dtype`` (float16 squares would overflow), one fused
-    ``_foreach_norm`` per accumulation dtype: a small model's step is bound by the
-    operators it dispatches, and on a CPU the fused norm runs as fast as a BLAS dot
-    (1M-4M floats, torch 2.13, one thread)."""
+    ``_foreach_norm`` per accumulation dtype (fewer dispatched operators)."""
     groups = _fused_norms(tensors)
     if len(groups) == 1:
         return list(groups[0][1])
@@ -39,8 +37,7 @@ def sq_norms(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def _fused_norms(tensors: Sequence[Tensor]) -> list[tuple[list[int], Sequence[Tensor]]]:
-    """The norms of every tensor, one ``_foreach_norm`` per accumulation dtype: (the
-    tensors' indices, their norms) for each."""
+    """(indices, norms) per accumulation dtype, one ``_foreach_norm`` each."""
     by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         by_dtype[norm_dtype(t)].append(i)

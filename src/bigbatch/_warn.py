@@ -14,10 +14,8 @@ _INTERNAL = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__)
 
 
 def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` located at the first frame outside bigbatch and torch: the line of
-    the user's code that led here (``AdaptiveBatch(...)``, ``step.apply()``), where a fixed
-    ``stacklevel`` names whichever internal frame the call happened to come through.
-    (Python 3.12's ``skip_file_prefixes`` does this; bigbatch supports 3.10.)"""
+    """``warnings.warn`` located at the first frame outside bigbatch and torch (Python
+    3.12's ``skip_file_prefixes``, for 3.10)."""
     frame, level = sys._getframe(1), 2
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1

@@ -1,11 +1,5 @@
-"""How the parts of a run fit together: its world, statistics and comm hooks, checked once.
-
-:meth:`bigbatch.StepEngine.build` calls :func:`assemble`, and the plain loop,
-the Lightning callback and the Hugging Face Trainer call that, so a rule
-about how a model, an optimizer, a controller and the options fit (a VRGD
-needs the GSNR, a lossy comm hook makes the noise estimates rank-local, a
-framework's DDP wrapper takes no two-group hook) is written here only.
-"""
+"""How the parts of a run fit together: its world, statistics and comm hooks, checked
+once for every entry point (:meth:`bigbatch.StepEngine.build` calls :func:`assemble`)."""
 
 from __future__ import annotations
 
@@ -45,14 +39,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FrameworkStep:
-    """A framework whose optimizer step reduces the gradients (DeepSpeed): the statistics
-    cannot read a reduced ``.grad`` before it, so each rank estimates the noise from its
-    own micro-batches and the estimates are averaged (one all-reduce of scalars).
-
-    ``param_groups`` are the model's parameters (the framework's optimizer may hold flat
-    partitions instead); ``grad_accumulates`` says whether ``.grad`` keeps this rank's
-    earlier micro-batches until the step (False under ZeRO-2).
-    """
+    """A framework whose optimizer step reduces the gradients (DeepSpeed): its world,
+    ``param_groups`` and whether ``.grad`` accumulates."""
 
     world: World
     param_groups: list[list[torch.Tensor]]
@@ -61,8 +49,7 @@ class FrameworkStep:
 
 @dataclass(frozen=True)
 class Parts:
-    """What :func:`assemble` made: the engine's constructor arguments, each field named as
-    its argument."""
+    """What :func:`assemble` made: the engine's constructor arguments."""
 
     controller: Controller
     collector: MicroBatchStatistics | None
@@ -93,24 +80,15 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
 
     Args:
         optimizer: the run's optimizer.
-        controller: chooses the batch sizes (default
-            :class:`~bigbatch.batch.BatchWarmup` from ``first_batch``, or 16).
+        controller: chooses the batch sizes (default: :func:`resolve_controller`'s).
         options: the per-step rules.
-        model: the trained module, its ``DistributedDataParallel`` or an FSDP2
-            ``fully_shard`` model: its world (one process without one).
-        sub_batches: the fewest micro-batches per rank of a step that measures; None:
-            what the statistics need (4 for sub-batch statistics, 1 for per-example ones).
+        model: the trained module, its DDP or an FSDP2 model (None: one process).
+        sub_batches: the fewest micro-batches per rank of a measuring step.
         first_batch: the batch a sampler starts at; the controller must start there.
-        dataset_size: samples in a finite dataset (for the finite-population
-            correction; None for a stream or a batch counted in weight).
-        comm_hook: a DDP ``(state, hook)`` pair for the engine to register
-            (inside the two-group hook with ``similarity="split"``).
-        registers_hooks: False when a framework wraps the model in DDP and owns its comm
-            hook (Lightning, the HF Trainer): its hook is read from the model, and the
-            measured two-group similarity, which needs a hook of bigbatch's, is refused.
-        framework: a framework that reduces the gradients inside its own optimizer
-            step (DeepSpeed): its world, the parameters whose gradients the
-            statistics read, and whether ``.grad`` keeps the micro-batches.
+        dataset_size: samples in a finite dataset (None: a stream or a weighted batch).
+        comm_hook: a DDP ``(state, hook)`` pair for the engine to register.
+        registers_hooks: False when a framework owns the DDP wrapper and its hook.
+        framework: a :class:`FrameworkStep` (DeepSpeed).
         weighted: the batch is counted in weight (tokens), not in examples.
     """
     options = options if options is not None else StepOptions()
@@ -178,8 +156,7 @@ def _per_example_obstacles(
 def _hook_in_use(
     comm_hook: tuple[Any, CommHook] | None, registers_hooks: bool, model: nn.Module | None
 ) -> tuple[Any, CommHook] | None:
-    """The comm hook the gradients are reduced with: the one given, or the one a framework
-    that owns the DDP wrapper registered on the model."""
+    """The comm hook in use: the one given, or the one a framework registered."""
     if registers_hooks:
         return comm_hook
     return ddp.registered_hook(model) if model is not None else None
@@ -193,10 +170,7 @@ def _comm_hook(
     options: StepOptions,
     framework: FrameworkStep | None,
 ) -> tuple[Any, CommHook] | None:
-    """The DDP comm hook the statistics work beside, ``in_use`` (:func:`_hook_in_use`: the
-    one given, for the engine to register, or the one a framework registered itself),
-    once ``comm_hook`` is checked; a ValueError where the similarity asked for cannot be
-    measured under it."""
+    """The checked comm hook; ``ValueError`` where the asked similarity cannot be measured."""
     if comm_hook is not None and not (registers_hooks and world.distributed):
         raise ValueError(
             "comm_hook needs a DistributedDataParallel model on 2+ ranks that the loop "
@@ -218,9 +192,7 @@ def _comm_hook(
 def _similarity_for(
     options: StepOptions, controller: Controller, per_example: nn.Module | None, world: World
 ) -> StepOptions:
-    """SimiGrad's rules decide on the measured cosine of two halves (``reads_similarity``):
-    under per-example statistics on one process they keep two micro-batches for it (the
-    ranks are the halves under DDP)."""
+    """Whether per-example statistics on one process keep two micro-batches for the split."""
     reads = contract_of(controller).reads_similarity
     alone = not (world.distributed or world.sharded)
     if per_example is not None and options.similarity is None and reads and alone:
@@ -233,10 +205,7 @@ SUB_BATCHES = 4
 
 
 def fewest_sub_batches(statistics: bool, per_example: bool, split: bool, ranks: int = 1) -> int:
-    """The micro-batches per rank a step's statistics need: for the sub-batch estimator
-    ``SUB_BATCHES`` (4) in all over the ``ranks`` (one a rank from 4 ranks on: each rank's
-    gradient is a sub-batch's), 2 for per-example statistics beside a measured split
-    similarity, else 1. The one rule for every default of ``min_sub_batches``."""
+    """The micro-batches per rank a step's statistics need (``SUB_BATCHES`` over the ranks)."""
     if statistics and not per_example:
         return -(-SUB_BATCHES // ranks)
     return 2 if statistics and split else 1
@@ -250,13 +219,8 @@ def _per_example_model(
     sub_batches: int | None = None,
     world: World | None = None,
 ) -> tuple[nn.Module | None, str]:
-    """The module whose layers give per-example norms (``noise_from``), or None for
-    sub-batch statistics: asked for and possible, or ``"auto"``, possible and of use:
-    where every step is split anyway (``sub_batches`` >= 2: a framework's accumulation, or
-    asked for) the sub-batch statistics come free and the hooks would only cost (the
-    Lightning example took 1.1x the time with them, docs/results.md), and so they do from
-    ``SUB_BATCHES`` data-parallel ranks on, each rank's own gradient a sub-batch's; and
-    why, in words."""
+    """The module for per-example norms (``"auto"``: only where a step is not split
+    anyway), or None, and why in words."""
     if not options.statistics:
         return None, ""
     if options.noise_from == "sub_batches":
@@ -289,9 +253,8 @@ def _per_example_model(
 
 
 def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:
-    """The run's controller: the given one, which must start at ``first_batch`` when a
-    sampler fixes it, or :class:`BatchWarmup` from there (batch 16 without one), its
-    bounds widened to hold a first batch outside them (a sampler of batch 8)."""
+    """The given controller, or :class:`BatchWarmup` from ``first_batch``, its bounds
+    widened to hold that batch."""
     if controller is None:
         own = BatchWarmup()
         if first_batch is None:
@@ -324,8 +287,7 @@ def _with_statistics(
 def statistics_read(
     optimizer: torch.optim.Optimizer, controller: Controller, options: StepOptions
 ) -> bool:
-    """Whether anything in the run reads the gradient statistics: the controller, the rate
-    rule (AdaScale) or a statistics-reading optimizer (VRGD, AGVM)."""
+    """Whether the controller, the rate rule or the optimizer reads the statistics."""
     rule = resolve_lr_rule(options.lr_scaling, controller, optimizer_family(optimizer))
     return (
         contract_of(controller).needs_statistics
@@ -340,8 +302,7 @@ def check_statistics(
     collector: MicroBatchStatistics | None,
     lr_scaling: str,
 ) -> None:
-    """One error if the controller, the rate rule or a statistics-reading optimizer needs
-    statistics the collector does not gather."""
+    """One error if something needs statistics the collector does not gather."""
     needs = contract_of(controller).needs_statistics or lr_scaling.startswith("adascale")
     if needs and collector is None:
         raise ValueError(

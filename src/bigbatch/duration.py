@@ -1,20 +1,10 @@
-"""A length of training in the unit a user plans in: samples, tokens, optimizer steps, or
-a share of the budget.
-
-Batch ramps in the large-batch literature and in the trainers people use are written
-in different units: OLMo-core's ``BatchSizeSchedulerCallback`` and its ``Duration``
-count tokens or steps, Megatron's rampup counts samples, a paper's "the first 10% of
-training" a share of the budget. :class:`Duration` is one such length, parsed from the
-text a user writes in a config key::
+"""A length of training in samples, tokens, optimizer steps or a share of the budget,
+read from the counts every checkpoint holds::
 
     Duration.parse("25%")         # a quarter of the run's budget (in samples)
     Duration.parse("2M tokens")   # 2,000,000 tokens: samples × tokens per sample
     Duration.parse("500 steps")   # 500 optimizer steps
     Duration.parse("100k")        # 100,000 samples (a bare number is samples)
-
-:meth:`Duration.elapsed` reads how far a run is in the duration's own unit from the
-two counts every bigbatch run keeps (samples and optimizer steps), so a ramp written
-in any unit resumes exactly: the counts are in every checkpoint.
 """
 
 from __future__ import annotations
@@ -56,8 +46,8 @@ class Duration:
 
     @classmethod
     def parse(cls, text: str | int | float | Duration) -> Duration:
-        """A duration from ``"25%"``, ``"2M tokens"``, ``"500 steps"``, ``"100k samples"``
-        or a number (samples); a :class:`ValueError` names the text it could not read."""
+        """A duration from ``"25%"``, ``"2M tokens"``, ``"500 steps"``, ``"100k samples"`` or a
+        number (samples); ``ValueError`` otherwise."""
         if isinstance(text, Duration):
             return text
         if isinstance(text, bool):
@@ -92,8 +82,7 @@ class Duration:
         tokens_per_sample: int | None = None,
         budget: int | None = None,
     ) -> float:
-        """How far a run that has trained ``samples`` in ``steps`` optimizer steps is, in
-        this duration's unit."""
+        """How far a run of ``samples`` in ``steps`` optimizer steps is, in this unit."""
         self.check(tokens_per_sample=tokens_per_sample, budget=budget)
         if self.unit == "samples":
             return float(samples)
@@ -104,8 +93,7 @@ class Duration:
         return samples / budget  # type: ignore[operator]
 
     def share(self, *, tokens_per_sample: int | None = None, budget: int | None = None) -> float:
-        """This duration as a share of a budget of ``budget`` samples (0.25 for "25%"); a
-        length in optimizer steps has none (a changing batch decides its samples)."""
+        """This duration as a share of ``budget`` samples; none for optimizer steps."""
         self.check(tokens_per_sample=tokens_per_sample, budget=budget)
         if self.unit == "steps":
             raise ValueError(f"{self} counts optimizer steps: it is no share of samples")
@@ -124,10 +112,8 @@ class Duration:
         tokens_per_sample: int | None = None,
         budget: int | None = None,
     ) -> bool:
-        """Whether a run that went from ``before`` to ``after`` (samples, optimizer steps)
-        passed a whole multiple of this duration: the tick of an interval ("evaluate
-        every 10%"), read from the counts a checkpoint holds, so a resumed run ticks at the
-        same steps."""
+        """Whether a run that went from ``before`` to ``after`` (samples, steps) passed a whole
+        multiple of this duration."""
         if self.value <= 0:
             raise ValueError(f"an interval is longer than 0, got {self}")
         facts = {"tokens_per_sample": tokens_per_sample, "budget": budget}
@@ -137,8 +123,7 @@ class Duration:
 
     @classmethod
     def interval(cls, text: str | int) -> int | Duration:
-        """An interval as a config key gives it: a whole number of optimizer steps, or a
-        duration's text ("10%", "50k samples", "1M tokens", "200 steps") longer than 0."""
+        """An interval from a config key: a whole number of steps, or a positive duration's text."""
         if isinstance(text, int) and not isinstance(text, bool):
             if text < 1:
                 raise ValueError(f"an interval is at least 1 step, got {text!r}")

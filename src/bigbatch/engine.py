@@ -1,32 +1,5 @@
-"""The rules of one optimizer step, written once: what the loop and every plugin call.
-
-A loop (``AdaptiveBatch``, or a framework's through a plugin) owns the data
-and the forward/backward passes; :class:`StepEngine` owns everything else
-about a step::
-
-    engine.begin(plan)                          # the step's micro-batches
-    for i, micro_batch in enumerate(...):
-        engine.before_backward(i)
-        loss = loss_fn(...) * engine.loss_weight(i)
-        engine.add_loss(loss); loss.backward()
-    result = engine.before_optimizer_step()     # statistics, finiteness, LR, next batch size
-    if not result.skip:
-        optimizer.step()
-    engine.after_optimizer_step(result)         # the LR restored
-
-``before_optimizer_step`` finishes the statistics and reads them (with the
-loss and the finiteness check) in one host synchronisation, lets
-statistics-reading optimizers (VRGD, AGVM) observe them, multiplies the
-learning rates by the batch rule and the schedule, counts the step and asks
-the controller for the next batch size. A step whose gradient or loss is not
-finite is dropped (``nonfinite="skip"``) or raises :class:`NonFiniteError`
-(``"raise"``) before anything learns from it.
-
-With ``statistics_every = k`` only every k-th step measures (steps 1, k + 1,
-2k + 1, ...); the others run as a plain step: no statistics, one micro-batch
-unless memory asks for more (:attr:`StepEngine.next_sub_batches`), and a
-controller that reads statistics keeps the batch it chose.
-"""
+"""The rules of one optimizer step, written once: what the loop and every plugin call
+(docs/adaptive_batching.md, "One step engine", has a loop driving one)."""
 
 from __future__ import annotations
 
@@ -76,26 +49,17 @@ class StepResult:
 class StepEngine:
     """Per-step rules: loss weights, statistics, finiteness, LR around the step, next batch size.
 
-    :meth:`build` assembles an engine for a model (its world, statistics and comm
-    hooks): what the plain loop and every plugin call. The constructor takes the
-    parts already made.
+    Build one with :meth:`build`; the constructor takes the parts already made.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer``; a
-            :class:`~bigbatch.optim.StatisticsWrapper` (VRGD, AGVM) observes
-            each step's statistics.
+        optimizer: any ``torch.optim.Optimizer`` (a statistics wrapper observes).
         controller: chooses the next batch size (``bigbatch.batch``).
-        collector: the statistics (``bigbatch.stats.MicroBatchStatistics``),
-            None to collect none (only for controllers and rules that need none).
+        collector: the statistics (``bigbatch.stats.MicroBatchStatistics``), or None.
         world: the data-parallel world (one process by default).
         scaler: the loop's ``torch.amp.GradScaler``, if any.
-        options: the per-step rules (:class:`~bigbatch.StepOptions`); its fields may
-            also be given as keywords (``lr_scaling=``, ``schedule=``, ...).
-        sub_batches: the fewest micro-batches per rank of a step that measures the
-            statistics (None: what the collector needs,
-            :func:`~bigbatch.assembly.fewest_sub_batches`).
-        noise_why: why the noise statistics come from where they do, in words
-            (:meth:`build` gives it; ``bigbatch train --explain`` prints it).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`), or as keywords.
+        sub_batches: the fewest micro-batches per rank of a measuring step.
+        noise_why: why the noise statistics come from where they do, in words.
     """
 
     def __init__(
@@ -161,15 +125,7 @@ class StepEngine:
         scaler: torch.amp.GradScaler | None = None,
         **run: Any,
     ) -> StepEngine:
-        """The engine of a run, its world, statistics and comm hooks made and checked together
-        by :func:`bigbatch.assembly.assemble` (``run``: its keywords ``model``,
-        ``sub_batches``, ``first_batch``, ``dataset_size``, ``comm_hook``,
-        ``registers_hooks``).
-
-        Every entry point builds its engine here (the plain loop, the Lightning
-        callback, the Hugging Face Trainer), so a rule about how the parts fit
-        is written once.
-        """
+        """The engine of a run, assembled and checked by :func:`bigbatch.assembly.assemble`."""
         parts = assemble(optimizer, controller, options, **run)
         return cls(optimizer, scaler=scaler, **vars(parts))  # Parts: the arguments, by name
 
@@ -180,8 +136,7 @@ class StepEngine:
     # ------------------------------------------------------------ the micro-batches
 
     def measures(self) -> bool:
-        """Whether the next step measures the statistics: every ``statistics_every``-th, from
-        the first (the step counter decides, so every rank and a resumed run agree)."""
+        """Whether the next step measures: every ``statistics_every``-th, from the first."""
         every = self.options.statistics_every
         return self.collector is not None and self.steps_taken % every == 0
 
@@ -191,8 +146,7 @@ class StepEngine:
         return self.sub_batches if self.collector is None or self.measures() else 1
 
     def begin(self, plan: StepPlan, loss_weights: list[float] | None = None) -> None:
-        """Start a step; ``loss_weights`` if the loop weights micro-batch losses itself
-        (Lightning and the Hugging Face Trainer use ``1/k``), else ``W b_i / B``."""
+        """Start a step (``loss_weights``: the loop's own, else ``W b_i / B``)."""
         self._plan = plan
         self._weights = (
             list(loss_weights)
@@ -213,8 +167,7 @@ class StepEngine:
             self.collector.before_backward(index)
 
     def add_loss(self, weighted: Tensor) -> None:
-        """A micro-batch's weighted loss, as backpropagated (for the logged batch loss; read
-        with no gradient, after the backward)."""
+        """A micro-batch's weighted loss, for the logged batch loss (read after the backward)."""
         weighted = weighted.reshape(()) if weighted.dim() else weighted  # a loss of shape (1,)
         with torch.no_grad():
             self._loss = weighted if self._loss is None else self._loss + weighted
@@ -222,7 +175,8 @@ class StepEngine:
     # ------------------------------------------------------------ the optimizer step
 
     def before_optimizer_step(self) -> StepResult:
-        """Measure, decide finiteness, set the learning rates, count, choose the next size."""
+        """Measure, check finiteness, set the rates, choose the next size: one host sync.
+        A non-finite step with ``nonfinite="raise"`` raises :class:`NonFiniteError`."""
         if self._plan is None:
             raise RuntimeError("before_optimizer_step() without a step: call begin(plan) first")
         self._lr.restore(self.optimizer)  # a scaling a framework's skipped step left behind
@@ -278,9 +232,7 @@ class StepEngine:
         return StepResult(stats, metrics)
 
     def _log_noise_scale(self, metrics: dict[str, float]) -> None:
-        """One noise scale in the metrics: the controller's, if it decides on one, else the
-        same smoothed estimate the noise-following controllers use (window 20, one
-        standard error), so every run logs a comparable ``noise_scale`` with its bounds."""
+        """The ``noise_scale`` logged: the controller's, else a default smoothed one."""
         estimate = getattr(self.controller, "estimate", None)
         if estimate is not None:
             metrics.update(estimate())
@@ -325,9 +277,7 @@ class StepEngine:
 
 
 def _within_bounds(controller: Controller, saved: int) -> int:
-    """The saved batch clamped to ``controller``'s bounds: a run resumed with a lower
-    ``max`` (to fit memory) trains at it from its first step, not from the controller's
-    next decision; with a warning, since the run then differs from the one saved."""
+    """The saved batch clamped to ``controller``'s bounds, with a warning."""
     low, high = getattr(controller, "min", 1), getattr(controller, "max", saved)
     batch = min(max(saved, low), high)
     if batch != saved:
@@ -339,8 +289,7 @@ def _within_bounds(controller: Controller, saved: int) -> int:
 
 
 def _schedule_factor(schedule: Any, samples: int) -> float:
-    """The schedule's multiplier at ``samples``: a finite number >= 0, else a
-    ``ValueError`` (a NaN rate would turn every weight into NaN, silently)."""
+    """The schedule's multiplier at ``samples``, finite and >= 0, else ``ValueError``."""
     value = schedule(samples)
     try:
         factor = float(value)
@@ -355,15 +304,13 @@ def _schedule_factor(schedule: Any, samples: int) -> float:
 
 
 def _rate_factor(rule: float, schedule: float | None, ceiling: float | None) -> float:
-    """The step's rate multiplier: the batch rule's factor times the schedule's, at most the
-    rate's stability ceiling (``max_lr_factor``)."""
+    """The batch rule's factor times the schedule's, at most ``max_lr_factor``."""
     factor = rule * schedule if schedule is not None else rule
     return min(factor, ceiling) if ceiling is not None else factor
 
 
 def _loss_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor | None:
-    """The loss scale the gradients carry, as a tensor on ``device`` (``get_scale()`` would
-    read it to the host); None without an enabled ``GradScaler``."""
+    """The loss scale as a tensor on ``device`` (no host read); None without a scaler."""
     if scaler is None or not scaler.is_enabled():
         return None
     return scaler.scale(torch.ones((), device=device))
@@ -372,9 +319,7 @@ def _loss_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> Te
 def _statistics(
     collector: MicroBatchStatistics, scaler: torch.amp.GradScaler | None, loss: Tensor
 ) -> tuple[GradientStats, dict[str, float], bool]:
-    """The step's statistics, as tensors and floats (the loss among them), and whether the
-    step is finite: one host read. The gradient's finiteness rides on ``|g|²``, which the
-    statistics reduce anyway (a NaN anywhere, on any rank, makes it NaN)."""
+    """The step's statistics (the loss among them) and its finiteness, in one host read."""
     pending = collector.finish_pending(
         loss_scale=_loss_scale(scaler, collector.layout.device), loss=loss
     )
@@ -389,11 +334,7 @@ def _statistics(
 def _between_measurements(
     engine: StepEngine, loss: Tensor, batch: int
 ) -> tuple[dict[str, float], bool]:
-    """A step that does not measure: its mean loss and finiteness, and for a controller
-    that learns between measurements the batch gradient's ``|g_B|²`` (unscaled) and
-    ``φ(B)`` (``batch_inverse_size``), from the same one reduction. Not where ``.grad``
-    does not hold the batch gradient (a rank-local reduction: DeepSpeed frees each
-    micro-batch's gradient)."""
+    """A step that does not measure: its loss, finiteness and batch gradient's ``|g_B|²``."""
     collector = engine.collector
     wanted = (
         collector is not None
@@ -414,10 +355,7 @@ def _between_measurements(
 def _mean_loss_and_finiteness(
     optimizer: torch.optim.Optimizer, world: World, loss: Tensor, scale: Tensor | None = None
 ) -> tuple[dict[str, float], bool]:
-    """The batch's mean loss and whether it and every gradient are finite, on every rank,
-    without statistics: one all-reduce (a NaN on any rank reaches all) and one host read.
-    With ``scale`` (the loss scale the gradients carry), also the batch gradient's squared
-    norm ``batch_grad_sq_norm``, which the same reduction gives."""
+    """The mean loss and finiteness on every rank: one all-reduce, one host read."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
     present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
     with torch.no_grad():

@@ -1,29 +1,8 @@
-"""What a federated server decides each round: the clients' local batch and rate.
-
-Federated training (FedAvg, McMahan et al. 2017) runs in rounds: the server
-sends the model to ``K`` clients, each trains on its own data, and the server
-averages what comes back. With every client training at local batch ``b``,
-one local step of all clients together processes a global batch of ``K·b``
-samples; a larger ``b`` covers a round's samples in fewer sequential steps
-(the parallel speed of large batches) at the risk of the large-batch
-generalisation gap. This module holds the framework-free half of bigbatch's
-answer (docs/federated.md); :mod:`bigbatch.integrations.flower` carries it
-into Flower.
-
-- :func:`pool_steps` pools the clients' per-step noise statistics into one
-  measurement per local step: the means of their unbiased ``|G|²`` and
-  ``tr Σ`` estimates (weighted by samples), so ``B_simple = tr Σ / |G|²`` is
-  estimated from every client's data.
-- A *scheme* chooses the next round's local batch from the round just done:
-  :class:`Fixed`, :class:`SmallLargeSwitch` (the seed paper's trade-off
-  between large and small batches, Tyagi 2025, arXiv:2509.10537, in the
-  concrete form of SWAP, Gupta et al. 2020) and :class:`ControllerScheme`
-  (any bigbatch controller, e.g. :class:`~bigbatch.batch.BatchWarmup`,
-  deciding the global batch from the pooled statistics).
-- :class:`RoundPlanner` turns the scheme's batch into a :class:`RoundPlan`:
-  the local batch, the local steps that cover the round's samples, and the
-  rate (the base rate × the batch rule × the schedule in samples).
-"""
+"""What a federated server decides each round (FedAvg, McMahan et al. 2017): the
+clients' local batch and rate. :func:`pool_steps` pools the clients' statistics, a
+scheme picks the next local batch, :class:`RoundPlanner` makes the
+:class:`RoundPlan`. docs/federated.md; docs/algorithms.md, "Local batches in
+federated training"."""
 
 from __future__ import annotations
 
@@ -51,12 +30,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """What every client trains in one round.
-
-    ``local_batch`` samples per local step, ``local_steps`` steps (together
-    at least the round's ``local_samples``), at learning rate ``lr`` held for
-    the round; ``global_batch`` is ``clients × local_batch``.
-    """
+    """What every client trains in one round: ``local_steps`` steps of ``local_batch``
+    samples (at least ``local_samples``) at rate ``lr``, the ``global_batch`` being
+    ``clients × local_batch``."""
 
     round: int
     local_batch: int
@@ -77,12 +53,8 @@ class RoundPlan:
 
 @dataclass(frozen=True)
 class ClientReport:
-    """One client's round: its samples, and per local step the statistics it measured.
-
-    ``grad_sq_norm`` and ``trace`` are the step's unbiased estimates of
-    ``|G|²`` and ``tr Σ`` (per sample) from the client's micro-batches;
-    ``similarity`` the cosine of its two half-batch gradients.
-    """
+    """One client's round: its samples, and per local step its unbiased ``grad_sq_norm``
+    (``|G|²``), ``trace`` (``tr Σ``, per sample) and half-batch ``similarity``."""
 
     samples: int
     batches: Sequence[int]
@@ -93,22 +65,15 @@ class ClientReport:
 
 
 def finite_mean(values: Sequence[float], weights: Sequence[float] | None = None) -> float:
-    """The (weighted) mean of the finite values, NaN if there are none: a client's missing
-    or diverged value is left out rather than spreading to the pooled one."""
+    """The (weighted) mean of the finite values; NaN if there are none."""
     pairs = [(v, w) for v, w in zip(values, weights or [1.0] * len(values)) if math.isfinite(v)]
     total = sum(w for _, w in pairs)
     return sum(v * w for v, w in pairs) / total if total > 0 else math.nan
 
 
 def pool_steps(reports: Sequence[ClientReport]) -> list[dict[str, float]]:
-    """Per local step, the clients' statistics pooled: sample-weighted means of ``|G|²``,
-    ``tr Σ`` and the similarity, and the global batch (the sum of the local batches).
-
-    Each client's ``|G|²`` estimates the squared norm of *its* mean gradient.
-    On non-IID data those differ, and the mean of their squares exceeds the
-    square of their mean (the global ``|G|²``) by the spread between clients;
-    so the pooled ``B_simple`` errs low there (docs/federated.md).
-    """
+    """Per local step, the clients' sample-weighted mean ``|G|²``, ``tr Σ`` and similarity,
+    and the global batch. On non-IID data the pooled ``B_simple`` errs low."""
     if not reports:
         return []
     steps = min(len(r.grad_sq_norm) for r in reports)
@@ -127,11 +92,9 @@ def pool_steps(reports: Sequence[ClientReport]) -> list[dict[str, float]]:
 
 
 class Scheme(Protocol):
-    """``next_local_batch(pooled, local_batch, clients, samples, total) -> local batch``.
-
-    ``pooled`` is the round's :func:`pool_steps`, ``samples`` the samples all
-    clients have trained on after the round, ``total`` the run's budget.
-    """
+    """``next_local_batch(pooled, local_batch, clients, samples, total) -> local batch``
+    (``pooled``: :func:`pool_steps`; ``samples``: trained after the round; ``total``: the
+    budget)."""
 
     initial: int
 
@@ -175,17 +138,8 @@ class Fixed(_Stateless):
 class SmallLargeSwitch(_Stateless):
     """Large local batches first, small ones after ``switch`` of the samples.
 
-    The seed paper (Tyagi 2025, "On Using Large-Batches in Federated
-    Learning", arXiv:2509.10537) proposes to combine "the parallel scaling of
-    large-batches and good generalizability of small-batch training"; the
-    body of the paper was not available to us, so the concrete rule is that
-    of SWAP (Gupta, Serrano and DeCoste 2020, "Stochastic Weight Averaging in
-    Parallel: Large-Batch Training That Generalizes Well"), which does
-    exactly that: a first phase of synchronous large-batch training, then
-    small-batch training on every worker whose models are averaged — in a
-    federation, FedAvg rounds at a small local batch. The switch is at a
-    fraction of the sample budget (SWAP switches at a fixed training
-    accuracy; a fraction of the budget needs no labels at the server).
+    The seed paper's trade-off (Tyagi 2025, arXiv:2509.10537) in the concrete form of
+    SWAP (Gupta, Serrano, DeCoste 2020, ICLR), switching at a share of the budget.
     """
 
     def __init__(self, large: int, small: int, switch: float = 0.5) -> None:
@@ -206,12 +160,8 @@ class SmallLargeSwitch(_Stateless):
 class ControllerScheme:
     """A bigbatch controller choosing the *global* batch from the pooled statistics.
 
-    The controller sees one measurement per local step (the clients' pooled
-    ``|G|²``, ``tr Σ`` and similarity, with the schedule's multiplier), as it
-    would on one machine whose batch is the sum of the local batches. A
-    decision it takes within a round applies from the next round (all
-    clients of a round train at one batch); the steps after the decision
-    were measured at the old batch and are not shown to it. The local batch
+    It sees one pooled measurement per local step; a decision within a round applies
+    from the next round, and the steps after it are not shown to it. The local batch
     is the global one divided by the clients, rounded up.
     """
 
@@ -243,11 +193,9 @@ class ControllerScheme:
 class RoundPlanner:
     """Each round's :class:`RoundPlan`, from a scheme, the rate rule and the schedule.
 
-    Every client trains ``local_samples`` samples per round (rounded up to
-    whole steps), so rounds cost the same samples whatever the batch and a
-    larger batch means fewer sequential steps. The round's rate is
-    ``lr × lr_factor(lr_scaling, local_batch, base_batch) × schedule(samples)``
-    with the schedule (in samples, all clients) read at the round's middle.
+    Every client trains ``local_samples`` per round (whole steps), at the rate
+    ``lr × lr_factor(lr_scaling, local_batch, base_batch) × schedule(samples)``, the
+    schedule (in samples, all clients) read at the round's middle.
     """
 
     def __init__(
@@ -294,20 +242,13 @@ class RoundPlanner:
         )
 
     def midpoint(self) -> int:
-        """The samples at the middle of the next round, where its held rate is read off the
-        schedule (read at the round's start, a warm-up one round long would train the
-        first round at rate ~0)."""
+        """The samples at the middle of the next round, where its held rate is read."""
         return self.samples + self.clients * self.local_samples // 2
 
     def update(self, plan: RoundPlan, reports: Sequence[ClientReport]) -> list[dict[str, float]]:
-        """Count the round's samples and let the scheme choose the next local batch;
-        returns the pooled statistics it saw.
-
-        The scheme sees the planned global batch (``clients`` × the local batch)
-        even when some clients did not reply: their absence thins the statistics,
-        it is not a smaller batch to correct. The next local batch is at most
-        ``local_samples`` (a round is at least one step).
-        """
+        """Count the round's samples and let the scheme choose the next local batch (at most
+        ``local_samples``); returns the pooled statistics. Missing clients thin the
+        statistics; the batch is the planned one."""
         self.samples += sum(r.samples for r in reports)
         self.round = plan.round
         pooled = pool_steps(reports)

@@ -1,19 +1,5 @@
-"""How a component exposes its constructor's arguments as configuration keys.
-
-A component (a batch controller, an optimizer wrapper, a compression state)
-lists the arguments a run's configuration may set in a ``CONFIG`` mapping
-from key to :class:`Knob`. The key's default is the argument's default in
-the constructor's signature, so every knob has one default, in one place;
-the key's help and bounds sit beside it. The command line's schema is
-generated from these declarations (``bigbatch.experiments.config``), the way
-timm's registry keeps models as data.
-
-A component whose constructor only stores its settings declares them once, as
-the fields of a dataclass (:func:`settings`): each field's default, bounds and
-help sit in one :func:`setting`, from which come the constructor, its checks
-(:func:`check_settings`, naming the argument and the value), its ``repr`` (the
-constructor call) and, for the fields with a config key, ``CONFIG``.
-"""
+"""How a component exposes its constructor's arguments as configuration keys: a
+``CONFIG`` of :class:`Knob`, or a dataclass of :func:`setting` fields (:func:`settings`)."""
 
 from __future__ import annotations
 
@@ -62,9 +48,8 @@ class Knob:
     parse: Callable[[str], Any] | None = None
 
     def check(self, name: str, value: Any, kind: str) -> Any:
-        """``value`` checked against these bounds as a ``kind`` ("int", "float", "bool",
-        "str"; any with ``choices``): one ``ValueError`` naming ``name`` and the value; a
-        number is returned as a float, a whole number as itself."""
+        """``value`` checked as a ``kind`` ("int", "float", "bool", "str") against the bounds:
+        one ``ValueError`` naming ``name``; a number returns as a float, a whole one as itself."""
         if self.choices is not None:
             return choice(name, value, self.choices)
         if kind == "bool":
@@ -85,8 +70,7 @@ class Knob:
 
 
 def signature_defaults(component: Any, knobs: Mapping[str, Knob]) -> dict[str, Any]:
-    """Each key's default from ``component``'s constructor (``NO_DEFAULT`` where required,
-    the knob's ``unset`` value where the signature's default is None)."""
+    """Each key's default from ``component``'s constructor (``NO_DEFAULT`` where required)."""
     parameters = inspect.signature(component).parameters
     out = {}
     for key, knob in knobs.items():
@@ -108,21 +92,15 @@ def setting(
     flag: str | None = None,
     **bounds: Any,
 ) -> Any:
-    """A setting as a dataclass field: its default, and beside it its ``help``, its bounds
-    (``low``, ``high``, ``low_open``, ``high_open``, ``choices``: :class:`Knob`'s) and, where
-    a run's config sets it, its config ``key`` (a component's: the part after its prefix,
-    ``initial`` for ``batch.initial``; a run key's section field: the whole key); a
-    command's option may name its ``flag`` where it is not the field's name
-    (``bigbatch.experiments.flags``)."""
+    """A dataclass field: its default, ``help``, bounds (:class:`Knob`'s), and where a config
+    sets it its ``key`` (and a command option's ``flag``)."""
     knob = Knob("", help, **bounds)
     return field(default=default, metadata={"knob": knob, "key": key, "flag": flag})
 
 
 def settings(cls: type[_T]) -> type[_T]:
-    """Make ``cls`` a dataclass of its :func:`setting` fields (compared by identity: it
-    may hold state beside them) with ``CONFIG``, its config keys, generated from them.
-
-    Its ``__post_init__`` calls :func:`check_settings` first, then builds its state."""
+    """Make ``cls`` a dataclass of its :func:`setting` fields (compared by identity) with
+    ``CONFIG``; its ``__post_init__`` calls :func:`check_settings` first."""
     cls = dataclass(eq=False)(cls)
     config = {}
     for f in fields(cls):  # type: ignore[arg-type]
@@ -134,9 +112,7 @@ def settings(cls: type[_T]) -> type[_T]:
 
 @dataclass(frozen=True)
 class FieldKind:
-    """What a setting's annotation says: its item type (``int``, ``float``, ``bool``,
-    ``str``), whether it is a list (``tuple[X, ...]``) and whether None is allowed
-    (``X | None``); read from the annotation's text, deferred or not."""
+    """A setting's item type, whether it is a ``tuple[X, ...]`` and whether None is allowed."""
 
     item: str
     listed: bool = False
@@ -155,10 +131,8 @@ class FieldKind:
 
 
 def check_settings(component: Any) -> None:
-    """Check every :func:`setting` field of ``component`` against its bounds, by its
-    annotated type (a whole number, a number, a flag, one of ``choices``; ``X | None``
-    also None; ``tuple[X, ...]`` each item): one ``ValueError`` naming the argument and
-    the value; a number is stored as a float (in a frozen class too)."""
+    """Check every :func:`setting` field of ``component`` by its annotated type and bounds:
+    one ``ValueError`` naming the argument and the value; numbers stored as floats."""
     for f in fields(component):
         knob = f.metadata.get("knob")
         if knob is None:

@@ -1,20 +1,12 @@
-"""The plain-PyTorch entry point: adaptive batching around your own training loop.
-
-:class:`AdaptiveBatch` draws each step's global batch, plans its
-micro-batches and hands them to your loop; the per-step rules (statistics,
-learning rate, next batch size) are the :class:`~bigbatch.engine.StepEngine`'s.
-Your loop keeps the model, the loss and the optimizer::
+"""The plain-PyTorch entry point: adaptive batching around your own training loop::
 
     loop = bb.AdaptiveBatch(model, optimizer, dataset, max_micro_batch=256)
     for step in loop.steps(max_samples=2_000_000):
         for x, y in step.micro_batches():
             step.backward(loss_fn(model(x), y))   # scales the loss, collects statistics
         step.apply()                              # LR for the batch, optimizer step, next size
-        print(step.batch_size, step.metrics["similarity"])
 
-Under ``torchrun`` the same code runs with a ``DistributedDataParallel``
-model: every rank draws the same global batch, keeps its shard, accumulates
-its micro-batches under ``no_sync`` and reduces once per step.
+docs/adaptive_batching.md.
 """
 
 from __future__ import annotations
@@ -42,11 +34,7 @@ __all__ = ["AdaptiveBatch", "NonFiniteError", "Step"]
 
 
 class Step:
-    """One optimizer step of :class:`AdaptiveBatch`: its micro-batches, backward and apply.
-
-    ``index`` is the number of steps before this one (0 for the first);
-    ``samples`` the samples trained on before it.
-    """
+    """One optimizer step of :class:`AdaptiveBatch` (``index`` and ``samples``: before it)."""
 
     def __init__(self, loop: AdaptiveBatch, plan: StepPlan) -> None:
         self._loop = loop
@@ -77,17 +65,11 @@ class Step:
 
     @property
     def indices(self) -> list[list[int]]:
-        """This rank's micro-batches as dataset indices (positions in the drawn batch for an
-        ``IterableDataset``)."""
+        """This rank's micro-batches as indices (into the drawn batch for an iterable)."""
         return [list(b) for b in self.plan.micro_batches]
 
     def micro_batches(self) -> Iterator[Any]:
-        """The step's micro-batches, collated by the loop's ``DataLoader`` settings.
-
-        Under DDP every micro-batch but the last is yielded inside
-        ``model.no_sync()``, so the forward and backward you run on it
-        accumulate locally and only the last one reduces the gradients.
-        """
+        """The step's micro-batches, collated; under DDP all but the last inside ``no_sync()``."""
         last = len(self.plan.micro_batches) - 1
         batches = self._loop.source.load([list(b) for b in self.plan.micro_batches])
         for i, batch in enumerate(batches):
@@ -95,11 +77,7 @@ class Step:
                 yield batch
 
     def backward(self, loss: Tensor) -> None:
-        """Backward of the current micro-batch's loss, weighted so ``.grad`` ends as the batch mean.
-
-        ``loss`` is the micro-batch's mean loss (``loss_reduction="mean"``, the
-        default) or its sum (``"sum"``).
-        """
+        """Backward of the micro-batch's mean (or summed) loss, weighted for the batch mean."""
         if not isinstance(loss, Tensor):
             raise TypeError(f"backward takes the micro-batch's loss tensor, got {loss!r}")
         count = len(self.plan.sizes)
@@ -117,13 +95,8 @@ class Step:
         self._backwards += 1
 
     def apply(self, max_grad_norm: float | None = None) -> None:
-        """Optimizer step at the batch's learning rate; then choose the next batch size.
-
-        ``max_grad_norm`` clips the gradient's total norm to it after the statistics have
-        read the gradient and before the update (``clip_grad_norm_``, on the unscaled
-        gradient under a ``GradScaler``): clipped before ``apply``, the statistics would
-        take the clipped gradient for the batch's.
-        """
+        """Optimizer step at the batch's rate; then choose the next batch size.
+        ``max_grad_norm`` clips after the statistics have read the gradient."""
         if max_grad_norm is not None:
             check_number("max_grad_norm", max_grad_norm, low_open=True)
         if self._applied:
@@ -141,51 +114,25 @@ class Step:
 class AdaptiveBatch:
     """Adaptive batch sizes for a plain PyTorch loop, on one process or under DDP.
 
-    Each step draws a global batch of the current size from ``dataset``, splits
-    it into micro-batches (at least ``min_sub_batches``, each at most
-    ``max_micro_batch``, sizes differing by at most one), measures the
-    gradient statistics (from each example's gradient norm where the model's
-    layers allow, ``noise_from="auto"``, else across the micro-batches), steps
-    the optimizer at the learning rate for the batch, and asks the controller
-    for the next batch size (docs/adaptive_batching.md).
+    Each step draws a global batch, splits it into micro-batches, measures the gradient
+    statistics, steps the optimizer at the rate for the batch and asks the controller for
+    the next size. Under DDP every rank draws the same batch and trains its shard
+    (docs/distributed.md).
 
     Args:
         model: the module being trained, or its ``DistributedDataParallel``.
-        optimizer: any ``torch.optim.Optimizer`` (bigbatch's or torch's).
-        dataset: a map-style dataset (every sample once per epoch, exact
-            resume) or an ``IterableDataset`` (consumed in order; exact resume
-            only for a deterministic iterable).
-        controller: from ``bigbatch.batch``; default
-            :class:`~bigbatch.batch.BatchWarmup` (from batch 16, the batch doubles
-            once a quarter of the smoothed noise scale has grown past the next
-            size).
-        max_micro_batch: the largest micro-batch that fits in memory (default
-            ``bigbatch.batch.plan.MAX_MICRO_BATCH``, 1,024, the same as ``bigbatch train``'s).
-        min_sub_batches: the fewest micro-batches of a step that measures the statistics;
-            default: what they need (4 for sub-batch statistics, 1 for per-example ones,
-            the default where the model allows, or without statistics, 2 for a
-            per-example run's split similarity). A step between measurements
-            (``statistics_every``) splits only where ``max_micro_batch`` asks.
-        options: the per-step rules (:class:`~bigbatch.StepOptions`): how the
-            rate follows the batch (``lr_scaling``, ``base_batch_size``,
-            ``schedule``, ``max_lr_factor``), which statistics to collect (``statistics``,
-            ``noise_from``, ``gsnr``, ``similarity``, ``ema_beta``, ``finite_correction``),
-            ``loss_reduction`` and what a non-finite step does (``nonfinite``).
-            Each may also be given as a keyword (``**step_options``).
+        optimizer: any ``torch.optim.Optimizer``.
+        dataset: a map-style dataset (exact resume) or an ``IterableDataset``.
+        controller: from ``bigbatch.batch``; default :class:`~bigbatch.batch.BatchWarmup`.
+        max_micro_batch: the largest micro-batch that fits in memory.
+        min_sub_batches: the fewest micro-batches of a measuring step (default: what
+            the statistics need).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`), or as keywords.
         scaler: a ``torch.amp.GradScaler`` to scale losses and step through.
-        comm_hook: a DDP communication hook as torch's ``(state, hook)`` pair;
-            registered by the loop (inside the two-group hook with
-            ``similarity="split"``), its state saved with the loop's.
-        weight_fn: count the batch in weight (e.g. tokens): sample ``i`` weighs
-            ``weight_fn(i)``.
+        comm_hook: a DDP ``(state, hook)`` pair, registered and saved by the loop.
+        weight_fn: count the batch in weight (e.g. tokens) of sample ``i``.
         seed, shuffle: the sampler's permutation.
-        loader_options: ``DataLoader`` keywords for loading micro-batches
-            (``collate_fn``, ``num_workers``, ``pin_memory``, ...).
-
-    Under DDP every rank draws the same global batch and trains its shard;
-    the ranks' examples (or micro-batches) feed the statistics and every
-    rank makes the same decision (docs/distributed.md). BatchNorm normalises
-    over each micro-batch, not the global batch.
+        loader_options: ``DataLoader`` keywords (``collate_fn``, ``num_workers``, ...).
     """
 
     #: refuse an optimizer that holds none of the model's parameters (DeepSpeed's holds
@@ -283,11 +230,7 @@ class AdaptiveBatch:
     # ------------------------------------------------------------ iteration
 
     def steps(self, max_samples: int | None = None, max_steps: int | None = None) -> Iterator[Step]:
-        """Yield steps until ``max_samples`` samples or ``max_steps`` steps are done.
-
-        A resumed loop continues from its counters; the last step may overshoot
-        ``max_samples`` by less than one batch.
-        """
+        """Yield steps until ``max_samples`` samples or ``max_steps`` steps are done."""
         if max_samples is None and max_steps is None:
             raise ValueError("give max_samples or max_steps")
         if max_samples is not None:
@@ -338,18 +281,8 @@ class AdaptiveBatch:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: model, optimizer, scaler, data position,
-        controller, statistics, counters and random states, as tensors and plain data
-        (loads with ``torch.load(..., weights_only=True)``).
-
-        Under DDP this is a collective (call it on every rank): it gathers
-        every rank's random state, so any rank may save it. The model's keys
-        are those of the module inside DDP, so a checkpoint loads with any
-        number of processes. Under FSDP2 the model and optimizer states are
-        gathered whole to rank 0's CPU (plain tensors; the other ranks' are
-        empty: save rank 0's), so they load with another number of processes,
-        under DDP, or on one process (``bigbatch.parallel.fsdp.full_state``).
-        """
+        """Everything a resumed run needs, loadable with ``weights_only=True``. Under DDP a
+        collective; under FSDP2 gathered whole to rank 0's CPU (save rank 0's)."""
         if self.world.sharded:
             model_state, optimizer_state = fsdp.full_state(self.model, self.optimizer)
         else:
@@ -366,12 +299,8 @@ class AdaptiveBatch:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`, saved with this or another number of processes.
-
-        With the same number the run continues exactly; with another, rank
-        ``r`` takes the random state of rank ``r mod saved ranks`` and the
-        batches are re-sharded, so it continues correctly but not bitwise.
-        """
+        """Restore a :meth:`state_dict`, exactly with the same number of processes, else
+        re-sharded (not bitwise)."""
         _check_loadable(state, self.engine.controller)
         if self.world.sharded:
             fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
@@ -388,9 +317,8 @@ class AdaptiveBatch:
 
 
 def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """One ``ValueError`` when ``optimizer`` holds none of ``model``'s parameters (it was
-    built from another model: nothing would train); parameters beside the model's (a
-    loss's own) are allowed. Not an optimizer (a name, the parameters): a ``TypeError``."""
+    """``ValueError`` when ``optimizer`` holds none of ``model``'s parameters (others beside
+    them, a loss's own, are allowed); ``TypeError`` when it is not an optimizer."""
     if not isinstance(getattr(optimizer, "param_groups", None), list):
         raise TypeError(
             "optimizer must be a torch optimizer built from the model's parameters "
@@ -406,9 +334,7 @@ def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def _check_loadable(state: Any, controller: Controller) -> None:
-    """A :meth:`AdaptiveBatch.state_dict` a loop of ``controller`` can load, checked before
-    any of it is: one ``ValueError`` naming what is missing, or the controller it does not
-    fit (nothing is half loaded)."""
+    """One ``ValueError`` naming what a loop of ``controller`` cannot load, before any is loaded."""
     needed = ("model", "optimizer", "source", "engine", "rng")
     missing = [k for k in needed if not isinstance(state, dict) or k not in state]
     engine = state.get("engine") if isinstance(state, dict) else None

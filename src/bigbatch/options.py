@@ -1,11 +1,5 @@
-"""Every per-step option of a run, in one frozen, validated record.
-
-The plain loop (:class:`~bigbatch.AdaptiveBatch`), the Lightning callback and
-the Hugging Face Trainer take the same options, as keywords or as one
-:class:`StepOptions`; :meth:`bigbatch.StepEngine.build` turns them into an
-engine. Each option is documented once, here, and checked once, when the
-record is made.
-"""
+"""Every per-step option of a run, in one frozen, validated record (documented and
+checked once, here); every entry point takes it or its fields as keywords."""
 
 from __future__ import annotations
 
@@ -30,11 +24,7 @@ NOISE_SOURCES = ("sub_batches", "examples", "auto")
 @dataclass(frozen=True)
 class StepOptions:
     """The per-step rules of a run: how the rate follows the batch, which statistics to
-    collect, what a non-finite step does.
-
-    Everything a run needs besides its objects (model, optimizer, controller,
-    data) and its loop's own settings (micro-batch sizes, sampler seed).
-    """
+    collect, what a non-finite step does."""
 
     #: how the rate follows the batch relative to ``base_batch_size``: ``none``,
     #: ``linear``, ``sqrt``, ``adascale``, ``adascale-sqrt`` or ``auto`` (held under a
@@ -69,8 +59,7 @@ class StepOptions:
     #: every trainable parameter must sit in a layer bigbatch.stats.per_example covers) or
     #: ``"auto"`` (examples where the model and the run allow and the step is not split
     #: anyway by ``min_sub_batches`` >= 2 or a framework's accumulation, else sub-batches,
-    #: said once in the log; the default: the default run takes 0.66x the time of the split
-    #: one on MNIST-1D, 0.86x on text; docs/results.md, "Per-example statistics by default")
+    #: said once in the log; docs/adaptive_batching.md, "The statistics (`bigbatch.stats`)")
     noise_from: str = "auto"
     #: with per-example statistics, how finely each micro-batch is cut: a micro-batch of
     #: ``n`` examples into units of ``⌊n / noise_units⌋`` examples (from ``noise_units`` to
@@ -131,11 +120,8 @@ class StepOptions:
 
     @classmethod
     def of(cls, options: StepOptions | None = None, **keywords: Any) -> StepOptions:
-        """``options`` (default: all defaults) with ``keywords`` replacing fields.
-
-        What every entry point calls with its ``options=`` and ``**keywords``;
-        an unknown keyword is one ``TypeError`` that names it and the known ones.
-        """
+        """``options`` (default: all defaults) with ``keywords`` replacing fields; an unknown
+        keyword is one ``TypeError`` naming it."""
         unknown = sorted(set(keywords) - set(cls.names()))
         if unknown:
             raise TypeError(
@@ -149,8 +135,7 @@ class StepOptions:
 
     @classmethod
     def pop_from(cls, keywords: dict[str, Any]) -> dict[str, Any]:
-        """Remove the step options from ``keywords`` and return them (for a class such as the
-        Hugging Face Trainer whose other keywords belong to someone else)."""
+        """Remove the step options from ``keywords`` and return them."""
         return {name: keywords.pop(name) for name in cls.names() if name in keywords}
 
     def as_dict(self) -> Mapping[str, Any]:

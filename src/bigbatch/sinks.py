@@ -1,20 +1,7 @@
-"""Metrics where users look: TensorBoard, MLflow and Weights & Biases.
-
-Every number of a step's metrics (``Step.metrics``: the batch, the noise
-scale and its bounds, the rate factor, the loss, ...) goes to every sink under
-one name, ``bigbatch/<key>`` (:func:`tagged`), the name the Lightning and
-Hugging Face plugins give their hosts' loggers too; a step after which the
-batch changes is also an event, in words, with the estimate and bounds that
-caused it (:func:`batch_change`). Each sink needs its own package (the extras
-``tensorboard``, ``mlflow``, ``wandb``), imported only when the sink is made::
-
-    with Sinks(TensorBoardSink("runs/tb")) as sinks:
-        for step in loop.steps(max_samples=...):
-            ...
-            sinks.record(step.metrics)
-
-``bigbatch train`` makes them from its ``log.*`` keys (docs/logging.md).
-"""
+"""Metrics where users look: TensorBoard, MLflow and Weights & Biases. Every number of a
+step's metrics goes to every sink as ``bigbatch/<key>`` (:func:`tagged`), a batch
+change also as an event in words; each sink's package is imported when it is made
+(docs/logging.md)."""
 
 from __future__ import annotations
 
@@ -45,8 +32,7 @@ CHANGE_LIST = PREFIX + "batch_changes"
 
 
 def tagged(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics row under their logged names; the step (the x axis),
-    flags and text are left out."""
+    """The numbers of a metrics row under their logged names (no step, flags or text)."""
     return {
         PREFIX + key: float(value)
         for key, value in metrics.items()
@@ -55,8 +41,7 @@ def tagged(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def batch_change(metrics: Mapping[str, Any]) -> str | None:
-    """The batch change a metrics row announces (``next_batch_size`` differs from
-    ``batch_size``), in words with the estimates the controller saw; None if none."""
+    """The batch change a metrics row announces, in words; None if none."""
     batch, following = metrics.get("batch_size"), metrics.get("next_batch_size")
     if batch is None or following is None or following == batch:
         return None
@@ -133,12 +118,8 @@ def require(package: str, extra: str) -> Any:
 
 
 class TensorBoardSink:
-    """Scalars in a TensorBoard log directory (torch's ``SummaryWriter``); a batch change
-    is a point of ``bigbatch/batch_change`` (the new batch) and its text under that name.
-
-    ``purge_step``: a resumed run's first step; events the killed run wrote at or
-    after it are hidden, as TensorBoard does for a restarted writer.
-    """
+    """Scalars in a TensorBoard log directory; a batch change is a point and a text under
+    ``bigbatch/batch_change``. ``purge_step``: a resumed run's first step."""
 
     def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
         require("tensorboard", "tensorboard")
@@ -159,12 +140,8 @@ class TensorBoardSink:
 
 
 class MLflowSink:
-    """Metrics of one MLflow run: a new one in ``experiment``, or ``run_id`` continued.
-
-    A batch change is a point of the metric ``bigbatch/batch_change`` (the new
-    batch) and a line of the run's tag ``bigbatch/batch_changes``. Non-finite
-    values are left out (MLflow's stores refuse some of them).
-    """
+    """Metrics of one MLflow run: a new one in ``experiment``, or ``run_id`` continued;
+    non-finite values are left out."""
 
     def __init__(
         self,
@@ -210,10 +187,8 @@ class MLflowSink:
 
 
 class WandbSink:
-    """Metrics of a Weights & Biases run (``WANDB_MODE=offline`` writes it locally and needs
-    no login); ``run_id`` continues a run. A batch change is a point of
-    ``bigbatch/batch_change`` (the new batch), and the changes in words are a table
-    ``bigbatch/batch_changes`` at the end."""
+    """Metrics of a Weights & Biases run (``run_id`` continues one); batch changes are a
+    table ``bigbatch/batch_changes`` at the end."""
 
     def __init__(
         self,

@@ -29,12 +29,7 @@ class SyncCount:
 @contextlib.contextmanager
 def host_syncs(device: torch.device | str = "cuda") -> Iterator[SyncCount]:
     """Count the host synchronisations the block makes on CUDA, as torch's sync debug mode
-    reports them (``count`` stays 0 on another device, where there are none to count).
-
-    Only the warnings that name a synchronizing operation count: the first
-    switch into the mode also warns that it is a prototype ("... does not yet
-    detect all synchronizing operations"), which is no sync.
-    """
+    reports them (its "prototype" warning is not one); 0 on other devices."""
     counted = SyncCount()
     if torch.device(device).type != "cuda":
         yield counted
@@ -51,8 +46,7 @@ def host_syncs(device: torch.device | str = "cuda") -> Iterator[SyncCount]:
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts every ATen operator dispatched below autograd, by name; a read of a meta
-    tensor's values (which have none) gives zeros."""
+    """Counts every ATen operator dispatched below autograd, by name (meta reads give zeros)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,11 +70,8 @@ class _OpCounter(TorchDispatchMode):
 def count_ops(fn: Callable[[], Any]) -> collections.Counter[str]:
     """The ATen operators ``fn()`` dispatches, by name (views and in-place ones included).
 
-    On a GPU each operator that is not a view launches at least one kernel from the host,
-    and a small model's step is bound by those launches; the count is the same on every
-    machine, so the CPU can hold a GPU's step to it. ``sum(count_ops(fn).values())``
-    is the total. On the ``meta`` device a step dispatches the same operators and computes
-    nothing (a read of its values gives zeros), so a GPT-2-sized step counts in seconds.
+    The count is the same on every machine, so a CPU test can bound a GPU step's kernel
+    launches; on the ``meta`` device a large model's step counts in seconds.
     """
     with _OpCounter() as counter:
         fn()
@@ -95,8 +86,7 @@ def free_port() -> int:
 
 
 def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 300) -> None:
-    """Join a local gloo process group as ``rank`` of ``world_size``, with one torch thread
-    (the ranks share a small machine's cores)."""
+    """Join a local gloo process group as ``rank`` of ``world_size``, with one torch thread."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",

@@ -1,20 +1,6 @@
-"""Research controllers: kept, measured, and not the ones to pick first.
-
-Each is in the command line's registry (``batch.controller``) and documented with its
-results in docs/results.md and docs/algorithms.md:
-
-- :class:`CriticalBatchRamp` (the default before ``batch_warmup``): a monotone ramp that
-  doubles the batch once ``κ · B_simple`` is confidently above the next size, the rate
-  held (the critical batch grows during training: McCandlish et al. 2018; Merrill et
-  al. 2025).
-- :class:`WarmupSeesaw`: :class:`~bigbatch.batch.BatchWarmup`'s doublings find the batch
-  while the rate is at its peak, then the batch takes over the decay as in
-  :class:`~bigbatch.batch.Seesaw` (a negative result against the two alone).
-- :class:`DampedSimiGrad`: SimiGrad's similarity target held by a damped log-space
-  proportional–integral loop with a dead band, so it settles instead of cycling.
-- :class:`NoiseScale`: ``B = κ · B_simple`` (McCandlish et al. 2018), re-chosen only when
-  it moves by more than 5%, as AdaptDL re-chooses.
-"""
+"""Research controllers, each with a section in docs/algorithms.md:
+:class:`CriticalBatchRamp`, :class:`WarmupSeesaw`, :class:`DampedSimiGrad`,
+:class:`NoiseScale`."""
 
 from __future__ import annotations
 
@@ -56,40 +42,10 @@ __all__ = ["CriticalBatchRamp", "DampedSimiGrad", "NoiseScale", "WarmupSeesaw"]
 class CriticalBatchRamp:
     """Grow the batch by ``factor`` once ``multiple · B_simple`` is confidently above the next size.
 
-    The critical batch, beyond which a larger batch stops saving optimizer
-    steps, is about the noise scale ``B_simple = tr Σ / |G|²`` (McCandlish et
-    al. 2018) and grows as training proceeds (McCandlish et al.; Zhang et al.
-    2024; Merrill et al. 2025, whose batch-size warm-up from the measured
-    critical batch took 43% of OLMo's steps away). This controller follows it
-    upward in discrete steps and never comes back down, so it has no cycle to
-    fall into:
-
-    - every step, the step's unbiased ``|G|²`` and ``tr Σ`` estimates feed a
-      :class:`~bigbatch.batch.smoothing.SmoothedNoise` (numerator and
-      denominator averaged apart over ``window`` steps, with standard errors);
-    - once the learning rate has warmed up (``warmup`` samples have passed
-      and the schedule multiplier, ``measured["schedule"]``, has stopped
-      rising), when the lower end of ``B_simple``'s interval
-      at ``confidence`` standard errors, times ``multiple``, reaches the next
-      size ``⌈factor · B⌉``, the batch grows to it (clamped to ``max``); a
-      noise scale that is merely jumping around never passes that test;
-    - with ``shrink=True`` it also halves (by ``factor``) once even the upper
-      end of the interval, times ``multiple``, is below the smaller size;
-      off by default.
-
-    Choosing ``multiple`` (κ): 1 trains at the critical batch, where doubling
-    the batch still nearly halves the steps; larger values buy fewer steps
-    with more samples. Growing the batch while the learning rate is *not*
-    scaled up with it (``lr_scaling="none"``) also lowers the gradient noise
-    the way a learning-rate decay does (Smith et al. 2018, "Don't decay the
-    learning rate, increase the batch size"). During a learning-rate warm-up
-    the noise scale is high but the small learning rate, not the noise,
-    limits progress, so the batch is held while the schedule rises (and for
-    ``warmup`` samples, for a warm-up the controller cannot see).
-
-    κ = 6 and ×2 were chosen on MNIST-1D and the ``lm`` task only, from batch 256
-    (docs/results.md, the evidence benchmark: κ = 4, 6 and 8); the first batch
-    is 64, as for every controller.
+    Past the rate's warm-up (and ``warmup`` samples), the batch grows to ``⌈factor · B⌉``
+    when ``multiple`` × the lower end of the smoothed ``B_simple``'s interval reaches it;
+    with ``shrink`` it also shrinks when even the upper end is below the smaller size.
+    docs/algorithms.md, "CriticalBatchRamp (the default before BatchWarmup)".
     """
 
     multiple: float = setting(6.0, **_MULTIPLE)
@@ -126,7 +82,7 @@ class CriticalBatchRamp:
         return _clamp(self, batch_size)
 
     def estimate(self) -> dict[str, float]:
-        """What decides, for logging: the smoothed ``B_simple`` and its bounds."""
+        """For logging: the smoothed ``B_simple`` and its bounds."""
         return self._noise.estimate(self.confidence)
 
     def state_dict(self) -> dict[str, Any]:
@@ -140,30 +96,13 @@ class CriticalBatchRamp:
 @register("warmup_seesaw")
 @settings
 class WarmupSeesaw(BatchWarmup):
-    """:class:`BatchWarmup`'s doublings while the rate is at its peak, then the batch takes
-    over the schedule's decay as :class:`Seesaw` does.
+    """:class:`BatchWarmup`'s doublings while the rate is at its peak, then the batch takes over
+    the schedule's decay as :class:`Seesaw` does.
 
-    Seesaw grows from a fixed start, and the start decides what it saves: below the
-    best static batch it pays for the small batch all run, above it the loss is lost
-    before the decay begins (docs/results.md, issue 53). Here the start is found as the
-    default controller finds its batch: from ``initial``, the *level* doubles once
-    ``κ · B_simple`` is confidently above the next size (:class:`BatchWarmup`, every
-    setting of which applies). Past the rate's warm-up, where the schedule has fallen to
-    ``d = m / m_peak``, the batch is ``level / d`` (Smith et al. 2018; Meterez et al.
-    2025), up to the cap: ``max``, ``growth × level`` and ``critical_multiple`` times
-    the upper end of ``B_simple`` (McCandlish et al. 2018), as for Seesaw. Beyond the
-    cap the rest of the decay stays with the rate, so the run ends annealed.
-
-    With ``level_at_peak`` (the default) the level's evidence is the noise scale times
-    ``d``: near a noise-dominated equilibrium ``|G|²`` falls with the rate, so
-    ``B_simple`` rises as ``1/d`` during the decay. Weighed by ``d``, it is the noise
-    scale at the peak rate, and the decay's growth is the takeover's alone instead of
-    being counted twice; without it the level doubles on ``B_simple`` as measured and
-    only the critical-batch cap bounds the takeover. The rate follows the batch by the
-    optimizer family's rule (``Contract.lr_follows``): ×√ratio for Adam-type optimizers, at
-    both kinds of change. Measured against the default on four tasks (docs/results.md,
-    "The start from the noise scale"), either form trades steps for loss rather than
-    saving both, so it is not the default.
+    The level doubles as :class:`BatchWarmup`'s batch does (its evidence × ``d`` with
+    ``level_at_peak``); past the rate's warm-up the batch is ``level / d``, capped at
+    :meth:`cap`. docs/algorithms.md, "WarmupSeesaw: the noise finds the start, the decay
+    grows it".
     """
 
     _: KW_ONLY
@@ -186,13 +125,11 @@ class WarmupSeesaw(BatchWarmup):
         self._level = self.initial  # the batch the noise asks for at the peak rate
 
     def critical_batch(self) -> float:
-        """The estimate a doubling of the level must clear: :class:`BatchWarmup`'s, times
-        the schedule's decay ``d`` (the noise scale at the peak rate) with ``level_at_peak``."""
+        """:class:`BatchWarmup`'s estimate, times ``d`` with ``level_at_peak``."""
         return super().critical_batch() * (self._decay.value if self.level_at_peak else 1.0)
 
     def cap(self) -> float:
-        """The largest batch now: ``max``, ``growth × level``, ``critical_multiple ×
-        upper(B_simple)``; 0 while that estimate has fewer than ``window / 2`` steps."""
+        """``min(max, growth × level, critical_multiple × upper(B_simple))``; 0 until ready."""
         return _takeover_cap(self, self._level, self._noise)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
@@ -225,30 +162,10 @@ class WarmupSeesaw(BatchWarmup):
 class DampedSimiGrad:
     """SimiGrad's target similarity, held by a damped log-space PI loop that settles.
 
-    Under the noise model of the statistics, equal halves of a batch ``B``
-    have similarity ``s = 1 / (1 + 2 B_simple / B)``, so ``logit(s*) -
-    logit(s) = log(B* / B)``: the error in logit space is the log-ratio
-    between the batch that would give the target and the current one. The
-    controller acts on it like a process controller, not a thermostat:
-
-    - the similarity is averaged over ``window`` steps with a standard error
-      (:class:`~bigbatch.batch.smoothing.SmoothedValue`); the error is the
-      logit distance from the target to the interval ``mean ± confidence``
-      standard errors, less a ``dead_band`` (log-batch units), and zero when
-      the target lies within: hysteresis sized by the evidence, so noise
-      around the set point moves nothing;
-    - ``log B`` moves by ``proportional · Δerror + integral · error`` (the
-      velocity form of a PI controller), at most ``max_rate`` per step, and
-      stays within ``[log min, log max]`` (no integral wind-up at a bound);
-    - the batch itself changes only once ``log B`` has moved ``min_change``
-      away from it (×1.28 by default): it moves in discrete steps, never by a
-      sample at a time.
-
-    With the defaults a batch far from its target moves by about 10% per step
-    (SimiGrad's pace) and stops inside the interval instead of overshooting
-    behind a 20-step average. The batch is held while the learning-rate
-    schedule rises (``measured["schedule"]``) and for ``warmup`` samples. The
-    published controller is :class:`SimiGrad`.
+    ``log B`` moves by ``proportional · Δerror + integral · error`` (at most ``max_rate``
+    a step), the error being ``log(B*/B)`` outside the evidence's interval and
+    ``dead_band``; the batch changes once ``log B`` has moved ``min_change``.
+    docs/algorithms.md, "DampedSimiGrad".
     """
 
     # a logit's domain: (0, 1)
@@ -325,11 +242,7 @@ class DampedSimiGrad:
 class NoiseScale:
     """``B = multiple · B_simple``, clamped, re-chosen when it moves by more than ``threshold``.
 
-    ``B_simple`` is the steps' ``|G|²`` and ``tr Σ`` averaged apart over
-    ``window`` steps (:class:`~bigbatch.batch.smoothing.SmoothedNoise`);
-    ``multiple`` (κ) 1 trains at the critical batch. A noise scale not yet
-    known (a noise-dominated start can give a negative ``|G|²`` average)
-    keeps the batch.
+    docs/algorithms.md, "NoiseScale, Constant, Ramp".
     """
 
     multiple: float = setting(1.0, **_MULTIPLE)
@@ -359,7 +272,7 @@ class NoiseScale:
         return wanted
 
     def estimate(self) -> dict[str, float]:
-        """What decides, for logging: the smoothed ``B_simple`` (bounds at one standard error)."""
+        """For logging: the smoothed ``B_simple`` (bounds at one standard error)."""
         return self._noise.estimate(1.0)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,37 +1,8 @@
-"""Batch-size controllers: pure decisions from statistics and explicit state.
-
-Each controller answers one question, "given what this step measured and the
-current batch size, what is the next batch size?", and keeps whatever memory
-it needs in plain Python state that ``state_dict()`` returns. None touches a
-model, so all are tested without one.
-
-- :class:`SimiGrad` (Qin et al., NeurIPS 2021): hold the half-split gradient
-  cosine at a target, growing the batch ×1.1 when it is below and shrinking
-  ×0.9 when above (docs/algorithms.md, "Batch-size controllers").
-- :class:`BatchWarmup` (the default): start small and double the batch once
-  a quarter of the smoothed noise scale has grown past the next size
-  (Merrill et al. 2025's batch-size warm-up, kept sample-efficient for a
-  budget in samples; up to the noise scale itself where the loss has
-  stopped falling with more samples), the rate following by the optimizer
-  family's rule (in ``bigbatch train``, a built-in task's measured rule first).
-- :class:`Seesaw`: the batch takes over the learning-rate schedule's decay
-  (Smith et al. 2018; Meterez et al. 2025), capped by the critical batch.
-- :class:`Constant` and :class:`Ramp`: the static and scheduled baselines.
-
-The research controllers (the former default ``CriticalBatchRamp``,
-``WarmupSeesaw``, ``DampedSimiGrad``, ``NoiseScale``) are in
-:mod:`bigbatch.batch.contrib`. Why the published SimiGrad rule cycles, and what
-the damped one does instead, is in ``docs/algorithms.md`` ("Batch-size
-controllers"). Each controller says what it reads and how the rate follows its
-batch in one :class:`Contract`, and :func:`register` names it for the command
-line's ``batch.controller``.
-
-Every controller is a dataclass of its settings (:func:`bigbatch.knobs.settings`):
-each argument's default, bounds, help and config key are written once, as a
-field; the checks, the ``repr`` and ``CONFIG`` come from them. The state a
-controller learns is kept apart, in private attributes that ``state_dict``
-returns.
-"""
+"""Batch-size controllers: pure decisions from statistics and explicit state (none
+touches a model). Each is a dataclass of its settings (:func:`bigbatch.knobs.settings`),
+says what it reads in a :class:`Contract` and is named for ``batch.controller`` by
+:func:`register`; the research ones are in :mod:`bigbatch.batch.contrib`.
+docs/algorithms.md, "Batch-size controllers"."""
 
 from __future__ import annotations
 
@@ -85,20 +56,14 @@ _CRITICAL_MULTIPLE = dict(
 
 @dataclass(frozen=True)
 class Contract:
-    """What a controller reads and how the learning rate follows its batch: the one record
-    the loop, the engine and the command line ask a controller about.
+    """What a controller reads and how the learning rate follows its batch.
 
-    ``needs_statistics``: it reads the gradient statistics (else a run may take none).
-    ``reads_similarity``: it decides on the measured half-batch cosine, so per-example
-    statistics keep two micro-batches for it. ``learns_between_measurements``: with
-    ``statistics_every > 1`` it is also called on the steps between measurements, whose
-    ``measured`` holds the batch gradient's ``batch_grad_sq_norm`` and its
-    ``batch_inverse_size`` instead of the statistics
-    (:meth:`~bigbatch.batch.smoothing.SmoothedNoise.observe`). ``lr_follows``: what
-    ``lr_scaling="auto"`` is under it (``bigbatch.batch.lr``): ``"none"`` where its batch
-    follows the noise scale (the rate held), ``"family"`` where its batch takes over the
-    schedule's decay or follows a fixed ramp (the optimizer family's rule), ``"task"`` (the
-    rule a task measured for the optimizer, else the family's).
+    ``needs_statistics``: it reads the statistics. ``reads_similarity``: it decides on the
+    measured half-batch cosine. ``learns_between_measurements``: it is also called on the
+    steps between measurements (``measured`` then holds ``batch_grad_sq_norm`` and
+    ``batch_inverse_size``). ``lr_follows``: what ``lr_scaling="auto"`` resolves to:
+    ``"none"`` (the rate held), ``"family"`` (the optimizer family's rule) or ``"task"``
+    (a task's measured rule, else the family's); anything else is a ``ValueError``.
     """
 
     needs_statistics: bool = True
@@ -119,8 +84,7 @@ LR_FOLLOWS = ("none", "family", "task")
 
 
 def contract_of(controller: Any) -> Contract:
-    """``controller``'s :class:`Contract` (its ``contract`` attribute); a controller of the
-    user's own without one reads the statistics and lets the rate follow the task's rule."""
+    """``controller.contract``, or the default :class:`Contract` where it has none."""
     contract = getattr(controller, "contract", None)
     return contract if isinstance(contract, Contract) else Contract()
 
@@ -142,18 +106,11 @@ def register(name: str):
 
 
 class Controller(Protocol):
-    """``next(measured, batch_size, samples) -> batch_size``; plain-data state.
+    """``next(measured, batch_size, samples) -> batch_size``, with plain-data state.
 
-    ``measured`` holds the step's statistics as floats (``similarity``, and
-    the step's unbiased ``grad_sq_norm`` and ``trace``), its rate multiplier
-    ``lr_factor`` and ``schedule``; ``samples`` the samples trained on
-    including this step. ``contract`` (a :class:`Contract`) says what it reads and
-    how the learning rate follows its batch.
-
-    A controller that decides on the noise scale also has ``estimate() ->
-    dict[str, float]``: the ``noise_scale`` it acts on, with its
-    ``noise_scale_low`` and ``noise_scale_high`` bounds (and whatever else
-    it compares), which the engine logs as the step's noise scale.
+    ``measured`` holds the step's statistics as floats (``similarity``, ``grad_sq_norm``,
+    ``trace``, ``lr_factor``, ``schedule``, ``loss``). A controller deciding on the noise
+    scale also has ``estimate()``: ``noise_scale`` and its ``_low``/``_high`` bounds, logged.
     """
 
     initial: int
@@ -173,60 +130,13 @@ class Controller(Protocol):
 class BatchWarmup:
     """Start small; double the batch once a fraction of the noise scale has grown past it.
 
-    The batch-size warm-up of Merrill et al. 2025 ("Critical batch size
-    revisited", arXiv:2505.23971), who measure the critical batch of a
-    language model by branched training, find it small early and growing,
-    and double the batch when it has grown, with Adam's rate ×√2 per
-    doubling. Branched runs are too costly for every run, so this
-    controller follows the noise scale ``B_simple = tr Σ / |G|²``
-    (McCandlish et al. 2018) that every step measures almost for free:
-
-    - **A fraction of it, because the budget is in samples.** A batch ``B``
-      spends ``1 + B / B_noise`` times the samples the smallest batches
-      would need for the same progress (McCandlish et al.'s
-      ``(S/S_min − 1)(E/E_min − 1) = 1`` with ``S = S_min (1 + B_noise/B)``): at
-      the noise scale itself (``multiple = 1``) half the budget's samples
-      are wasted, which a run whose budget is fixed in samples pays in
-      final loss (measured on ``text``: +0.06 nats per byte). The default
-      ``multiple = 0.25`` keeps about 80% of the samples' worth.
-    - **Unless samples no longer buy loss.** The waste costs about
-      ``slope · ln(1 + κ)`` of loss, ``slope`` being the training loss's fall
-      per e-fold of samples (:class:`~bigbatch.batch.smoothing.LossSlope`,
-      fitted over ``slope_span`` e-folds once the rate's warm-up is over).
-      κ rises to ``expm1(loss_lag / slope)`` at the slope's upper bound, at
-      most ``max_multiple``: on ``lm``, whose loss is flat after a tenth of
-      its budget, the batch then follows the noise scale itself; on ``text``
-      the loss keeps falling and κ stays ``multiple`` (on ``mnist1d`` until
-      the last 3% of the budget). The
-      span is a whole e-fold and κ stops at the critical batch because a loss
-      can also stall and then fall again (``text`` at twice its best rate:
-      a half-e-fold fit with κ up to 4 grew the batch on such a plateau and
-      cost 0.09 nats). ``loss_lag`` is in the loss's units (0: κ fixed).
-    - **It rises late, and growth there is cheap.** Where the rate decays,
-      ``|G|²`` falls and ``B_simple`` rises; a larger batch then acts as a
-      further decay of the noise (Smith et al. 2018, "Don't decay the
-      learning rate, increase the batch size"), and on the three tuning
-      tasks the late doublings cost no measurable loss while the early ones
-      did. ``decay_power`` > 0 weighs the estimate by the schedule's
-      multiplier ``s`` (``measured["schedule"]``) to the power given, for
-      users who want that growth held back.
-    - **One step's estimate is noisy** (``|G|²`` spreads 0.7–2× its mean on
-      the default task): numerator and denominator are averaged apart over
-      ``window`` steps (:class:`~bigbatch.batch.smoothing.SmoothedNoise`),
-      each new value winsorised at ``clip`` spreads so one outlier cannot
-      trigger a change, and the lower end of the interval at ``confidence``
-      standard errors must clear the next size.
-
-    After each change the average restarts (the estimates were taken at the
-    old batch and rate) and the next decision waits for ``window / 2`` new
-    steps. The batch never shrinks.
-
-    Its contract's ``lr_follows`` is ``"task"``: under ``lr_scaling="auto"`` the rate
-    follows the batch by the optimizer family's rule (``sqrt`` for Adam-type optimizers,
-    Merrill et al.'s ×√2 per doubling; ``linear`` for SGD- and LARS-type), or
-    in ``bigbatch train`` by the rule a built-in task measured for the optimizer.
-    The defaults were chosen on ``mnist1d``, ``lm`` and ``text``
-    (docs/results.md, "Adaptive batching on a task nobody tuned it on").
+    The batch-size warm-up of Merrill et al. 2025 (arXiv:2505.23971) on the noise scale
+    ``B_simple = tr Σ / |G|²`` (McCandlish et al. 2018), smoothed over ``window`` steps and
+    clipped at ``clip`` spreads. The batch grows to ``⌈factor · B⌉`` once
+    :meth:`critical_batch` (κ × the lower end of ``B_simple``'s interval at
+    ``confidence`` standard errors) reaches it, then the average restarts; it never
+    shrinks. κ is ``multiple``, raised up to ``max_multiple`` where the loss is flat
+    (:meth:`current_multiple`). docs/algorithms.md, "BatchWarmup (the default)".
     """
 
     multiple: float = setting(0.25, **_MULTIPLE)
@@ -286,22 +196,8 @@ class BatchWarmup:
         self._warmed = False  # the rate's warm-up is over: the loss's slope means something
 
     def current_multiple(self) -> float:
-        """κ now: ``multiple``, raised to ``expm1(loss_lag / slope)`` (at most
-        ``max_multiple``) where the loss falls slowly per e-fold of samples.
-
-        A batch at ``κ · B_noise`` needs ``1 + κ`` times the samples for the
-        same progress, so it leaves the loss behind by ``slope · ln(1 + κ)``
-        (:class:`~bigbatch.batch.smoothing.LossSlope`); this is the κ whose
-        lag is ``loss_lag`` at the largest plausible size of the slope,
-        ``|slope|`` plus ``confidence`` standard errors: an uncertain slope
-        does not grow the batch, and neither does a rising loss (a rate too
-        high, which growth with a rate that follows the batch would feed).
-        The slope is fitted only from the step after the schedule's warm-up
-        (a loss flat because the rate is still small is no sign that samples
-        stopped helping), and only where the controller sees the schedule
-        (``measured["schedule"]``): a warm-up it cannot see would read as a
-        flat loss, so without one κ stays ``multiple``.
-        """
+        """κ now: ``multiple``, raised to ``expm1(loss_lag / (|slope| + confidence · error))``,
+        at most ``max_multiple``, with the loss's slope fitted after the schedule's warm-up."""
         if self.loss_lag == 0:
             return self.multiple
         slope, error = self._slope.fit()
@@ -363,44 +259,11 @@ class BatchWarmup:
 class Seesaw:
     """Grow the batch where the schedule lowers the rate, up to the critical batch.
 
-    Past the rate's warm-up, wherever the learning-rate schedule has fallen
-    to a fraction ``d = m(s) / m_peak`` of its peak, the batch is
-    ``initial / d``: the batch takes over the decay. Under the optimizer
-    family's rule (``lr_scaling="auto"`` resolves to it for this controller,
-    its contract's ``lr_follows``) the rate then moves so that the run is the
-    same run in its noise, only in fewer steps:
-
-    - SGD-type (momentum SGD, LARS, their VR forms; the ``linear`` rule):
-      the rate ``η0 · (B/B0) · m`` stays at its peak while the batch grows
-      by ``1/d`` — a batch ×α at a held rate acts like a rate ÷α (Smith et
-      al. 2018, "Don't decay the learning rate, increase the batch size");
-    - Adam-type (AdamW, LAMB, MERIT, their VR forms; the ``sqrt`` rule):
-      the rate ``η0 · √(B/B0) · m`` falls by ``√d`` — a batch ×α with the
-      rate ÷√α acts like a rate ÷α (Seesaw, Meterez et al. 2025,
-      arXiv:2510.14717).
-
-    The batch stops at its cap, the smallest of ``max``, ``growth × initial``
-    and ``critical_multiple`` times the upper end of the smoothed noise
-    scale ``B_simple`` (McCandlish et al. 2018; the interval at
-    ``confidence`` standard errors, :class:`~bigbatch.batch.smoothing.SmoothedNoise`):
-    past the critical batch a larger batch no longer acts like a decay
-    (Seesaw's own finding; McCandlish et al.'s steps-samples trade-off).
-    Beyond the cap the schedule's remaining decay stays with the rate
-    (the rule's factor times ``m``), so the run still ends annealed. The
-    cap is logged beside the batch (:meth:`estimate`, ``batch_cap``).
-
-    ``granularity`` 1 follows the schedule continuously (any whole batch);
-    2 moves in doublings (``initial × 2^k``, the largest power the decay has
-    passed), as Seesaw and OLMo-core's batch-size schedule do. The batch
-    never shrinks. A warm-up (the schedule multiplier rising,
-    ``measured["schedule"]``) and a stable phase (warm-up-stable-decay)
-    grow nothing; without a schedule the batch stays at ``initial``.
-
-    The savings are bounded by the schedule: a run that decays to zero
-    saves at most ``1 − mean(m)`` of its steps (half for cosine), less the
-    part of the decay the cap returns to the rate. Defaults and their
-    measurements: docs/algorithms.md ("The batch takes over the decay") and
-    docs/results.md.
+    Past the rate's warm-up, where the schedule has fallen to ``d = m / m_peak``, the
+    batch is ``initial / d`` (in powers of ``granularity`` unless 1), capped at
+    :meth:`cap`, never shrinking; the rate follows by the family's rule (Smith et al.
+    2018; Meterez et al. 2025, arXiv:2510.14717). docs/algorithms.md, "Seesaw: the batch
+    takes over the rate's decay".
     """
 
     initial: int = setting(16, **_INITIAL)
@@ -438,14 +301,11 @@ class Seesaw:
         self._decay = _Decay()
 
     def cap(self) -> float:
-        """The largest batch now: ``max``, ``growth × initial``, ``critical_multiple ×
-        upper(B_simple)``; 0 while that estimate has fewer than ``window / 2`` steps
-        behind it (the batch holds: two steps' spread is no error bar)."""
+        """``min(max, growth × initial, critical_multiple × upper(B_simple))``; 0 until ready."""
         return _takeover_cap(self, self.initial, self._noise)
 
     def wanted(self) -> float:
-        """The batch that takes over the decay so far: ``initial / d`` (in powers of
-        ``granularity`` unless it is 1), before the cap."""
+        """``initial / d`` (in powers of ``granularity`` unless it is 1), before the cap."""
         return self.initial * self._decay.growth(self.granularity)
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
@@ -457,8 +317,7 @@ class Seesaw:
         return _clamp(self, new)
 
     def estimate(self) -> dict[str, float]:
-        """What decides, for logging: ``B_simple`` with its bounds, the schedule's decay
-        ``d``, and the cap the batch stops at."""
+        """For logging: ``B_simple`` with its bounds, the decay ``d`` and ``batch_cap``."""
         return {
             **self._noise.estimate(self.confidence),
             "decay": self._decay.value,
@@ -478,24 +337,11 @@ class Seesaw:
 class SimiGrad:
     """SimiGrad's controller: hold the mean half-batch gradient cosine at ``target``.
 
-    Every ``interval`` steps, with ``s`` the mean of the last ``window`` finite
-    similarities: if ``s < target`` the gradient is noisy, so
-    ``B ← max(B + 1, ⌊growth · B⌋)``; if ``s > target``,
-    ``B ← max(1, min(B - 1, ⌊shrink · B⌋))``; then clamp to ``[min, max]``.
-    Non-finite similarities are skipped (the batch does not move on them).
-
-    Choosing ``target``: equal halves of a batch ``B`` have similarity about
-    ``1 / (1 + 2 B_simple / B)`` (docs/algorithms.md, "Gradient statistics"), so
-    the controller settles near ``B = 2 B_simple s* / (1 - s*)``. The default
-    ``s* = 1/3`` settles at ``B ≈ B_simple``, the critical batch of McCandlish et al. (2018), where
-    doubling the batch still nearly halves the steps; a higher target buys
-    fewer steps with more samples (0.8 → ``8 B_simple``, SimiGrad's BERT
-    setting), a lower one the reverse (its CIFAR-10 runs used 0–0.2).
-
-    This is the published rule, kept exactly: with a noisy similarity it is a
-    bang-bang loop behind a ``window``-step delay and saws the batch up and
-    down (a limit cycle; see :class:`DampedSimiGrad` for a controller that
-    settles).
+    As published (Qin et al., NeurIPS 2021): every ``interval`` steps, with ``s`` the mean
+    of the last ``window`` finite similarities, the batch grows to
+    ``max(B + 1, ⌊growth · B⌋)`` if ``s < target`` and shrinks to
+    ``max(1, min(B − 1, ⌊shrink · B⌋))`` if ``s > target``, within ``[min, max]``.
+    docs/algorithms.md, "SimiGrad, as published".
     """
 
     target: float = setting(1 / 3, **_TARGET)
@@ -539,8 +385,7 @@ class SimiGrad:
 
 
 class _WarmUp:
-    """Whether the learning rate is still warming up: before ``samples`` or while the
-    schedule multiplier rises from step to step."""
+    """Whether the rate is still warming up: before ``samples`` or while the schedule rises."""
 
     def __init__(self, samples: int) -> None:
         self.samples = samples
@@ -555,9 +400,7 @@ class _WarmUp:
 
 
 class _Decay:
-    """The schedule's fall from its peak, ``d = m / m_peak``, once its warm-up is over
-    (1 before it, and without a schedule): what a controller that takes over the decay
-    multiplies its batch by, as ``1 / d``."""
+    """The schedule's fall from its peak, ``d = m / m_peak``, past its warm-up (else 1)."""
 
     def __init__(self) -> None:
         self.peak = -math.inf  # the schedule's largest multiplier so far
@@ -573,8 +416,7 @@ class _Decay:
                 self.value = max(0.0, schedule) / self.peak
 
     def growth(self, granularity: float) -> float:
-        """``1 / d``, in powers of ``granularity`` unless it is 1 (the largest power the
-        decay has passed); infinite for a decay to (a float's) nothing."""
+        """``1 / d``, in powers of ``granularity`` unless it is 1; infinite for a decay to 0."""
         ratio = 1.0 / self.value if self.value > 0 else math.inf
         if granularity > 1 and math.isfinite(ratio):
             # a hair of slack for 1/0.5 = 2.0000001
@@ -590,16 +432,13 @@ class _Decay:
 
 
 def _check_growth(controller: Any) -> None:
-    """A takeover's growth cap is off (0) or a multiple of at least 1: its key's bound
-    (``>= 0``) cannot say the hole between."""
+    """A growth cap is 0 (off) or at least 1."""
     if 0 < controller.growth < 1:
         raise ValueError(f"growth must be 0 (no cap) or at least 1, got {controller.growth!r}")
 
 
 def _takeover_cap(controller: Any, base: int, noise: SmoothedNoise) -> float:
-    """The largest batch a controller that takes over the decay may reach: its ``max``,
-    ``growth × base`` and ``critical_multiple ×`` the upper end of ``B_simple``; 0 while
-    that estimate has fewer than ``window / 2`` steps behind it."""
+    """``min(max, growth × base, critical_multiple × upper(B_simple))``; 0 until ready."""
     cap = float(controller.max)
     if controller.growth:
         cap = min(cap, controller.growth * base)
@@ -612,14 +451,12 @@ def _takeover_cap(controller: Any, base: int, noise: SmoothedNoise) -> float:
 
 
 def _grown(controller: Any, batch_size: int) -> int:
-    """The size a growing controller steps to from ``batch_size``: ``⌈factor · B⌉``, at most
-    its ``max`` (``batch_size`` itself at the top)."""
+    """``⌈factor · B⌉``, at most ``max``."""
     return math.ceil(min(controller.max, batch_size * controller.factor))
 
 
 def _clamp(controller: Any, size: float) -> int:
-    """``size`` within the controller's ``[min, max]``, a whole batch (rounded to the
-    nearest; clamped first, so an infinite wish is ``max``)."""
+    """``size`` clamped to ``[min, max]`` and rounded (an infinite wish is ``max``)."""
     return round(min(controller.max, max(controller.min, size)))
 
 
@@ -664,21 +501,11 @@ class Constant:
 class Ramp:
     """A batch fixed in advance: a linear ramp, or a table of points, in the user's units.
 
-    ``Ramp(start, end, over)`` grows linearly from ``start`` to ``end`` over the first
-    ``over`` of the run, then holds ``end`` (Megatron's rampup, in samples, and the
-    linear ramps of Goyal et al.); ``Ramp(points=[(0, 256), ("25%", 512), ("50%",
-    1024)])`` uses the batch of the last point the run has reached (OLMo-core's
-    ``BatchSizeSchedulerCallback``). Each position is a :class:`~bigbatch.duration.
-    Duration`: a number of samples, or text such as ``"25%"`` (of ``budget``),
-    ``"2M tokens"`` (needs ``tokens_per_sample``) or ``"500 steps"`` (optimizer steps);
-    a table's points share one unit. A point above ``end`` is held at ``end`` (the
-    largest batch the run allows, lowered to the data by ``bigbatch train``).
-
-    The position is read from the samples and the optimizer steps the engine has
-    counted (``measured["step"]``), both saved in every checkpoint, so a resumed run
-    follows the same ramp. Under ``lr_scaling="auto"`` the rate follows the optimizer
-    family's rule at each change (``lr_follows="family"``: ×√ratio for Adam-type, as in
-    OLMo-core; ×ratio for SGD- and LARS-type).
+    ``Ramp(start, end, over)`` grows linearly over ``over`` then holds ``end``;
+    ``Ramp(points=[(0, 256), ("25%", 512)])`` takes the last point reached. Each position
+    is a :class:`~bigbatch.duration.Duration`, all in one unit, from 0, increasing
+    (``"25%"`` needs ``budget``, tokens ``tokens_per_sample``); a malformed ramp is a
+    ``ValueError``. docs/algorithms.md, "NoiseScale, Constant, Ramp".
     """
 
     start: int | None = setting(None, **_INITIAL)

@@ -1,38 +1,6 @@
-"""Learning-rate rules for a changing batch, and schedules in samples.
-
-A batch-size rule gives the factor by which the learning rate tuned at the
-base batch ``B0`` is multiplied at batch ``B`` (docs/algorithms.md, "Batch-size controllers"):
-
-- ``none``: 1;  ``linear``: ``B/B0`` (Goyal et al. 2017);  ``sqrt``: ``sqrt(B/B0)``
-  (SimiGrad; Krizhevsky 2014);
-- ``adascale``: AdaScale's gain ``r = (σ² + |G|²) / (σ²/S + |G|²)`` with
-  ``S = B/B0`` and ``σ² = trΣ / B0`` (Johnson et al. 2020), ``1 ≤ r ≤ S``;
-- ``adascale-sqrt``: ``sqrt(r)``, which AdaptDL found right for Adam-type
-  optimizers (Adam, AdamW, LAMB, MERIT);
-- ``auto``: what the controller's contract says (``Contract.lr_follows``):
-  ``none`` under a controller that follows the noise scale, the family's rule
-  under one whose batch takes over the schedule's decay, or follows a fixed
-  ramp, else the rule measured for the optimizer on the task at hand
-  where it has one, else the optimizer family's rule (:data:`FAMILY_RULES`:
-  ``sqrt`` for Adam-type, ``linear`` for SGD- and LARS-type), see
-  :func:`resolve_lr_rule`.
-
-Why hold the rate when the batch follows the noise: at batch ``B`` the
-step size that reduces the loss most is ``ε_max / (1 + B_noise / B)``
-(McCandlish et al. 2018, eq. 2.6). A controller that keeps ``B ≈ κ B_noise``
-keeps that at ``ε_max κ / (1 + κ)``, the same fraction of the noise-free rate
-at every batch; scaling the rate with the batch on top would undo the
-noise reduction the larger batch bought (growing the batch at a held rate
-acts like a learning-rate decay: Smith et al. 2018).
-
-Since the batch varies, schedules are functions of samples seen, not steps:
-``warmup_cosine(total, warmup)``, ``warmup_linear(total, warmup)`` and
-``warmup_stable_decay(total, warmup, cooldown)`` return
-``f(samples) -> multiplier``; any such callable works as a user schedule.
-:class:`LRScaling` multiplies each group's learning rate around the optimizer
-step and restores it after, so a user's own ``torch.optim.lr_scheduler`` still
-owns ``group["lr"]``.
-"""
+"""Learning-rate rules for a changing batch (``none``, ``linear``, ``sqrt``, ``adascale``,
+``adascale-sqrt``, ``auto``), schedules in samples, and :class:`LRScaling`, which
+applies both around the optimizer step (docs/algorithms.md, "Learning-rate rules")."""
 
 from __future__ import annotations
 
@@ -64,16 +32,9 @@ def check_lr_rule(rule: str, *, allow_auto: bool = False) -> str:
 def resolve_lr_rule(
     rule: str, controller: object, family: str | None, measured: str | None = None
 ) -> str:
-    """The rule ``auto`` stands for (any other rule is returned as it is).
-
-    ``none`` for a controller whose contract's ``lr_follows`` is ``"none"`` (it follows the
-    noise scale); the family's rule for one whose is ``"family"`` (its batch
-    takes over the schedule's decay, :class:`~bigbatch.batch.Seesaw`, or follows a ramp
-    fixed in advance, :class:`~bigbatch.batch.Ramp`); otherwise
-    ``measured`` (the rule measured for this optimizer on
-    this task, if any), else the family's rule from :data:`FAMILY_RULES`,
-    ``sqrt`` for an optimizer of unknown family.
-    """
+    """The rule ``auto`` stands for, by the controller's ``Contract.lr_follows``: ``none``;
+    the family's rule (:data:`FAMILY_RULES`, ``sqrt`` if unknown); or ``measured`` where
+    given, else the family's. Any other rule is returned as it is."""
     return lr_rule_with_reason(rule, controller, family, measured)[0]
 
 
@@ -107,11 +68,8 @@ def lr_factor(
     grad_sq_norm: float | None = None,
     trace: float | None = None,
 ) -> float:
-    """The multiplier of the base learning rate at ``batch_size`` under ``rule``.
-
-    The AdaScale rules need the smoothed ``|G|²`` and ``tr Σ``; until they are
-    finite and positive (the first steps) the gain is 1.
-    """
+    """The multiplier of the base rate at ``batch_size`` under ``rule`` (the AdaScale
+    rules: 1 until the smoothed ``|G|²`` and ``tr Σ`` are finite and positive)."""
     check_lr_rule(rule)
     batch_size = positive_int("batch_size", batch_size)
     scale = batch_size / positive_int("base_batch_size", base_batch_size)
@@ -128,12 +86,8 @@ def lr_factor(
 def adascale_gain(
     scale: float, grad_sq_norm: float | None, trace: float | None, base_batch_size: int
 ) -> float:
-    """AdaScale's gain ``(σ² + μ²) / (σ²/S + μ²)`` with ``σ² = trΣ/B0``, ``μ² = |G|²``.
-
-    Between 1 (no noise: a bigger batch does not help) and ``S`` (pure noise:
-    linear scaling). Not yet measurable (None, NaN, or non-positive
-    estimates): 1 for ``S ≥ 1``.
-    """
+    """AdaScale's gain ``(σ² + μ²) / (σ²/S + μ²)`` with ``σ² = trΣ/B0``, ``μ² = |G|²``, in
+    ``[1, S]``; 1 while the estimates are not usable."""
     if grad_sq_norm is None or trace is None:
         return 1.0
     if not (math.isfinite(grad_sq_norm) and math.isfinite(trace)) or trace < 0:
@@ -149,12 +103,8 @@ def adascale_gain(
 class LRScaling:
     """Multiply param groups' learning rates for one optimizer step, then restore them exactly.
 
-    The one mechanism for every temporary learning-rate change (the batch
-    rule and schedule around a step, AGVM's per-group multipliers): the rates
-    a user's scheduler set are saved, multiplied, and put back untouched.
-    Applying again before a restore first restores (a framework whose
-    ``GradScaler`` skipped a step never calls the restore hook), so factors
-    never compound.
+    A user's scheduler keeps owning ``group["lr"]``. Applying again before a restore
+    first restores, so factors never compound.
     """
 
     def __init__(self) -> None:
@@ -228,8 +178,8 @@ def warmup_linear(total: int, warmup: int = 0, final: float = 0.0) -> Schedule:
 
 
 def warmup_poly(total: int, warmup: int = 0, power: float = 2.0) -> Schedule:
-    """Linear warm-up over ``warmup`` samples, then ``(1 - t)^power`` to 0 at ``total``:
-    the LARS paper's and MLPerf ResNet-50's polynomial decay (power 2)."""
+    """Linear warm-up over ``warmup`` samples, then ``(1 - t)^power`` to 0 at ``total``
+    (the LARS paper's decay at power 2)."""
     power = check_number("power", power, low_open=True)
     return _warmup_then(total, warmup, lambda t: (1 - t) ** power)
 
@@ -237,13 +187,9 @@ def warmup_poly(total: int, warmup: int = 0, power: float = 2.0) -> Schedule:
 def warmup_stable_decay(
     total: int, warmup: int = 0, cooldown: float = 0.2, final: float = 0.0
 ) -> Schedule:
-    """Linear warm-up over ``warmup`` samples, the peak rate held, then a linear
-    cool-down to ``final`` over the last ``cooldown`` fraction of ``total`` samples.
-
-    Warm-up-stable-decay (WSD; Hu et al. 2024, MiniCPM; Hägele et al. 2024), the
-    schedule most language-model pretraining runs now use: the stable phase can be
-    extended or branched from, and only the cool-down decays.
-    """
+    """Linear warm-up over ``warmup`` samples, the peak held, then a linear cool-down to
+    ``final`` over the last ``cooldown`` fraction of ``total`` (WSD; Hu et al. 2024,
+    MiniCPM; Hägele et al. 2024)."""
     check_number("cooldown", cooldown, high=1.0)
     final = check_number("final", final)
     whole_number("total", total)
@@ -269,9 +215,8 @@ SCHEDULES = ("cosine", "linear", "poly", "wsd", "constant")
 
 
 def schedule_by_name(kind: str, total: int, warmup: int, cooldown: float = 0.2) -> Schedule:
-    """``warmup_cosine`` / ``warmup_linear`` / ``warmup_poly`` (power 2) /
-    ``warmup_stable_decay`` (its last ``cooldown`` of ``total``) over ``total``
-    samples, or the constant schedule."""
+    """``warmup_cosine``, ``warmup_linear``, ``warmup_poly`` or ``warmup_stable_decay`` over
+    ``total`` samples, or the constant schedule."""
     choice("schedule", kind, SCHEDULES)
     if kind == "wsd":
         return warmup_stable_decay(total, warmup, cooldown)

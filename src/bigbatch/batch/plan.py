@@ -1,19 +1,5 @@
-"""How a global batch becomes micro-batches, and how their losses are weighted.
-
-A batch of ``B`` samples is realised exactly as ``k`` micro-batches of nearly
-equal size (they differ by at most one sample), with ``k ≥ min_sub_batches``
-so that the statistics always have sub-batches to compare, and every
-micro-batch at most ``max_micro_batch`` (per process). When the batch is
-counted in tokens (or any per-sample weight), the samples are split into
-``k`` contiguous runs of nearly equal weight instead. Under data parallelism
-the global batch is first cut into one contiguous shard per rank, and every
-rank splits its shard into the same number of micro-batches (DDP and FSDP
-run a collective in every forward or backward that all ranks must join).
-
-:class:`StepPlan` is the result for one optimizer step, shared by the loop,
-the framework samplers and the statistics; :func:`loss_weights` is the one
-place the micro-batch loss weighting is written.
-"""
+"""How a global batch becomes micro-batches: one contiguous shard per rank, each cut
+into the same number of nearly equal micro-batches; and how their losses are weighted."""
 
 from __future__ import annotations
 
@@ -34,12 +20,9 @@ MAX_MICRO_BATCH = 1024
 def loss_weights(
     sizes: Sequence[int], batch_size: int, world_size: int = 1, reduction: str = "mean"
 ) -> list[float]:
-    """The factor each micro-batch's loss is multiplied by before backward.
-
-    ``W b_i / B`` for a micro-batch's mean loss (``W / B`` for its summed loss):
-    the micro-batch gradients then add up to the batch's sample-weighted mean,
-    after DDP (or FSDP) averages over the ``W`` ranks, whatever the sizes.
-    """
+    """The factor each micro-batch's loss is multiplied by before backward: ``W b_i / B``
+    for a mean loss (``W / B`` for a sum), so ``.grad`` ends as the batch's
+    sample-weighted mean after DDP averages over the ``W`` ranks."""
     choice("loss_reduction", reduction, LOSS_REDUCTIONS)
     if reduction == "sum":
         return [world_size / batch_size] * len(sizes)
@@ -48,13 +31,8 @@ def loss_weights(
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One optimizer step: every rank's micro-batch sizes, and this rank's micro-batches.
-
-    ``rank_sizes[r]`` lists rank ``r``'s micro-batch sizes in samples (or
-    weight); every rank has the same number. ``micro_batches`` holds this
-    rank's micro-batches as indices (into the dataset, or into the drawn
-    batch for an iterable source).
-    """
+    """One optimizer step: ``rank_sizes[r]``, rank ``r``'s micro-batch sizes (the same count
+    on every rank), and this rank's ``micro_batches`` as indices."""
 
     rank_sizes: tuple[tuple[int, ...], ...]
     rank: int = 0
@@ -80,15 +58,8 @@ class StepPlan:
 
 
 def shard_batch(indices: list[int], rank: int, world_size: int) -> list[int]:
-    """Rank ``rank``'s contiguous part of a global batch split over ``world_size`` ranks.
-
-    Parts differ in size by at most one sample (the first ``len % world_size``
-    ranks take one more), so any global batch, including an uneven last one,
-    is covered exactly once: every rank draws the same global batch from its
-    own identically seeded sampler and keeps its part, which keeps "every
-    sample once per epoch" across ranks and the sampler state identical on
-    all of them.
-    """
+    """Rank ``rank``'s contiguous part of a global batch over ``world_size`` ranks (parts
+    differ by at most one, the first ranks larger)."""
     rank, world_size = rank_in_world(rank, world_size)
     if len(indices) < world_size:
         raise ValueError(
@@ -111,13 +82,9 @@ def plan_step(
 ) -> StepPlan:
     """Shard a drawn global batch over the ranks and split every shard into micro-batches.
 
-    ``count`` fixes the number of micro-batches per rank (the frameworks
-    accumulate a fixed count); without it each shard's natural count (size
-    cap and ``min_sub_batches``) is computed and the largest taken, so that
-    every rank runs the same number. A rank whose shard is a sample short
-    (or lighter) still splits into as many parts; a part may then exceed
-    ``max_micro_batch`` by a sample. With ``weight_fn`` the sizes are weights
-    and the boundaries fall at nearly equal weight.
+    ``count`` fixes the micro-batches per rank; without it, the largest natural count of
+    any shard. A short shard may then exceed ``max_micro_batch`` by a sample. With
+    ``weight_fn`` the sizes are weights.
     """
     rank, world_size = rank_in_world(rank, world_size)
     if count is not None:
@@ -190,13 +157,8 @@ def micro_batch_sizes(
 def split_by_weight(
     weights: Sequence[int], *, max_micro_batch: int, min_sub_batches: int = 4
 ) -> list[int]:
-    """Counts of consecutive samples per micro-batch so that micro-batch weights are nearly equal.
-
-    ``weights`` are the samples' weights (e.g. token counts) in order; a
-    micro-batch holds at most ``max_micro_batch`` weight unless one sample
-    alone is heavier. Boundaries fall where the running weight is closest to
-    multiples of ``total / k``.
-    """
+    """Counts of consecutive samples per micro-batch of nearly equal weight (at most
+    ``max_micro_batch`` unless one sample is heavier)."""
     positive_int("max_micro_batch", max_micro_batch)
     n, total = len(weights), sum(weights)
     if n < min_sub_batches:

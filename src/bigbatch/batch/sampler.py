@@ -19,16 +19,11 @@ MAX_SEED = 2**32 - 1
 class VariableBatchSampler:
     """Draws batches of changing size from a map-style dataset of ``dataset_size`` samples.
 
-    Each epoch is one seeded permutation (or ``0..N-1`` without shuffling) and
-    batches are consecutive runs of it, so every sample is used exactly once
-    per epoch whatever the sequence of batch sizes; a batch that reaches the
-    end of an epoch continues into the next one. The state is three integers
-    (seed, epoch, position), so a resumed run draws exactly the batches it
-    would have drawn. Only consumed samples count: the caller takes a batch
-    when it is about to train on it.
-
-    With ``weight_fn`` (e.g. the token count of sample ``i``) a batch of size
-    ``B`` holds samples until their total weight reaches ``B``.
+    Each epoch is one seeded permutation and batches are consecutive runs of it (crossing
+    into the next epoch), so every sample is used once per epoch whatever the sizes. The
+    state is (seed, epoch, position): a resumed run draws the same batches; take a batch
+    only when it is about to train. With ``weight_fn`` a batch of size ``B`` holds samples
+    until their weight reaches ``B``.
     """
 
     def __init__(
@@ -126,25 +121,12 @@ class VariableBatchSampler:
 class GlobalBatchSampler:
     """Micro-batches of a changing global batch, for loops that accumulate a fixed count.
 
-    Framework loops (Lightning's ``accumulate_grad_batches``, the Hugging Face
-    Trainer's ``gradient_accumulation_steps``) step the optimizer after a fixed
-    number of batches. Used as a ``DataLoader``'s ``batch_sampler``, this
-    sampler makes every group of ``micro_batches`` batches one global batch of
-    the current ``batch_size``: step after step it draws ``batch_size``
-    samples from a :class:`VariableBatchSampler` (every sample once per epoch,
-    exact resume), keeps this rank's :func:`shard_batch` part and yields it as
-    exactly ``micro_batches`` lists of indices (sizes differing by at most one;
-    every rank yields the same count, so accumulation boundaries never drift).
-    Set ``batch_size`` between optimizer steps (a callback does); it is read
-    when a step's first micro-batch is drawn, so a ``DataLoader`` with workers,
-    which draws batches ahead, applies a new size a few steps late.
-
-    Iteration ends once ``max_samples`` (global) have been drawn, so a budget
-    in samples ends training on time whatever the batch sizes were; without
-    it the sampler never ends. ``len()`` is an upper bound on the micro-batches
-    left (every step at ``min_batch_size``, by default ``micro_batches ×
-    world_size``): frameworks that stop an epoch after ``len()`` batches must
-    never stop before the budget is spent.
+    As a ``DataLoader``'s ``batch_sampler``, every group of ``micro_batches`` batches is
+    one global batch of the current ``batch_size`` (this rank's :func:`shard_batch`
+    part, the same count on every rank). Set ``batch_size`` between optimizer steps; a
+    loader with workers applies it a few steps late. Iteration ends once ``max_samples``
+    (global) are drawn (never without it); ``len()`` is an upper bound on the
+    micro-batches left, so a framework never ends an epoch before the budget.
     """
 
     #: how many recent steps' plans and positions are kept (loaders draw ahead)
@@ -223,12 +205,8 @@ class GlobalBatchSampler:
         return -(-left // smallest) * self.micro_batches
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
-        """The state to resume from; with ``step``, as of just before that step was drawn.
-
-        A loader draws ahead of training, so a checkpoint taken after optimizer
-        step ``t`` passes ``step=t``: the steps drawn but not trained are drawn
-        again on resume, with the sizes they had.
-        """
+        """The state to resume from; with ``step``, as of just before that step was drawn (a
+        loader draws ahead of training)."""
         if step is None or step >= self.steps:
             position, samples, replay = self._sampler.state_dict(), self.samples, []
             step = self.steps
@@ -254,7 +232,7 @@ class GlobalBatchSampler:
 
 
 def _weight(value: Any, index: int) -> int:
-    """A sample's weight: a whole number >= 1 (a 0 would never fill a batch)."""
+    """A sample's weight: a whole number >= 1."""
     try:
         weight = operator.index(value)  # Python's, numpy's or a one-element tensor's integer
     except TypeError:

@@ -1,16 +1,5 @@
-"""Smoothed statistics with an uncertainty, for controllers that must not chase noise.
-
-One step's estimates of ``|G|²``, ``tr Σ`` and the half-batch similarity are
-unbiased but noisy: on the default task their step-to-step spread is
-0.7–2× the mean for ``|G|²`` (often negative late in training), 0.25–0.8× for
-``tr Σ`` and ±0.2 for the similarity, with four sub-batches. A controller
-that acts on them directly saws the batch up and down. The pieces here
-average them with exponential weights *and* say how sure the average is, so
-a controller can act only when the evidence clears its error bars.
-
-Plain Python floats: the state is a few numbers and round-trips through
-``state_dict()``.
-"""
+"""Smoothed statistics with standard errors, so a controller acts only when the evidence
+clears its error bars (docs/algorithms.md, "Smoothed statistics with error bars")."""
 
 from __future__ import annotations
 
@@ -27,16 +16,8 @@ MIN_TRACE = 4
 
 
 class SmoothedValue:
-    """An exponentially weighted mean of a per-step value, with its standard error.
-
-    Each :meth:`update` multiplies the old weights by ``1 - 1/window`` and
-    adds the new value with weight 1, so ``window`` is the averaging horizon
-    in steps; the mean is bias-corrected (divided by the sum of weights, so
-    the first values are not pulled towards 0). The standard error is
-    ``σ / sqrt(n)`` with ``σ²`` the weighted variance and ``n = (Σw)² / Σw²``
-    the effective number of values averaged (Kish 1965); with fewer than two
-    it is infinite. Non-finite values are skipped.
-    """
+    """An exponentially weighted, bias-corrected mean over about ``window`` steps, with its
+    standard error ``σ / sqrt(n_eff)`` (Kish 1965); non-finite values are skipped."""
 
     def __init__(self, window: float = 20.0) -> None:
         self.window = check_number("window", window, low=1.0)
@@ -53,9 +34,7 @@ class SmoothedValue:
         sums["xx"] += value * value
 
     def age(self) -> None:
-        """One step passes without a value: the old weights decay as :meth:`update`'s do,
-        so a value measured every k-th step is averaged over the same steps as one
-        measured at every step (its mean no older, its count k times smaller)."""
+        """One step passes without a value: the old weights decay as :meth:`update`'s do."""
         keep = 1.0 - 1.0 / self.window
         sums = self._sums
         sums["w"] *= keep
@@ -89,12 +68,7 @@ class SmoothedValue:
         return self.spread / math.sqrt(self.count) if self.count > 1.0 else math.inf
 
     def clipped(self, value: float, z: float) -> float:
-        """``value`` held within ``mean ± z`` spreads (unchanged while the spread is unknown).
-
-        Winsorising one step's estimate keeps a single outlier (a rare batch
-        whose gradient points far off) from moving the mean by more than
-        ``z`` spreads' worth of one sample's weight.
-        """
+        """``value`` held within ``mean ± z`` spreads (unchanged while the spread is unknown)."""
         spread = self.spread
         if not math.isfinite(value) or math.isinf(spread):
             return value
@@ -119,16 +93,8 @@ class SmoothedValue:
 
 
 class SmoothedNoise:
-    """``B_simple = tr Σ / |G|²`` from numerator and denominator smoothed apart.
-
-    The ratio of two noisy means is taken after averaging, never averaged
-    itself (McCandlish et al. 2018, App. A; gpt-neox does the same).
-    :meth:`bounds` gives the plausible range at ``z`` standard errors of each
-    mean: ``(T - z σ_T) / (S + z σ_S)`` to ``(T + z σ_T) / (S - z σ_S)``, the
-    extremes of the ratio over the box of plausible means. It is conservative
-    and stays defined when the mean ``|G|²`` is near zero or negative (the
-    upper end is then infinite: the gradient is lost in the noise).
-    """
+    """``B_simple = tr Σ / |G|²`` from numerator and denominator smoothed apart;
+    :meth:`bounds` is the extreme ratio over their intervals (infinite where ``|G|²`` ≤ 0)."""
 
     def __init__(self, window: float = 20.0) -> None:
         self.signal = SmoothedValue(window)
@@ -138,9 +104,7 @@ class SmoothedNoise:
         self.borrowed = SmoothedValue(window)
 
     def update(self, signal: float, trace: float, clip: float | None = None) -> None:
-        """Add one step's ``|G|²`` and ``tr Σ`` estimates (skipped unless both are finite);
-        with ``clip``, each first held within ``clip`` spreads of its mean
-        (:meth:`SmoothedValue.clipped`)."""
+        """Add one step's ``|G|²`` and ``tr Σ`` (both finite), each clipped at ``clip`` spreads."""
         if math.isfinite(signal) and math.isfinite(trace):
             if clip is not None:
                 signal, trace = self.signal.clipped(signal, clip), self.trace.clipped(trace, clip)
@@ -149,22 +113,9 @@ class SmoothedNoise:
             self.borrowed.update(0.0)
 
     def observe(self, measured: dict[str, float], clip: float | None = None) -> None:
-        """One step's evidence: its ``|G|²`` and ``tr Σ`` estimates (``grad_sq_norm``,
-        ``trace``) on a measured step (:meth:`update`); between measurements
-        (``statistics_every``) the batch gradient's ``|g_B|²`` alone.
-
-        ``E |g_B|² = |G|² + φ(B) tr Σ`` (``φ = 1/B``, or the finite-population factor:
-        ``batch_inverse_size``), so such a step gives ``|G|²`` as ``|g_B|² − φ(B)`` times
-        the smoothed ``tr Σ``: ``|G|²`` gathers evidence at every step, ``tr Σ`` only at
-        the measured ones. The trace's weights decay at every step
-        (:meth:`SmoothedValue.age`), so its mean is as recent as the signal's: ``|G|²`` is
-        small beside ``φ tr Σ`` at a small batch, and a trace averaged over k times the
-        steps, too high while it falls, left ``|G|²`` too low (on ``text`` at batch 16 by
-        half, doubling at a quarter of the steps; docs/results.md, "Measuring every
-        k-th step"). Those values share the smoothed trace's error, so :meth:`bounds`
-        adds it to ``|G|²``'s: the mean share ``φ̄`` of the values that borrowed it
-        times the trace's standard error. Nothing is learnt before the trace has a mean.
-        """
+        """One step's evidence: ``grad_sq_norm`` and ``trace``; between measurements, ``|G|²``
+        as ``batch_grad_sq_norm`` less ``batch_inverse_size`` × the smoothed ``tr Σ``
+        (docs/algorithms.md, "Smoothed statistics with error bars")."""
         if math.isfinite(measured.get("trace", math.nan)):
             self.update(measured.get("grad_sq_norm", math.nan), measured["trace"], clip)
             return
@@ -192,10 +143,7 @@ class SmoothedNoise:
 
     @property
     def ready(self) -> bool:
-        """Half a window of weight behind the estimate (the steps' decayed weights, about
-        half a window of steps): before it, two steps' spread is no error bar, and no
-        decision may rest on the bounds. Between measurements (:meth:`observe`) ``tr Σ``
-        gathers fewer values: it needs ``MIN_TRACE`` of them, or the half window."""
+        """Half a window of weight (and ``MIN_TRACE`` traces) behind the estimate."""
         half = self.signal.window / 2
         return self.count >= half and self.trace.count >= min(half, MIN_TRACE)
 
@@ -213,8 +161,7 @@ class SmoothedNoise:
         return lower, upper
 
     def _signal_interval(self, z: float) -> tuple[float, float]:
-        """``|G|²``'s mean ∓ ``z`` standard errors: its own values' and, for the share that
-        borrowed the smoothed trace, the trace's (``φ̄ σ_T``)."""
+        """``|G|²``'s mean ∓ ``z`` standard errors, widened by ``φ̄ σ_T`` for borrowed values."""
         borrowed = self.borrowed.mean
         if not borrowed > 0:
             return self.signal.interval(z)
@@ -246,25 +193,8 @@ _FIT = ("n", "x", "y", "xx", "xy", "yy")
 
 
 class LossSlope:
-    """How fast the loss falls per e-fold of samples, ``-dL / d ln(samples)``, with its error.
-
-    A least-squares line through each step's training loss against the log
-    of the samples trained so far, over the last ``span`` e-folds. The
-    window is kept as slices of equal width ``span / bins`` in
-    ``ln(samples)``, each holding the six sums of the fit, so the state is a
-    few numbers whatever the run's length: the fit covers the ``bins``
-    whole slices before the one filling, and that one (between ``span`` and
-    ``span + span / bins`` e-folds). The standard error is the ordinary
-    least-squares one from the residuals (each step's loss is one noisy
-    sample of the mean loss); a fit of fewer than ``min_points`` steps is
-    not trusted.
-
-    Why the slope: a batch ``B`` against noise scale ``B_noise`` needs
-    ``1 + B / B_noise`` times the samples of the smallest batches for the
-    same progress (McCandlish et al. 2018), so it leaves the loss behind by
-    about ``slope · ln(1 + B / B_noise)``: a batch is cheap where the loss
-    no longer falls with more samples, and dear where it still does.
-    """
+    """The loss's fall per e-fold of samples, ``-dL / d ln(samples)``, with its error: least
+    squares over the last ``span`` e-folds, kept as ``bins`` slices of sums."""
 
     def __init__(self, span: float = 1.0, bins: int = 8, min_points: int = 16) -> None:
         self.span = check_number("span", span, low_open=True)
@@ -294,8 +224,7 @@ class LossSlope:
         sums["yy"] += loss * loss
 
     def fit(self) -> tuple[float, float]:
-        """``(slope, standard error)``; ``(nan, inf)`` until the values kept reach
-        ``span`` e-folds back and number ``min_points``."""
+        """``(slope, standard error)``; ``(nan, inf)`` until ``span`` and ``min_points`` are met."""
         if not self._slices or self._index - min(self._slices) < self.bins:
             return math.nan, math.inf  # the values kept do not yet reach a span back
         t = {k: sum(s[k] for s in self._slices.values()) for k in _FIT}
@@ -324,8 +253,7 @@ class LossSlope:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a fit; one taken with another ``span`` or ``bins`` is dropped (its slices
-        would mean other windows), and the fit starts afresh from the next value."""
+        """Restore a fit; one taken with another ``span`` or ``bins`` is dropped."""
         if float(state["span"]) != self.span or int(state["bins"]) != self.bins:
             self._slices, self._start, self._index = {}, math.nan, -1
             return

@@ -1,9 +1,5 @@
 """Where a loop's samples come from: a map-style dataset or an iterable one, resumable.
-
-Both draw a global batch of any size (``draw``) and load a step's
-micro-batches collated as a ``DataLoader`` would (``load``); the loop plans
-the micro-batches in between (:func:`~bigbatch.batch.plan.plan_step`).
-"""
+Both ``draw`` a global batch of any size and ``load`` a step's micro-batches collated."""
 
 from __future__ import annotations
 
@@ -25,14 +21,9 @@ __all__ = ["IterableSource", "MapSource", "make_source"]
 class MapSource:
     """A map-style dataset: every sample once per epoch, exact resume.
 
-    A :class:`~bigbatch.batch.VariableBatchSampler` draws the indices; one
-    ``DataLoader`` (with the caller's collate function, workers and pinned
-    memory) loads the current step's micro-batches and nothing beyond, so its
-    workers prefetch within a step, never a step whose size is not decided.
-    Without workers the micro-batches are read here as that ``DataLoader`` would
-    read them (the dataset's ``__getitems__`` or its items, the collate function,
-    pinned memory), without an iterator a step: a small model's step is bound by
-    the operators its host dispatches, and an iterator adds six.
+    One ``DataLoader`` loads only the current step's micro-batches (its workers never
+    prefetch a step whose size is not decided); without workers they are read here, as it
+    would read them, to save its iterator's per-step host operators.
     """
 
     def __init__(
@@ -98,9 +89,8 @@ class MapSource:
 
 
 class _TensorRows(Dataset):
-    """A ``TensorDataset`` whose rows a ``DataLoader`` reads a micro-batch at a time
-    (``__getitems__``), collated as ``default_collate`` collates its rows: a list of
-    tensors."""
+    """A ``TensorDataset`` read a micro-batch at a time (``__getitems__``), collated as
+    ``default_collate`` would."""
 
     def __init__(self, dataset: TensorDataset) -> None:
         self.tensors = dataset.tensors
@@ -140,12 +130,8 @@ class _CurrentPlan:
 
 
 class IterableSource:
-    """An ``IterableDataset``, consumed in order and started again when it ends.
-
-    Resuming skips the samples already consumed, so it is exact only for an
-    iterable that yields the same sequence each time. ``draw`` returns
-    positions in the drawn batch, which ``load`` turns into samples.
-    """
+    """An ``IterableDataset``, consumed in order and restarted when it ends; resume is exact
+    only for an iterable that yields the same sequence each time."""
 
     dataset_size = None
     weight_fn = None
@@ -226,8 +212,8 @@ SET_BY_THE_LOOP = (
 
 
 def check_loader_options(options: dict[str, Any]) -> None:
-    """A ``TypeError`` naming a key of ``loader_options`` that ``DataLoader`` does not take,
-    or that the loop sets itself, before a step is drawn (not at the first one)."""
+    """A ``TypeError`` naming a ``loader_options`` key ``DataLoader`` does not take or the
+    loop sets itself."""
     taken = set(inspect.signature(DataLoader).parameters) - set(SET_BY_THE_LOOP)
     for key in options:
         if key in SET_BY_THE_LOOP:

@@ -1,12 +1,5 @@
-"""What every framework plugin does per optimizer step: adapt the framework's hooks to the engine.
-
-A framework loop runs the micro-batches and the optimizer; the plugin
-announces each micro-batch to the :class:`~bigbatch.engine.StepEngine`, lets it
-decide before the optimizer step (statistics, finiteness, learning rate,
-next batch size), restores the learning rate after the step, and sets the
-next global batch size on the :class:`~bigbatch.batch.GlobalBatchSampler`.
-No per-step rule is written here.
-"""
+"""What every framework plugin does per optimizer step: hand the framework's hooks to
+the :class:`~bigbatch.engine.StepEngine` and set the next batch on the sampler."""
 
 from __future__ import annotations
 
@@ -23,15 +16,13 @@ from ..options import StepOptions
 
 
 class StepDriver:
-    """The engine of one plugin, built by :meth:`StepEngine.build` when the framework hands
-    over its optimizer (and, under DDP, the model it wrapped).
+    """The engine of one plugin, built when the framework hands over its optimizer.
 
     Args:
         sampler: the train loader's :class:`~bigbatch.batch.GlobalBatchSampler`.
-        controller: chooses the batch sizes; it must start at the sampler's batch
-            (default :class:`~bigbatch.batch.BatchWarmup` from there).
-        options: the per-step rules (:class:`~bigbatch.StepOptions`), also accepted
-            as keywords.
+        controller: chooses the batch sizes, starting at the sampler's batch (default
+            :class:`~bigbatch.batch.BatchWarmup` from there).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`), or as keywords.
     """
 
     def __init__(
@@ -56,8 +47,7 @@ class StepDriver:
         self._pending: dict[str, Any] | None = None
 
     def attach(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
-        """Build the engine over ``optimizer`` (``model``: the trained module, or the
-        framework's DDP model around it)."""
+        """Build the engine over ``optimizer`` (``model``: the module, or its DDP wrapper)."""
         self.engine = StepEngine.build(
             optimizer,
             self.controller,
@@ -102,9 +92,8 @@ class StepDriver:
         self.attached.add_loss(weighted)
 
     def decide(self) -> dict[str, float]:
-        """Once per step, once the gradients are accumulated and before any clipping: the
-        engine's decision. A skipped (non-finite) step drops the gradients, so the
-        framework's optimizer step changes nothing."""
+        """The engine's decision, once per step after accumulation and before clipping; a
+        skipped (non-finite) step drops the gradients."""
         if self._result is None:
             engine = self.attached
             self._result = engine.before_optimizer_step()
@@ -115,7 +104,7 @@ class StepDriver:
         return self._result.metrics
 
     def after_optimizer_step(self) -> None:
-        """Right after the optimizer step: the learning rates as the user's scheduler set them."""
+        """After the optimizer step: the rates restored as the user's scheduler set them."""
         if self.engine is not None:
             self.engine.after_optimizer_step(self._result)
 

@@ -1,60 +1,7 @@
-"""Adaptive batching inside a DeepSpeed engine (ZeRO stages 0, 1 and 2).
-
-DeepSpeed owns the model wrapper, the optimizer step and the gradient
-reduction; the training loop stays yours. :class:`AdaptiveBatchDeepSpeed` is
-:class:`bigbatch.AdaptiveBatch` with DeepSpeed's engine in place of the model
-and the optimizer: each step draws the global batch the controller chose,
-cuts this rank's shard into micro-batches of at most
-``train_micro_batch_size_per_gpu`` samples, and ends the step itself::
-
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
-        "train_micro_batch_size_per_gpu": 16,
-        "managed_gradient_accumulation": False,   # the step ends where bigbatch says
-        "zero_optimization": {"stage": 2},
-    })
-    loop = AdaptiveBatchDeepSpeed(engine, train_set, schedule=warmup_cosine(...))
-    for step in loop.steps(max_samples=2_000_000):
-        for x, y in step.micro_batches():
-            step.backward(loss_fn(engine(x), y))   # engine.backward, loss weighted
-        step.apply()                               # LR for the batch, engine.step(), next size
-
-How the pieces meet DeepSpeed's (docs/deepspeed.md):
-
-- **Where a step ends.** With ``managed_gradient_accumulation: false``
-  DeepSpeed accumulates every ``backward`` locally and treats each
-  ``engine.step()`` as the accumulation boundary, so a step may have any
-  number of micro-batches; :meth:`~AdaptiveBatchDeepSpeed.apply` also sets
-  ``engine.set_train_batch_size`` (the accumulation steps) wherever the batch
-  is a multiple of ``micro-batch × ranks``, so DeepSpeed's own counters and
-  logs see the batch that trained.
-- **Statistics.** DeepSpeed reduces the gradients inside ``engine.step()``
-  (stages 0 and 1) or into its partitions during each backward (stage 2), so
-  no reduced gradient exists before the step. Each rank therefore estimates
-  the noise from its own micro-batches (read in gradient hooks, before any
-  reduction) and the ranks average their estimates in one all-reduce of a few
-  scalars: no second gradient reduction. Under ZeRO-2, where ``.grad`` does
-  not keep the earlier micro-batches, the statistics keep this rank's sum
-  (one gradient-sized buffer during the backward passes).
-- **Learning rate.** The batch rule and the schedule (``schedule=``, in
-  samples) multiply the client optimizer's rates for ``engine.step()`` and
-  restore them after; a DeepSpeed ``scheduler`` (in steps) is refused, as it
-  would step inside ``engine.step()`` on the scaled rates.
-- **Checkpoints.** :meth:`~AdaptiveBatchDeepSpeed.save_checkpoint` calls
-  ``engine.save_checkpoint`` with the loop's state (data position,
-  controller, statistics, counters, random states) as ``client_state``;
-  :meth:`~AdaptiveBatchDeepSpeed.load_checkpoint` restores both.
-
-Not supported, each refused with one error: ZeRO stage 3 (parameters are
-partitioned between forward passes, and the micro-batch gradients reach
-no hook whole), pipeline parallelism (DeepSpeed's pipeline engine runs its
-own micro-batch schedule), fp16 (its dynamic loss scale is applied inside
-DeepSpeed; use bf16), the VRGD and AGVM wrappers (they read per-parameter
-statistics of the reduced gradient, which exists only inside
-``engine.step()``) and, under ZeRO 1-2, optimizers whose update depends on
-whole parameter tensors (bigbatch's LAMB, LARS, MERIT: DeepSpeed hands the
-client optimizer flat partitions, over which a layer-wise trust ratio would
-be wrong).
-"""
+"""Adaptive batching inside a DeepSpeed engine (ZeRO stages 0, 1 and 2): the plain loop
+with the engine in place of the model and optimizer. Each rank estimates the noise
+from its own micro-batches. ZeRO-3, pipelines, fp16, a DeepSpeed scheduler, VRGD,
+AGVM and, under ZeRO 1-2, the layer-wise optimizers are refused (docs/deepspeed.md)."""
 
 from __future__ import annotations
 
@@ -83,8 +30,7 @@ CLIENT_STATE_KEY = "bigbatch"
 
 
 def client_optimizer(engine: Any) -> torch.optim.Optimizer:
-    """The optimizer the user gave ``deepspeed.initialize``, inside DeepSpeed's wrappers
-    (ZeRO, bf16/fp16); its param groups are the ones whose ``lr`` the step uses."""
+    """The optimizer given to ``deepspeed.initialize``, inside DeepSpeed's wrappers."""
     optimizer = engine.optimizer
     while isinstance(optimizer, deepspeed.runtime.base_optimizer.DeepSpeedOptimizer):
         optimizer = optimizer.optimizer
@@ -92,27 +38,18 @@ def client_optimizer(engine: Any) -> torch.optim.Optimizer:
 
 
 class AdaptiveBatchDeepSpeed(AdaptiveBatch):
-    """Adaptive batch sizes for a loop around a ``deepspeed.initialize`` engine (module docs).
+    """Adaptive batch sizes for a loop around a ``deepspeed.initialize`` engine.
 
     Args:
-        engine: the ``DeepSpeedEngine``, built with ``managed_gradient_accumulation:
-            false``, ZeRO stage 0, 1 or 2, fp32 or bf16, and no DeepSpeed scheduler.
-        dataset: a map-style dataset or an ``IterableDataset``, as for
-            :class:`~bigbatch.AdaptiveBatch`.
-        controller: from ``bigbatch.batch`` (default
-            :class:`~bigbatch.batch.BatchWarmup` from batch 16).
-        options: the per-step rules (:class:`~bigbatch.StepOptions`), or their
-            fields as keywords. The similarity is the scalar one (no rank sees
-            the micro-batch halves' gradients whole).
-        min_sub_batches: the fewest micro-batches per rank per step (≥ 2: the
-            noise is estimated within each rank).
-        seed, shuffle, weight_fn, loader_options: as for
-            :class:`~bigbatch.AdaptiveBatch`.
+        engine: the ``DeepSpeedEngine``, built with ``managed_gradient_accumulation``
+            false, ZeRO stage 0, 1 or 2, fp32 or bf16, and no DeepSpeed scheduler.
+        dataset: a map-style dataset or an ``IterableDataset``.
+        controller: from ``bigbatch.batch`` (default :class:`~bigbatch.batch.BatchWarmup`).
+        options: the per-step rules (:class:`~bigbatch.StepOptions`), or as keywords.
+        min_sub_batches: the fewest micro-batches per rank per step (≥ 2).
+        seed, shuffle, weight_fn, loader_options: as for :class:`~bigbatch.AdaptiveBatch`.
 
-    A non-finite step is dropped (``nonfinite="skip"``) under ZeRO 0 and 1,
-    where the gradients are still this rank's own until ``engine.step()``;
-    under ZeRO-2 DeepSpeed has already reduced them into its partitions, so
-    the step raises :class:`~bigbatch.NonFiniteError` instead of updating.
+    A non-finite step is dropped (ZeRO 0, 1) or raises :class:`~bigbatch.NonFiniteError`.
     """
 
     checks_optimizer = False  # ZeRO's optimizer holds its own (flat) parameters
@@ -221,9 +158,7 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """The loop's part of a checkpoint: data position, controller, statistics, counters
-        and every rank's random state (a collective). The model and optimizer are
-        DeepSpeed's to save: use :meth:`save_checkpoint`."""
+        """The loop's part of a checkpoint (a collective); see :meth:`save_checkpoint`."""
         return {
             "source": self.source.state_dict(),
             "engine": self.engine.state_dict(),
@@ -293,8 +228,7 @@ def check_engine(engine: Any) -> None:
 
 
 def check_client_optimizer(engine: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse a statistics wrapper, and an optimizer that needs whole parameter tensors
-    where DeepSpeed gives it flat partitions (ZeRO 1-2)."""
+    """Refuse a statistics wrapper, and a layer-wise optimizer under ZeRO 1-2."""
     if isinstance(optimizer, StatisticsWrapper):
         raise ValueError(
             f"{type(optimizer).__name__} is not supported under DeepSpeed: it reads the "

@@ -1,23 +1,7 @@
-"""Adaptive local batches in Flower: a ClientApp helper and a strategy wrapper.
-
-The server decides each round's local batch and rate
-(:class:`~bigbatch.federated.RoundPlanner`) and sends them in the train
-message's config; every client trains that many local steps with bigbatch's
-step engine and replies with its weights and, per local step, the noise
-statistics it measured; the wrapped strategy (FedAvg by default) aggregates
-the weights, and the planner pools the statistics and chooses the next
-round's batch. Nothing here needs Ray: :class:`InProcessGrid` runs the
-ClientApps of a simulation in the server's process, and the same ClientApp
-and strategy run unchanged under ``flwr run`` (docs/federated.md)::
-
-    from bigbatch.integrations.flower import AdaptiveBatchStrategy, ClientSetup, client_app
-
-    app = client_app(lambda context: ClientSetup(model, dataset, loss_fn, make_optimizer))
-    strategy = AdaptiveBatchStrategy(planner)          # wraps flwr's FedAvg
-    result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=30)
-
-Needs the extra ``bigbatch[flower]`` (Flower >= 1.42, its Message API).
-"""
+"""Adaptive local batches in Flower: a ClientApp helper (:func:`client_app`) and a
+strategy wrapper (:class:`AdaptiveBatchStrategy`) around a
+:class:`~bigbatch.federated.RoundPlanner`; no Ray needed. Needs ``bigbatch[flower]``
+(docs/federated.md)."""
 
 from __future__ import annotations
 
@@ -79,14 +63,7 @@ SAMPLES = PREFIX + "samples"  # what the client trained this round
 
 @dataclass
 class ClientSetup:
-    """What a client trains: its model, its data, the loss and the local optimizer.
-
-    ``make_optimizer(params)`` builds the local optimizer afresh each round
-    (FedAvg's clients start each round from the global weights with no
-    optimizer state); the round's rate is set on it. ``evaluate(model)``
-    (optional) scores the model on the client's data for Flower's
-    evaluate messages.
-    """
+    """A client's model, data, loss, ``make_optimizer(params)`` and optional ``evaluate``."""
 
     model: nn.Module
     dataset: Dataset
@@ -122,23 +99,15 @@ def plan_from_config(config: Any) -> RoundPlan:
 
 
 def _sub_batches(setup: ClientSetup) -> int:
-    """The client's fewest micro-batches a local step: its own, else the loop's rule for
-    the sub-batch statistics every local step measures."""
+    """The client's fewest micro-batches per local step."""
     if setup.min_sub_batches is not None:
         return setup.min_sub_batches
     return fewest_sub_batches(statistics=True, per_example=False, split=False)
 
 
 def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
-    """Train ``plan.local_steps`` steps of ``plan.local_batch`` samples at ``plan.lr``.
-
-    The steps run through :class:`~bigbatch.AdaptiveBatch` at a constant
-    batch (the server chose it), so each step measures the gradient noise
-    across its micro-batches as on one machine; the rate is held for the
-    round (the server applied the batch rule and the schedule). The
-    sampler's seed is the client's seed and the round, so each round draws a
-    fresh order of the client's data.
-    """
+    """Train the plan's steps at its local batch and held rate through
+    :class:`~bigbatch.AdaptiveBatch`, seeded by the client and the round."""
     optimizer = setup.make_optimizer(setup.model.parameters())
     for group in optimizer.param_groups:
         group["lr"] = plan.lr
@@ -152,8 +121,7 @@ def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
         seed=setup.seed * 1_000_003 + plan.round,
         lr_scaling="none",
         statistics=True,  # the server's planner reads them, not the client's controller
-        # the client's micro-batch rule (_sub_batches) and the federated measurements
-        # (docs/results.md, "Federated") are the sub-batch statistics'; kept so
+        # the client's micro-batch rule (_sub_batches) is the sub-batch statistics'; kept so
         noise_from="sub_batches",
     )
     setup.model.train()
@@ -179,9 +147,7 @@ def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
 
 
 def report_to_metrics(report: ClientReport, data_size: int) -> dict[str, Any]:
-    """The fit metrics a client replies with: ``num-examples`` is the client's data size
-    (FedAvg weighs by it, as McMahan et al.; ``FedAvg(weighted_by_key="bigbatch.samples")``
-    weighs by the samples trained instead), ``bigbatch.samples`` what it trained."""
+    """The fit metrics a client replies with (``num-examples``, ``bigbatch.samples``, ...)."""
     return {
         NUM_EXAMPLES: data_size,
         SAMPLES: report.samples,
@@ -206,15 +172,7 @@ def report_from_metrics(metrics: Any) -> ClientReport:
 
 
 def client_app(setup_fn: Callable[[Context], ClientSetup]) -> ClientApp:
-    """A Flower ``ClientApp`` whose train handler runs :func:`train_round` on the
-    server's plan, and whose evaluate handler scores with ``setup.evaluate``.
-
-    ``setup_fn(context)`` is called once per node and process: the setup is kept
-    for the node's later messages where the process lives on (the in-process
-    grid; a simulation's workers), and rebuilt where Flower starts a process per
-    message (``flwr run``'s default isolation). Either way the model's weights
-    are replaced by the server's at each message.
-    """
+    """A Flower ``ClientApp`` running :func:`train_round`; ``setup_fn`` once per node."""
     setups: dict[int, ClientSetup] = {}
     app = ClientApp()
 
@@ -255,16 +213,8 @@ def client_app(setup_fn: Callable[[Context], ClientSetup]) -> ClientApp:
 
 
 class AdaptiveBatchStrategy(Strategy):
-    """A Flower strategy that sends each round's local batch and rate and pools the
-    clients' noise statistics to choose the next.
-
-    ``base`` (default ``FedAvg()``) samples the clients and aggregates the
-    weights; this wrapper adds the :class:`~bigbatch.federated.RoundPlanner`'s
-    plan to every train config and, after aggregation, feeds it the
-    clients' reports. ``history`` holds one record per round (the plan, the
-    samples so far, the pooled noise scale); the aggregated train metrics
-    gain the plan's numbers under ``bigbatch.*``.
-    """
+    """A Flower strategy (around ``base``, default ``FedAvg()``) that sends each round's
+    local batch and rate and pools the clients' statistics; ``history`` per round."""
 
     def __init__(self, planner: RoundPlanner, base: Strategy | None = None) -> None:
         self.planner = planner
@@ -325,8 +275,7 @@ class AdaptiveBatchStrategy(Strategy):
 
 
 def _pooled_noise(pooled: list[dict[str, float]]) -> dict[str, float]:
-    """The round's pooled ``B_simple`` (round means of ``tr Σ`` and ``|G|²``, taken apart)
-    and mean similarity."""
+    """The round's pooled ``B_simple`` and mean similarity."""
 
     def mean(key: str) -> float:
         return finite_mean([s[key] for s in pooled])
@@ -342,20 +291,8 @@ def _pooled_noise(pooled: list[dict[str, float]]) -> dict[str, float]:
 
 
 class InProcessGrid(Grid):
-    """A Flower ``Grid`` that delivers each message to a ClientApp in this process.
-
-    ``num_nodes`` nodes, each with its own persistent ``Context``
-    (``node_config`` holds ``partition-id`` 0..N-1 and ``num-partitions``, as
-    in Flower's simulation). Messages are handled one after another, so a
-    simulation is deterministic and needs neither Ray nor a SuperLink; a
-    ClientApp that raises gives that node an error reply, as a real node would.
-    ``send_and_receive`` returns when every message is answered (its
-    ``timeout`` has nothing to wait for).
-
-    Flower stamps every message with the sending task's identity, which its
-    own runtimes set; outside them this grid sets the one Flower's legacy
-    ``start_grid`` sets (the SuperLink's node, task 1), unless one is set.
-    """
+    """A Flower ``Grid`` that delivers each message to a ClientApp in this process, one
+    after another, to ``num_nodes`` nodes with persistent contexts."""
 
     def __init__(self, app: ClientApp, num_nodes: int, run_config: dict | None = None) -> None:
         self.app = app

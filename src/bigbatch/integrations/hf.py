@@ -1,32 +1,6 @@
-"""Adaptive batching for the Hugging Face ``Trainer``: a callback and the Trainer it needs.
-
-A ``TrainerCallback`` sees the steps but cannot change the batch: the Trainer
-fixes its data loader and ``gradient_accumulation_steps`` at the start, and
-clips gradients before any callback sees them. :class:`AdaptiveBatchTrainer`
-therefore does what a callback cannot:
-
-- its train loader draws from a :class:`~bigbatch.batch.GlobalBatchSampler`:
-  each optimizer step is ``gradient_accumulation_steps`` micro-batches of the
-  global batch the controller chose (this rank's shard under DDP; the loader
-  is not re-sharded by accelerate);
-- the budget is the sampler's ``max_samples``: training ends when it is spent,
-  whatever the batch sizes were (``max_steps`` is only an upper bound it sets);
-- the Trainer's own LR scheduler is constant; the schedule is a function of
-  samples (``schedule=``), applied with the batch rule around each optimizer
-  step by :class:`AdaptiveBatchCallback`;
-- the statistics are finished before gradient clipping;
-- the controller, sampler and statistics are saved in each checkpoint
-  (``bigbatch.pt``) and restored with ``resume_from_checkpoint``.
-
-Example::
-
-    sampler = bb.batch.GlobalBatchSampler(len(train), 64, micro_batches=4, max_samples=1_000_000)
-    trainer = AdaptiveBatchTrainer(
-        model=model, args=TrainingArguments("out", gradient_accumulation_steps=4),
-        train_dataset=train, sampler=sampler, controller=bb.batch.SimiGrad(initial=64),
-    )
-    trainer.train()
-"""
+"""Adaptive batching for the Hugging Face ``Trainer``: :class:`AdaptiveBatchTrainer`
+draws from a :class:`~bigbatch.batch.GlobalBatchSampler`, ends at its ``max_samples``
+and finishes the statistics before clipping (docs/hf.md)."""
 
 from __future__ import annotations
 
@@ -49,11 +23,7 @@ STATE_FILE = "bigbatch.pt"
 
 
 class AdaptiveBatchCallback(DriverView, TrainerCallback):
-    """The per-step logic: statistics over the micro-batches, LR around the step, next size.
-
-    Used by :class:`AdaptiveBatchTrainer`, which gives it what a callback
-    cannot take from the Trainer (the loader, the moment before clipping).
-    """
+    """The per-step logic, used by :class:`AdaptiveBatchTrainer`: statistics, LR, next size."""
 
     def __init__(
         self,
@@ -101,15 +71,9 @@ class _Endless:
 
 
 class AdaptiveBatchTrainer(Trainer):
-    """A ``transformers.Trainer`` whose batch size the statistics choose step by step.
-
-    Takes the Trainer's arguments plus ``sampler`` (a
-    :class:`~bigbatch.batch.GlobalBatchSampler` over ``train_dataset`` whose
-    ``micro_batches`` equals ``gradient_accumulation_steps`` and which has a
-    ``max_samples`` budget), ``controller`` and the per-step rules
-    (``options``, a :class:`~bigbatch.StepOptions`, or its fields as keywords);
-    every other argument is the Trainer's.
-    """
+    """A ``transformers.Trainer`` whose batch size the statistics choose step by step: the
+    Trainer's arguments plus ``sampler`` (``micro_batches`` equal to
+    ``gradient_accumulation_steps``, with ``max_samples``), ``controller`` and ``options``."""
 
     def __init__(
         self,

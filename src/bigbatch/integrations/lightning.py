@@ -1,25 +1,6 @@
-"""Adaptive batching for PyTorch Lightning: one callback and bigbatch's global-batch sampler.
-
-Lightning steps the optimizer every ``accumulate_grad_batches`` batches by a
-counter, so the batch must change by the size of those batches, never by
-their number: a :class:`~bigbatch.batch.GlobalBatchSampler` hands out each
-step's global batch as exactly ``k`` micro-batches (of this rank's shard under
-DDP), and :class:`AdaptiveBatchCallback` measures the statistics over them,
-scales the learning rate around the optimizer step and sets the next batch
-size::
-
-    sampler = bb.batch.GlobalBatchSampler(len(train), 64, micro_batches=4, max_samples=1_200_000)
-    loader = DataLoader(train, batch_sampler=sampler)
-    callback = AdaptiveBatchCallback(sampler, bb.batch.SimiGrad(target=1 / 3, initial=64))
-    trainer = L.Trainer(accumulate_grad_batches=4, use_distributed_sampler=False,
-                        max_epochs=1, callbacks=[callback])
-    trainer.fit(model, loader)
-
-The budget is ``max_samples`` (the loader ends there), the schedule a
-function of samples (``bigbatch.schedules``); the callback's state (sampler,
-controller, statistics, counters) goes into Lightning checkpoints. Lightning's
-loop draws one batch ahead, so a new batch size takes effect one step late.
-"""
+"""Adaptive batching for PyTorch Lightning: :class:`AdaptiveBatchCallback` with a
+:class:`~bigbatch.batch.GlobalBatchSampler` as the loader's ``batch_sampler``. A new
+batch size takes effect one step late (docs/lightning.md)."""
 
 from __future__ import annotations
 
@@ -38,29 +19,15 @@ __all__ = ["AdaptiveBatchCallback"]
 
 
 class AdaptiveBatchCallback(DriverView, pl.Callback):
-    """SimiGrad-style adaptive batching inside ``Trainer.fit`` (one optimizer).
+    """Adaptive batching inside ``Trainer.fit`` (one optimizer); ``history`` keeps one dict
+    per step.
 
     Args:
-        sampler: the :class:`~bigbatch.batch.GlobalBatchSampler` of the train
-            loader; its ``micro_batches`` must equal ``accumulate_grad_batches``.
-        controller: chooses the next batch size (default
-            :class:`~bigbatch.batch.BatchWarmup` from the sampler's batch);
-            it must start at the sampler's batch size.
-        options: the per-step rules (:class:`~bigbatch.StepOptions`: ``lr_scaling``,
-            ``base_batch_size``, ``schedule``, ``max_lr_factor``, ``statistics``, ``gsnr``,
-            ``similarity``, ``ema_beta``, ``finite_correction``, ``nonfinite``), as one
-            record or as keywords. ``similarity="split"`` needs one process; a skipped
-            non-finite step drops its gradients before the optimizer step.
-        log: log every number of the step's metrics with Lightning's logger as
-            ``bigbatch/<name>`` (the names of :mod:`bigbatch.sinks`).
-
-    A VRGD or AGVM optimizer (``bigbatch.optim``) observes every step's
-    statistics as under :class:`bigbatch.AdaptiveBatch`: the per-step rules
-    are the same :class:`~bigbatch.engine.StepEngine`'s.
-
-    ``history`` keeps one dict per optimizer step (batch size, similarity,
-    noise scale, LR factor, ...); with ``log=True`` they are also logged as
-    ``bigbatch/<name>``.
+        sampler: the train loader's :class:`~bigbatch.batch.GlobalBatchSampler`; its
+            ``micro_batches`` must equal ``accumulate_grad_batches``.
+        controller: chooses the next batch size, starting at the sampler's.
+        options: the per-step rules (:class:`~bigbatch.StepOptions`), or as keywords.
+        log: log the step's metrics as ``bigbatch/<name>`` (:mod:`bigbatch.sinks`).
     """
 
     def __init__(

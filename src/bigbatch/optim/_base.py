@@ -1,12 +1,5 @@
-"""What LAMB, LARS and MERIT share: validation, state gathering, impl dispatch.
-
-Each optimizer is a thin :class:`torch.optim.Optimizer` subclass that validates
-its hyper-parameters and gathers tensors; the math lives in functional updates
-(one readable per-tensor ``reference`` function and one multi-tensor ``foreach``
-function per optimizer). ``impl="compiled"`` runs the reference function through
-``torch.compile``, which fuses it into a few passes over memory; ``impl="fused"``
-runs hand-written multi-tensor Triton kernels on CUDA (``_fused.py``).
-"""
+"""What LAMB, LARS and MERIT share: validation, state gathering and the dispatch to
+their ``reference``, ``foreach``, ``compiled`` and ``fused`` updates."""
 
 from __future__ import annotations
 
@@ -72,12 +65,8 @@ def check_adam_group(group: dict[str, Any]) -> None:
 
 
 def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of all ``grads`` together, as a float32 tensor on the first grad's device.
-
-    No host sync: per-tensor norms are stacked and combined on device, as
-    :func:`torch.nn.utils.clip_grad_norm_` does. FSDP2 shards: this rank's
-    squared norm, summed over the ranks in one all-reduce.
-    """
+    """The L2 norm of all ``grads``, a float32 tensor on the first grad's device, with no
+    host sync; on FSDP2 shards summed over the ranks."""
     shards = shards_of(grads)
     if shards is not None:
         (norm,) = shards.norms(global_grad_norm([local(g) for g in grads]).reshape(1))
@@ -94,11 +83,8 @@ def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
 
 
 def add_scaled(targets: list[Tensor], updates: list[Tensor], coefficient: float | Tensor) -> None:
-    """``targets += coefficient * updates`` (``updates`` may be overwritten).
-
-    A tensor coefficient (a tensor learning rate) is multiplied in on the
-    device: ``alpha=`` would read it to the host.
-    """
+    """``targets += coefficient * updates`` (``updates`` may be overwritten); a tensor
+    coefficient stays on the device."""
     if isinstance(coefficient, Tensor):
         torch._foreach_mul_(updates, coefficient)
         torch._foreach_add_(targets, updates)
@@ -120,17 +106,12 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def state_dtype(p: Tensor) -> torch.dtype:
-    """Optimizer state is float32 for float16/bfloat16 params (their range and
-    precision lose Adam's second moment), the param's dtype otherwise."""
+    """float32 for float16/bfloat16 params, the param's dtype otherwise."""
     return torch.float32 if p.dtype in LOW_PRECISION else p.dtype
 
 
 def group_by_device_and_dtype(*lists: list[Tensor]) -> list[tuple[list[Tensor], ...]]:
-    """Split parallel lists by the (device, dtype) of the first list, as torch.optim does.
-
-    Multi-tensor kernels need one device and one dtype per call; the order
-    inside each bucket is the original order; empty lists stay empty.
-    """
+    """Split parallel lists by the (device, dtype) of the first list, order kept."""
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(lists[0]):
         buckets[(t.device, t.dtype)].append(i)
@@ -156,13 +137,8 @@ def _key(fn: Callable, options: dict[str, Any] | None) -> tuple[Callable, tuple]
 
 
 def compiled(fn: Callable, options: dict[str, Any] | None = None) -> Callable:
-    """``torch.compile(fn, options=options)``, made once and shared by all optimizers.
-
-    ``dynamic=False``: the graph is specialised to the shapes of one parameter
-    set (one compile per shape set), while the learning rate and the bias
-    corrections arrive as tensors, so neither a scheduler nor the step counter
-    recompiles. ``options`` are inductor settings (``torch.compile``'s).
-    """
+    """``torch.compile(fn, dynamic=False, options=options)``, made once and shared; the lr
+    and bias corrections arrive as tensors, so they never recompile."""
     key = _key(fn, options)
     if key not in _compiled_cache:
         if not torch._dynamo.is_dynamo_supported():
@@ -190,12 +166,8 @@ def _is_compiler_failure(err: BaseException) -> bool:
 def run_compiled(
     fn: Callable, fallback: Callable, options: dict[str, Any] | None, *args, **kwargs
 ) -> None:
-    """Run ``compiled(fn, options)``; where it cannot compile, run ``fallback``, warn once.
-
-    A compilation error is raised before the compiled code runs, so no state has
-    been touched when we fall back. Errors of the traced code itself (shapes,
-    dtypes) are raised as they are.
-    """
+    """Run ``compiled(fn, options)``; where it cannot compile (before any state is
+    touched), run ``fallback`` and warn once. Errors of the traced code are raised."""
     key = _key(fn, options)
     if key not in _broken:
         try:
@@ -283,14 +255,8 @@ class BigBatchOptimizer(torch.optim.Optimizer):
     def _scalar(
         self, group_index: int, name: str, value: float | Tensor, device: torch.device
     ) -> float | Tensor:
-        """``value`` as a float, or for the compiled impl in a reused float32 tensor on ``device``.
-
-        The compiled update takes the lr and the bias corrections as tensors so
-        that new values do not recompile; they live on the parameters' device,
-        so the kernel reads them there (a CPU scalar inside a CUDA graph would be
-        read to the host per tensor). A tensor learning rate (as torch.optim
-        accepts) is used as it is, never read to the host.
-        """
+        """``value`` as a float, or for the compiled impl in a reused float32 tensor on
+        ``device``; a tensor learning rate is used as it is."""
         if isinstance(value, Tensor):
             return value.to(device=device, dtype=torch.float32)
         if self.impl != "compiled":
@@ -315,14 +281,8 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         return torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch.optim's load, then two repairs of what it does to our state.
-
-        ``Optimizer.load_state_dict`` casts state to the param dtype, which would
-        round the float32 moments of a bfloat16/float16 param: they are restored
-        from ``state_dict`` at full precision. And it leaves ``step`` wherever it
-        was loaded (``map_location="cuda"``): it goes back to a CPU float32
-        scalar, so reading it in ``step()`` is no device sync.
-        """
+        """torch.optim's load, then the float32 moments of low-precision params restored at
+        full precision and ``step`` moved back to a CPU float32 scalar."""
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -345,10 +305,7 @@ class BigBatchOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _partition_by_step(steps: list[Tensor]) -> dict[float, list[int]]:
-        """Indices grouped by step count (a CPU tensor: reading it is no device sync).
-
-        Params of one group share a step unless some had no grad on some steps.
-        """
+        """Indices grouped by step count (a CPU tensor: reading it is no device sync)."""
         parts: dict[float, list[int]] = defaultdict(list)
         for i, s in enumerate(steps):
             parts[float(s)].append(i)
@@ -357,10 +314,8 @@ class BigBatchOptimizer(torch.optim.Optimizer):
     def _dispatch(
         self, reference: Callable, foreach: Callable, *lists: list[Tensor], **kwargs
     ) -> None:
-        """Run the update with this optimizer's impl on each (device, dtype) bucket.
-
-        ``lists`` are params, their grads, then state lists (in ``state_dtype``).
-        """
+        """Run the update with this optimizer's impl on each (device, dtype) bucket of
+        ``lists`` (params, grads, then state)."""
         for bucket in group_by_device_and_dtype(*lists):
             device = bucket[0][0].device
             kwargs = {

@@ -1,17 +1,7 @@
-"""Cache blocking for multi-tensor updates on the CPU.
-
-An eager optimizer step is a chain of element-wise passes (moments, square
-root, division, weight decay, update); each pass streams every tensor through
-memory, so an eager LAMB step moves ~26 parameter-sized arrays where the math
-needs 11 (docs/algorithms.md, "The memory floor of an optimizer step"). On a
-CPU the cure is to run the whole chain on one
-cache-sized block of elements before moving to the next: intermediates then
-live in cache and only the optimizer state is streamed. Per-tensor reductions
-(the norms of trust ratios) are summed from their blocks' partial norms.
-
-On CUDA, blocking buys nothing and costs kernel launches: ``block_elements``
-returns ``None`` there and the foreach functions use whole tensors.
-"""
+"""Cache blocking for multi-tensor updates on the CPU: the whole element-wise chain runs
+on one cache-sized block at a time, so only the state is streamed
+(docs/algorithms.md, "The memory floor of an optimizer step"). On CUDA, where
+blocking only adds launches, ``block_elements`` is ``None`` (whole tensors)."""
 
 from __future__ import annotations
 
@@ -33,11 +23,8 @@ def block_elements(device: torch.device) -> int | None:
 
 
 def plan(lists: Sequence[Sequence[Tensor]], size: int | None) -> list[list[Piece]]:
-    """Split the tensors of parallel ``lists`` into blocks of at most ``size`` elements.
-
-    A tensor that is not contiguous in every list stays whole (it cannot be
-    viewed flat); ``size=None`` gives one block of whole tensors.
-    """
+    """Split the tensors of parallel ``lists`` into blocks of at most ``size`` elements (a
+    non-contiguous tensor stays whole; ``size=None``: whole tensors)."""
     first = lists[0]
     if size is None:
         return [[(i, 0, t.numel()) for i, t in enumerate(first)]]

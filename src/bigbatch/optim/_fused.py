@@ -1,40 +1,9 @@
-"""``impl="fused"``: LAMB, LARS and MERIT as a few multi-tensor Triton kernels on CUDA.
-
-An optimizer step is memory-bound: its time is the parameter-sized arrays it
-moves. The fused path moves each of them the minimum number of times
-(docs/algorithms.md, "The memory floor of an optimizer step") and launches a
-fixed handful of kernels whatever the number of tensors, the way apex's
-``FusedLAMB`` and torch's fused AdamW do with ``multi_tensor_apply``:
-
-- every tensor of a (device, dtype) bucket is cut into chunks; one program
-  handles one chunk, and finds its tensor in a small table built once per
-  set of shapes (``_Layout``);
-- a tensor is addressed as an element offset from the first tensor of its
-  list. The offsets are the only thing rebuilt per step (gradients may be
-  reallocated by ``zero_grad``); they travel to the GPU from pinned memory
-  without a host sync;
-- per-tensor reductions (LAMB's norms, MERIT's row, column and layer maxima)
-  are written per chunk or combined with ``atomic_max`` (order-free, so the
-  result is deterministic), then read by the next kernel.
-
-LAMB: norm partials and moments (p, g, m, v read; m, v written), one program
-per tensor for the trust ratios, then the update (p, m, v read; p written,
-``u`` recomputed rather than stored). LARS: torch's multi-tensor norms, then
-one kernel for the momentum and the update. MERIT: tiles of 32 rows x 512
-columns; the first kernel updates the moments and gathers the maxima, the
-second recomputes ``u`` and applies the element-wise ratio.
-
-bfloat16 and float16 parameters are read and written in their own dtype with
-float32 state and float32 arithmetic (rounded once, on the store), as the
-other impls do. What the kernels do not cover runs through the ``foreach``
-update of the same optimizer: float64 tensors, tensors that are not
-contiguous, and MERIT's tensors of more than two dimensions (whose row and
-column maxima keep the other axes).
-
-Triton ships with CUDA builds of PyTorch. For tests on a machine without a GPU
-the kernels also run on CPU tensors under Triton's interpreter
-(``TRITON_INTERPRET=1`` set before bigbatch is imported).
-"""
+"""``impl="fused"``: LAMB, LARS and MERIT as a few multi-tensor Triton kernels on CUDA,
+each parameter-sized array moved the minimum number of times (docs/algorithms.md,
+"The memory floor of an optimizer step"; docs/optimizers.md, "The four
+implementations"). No host sync; float32 state and arithmetic for low-precision
+parameters; float64, non-contiguous and MERIT's >2-d tensors run through ``foreach``.
+With ``TRITON_INTERPRET=1`` set before import the kernels run on CPU tensors."""
 
 from __future__ import annotations
 
@@ -149,12 +118,8 @@ def _lamb_ratio_kernel(
     w_part, u_part, first_chunk, step_sizes, lr, lr_ptr, step_scale,
     TRUST_CLIP: tl.constexpr, LR_PTR: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One program per tensor: its norms from its chunks' partial sums, in chunk order.
-
-    ``ROUNDS`` (the most chunks of a tensor / BLOCK) bounds the loop: a bound
-    read from memory or passed as an int would do, but Triton's interpreter
-    cannot run those (it is a constant, not unrolled: ``range``, not ``static_range``).
-    """
+    """One program per tensor: its norms from its chunks' partial sums, in chunk order;
+    ``ROUNDS`` is a constant bound because Triton's interpreter needs one."""
     t = tl.program_id(0)
     lo, hi = tl.load(first_chunk + t), tl.load(first_chunk + t + 1)
     w_sq = tl.zeros([BLOCK], tl.float32)
@@ -398,11 +363,8 @@ def _tile_layout(tensors: Sequence[Tensor], device: torch.device) -> _Layout:
 
 
 def _offsets(lists: Sequence[Sequence[Tensor]], device: torch.device) -> tuple[Tensor, int]:
-    """Each tensor's element offset from its list's first tensor, ``[len(lists), n]``, on device.
-
-    Also the alignment (in elements) every offset has: 16 bytes when every
-    tensor starts on a 16-byte boundary (then loads are vectorised), else 1.
-    """
+    """Each tensor's element offset from its list's first, ``[len(lists), n]`` on device,
+    and their common alignment (16 bytes, else 1 element)."""
     values, aligned = [], True
     for tensors in lists:
         base, size = tensors[0].data_ptr(), tensors[0].element_size()
@@ -516,7 +478,7 @@ def lars_fused(
     first_step: bool,
 ) -> None:
     """The step of :func:`~bigbatch.optim.lars.lars_reference`: torch's multi-tensor
-    norms of ``p`` and ``g`` (one read of each), the ratios, then one kernel."""
+    norms, the ratios, then one kernel."""
     device = params[0].device
     check_device(device)
     adapt = weight_decay != 0 or always_adapt
@@ -546,7 +508,7 @@ def lars_fused(
 
 
 def merit_supports(t: Tensor) -> bool:
-    """MERIT's kernels take tensors of at most two dimensions (see the module docstring)."""
+    """MERIT's kernels take tensors of at most two dimensions."""
     return t.ndim <= 2
 
 

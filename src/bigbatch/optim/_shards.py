@@ -1,23 +1,6 @@
-"""LAMB, LARS and MERIT on FSDP2 shards: local updates, whole-tensor reductions in one collective.
-
-Under ``fully_shard`` each parameter, its gradient and its optimizer state are
-DTensors holding this rank's rows (dim 0). Element-wise work is local: the
-``foreach`` update runs on the local tensors (``to_local()`` views, updated
-in place). What needs a whole tensor is a reduction over its rows, and every
-one of them is a sum or a maximum of per-rank partial results:
-
-- L2 norms (LAMB's and LARS's trust ratios, LAMB's global clip): each rank's
-  squared norm of its shard, summed over the ranks;
-- MERIT's column maxima (over dim 0, the sharded one) and layer maxima: each
-  rank's maxima, maximised over the ranks; its row maxima are local.
-
-The partial results of all tensors of a step are packed into one tensor and
-reduced in one ``all_reduce``, so a step makes a fixed number of collectives
-(LAMB: one for the clip and one per param group; LARS and MERIT: one per
-group), whatever the number of tensors. Ranks whose shard of a tensor is
-empty contribute zeros. The result equals the unsharded optimizer's up to the
-order of float additions.
-"""
+"""LAMB, LARS and MERIT on FSDP2 shards: local element-wise updates, whole-tensor norms
+and maxima from per-rank partials in one collective per group (docs/algorithms.md,
+"Layer-wise optimizers on shards")."""
 
 from __future__ import annotations
 
@@ -55,8 +38,8 @@ class Shards:
 
 
 def shards_of(tensors: Sequence[Tensor]) -> Shards | None:
-    """The :class:`Shards` of ``tensors`` if they are DTensors sharded on dim 0 over a 1-D
-    mesh (FSDP2), None for plain tensors; anything else is one clear error."""
+    """The :class:`Shards` of DTensors sharded on dim 0 over a 1-D mesh, None for plain
+    tensors; anything else raises."""
     dtensors = [is_dtensor(t) for t in tensors]
     if not any(dtensors):
         return None

@@ -1,10 +1,4 @@
-"""Trust ratios: the layer-wise rate multipliers of LARS and LAMB (and MERIT's guard).
-
-In a module of their own because every implementation of a step uses them:
-the reference and foreach updates (``lars``, ``lamb``, ``merit``) and the
-Triton kernels' host side (``_fused``), which the base class loads only when
-``impl="fused"`` is asked for.
-"""
+"""Trust ratios: the layer-wise rate multipliers of LARS and LAMB (and MERIT's guard)."""
 
 from __future__ import annotations
 

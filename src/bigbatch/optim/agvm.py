@@ -1,16 +1,6 @@
-"""AGVM: module-wise gradient variance modulation (Xue et al., NeurIPS 2022).
-
-Large-batch detection training diverges when the modules (backbone, neck,
-head) see gradient variances of very different size. AGVM measures, per
-module group, the disagreement of the two half-batch gradients,
-``D_i = 1 - cos(g_A⁽ⁱ⁾, g_B⁽ⁱ⁾)``, every ``interval`` steps after ``start``;
-rescales each group's learning rate by a smoothed
-``μ_i ← m μ_i + (1 - m) sqrt(clamp((D_0 + 1e-6)/(D_i + 1e-6), 0.5, 10))``
-relative to the reference group 0; and multiplies group ``i``'s LR by ``μ_i``
-around every step (docs/algorithms.md, "AGVM"). The cosines come from
-``bigbatch.stats`` (``GradientStats.group_halves``), so under DDP they cost
-scalars, not the authors' all-gather of half gradients.
-"""
+"""AGVM: module-wise gradient variance modulation (Xue et al., NeurIPS 2022,
+arXiv:2210.02157), for large-batch training whose modules (backbone, neck, head) see
+gradient variances of very different size; from the statistics' per-group halves."""
 
 from __future__ import annotations
 
@@ -68,14 +58,13 @@ Rule = str | Mapping[str, Sequence[str]]
 
 
 def module_groups(model: nn.Module, rule: Rule) -> dict[str, list[str]]:
-    """Parameter names of ``model`` by module group, in the rule's group order.
+    """Parameter names of ``model`` by module group, in the rule's order (the first is
+    AGVM's reference).
 
-    ``rule`` is a built-in name: ``"top"`` (one group per top-level child),
-    ``"ends"`` (the first top-level child with parameters, the last one, and
-    the rest, if any, as ``"body"``), ``"detection"`` (backbone / neck / head) or
-    ``"transformer"`` (embedding / blocks / head); or a mapping of group names
-    to ``fnmatch`` patterns of parameter names. Every trainable parameter must
-    land in a group; the first group is AGVM's reference.
+    ``rule``: ``"top"`` (one group per top-level child), ``"ends"`` (first, last, and
+    ``"body"``), ``"detection"`` (backbone / neck / head), ``"transformer"`` (embedding /
+    blocks / head), or a mapping of group names to ``fnmatch`` patterns. Every trainable
+    parameter must land in a group.
     """
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     if isinstance(rule, str) and rule in COMPUTED_RULES:
@@ -171,16 +160,17 @@ GROUPS_CONFIG = {
 class AGVM(StatisticsWrapper):
     """Scale each module group's learning rate by its gradient-variance multiplier μ (AGVM).
 
-    Module groups are the param groups' ``agvm_group`` tags (from
-    :func:`module_param_groups`), or each param group on its own when untagged;
-    the first group is the reference (μ₀ stays 1).
+    Every ``interval`` steps after ``start``, with ``D_i = 1 − cos(g_A, g_B)`` of group
+    ``i``, ``μ_i ← m μ_i + (1 − m) sqrt(clamp(D_0 / D_i, *bounds))`` (each ``D`` + 1e-6);
+    group ``i``'s rate is multiplied by ``μ_i`` around each step. Groups are the param
+    groups' ``agvm_group`` tags (:func:`module_param_groups`), else each param group.
 
     Args:
         base: the optimizer to wrap (SGD, AdamW, LAMB, ...).
-        interval: steps between updates of μ (default 5).
-        start: steps before the first update (default 500; μ = 1 until then).
-        momentum: m of μ's moving average (default 0.97).
-        bounds: the clamp of the variance ratio before the square root ((0.5, 10)).
+        interval: steps between updates of μ.
+        start: steps before the first update (μ = 1 until then).
+        momentum: m of μ's moving average.
+        bounds: the clamp of the variance ratio before the square root.
     """
 
     #: the config keys (``agvm.<key>``) a run may set (bigbatch.knobs)
@@ -248,7 +238,7 @@ class AGVM(StatisticsWrapper):
         self.multipliers = [m * mu + (1 - m) * s for mu, s in zip(self.multipliers, ratio)]
 
     def observe(self, stats: GradientStats) -> None:
-        """Count the step and, when one is due, update μ (from the step's host read, no other)."""
+        """Count the step and, when one is due, update μ (no host read of its own)."""
         super().observe(stats)
         self._steps += 1
         if self._steps > self.start and (self._steps - self.start) % self.interval == 0:

@@ -1,10 +1,5 @@
-"""LAMB: layer-wise adaptive moments (You et al., 2019, arXiv:1904.00962).
-
-Adam's update, rescaled per tensor by the trust ratio ``|p| / |u|`` so every
-layer moves by a similar fraction of its norm whatever the batch size. The
-defaults and semantics are those of apex ``FusedLAMB`` and timm ``Lamb``
-(docs/algorithms.md, "LAMB"), so a run moved from either gets the same numbers.
-"""
+"""LAMB: layer-wise adaptive moments (You et al., 2019, arXiv:1904.00962), with apex
+``FusedLAMB``'s and timm ``Lamb``'s defaults (docs/algorithms.md, "LAMB")."""
 
 from __future__ import annotations
 
@@ -48,13 +43,8 @@ def lamb_reference(
     trust_clip: bool,
     always_adapt: bool,
 ) -> None:
-    """One LAMB step, tensor by tensor: the readable specification.
-
-    ``clip`` is the global-norm divisor ``max(1, |g| / max_grad_norm)`` (None: no
-    clipping); ``bias_correction1/2`` are ``1 - beta**step`` (1.0 without bias
-    correction). With ``lr`` and the corrections as tensors this is also the
-    function ``impl="compiled"`` hands to ``torch.compile``.
-    """
+    """One LAMB step per tensor, the readable specification (also what ``"compiled"``
+    compiles); ``clip`` is ``max(1, |g| / max_grad_norm)`` or None."""
     bc1, bc2 = bias_correction1, bias_correction2
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         if clip is not None:
@@ -98,16 +88,8 @@ def lamb_foreach(
     always_adapt: bool,
     shards: Shards | None = None,
 ) -> None:
-    """The same step as :func:`lamb_reference` with multi-tensor ops, cache-blocked on the CPU.
-
-    Two passes over the state: the first updates the moments and sums the block
-    norms of ``p`` and ``u``; the second recomputes ``u`` (cheaper than storing
-    it) and applies it with the trust ratio. That is the 11-array minimum of
-    docs/algorithms.md, "The memory floor of an optimizer step" (with the global
-    grad norm), without a ``u`` buffer. On FSDP2 shards (``shards``) the
-    tensors are this rank's rows and the norms of ``p`` and ``u`` are summed
-    over the ranks in one all-reduce between the two passes.
-    """
+    """The same step as :func:`lamb_reference`, multi-tensor, in two cache-blocked passes on
+    the CPU (no ``u`` buffer); on FSDP2 ``shards`` the norms are summed over the ranks."""
     bc1, bc2 = bias_correction1, bias_correction2
     # m̂ / (sqrt(v̂) + eps) == scale * m / (sqrt(v) + eps * sqrt(bc2)): folding the
     # corrections into scalars saves two passes; U below is the update / scale.
@@ -171,8 +153,7 @@ def _step_sizes(
     trust_clip: bool,
     shards: Shards | None,
 ) -> tuple[Tensor, ...]:
-    """Per tensor ``-lr * scale * ratio`` from the blocks' norms of ``p`` and ``U``
-    (on FSDP2 shards, the norms summed over the ranks first)."""
+    """Per tensor ``-lr * scale * ratio`` from the blocks' norms of ``p`` and ``U``."""
     if pieces:
         w_norm = _blocks.combine_norms(pieces, w_norms, len(params))
         u_norm = _blocks.combine_norms(pieces, u_norms, len(params)) * scale
@@ -189,31 +170,18 @@ def _step_sizes(
 class LAMB(BigBatchOptimizer):
     """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning").
 
-    ``u = m̂ / (sqrt(v̂) + eps) + weight_decay * p``, then
-    ``p ← p - lr * (|p| / |u|) * u`` per tensor (ratio 1 where a norm is 0).
-    Defaults equal apex ``FusedLAMB`` and timm ``Lamb``.
+    ``u = m̂ / (sqrt(v̂) + eps) + weight_decay * p``, then ``p ← p - lr * (|p| / |u|) * u``
+    per tensor (ratio 1 where a norm is 0). State in float32 for low-precision params.
 
     Args:
         params: parameters or param groups (see :func:`bigbatch.optim.param_groups`).
         lr, betas, eps, weight_decay: as in Adam; weight decay enters ``u``.
-        bias_correction: Adam's bias correction of the moments (apex, timm: on).
-        max_grad_norm: clip the global gradient norm over all groups to this
-            before the moments (apex's default 1.0); ``None`` disables.
-        always_adapt: apply the trust ratio to groups without weight decay too
-            (NVLAMB). Off by default, as in apex/timm: groups with
-            ``weight_decay=0`` (biases, norms) take plain Adam steps.
+        bias_correction: Adam's bias correction of the moments.
+        max_grad_norm: clip the global gradient norm to this first (``None``: off).
+        always_adapt: apply the trust ratio to groups without weight decay too.
         trust_clip: clip the trust ratio at 1 (LAMBC).
-        decoupled_weight_decay: ``p ← p - lr * weight_decay * p`` outside the
-            trust ratio (timm's ``decoupled_decay``); ``u`` then has no decay term.
-        impl: ``"foreach"`` (default; multi-tensor, cache-blocked on CPU),
-            ``"reference"`` (per tensor, readable) or ``"compiled"``
-            (``torch.compile`` of the reference, compiled once per shape set)
-            or ``"fused"`` (three multi-tensor Triton kernels, CUDA only).
-
-    State per parameter: ``step`` (float32 CPU scalar), ``exp_avg`` and
-    ``exp_avg_sq`` on the parameter's device, in its dtype (float32 for
-    float16/bfloat16 parameters). Norms are accumulated in float32 (float64
-    for float64 parameters).
+        decoupled_weight_decay: decay ``p`` outside the trust ratio (timm's).
+        impl: ``"foreach"``, ``"reference"``, ``"compiled"`` or ``"fused"`` (CUDA).
 
     Example:
         >>> opt = LAMB(param_groups(model, weight_decay=0.01), lr=2e-3)

@@ -1,9 +1,5 @@
-"""LARS: layer-wise adaptive rate scaling (You, Gitman, Ginsburg, 2017, arXiv:1708.03888).
-
-SGD with momentum whose per-tensor learning rate is scaled by the trust ratio
-``eta * |w| / (|g| + weight_decay * |w| + eps)``. Semantics of timm ``Lars``
-and apex ``LARC`` (docs/algorithms.md, "LARS").
-"""
+"""LARS: layer-wise adaptive rate scaling (You, Gitman, Ginsburg, 2017,
+arXiv:1708.03888), as timm ``Lars`` and apex ``LARC`` (docs/algorithms.md, "LARS")."""
 
 from __future__ import annotations
 
@@ -39,12 +35,8 @@ def lars_reference(
     always_adapt: bool,
     first_step: bool,
 ) -> None:
-    """One LARS step, tensor by tensor: the readable specification.
-
-    ``momentum_buffers`` is empty when ``momentum == 0``. On the ``first_step``
-    of a buffer it is set to the adapted gradient itself (no dampening), as
-    torch's SGD and timm do; the caller passes freshly allocated buffers then.
-    """
+    """One LARS step, tensor by tensor: the readable specification. On a buffer's
+    ``first_step`` it is set to the adapted gradient (no dampening)."""
     for i, (p, g) in enumerate(zip(params, grads)):
         if weight_decay != 0 or always_adapt:
             ratio = lars_ratio(
@@ -84,12 +76,8 @@ def lars_foreach(
     first_step: bool,
     shards: Shards | None = None,
 ) -> None:
-    """The same step as :func:`lars_reference` with multi-tensor ops, cache-blocked on the CPU.
-
-    The norms take one read of ``p`` and ``g``; the update then runs block by
-    block so the adapted gradient never leaves the cache. On FSDP2 shards
-    (``shards``) both norms are summed over the ranks in one all-reduce.
-    """
+    """The same step as :func:`lars_reference`, multi-tensor, cache-blocked on the CPU; on
+    FSDP2 ``shards`` the norms are summed over the ranks."""
     adapt = weight_decay != 0 or always_adapt
     ratios: tuple[Tensor, ...] = ()
     if adapt:
@@ -132,31 +120,19 @@ def lars_foreach(
 class LARS(BigBatchOptimizer):
     """LARS (You et al., 2017, "Large Batch Training of Convolutional Networks").
 
-    Per tensor: ``τ = trust_coefficient * |w| / (|g| + weight_decay * |w| + eps)``
-    (1 where a norm is 0), ``g' = (g + weight_decay * w) * τ``, then SGD with
-    momentum on ``g'``: ``buf = momentum * buf + (1 - dampening) * g'`` (the
-    buffer starts as ``g'``), ``w ← w - lr * buf`` (Nesterov optional).
-
-    Adaptation applies only to groups with ``weight_decay != 0`` unless
-    ``always_adapt``, as in timm ``Lars`` and apex ``LARC``: with weight decay 0
-    and ``always_adapt=False`` LARS *is* SGD with momentum. That is by design:
-    put biases and normalisation weights in a no-decay group
-    (:func:`bigbatch.optim.param_groups`) and they are not adapted.
+    Per tensor ``τ = trust_coefficient * |w| / (|g| + weight_decay * |w| + eps)`` (1 where
+    a norm is 0), then momentum SGD on ``(g + weight_decay * w) * τ``; only groups with
+    ``weight_decay != 0`` are adapted unless ``always_adapt``.
 
     Args:
         params: parameters or param groups.
-        lr: learning rate (required: there is no good default across models).
-        momentum, dampening, weight_decay, nesterov: as in ``torch.optim.SGD``;
-            momentum defaults to 0.9 (timm: 0).
-        trust_coefficient: η of the paper (0.001).
+        lr: learning rate (required).
+        momentum, dampening, weight_decay, nesterov: as in ``torch.optim.SGD``.
+        trust_coefficient: η of the paper.
         eps: added to the ratio's denominator.
         trust_clip: LARC clipping, ``τ ← min(τ / lr, 1)``.
         always_adapt: adapt groups without weight decay too.
-        impl: ``"foreach"`` (default), ``"reference"``, ``"compiled"`` or
-            ``"fused"`` (Triton kernels, CUDA only).
-
-    State per parameter: ``momentum_buffer`` when momentum is non-zero, on the
-    parameter's device, in its dtype (float32 for float16/bfloat16 parameters).
+        impl: ``"foreach"``, ``"reference"``, ``"compiled"`` or ``"fused"`` (CUDA).
     """
 
     #: how its rate follows the batch (``bigbatch.optim.FAMILIES``)

@@ -1,13 +1,5 @@
-"""MERIT: max-norm element-wise trust ratios (Luo et al., ICML 2025).
-
-"MERIT: Maximum-normalized Element-wise Ratio for Language Model Large-batch
-Training". LAMB's trust ratio uses L2 norms, which let single large entries
-(and with them the maximum attention logit) grow at large batch; MERIT uses
-max-norms of whole layers, rows and columns, takes per element the largest of
-the row, column and layer ratios, and clips the scaled update to [-1, 1].
-Follows the authors' code (docs/algorithms.md, "MERIT"): Adam moments without bias
-correction, weight decay inside the update, every tensor adapted.
-"""
+"""MERIT: max-norm element-wise trust ratios (Luo et al., ICML 2025), as the authors'
+code (docs/algorithms.md, "MERIT")."""
 
 from __future__ import annotations
 
@@ -26,11 +18,8 @@ __all__ = ["MERIT", "merit_foreach", "merit_ratio", "merit_reference"]
 
 
 def _max_abs(t: Tensor, dim: int | None = None) -> Tensor:
-    """``|t|.amax(dim, keepdim=True)`` without materialising ``|t|``.
-
-    Along a dim, ``amax`` and ``amin`` apart are ~8x faster on the CPU than
-    ``aminmax`` (torch 2.13); over the whole tensor ``aminmax`` is one pass.
-    """
+    """``|t|.amax(dim, keepdim=True)`` without materialising ``|t|`` (along a dim, ``amin``
+    and ``amax`` apart are faster on the CPU than ``aminmax``)."""
     if dim is None:
         low, high = torch.aminmax(t)
     else:
@@ -39,13 +28,8 @@ def _max_abs(t: Tensor, dim: int | None = None) -> Tensor:
 
 
 def merit_ratio(p: Tensor, u: Tensor) -> Tensor:
-    """The element-wise trust ratio τ of MERIT for weight ``p`` and update ``u``.
-
-    For ``ndim >= 2``: ``max(max(r_i, c_j), ρ)`` with ``ρ = max|p| / max|u|``,
-    row ratios over dim 1 and column ratios over dim 0 of the tensor as it is
-    (a convolution kernel keeps its other axes, as in the authors' code); 1
-    wherever a maximum involved is 0. For ``ndim < 2`` a scalar ``max|p| / max|u|``.
-    """
+    """The element-wise trust ratio τ of weight ``p`` and update ``u`` (docs/algorithms.md,
+    "MERIT"); 1 wherever a maximum is 0."""
     if p.ndim < 2:
         w, a = _max_abs(p), _max_abs(u)
         return trust_ratio(w, a, w / a)
@@ -101,17 +85,8 @@ def merit_foreach(
     weight_decay: float,
     shards: Shards | None = None,
 ) -> None:
-    """The same step as :func:`merit_reference`, cache-blocked along dim 0 on the CPU.
-
-    The ratios need every row and column maximum of ``|p|`` and ``|u|`` before
-    any element moves, so the step takes two passes over blocks of rows: the
-    first updates the moments and gathers row maxima and running column maxima
-    of every tensor, the second recomputes ``u`` (cheaper than storing it) and
-    applies the step. On CUDA a block is the whole tensor. On FSDP2 shards
-    (``shards``) each rank holds whole rows: row maxima are local, and the
-    column and layer maxima of all tensors are maximised over the ranks in one
-    all-reduce between the passes.
-    """
+    """The same step as :func:`merit_reference`, in two passes over blocks of rows; on FSDP2
+    ``shards`` the column and layer maxima are maximised over the ranks."""
     size = _blocks.block_elements(params[0].device)
     views = [_as_rows(t) for t in zip(params, grads, exp_avgs, exp_avg_sqs)]
     found = [_gather_maxima(*v, size, beta1, beta2, eps, weight_decay) for v in views]
@@ -219,20 +194,13 @@ def _descend(p: Tensor, update: Tensor, lr: float | Tensor) -> None:
 class MERIT(BigBatchOptimizer):
     """MERIT (Luo et al., ICML 2025): Adam with max-norm element-wise trust ratios.
 
-    ``m, v`` as in Adam (no bias correction, as in the authors' code),
-    ``u = m / (sqrt(v) + eps) + weight_decay * p``, ``τ = merit_ratio(p, u)``,
-    ``p ← p - lr * clip(u * τ, -1, 1)``. Defaults are the code's; for GPT-2 the
-    authors recommend ``lr=2e-4, betas=(0.9, 0.95), weight_decay=0.01``.
+    ``u = m / (sqrt(v) + eps) + weight_decay * p`` (no bias correction),
+    ``p ← p - lr * clip(u * merit_ratio(p, u), -1, 1)``.
 
     Args:
         params: parameters or param groups.
         lr, betas, eps, weight_decay: as in Adam (weight decay inside ``u``).
-        impl: ``"foreach"`` (default), ``"reference"``, ``"compiled"`` or
-            ``"fused"`` (Triton kernels, CUDA only).
-
-    State per parameter: ``step`` (float32 CPU scalar, for bookkeeping),
-    ``exp_avg`` and ``exp_avg_sq`` on the parameter's device, in its dtype
-    (float32 for float16/bfloat16 parameters).
+        impl: ``"foreach"``, ``"reference"``, ``"compiled"`` or ``"fused"`` (CUDA).
     """
 
     #: how its rate follows the batch (``bigbatch.optim.FAMILIES``)

@@ -21,13 +21,9 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into a decay and a no-decay group.
 
-    Biases and normalisation weights (every parameter with ``ndim <= 1``) and
-    the parameters whose name matches a ``no_decay`` pattern (``fnmatch``
-    syntax, e.g. ``"pos_embed"`` or ``"embed.*"``) get ``weight_decay=0``; the
-    rest get ``weight_decay``. A model method ``no_weight_decay()`` returning
-    names (the timm convention) adds to ``no_decay``. This is also what makes
-    LAMB and LARS skip the trust ratio for those parameters (NVIDIA's BERT
-    recipe; docs/algorithms.md, "LAMB"). Empty groups are left out.
+    Parameters with ``ndim <= 1``, those matching a ``no_decay`` ``fnmatch`` pattern and
+    those a ``model.no_weight_decay()`` names get ``weight_decay=0`` (and so no trust
+    ratio in LAMB and LARS). Empty groups are left out.
 
     Example:
         >>> opt = LAMB(param_groups(model, weight_decay=0.01), lr=2e-3)

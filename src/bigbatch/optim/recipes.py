@@ -1,21 +1,5 @@
-"""Each optimizer's default recipe: what it trains with when a user names it and nothing else.
-
-A rate alone does not make an optimizer train: LARS and momentum SGD with an
-Adam-type weight decay of 0.01 lose 4-30 points on MNIST-1D against the same
-rate at 5e-4 (docs/results.md, "Recipes"). A :class:`Recipe` holds the rest:
-weight decay, warm-up, decay shape and the optimizer's own settings. The
-rate itself depends on the task and batch, so it lives beside the task
-(``Task.lrs``, measured per optimizer), and so does the batch rule that
-carries it where the task measured one (``Task.lr_rules``); else the
-family's (``bigbatch.batch.lr.FAMILY_RULES``).
-
-Who reads a recipe: :func:`bigbatch.optim.create_optimizer` (weight decay and
-settings, so the plugins that build their optimizer through it get them too),
-the CLI's config (``weight_decay``, ``schedule.kind``, ``schedule.warmup`` and
-``vrgd.gamma`` left at ``"auto"``) and :meth:`Recipe.schedule_over` (the
-schedule in samples that the loop and the Lightning and Hugging Face plugins
-take, or torch's ``LambdaLR`` multiplier in steps).
-"""
+"""Each optimizer's default recipe: the weight decay, warm-up, decay and settings it
+trains with when a user names it and nothing else (docs/optimizers.md, "Recipes")."""
 
 from __future__ import annotations
 
@@ -35,16 +19,12 @@ class Recipe:
     """How one optimizer trains unasked (docs/optimizers.md, "Recipes").
 
     Args:
-        weight_decay: on the decayed group only (biases, norms and
-            ``no_decay`` parameters get none and, for LARS/LAMB, no trust
-            ratio: :func:`bigbatch.optim.param_groups`). Coupled (added to
-            the gradient) for SGD and LARS, decoupled for AdamW and LAMB, so
-            the two families' values differ by orders of magnitude.
+        weight_decay: on the decayed group only (:func:`bigbatch.optim.param_groups`);
+            coupled for SGD and LARS, decoupled for AdamW and LAMB.
         warmup: linear warm-up, a fraction of the training budget.
         schedule: the decay after warm-up (``bigbatch.batch.lr.SCHEDULES``).
-        options: the optimizer's own settings (momentum, trust coefficient,
-            VRGD's γ), passed to its constructor.
-        evidence: where the values come from (the paper, and the measurement).
+        options: the optimizer's own settings, passed to its constructor.
+        evidence: where the values come from.
     """
 
     weight_decay: float
@@ -60,11 +40,9 @@ class Recipe:
         choice("schedule", self.schedule, SCHEDULES)
 
     def schedule_over(self, total: int) -> Schedule:
-        """The recipe's warm-up and decay over ``total`` samples, the schedule that
-        ``StepOptions(schedule=...)`` (the loop, the Lightning and Hugging Face plugins)
-        takes; over ``total`` optimizer steps it is the multiplier of torch's ``LambdaLR``::
+        """The recipe's warm-up and decay over ``total`` samples (a ``StepOptions.schedule``),
+        or over ``total`` steps as torch's ``LambdaLR`` multiplier::
 
-            optimizer = create_optimizer(model, "lars", lr=4.0)
             recipe = get_optimizer_info("lars").recipe
             callback = AdaptiveBatchCallback(sampler, schedule=recipe.schedule_over(max_samples))
         """
@@ -77,16 +55,15 @@ def _recipe(weight_decay: float, evidence: str, **options: Any) -> Recipe:
 
 #: decoupled weight decay 0.01 as in the LAMB paper's BERT runs and timm's defaults
 _ADAM = _recipe(0.01, "LAMB paper (BERT: 0.01); evidence grids of issues 13 and 21")
-#: coupled L2 5e-4 as in the LARS paper and torchvision's ResNet recipes; 0.01 costs 4
-#: points on MNIST-1D (docs/results.md, "Recipes")
+#: coupled L2 5e-4 as in the LARS paper and torchvision's ResNet recipes (a coupled decay
+#: of the Adam-type 0.01 is far too strong: docs/optimizers.md, "Recipes")
 _SGD = _recipe(5e-4, "LARS paper and torchvision (5e-4); docs/results.md, Recipes")
 _LARS = _recipe(
     5e-4,
     "LARS paper, MLPerf ResNet-50 (trust 0.001, wd 5e-4..1e-4); docs/results.md, Recipes",
     trust_coefficient=0.001,
 )
-#: the VRGD paper's γ (good range 0.04-0.2); a grid on MNIST-1D (docs/results.md,
-#: claim 3) found no better one
+#: the VRGD paper's γ (its good range: 0.04-0.2)
 _GAMMA = 0.1
 
 

@@ -1,8 +1,4 @@
-"""Optimizers by name: the registry is data, one frozen record per name.
-
-Every experiment names its optimizer (``optimizer = "lamb"`` in a config), so
-torch's SGD and AdamW are registered beside bigbatch's own as anchors.
-"""
+"""Optimizers by name: one frozen record per name, torch's SGD and AdamW among them."""
 
 from __future__ import annotations
 
@@ -243,14 +239,9 @@ def create_optimizer(
 ) -> torch.optim.Optimizer:
     """Build the optimizer registered as ``name``.
 
-    Given an ``nn.Module``, parameters are split by :func:`param_groups` (no
-    weight decay for biases, norms and ``no_decay`` patterns) with the
-    optimizer's weight decay (``kwargs`` or its recipe's); given parameters or
-    param groups, they are used as they are (a group without ``weight_decay``
-    gets the recipe's). The optimizer's recipe (:data:`RECIPES`: weight decay,
-    momentum, trust coefficient, VRGD's γ) fills what ``kwargs`` leave out;
-    ``kwargs`` override it. An argument the optimizer does not take is a
-    ``ValueError`` naming it.
+    An ``nn.Module`` is split by :func:`param_groups`; parameters or groups are used as
+    they are. The recipe (:data:`RECIPES`) fills what ``kwargs`` leave out. An argument
+    the optimizer does not take is a ``ValueError``.
 
     Example:
         >>> opt = create_optimizer(model, "lamb", lr=2e-3, weight_decay=0.01)
@@ -283,9 +274,7 @@ def create_optimizer(
 
 
 def _check_common(options: Mapping[str, Any]) -> None:
-    """The hyper-parameters every optimizer here shares, checked for the ones torch builds,
-    which take ``lr=nan`` or ``momentum=1.5`` and fail on ``betas=(0.9,)`` with an
-    ``IndexError`` (bigbatch's own check theirs again, as a group's)."""
+    """The hyper-parameters every optimizer shares, checked for torch's too."""
     for key in ("lr", "weight_decay"):
         if key in options and not isinstance(options[key], torch.Tensor):  # a tensor lr
             check_number(key, options[key])

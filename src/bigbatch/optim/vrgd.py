@@ -1,13 +1,5 @@
-"""VRGD: gradient signal-to-noise ratio scaling on top of any optimizer (arXiv 2309.13681).
-
-Each step the element-wise GSNR of the sub-batch gradients, ``r = ḡ²/σ²``
-(``σ²`` their weighted population variance, from a Welford pass in
-``bigbatch.stats``), is normalised per parameter tensor so its mean (or
-median) is 1, clipped to ``[γ, 1]``, optionally smoothed by a momentum, and
-multiplies the gradient the base optimizer sees: coordinates whose sub-batch
-gradients disagree are damped, the consistent ones pass unchanged
-(docs/algorithms.md, "VRGD"). The paper publishes no code; this follows its equations.
-"""
+"""VRGD: gradient signal-to-noise ratio scaling on top of any optimizer
+(arXiv:2309.13681, from its equations; docs/algorithms.md, "VRGD")."""
 
 from __future__ import annotations
 
@@ -44,18 +36,15 @@ def gsnr_ratio(gsnr: Tensor, gamma: float, normalizer: str = "mean") -> Tensor:
 
 
 class VRGD(StatisticsWrapper):
-    """Feed ``r ⊙ g`` to ``base``, with ``r`` the normalised, clipped GSNR (VRGD, arXiv 2309.13681).
+    """Feed ``r ⊙ g`` to ``base``, with ``r`` the normalised, clipped GSNR (arXiv:2309.13681).
 
     Args:
-        base: the optimizer to wrap (SGD, momentum SGD, Adam/AdamW, LARS, LAMB, ...).
-        gamma: lower clip of the ratio (the paper: 0.1; good range 0.04-0.2).
-        normalizer: ``"mean"`` (the paper) or ``"median"`` (robust to the
-            heavy tail of a GSNR estimated from few sub-batches).
-        gsnr_momentum: β3 of an exponential moving average of the ratio,
-            bias-corrected (the paper's VR-Adam: 0.9); 0 uses each step's ratio.
+        base: the optimizer to wrap (SGD, Adam/AdamW, LARS, LAMB, ...).
+        gamma: lower clip of the ratio.
+        normalizer: ``"mean"`` (the paper) or ``"median"``.
+        gsnr_momentum: β3 of a bias-corrected moving average of the ratio (0: none).
 
-    Needs at least 4 sub-batches per step and warns below 8; ``AdaptiveBatch``
-    collects the GSNR when its optimizer is a VRGD. Example::
+    Needs at least 4 sub-batches per step and warns below 8. Example::
 
         optimizer = VRGD(LAMB(param_groups(model, 0.01), lr=2e-3), gamma=0.1, gsnr_momentum=0.9)
         loop = bb.AdaptiveBatch(model, optimizer, data, min_sub_batches=8)
@@ -97,7 +86,7 @@ class VRGD(StatisticsWrapper):
         self._warned_of: set[int] = set()
 
     def check_sub_batches(self, count: int) -> None:
-        """Refuse fewer than 4 sub-batches per step; warn below 8 (docs/algorithms.md, "VRGD")."""
+        """Refuse fewer than 4 sub-batches per step; warn below 8."""
         super().check_sub_batches(count)
         if count < MIN_SUB_BATCHES:
             raise ValueError(

@@ -14,12 +14,9 @@ __all__ = ["StatisticsWrapper"]
 class StatisticsWrapper(torch.optim.Optimizer):
     """Wraps ``base`` and shares its param groups and state (timm's Lookahead pattern).
 
-    The wrapper is a ``torch.optim.Optimizer``, so LR schedulers, ``GradScaler``
-    and bigbatch's LR rules work on it: they change ``param_groups``, which
-    are the base optimizer's own dicts. Subclasses read each step's
-    :class:`~bigbatch.stats.GradientStats` in :meth:`observe` (``AdaptiveBatch``
-    calls it before every ``step``) and name what they need in ``needs``
-    (``"gsnr"`` makes ``AdaptiveBatch`` collect the element-wise GSNR).
+    Schedulers, ``GradScaler`` and bigbatch's rate rules work on it. Subclasses read each
+    step's :class:`~bigbatch.stats.GradientStats` in :meth:`observe` and name what they
+    need in ``needs`` (``"gsnr"``).
     """
 
     needs: frozenset[str] = frozenset()
@@ -47,10 +44,7 @@ class StatisticsWrapper(torch.optim.Optimizer):
         return self.needs | inner
 
     def check_sub_batches(self, count: int) -> None:
-        """Refuse (or warn about) ``count`` sub-batches per step if too few for this wrapper.
-
-        Every wrapper in a nest is asked; the base class accepts any count.
-        """
+        """Refuse (or warn about) ``count`` sub-batches per step if too few for this wrapper."""
         if isinstance(self.base, StatisticsWrapper):
             self.base.check_sub_batches(count)
 
@@ -60,12 +54,8 @@ class StatisticsWrapper(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Run ``closure`` first (Lightning runs the last backward inside it, and the
-        statistics are observed there), then the modulated step of the base optimizer.
-
-        A step in which no parameter has a gradient (a loop dropped a non-finite
-        step's gradients) does nothing, as torch's optimizers do.
-        """
+        """Run ``closure`` first, then the modulated step; nothing when no parameter has a
+        gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,22 +1,6 @@
-"""Gradient compression with error control as a DDP communication hook (docs/algorithms.md).
-
-Compressors (Top-K, Rand-K) send a fraction of each bucket; an error-control
-method (``"ef"``, ``"ef21"``, ``"ef21-sgdm"``, ``"econtrol"``, or ``"none"``)
-keeps the compression error from accumulating into a biased step. The rules
-themselves live in :mod:`bigbatch.parallel.error_control`; this module applies
-them to DDP's buckets, runs the collectives and keeps the state.
-
-All in gradient units: a comm hook never sees the step size, and bigbatch
-rescales the learning rate every step. ``x`` is this rank's bucket divided by
-the world size, so the sum over ranks is DDP's usual mean (and exact with
-``AdaptiveBatch``'s weighting). The state is kept per parameter, not per
-bucket, so DDP's bucket rebuild after the first iteration of a process (also
-of a resumed one) does not scramble it; the first ``warmup`` steps reduce
-uncompressed and start the estimators at the full gradient.
-
-Statistics compose: ``bigbatch.stats`` reads the uncompressed local
-gradients in autograd hooks, before DDP hands buckets to this hook.
-"""
+"""Gradient compression (Top-K, Rand-K) with error control as a DDP communication hook,
+in gradient units; state per parameter, the first ``warmup`` steps uncompressed
+(docs/algorithms.md, "Compression with error control")."""
 
 from __future__ import annotations
 
@@ -59,18 +43,14 @@ def top_k(message: Tensor, ratio: float) -> tuple[Tensor, Tensor]:
 
 
 def rand_k(message: Tensor, ratio: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Rand-K: ``kept(d, ratio)`` coordinates drawn by ``generator`` (unscaled values, indices).
-
-    Every rank must pass a generator in the same state, so that all pick the
-    same coordinates and one all-reduce of the values suffices.
-    """
+    """Rand-K: ``kept(d, ratio)`` coordinates drawn by ``generator`` (unscaled values,
+    indices); every rank must pass a generator in the same state."""
     d = message.numel()
     indices = torch.randperm(d, generator=generator, device=message.device)[: kept(d, ratio)]
     return message[indices], indices
 
 
-#: each method's η when none is given; at Top-K 1% under LAMB no η tried trained,
-#: EControl at η = 0.1 holds from 5% up (docs/results.md, "Compression at 1%")
+#: each method's η when none is given (docs/algorithms.md, "Compression with error control")
 DEFAULT_ETA = {"ef21-sgdm": 0.1, "econtrol": 0.1}
 # torch 2.10 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -81,21 +61,16 @@ class CompressionState:
 
     Args:
         model: the ``DistributedDataParallel`` model (its parameters key the state).
-        method: ``"ef"``, ``"ef21"``, ``"ef21-sgdm"``, ``"econtrol"`` or ``"none"``
-            (no error control).
+        method: ``"ef"``, ``"ef21"``, ``"ef21-sgdm"``, ``"econtrol"`` or ``"none"``.
         compressor: ``"topk"`` (all-gather of values and indices) or ``"randk"``
-            (indices from a seed shared by all ranks; all-reduce of the values).
+            (shared seed; all-reduce of the values).
         ratio: the fraction ``K/d`` of each bucket sent (0 < ratio ≤ 1).
-        eta: the method's η: EControl's feedback strength, EF21-SGDM's
-            averaging weight of the new gradient (ignored by the others);
-            ``None``: the method's default (:data:`DEFAULT_ETA`).
-        warmup: steps of plain all-reduce first (at least 1: DDP rebuilds its
-            buckets after the first iteration).
+        eta: the method's η (``None``: :data:`DEFAULT_ETA`; ignored by ef and none).
+        warmup: steps of plain all-reduce first (at least 1).
         seed: Rand-K's shared seed.
 
-    Register with ``ddp.register_comm_hook(state, compression_hook)`` (or
-    hand the pair to ``AdaptiveBatch(comm_hook=(state, compression_hook))``);
-    save ``state_dict()`` with the checkpoint.
+    Register with ``ddp.register_comm_hook(state, compression_hook)`` or
+    ``AdaptiveBatch(comm_hook=(state, compression_hook))``; save ``state_dict()``.
     """
 
     #: the config keys (``dist.<key>``) a run may set (bigbatch.knobs); the method's η is two
@@ -149,11 +124,7 @@ class CompressionState:
 
     @property
     def lossless(self) -> bool:
-        """Whether the hook's result is the plain mean: every coordinate sent, no averaging.
-
-        At ratio 1 every method is a plain all-reduce, except EF21-SGDM with
-        η < 1, which reduces the ranks' moving averages instead.
-        """
+        """Whether the result is the plain mean (ratio 1, except EF21-SGDM with η < 1)."""
         return self.ratio >= 1.0 and (self.method != "ef21-sgdm" or self.eta == 1.0)
 
     # ------------------------------------------------------------ the hook

@@ -1,5 +1,4 @@
-"""What a loop needs to know about a ``DistributedDataParallel`` model, in one place
-(and where a step accumulates, about an FSDP2 one: :mod:`bigbatch.parallel.fsdp`)."""
+"""What a loop needs to know about a ``DistributedDataParallel`` (or FSDP2) model."""
 
 from __future__ import annotations
 
@@ -28,11 +27,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """DDP's ``no_sync()`` for every micro-batch of a step but the last; under FSDP2
-    the gradient sync switched off until the last; nothing for a plain module.
-
-    Gradients then accumulate locally and are reduced once per optimizer step.
-    """
+    """DDP's ``no_sync()`` (FSDP2: gradient sync off) for every micro-batch but the last;
+    nothing for a plain module."""
     if is_fully_sharded(model):
         accumulate(model, last)
     elif isinstance(model, nn.parallel.DistributedDataParallel) and not last:
@@ -45,11 +41,7 @@ def register(
     comm_hook: tuple[Any, CommHook] | None,
     two_groups: TwoGroupCosine | None = None,
 ) -> None:
-    """Register the user's ``(state, hook)`` on a DDP model, inside the two-group hook if any.
-
-    DDP takes one hook per model, so the two-group measurement wraps the
-    user's reduction rather than replacing it.
-    """
+    """Register the user's ``(state, hook)`` on a DDP model, inside the two-group hook if any."""
     if two_groups is not None:
         two_groups.inner = comm_hook
         comm_hook = (two_groups, two_group_cosine_hook)
@@ -68,13 +60,8 @@ def register(
 
 
 def registered_hook(model: nn.Module) -> tuple[Any, CommHook] | None:
-    """The ``(state, hook)`` pair a framework registered on a DDP model, if any.
-
-    Read so that a plugin's statistics know whether the reduced gradient is
-    compressed (PowerSGD, fp16 hooks: ``hooks.is_lossless``). DDP keeps the
-    hooks it was given in ``_comm_hooks`` as ``(hook, state)`` pairs; a torch
-    without that list reports none.
-    """
+    """The ``(state, hook)`` pair a framework registered on a DDP model, if any (read from
+    DDP's ``_comm_hooks``; None where torch has no such list)."""
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         return None
     hooks = getattr(model, "_comm_hooks", None) or []
@@ -95,11 +82,7 @@ def hook_state_dict(comm_hook: tuple[Any, CommHook] | None, world: World) -> lis
 def load_hook_state_dict(
     comm_hook: tuple[Any, CommHook] | None, saved: list | None, world: World
 ) -> None:
-    """Give each rank its own saved hook state back.
-
-    Error-feedback state belongs to a rank: with another number of ranks it
-    starts afresh.
-    """
+    """Give each rank its own saved hook state back (with another number of ranks, none)."""
     state = comm_hook[0] if comm_hook is not None else None
     if saved and hasattr(state, "load_state_dict") and len(saved) == world.size:
         state.load_state_dict(saved[world.rank])

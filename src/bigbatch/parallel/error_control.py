@@ -1,25 +1,8 @@
-"""The error-control rules of compressed gradient reduction, on one rank's flat tensors.
-
-The functional core of :class:`~bigbatch.parallel.compression.CompressionState`
-(which adds the buckets, the collectives and the bookkeeping): what a rank
-compresses, and how its state moves once the compressed message is known.
-``x`` is this rank's share of the gradient (its gradient divided by the world
-size, so that the sum over ranks is the mean), ``state`` the method's tensors
-for the same coordinates. All in gradient units (docs/algorithms.md,
-"Compression with error control").
-
-- ``"none"``: compress ``x`` itself (the biased baseline).
-- ``"ef"``, error feedback (Seide et al. 2014; Stich et al. 2018):
-  ``p = x + e``, send ``Δ = C(p)``, keep ``e ← p − Δ``; the step is ``Σ Δ``.
-- ``"ef21"`` (Richtárik, Sokolov, Fatkhullin 2021): send ``c = C(x − g_i)``,
-  ``g_i += c``; the shared ``G = Σ g_i`` moves by ``Σ c`` and is the step.
-- ``"ef21-sgdm"`` (Fatkhullin, Tyurin, Richtárik 2023): EF21 on a moving
-  average of the stochastic gradient, ``v_i ← (1 − η) v_i + η x``, then
-  ``c = C(v_i − g_i)``, ``g_i += c``; ``η = 1`` is EF21.
-- ``"econtrol"`` (Gao, Islamov, Stich 2024): ``Δ = C(η e_i + x − h_i)``,
-  ``e_i += x − h_i − Δ`` (``h_i`` before its update), ``h_i += Δ``; the
-  shared ``H = Σ h_i`` is the step; ``η = 0`` is EF21.
-"""
+"""The error-control rules of compressed gradient reduction on one rank's flat share
+``x``: ``"none"``, ``"ef"`` (Seide et al. 2014; Stich et al. 2018), ``"ef21"``
+(Richtárik et al. 2021), ``"ef21-sgdm"`` (Fatkhullin et al. 2023), ``"econtrol"`` (Gao,
+Islamov, Stich 2024, arXiv:2311.05645); docs/algorithms.md, "Compression with error
+control"."""
 
 from __future__ import annotations
 
@@ -55,13 +38,8 @@ def start(method: str, x: Tensor) -> dict[str, Tensor]:
 def local_step(
     method: str, x: Tensor, state: dict[str, Tensor], eta: float, select: Select
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """One rank's compressed message and its next state.
-
-    Returns ``(values, indices, new_state)``: the message sent is ``values`` at
-    ``indices`` (zero elsewhere); ``eta`` is the method's η (EF21-SGDM's
-    averaging weight, EControl's feedback strength; the others ignore it).
-    ``state`` is not modified.
-    """
+    """One rank's compressed message and its next state: ``(values, indices, new_state)``;
+    ``eta`` is the method's η; ``state`` is not modified."""
     new: dict[str, Tensor] = {}
     if method == "none":
         message = x

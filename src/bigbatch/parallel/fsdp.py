@@ -1,19 +1,5 @@
-"""What a loop needs to know about a model sharded with FSDP2's ``fully_shard``, in one place.
-
-Under ``fully_shard`` (torch.distributed.fsdp) each parameter the optimizer
-sees is a DTensor holding this rank's shard of dim 0, and so is its reduced
-``.grad``. The forward and backward run on *unsharded* parameters, regular
-tensors that FSDP all-gathers before a module's forward; their gradients are
-this rank's full local contributions, which FSDP reduce-scatters into the
-sharded ``.grad`` (averaging over the ranks, as DDP does).
-
-bigbatch therefore takes each micro-batch's gradient norm from a hook on the
-unsharded parameter (before the reduce-scatter, as it does before DDP's
-all-reduce), and ``|g|²`` of the reduced gradient from the local shards,
-summed over the ranks in the statistics' one scalar all-reduce. Gradients
-accumulate locally over a step's micro-batches and are reduced once, at the
-last (``set_requires_gradient_sync``).
-"""
+"""What a loop needs to know about a model sharded with FSDP2's ``fully_shard``
+(docs/algorithms.md, "Gradient statistics", "Under FSDP2")."""
 
 from __future__ import annotations
 
@@ -67,12 +53,8 @@ def mesh_group(model: nn.Module) -> Any:
 
 
 def unsharded_parameters(model: nn.Module) -> dict[int, Tensor]:
-    """For each sharded parameter (by ``id``), the unsharded tensor its gradient comes from.
-
-    FSDP2 creates the unsharded parameters lazily, at the first all-gather:
-    this all-gathers once (``unshard``) and reshards, a collective every rank
-    must reach. The unsharded tensors stay the same objects from step to step.
-    """
+    """For each sharded parameter (by ``id``), the unsharded tensor its gradient comes
+    from; a collective (one all-gather and reshard)."""
     sharded = [m for m in model.modules() if is_fully_sharded(m)]
     for module in sharded:
         module.unshard()
@@ -89,14 +71,8 @@ def unsharded_parameters(model: nn.Module) -> dict[int, Tensor]:
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The whole (unsharded) model and optimizer states as plain CPU tensors, on rank 0.
-
-    A collective: each tensor is gathered to rank 0 and offloaded to its CPU
-    (the other ranks get empty dictionaries, and the GPUs never hold a whole
-    model). Whole tensors keyed like the unsharded module's, so a checkpoint
-    loads with another number of processes, under DDP or on one process, and
-    with ``torch.load(..., weights_only=True)`` (a DTensor would not).
-    """
+    """The whole model and optimizer states as plain CPU tensors on rank 0 (empty on the
+    others), keyed like the unsharded module; a collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -106,12 +82,8 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
 ) -> None:
-    """Load :func:`full_state`'s dictionaries into a sharded model and its optimizer.
-
-    A collective: rank 0's dictionaries are broadcast tensor by tensor and each
-    rank keeps its shard (the other ranks' may be empty, as ``full_state``
-    leaves them).
-    """
+    """Load :func:`full_state`'s dictionaries into a sharded model and its optimizer; a
+    collective (rank 0's are broadcast)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if not model_state:
@@ -133,10 +105,8 @@ def accumulate(model: nn.Module, last: bool) -> None:
 
 
 def shard_like(whole: Tensor, like: Tensor) -> Tensor:
-    """This rank's part of ``whole`` as ``like`` (a DTensor) is sharded; ``whole`` otherwise.
-
-    Every rank holds ``whole``: each keeps its rows, with no communication.
-    """
+    """This rank's rows of ``whole`` as ``like`` (a DTensor) is sharded, with no
+    communication; ``whole`` otherwise."""
     if not is_dtensor(like):
         return whole
     from torch.distributed.tensor import distribute_tensor

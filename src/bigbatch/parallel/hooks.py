@@ -1,14 +1,6 @@
-"""DDP communication hooks of bigbatch, in torch's ``(state, hook)`` form.
-
-:func:`two_group_cosine_hook` with a :class:`TwoGroupCosine` state measures
-SimiGrad's own signal exactly: the cosine between the mean gradients of two
-groups of ranks (docs/algorithms.md, "SimiGrad"). It costs one extra
-gradient-sized all-reduce per step (the first group's sum travels beside the
-full sum), which is what the scalar estimate of
-:class:`~bigbatch.stats.MicroBatchStatistics` avoids; it is here to compare
-the two. It wraps any other ``(state, hook)`` pair (plain all-reduce by
-default, PowerSGD or a compression hook), because DDP takes one hook per
-model::
+"""DDP communication hooks in torch's ``(state, hook)`` form: :func:`two_group_cosine_hook`
+measures SimiGrad's two-group cosine exactly (one extra gradient-sized all-reduce a
+step), around any other hook::
 
     state = TwoGroupCosine(optimizer.param_groups, inner=(powersgd_state, powerSGD_hook))
     ddp.register_comm_hook(state, two_group_cosine_hook)
@@ -33,14 +25,8 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
 
 def is_lossless(comm_hook: tuple[Any, CommHook] | None) -> bool:
-    """Whether a ``(state, hook)`` pair reduces gradients exactly (a plain all-reduce).
-
-    A state says so with a ``lossless`` attribute (bigbatch's compression
-    state does, from its method and ratio); torch's ``allreduce_hook`` is
-    lossless; any other hook (PowerSGD, fp16 or bf16 compression, a user's
-    own) is taken to be lossy, so the statistics do not trust the reduced
-    gradient's norm.
-    """
+    """Whether a ``(state, hook)`` pair reduces exactly: a state's ``lossless`` attribute, or
+    torch's ``allreduce_hook``; any other hook is taken to be lossy."""
     if comm_hook is None:
         return True
     state, hook = comm_hook
@@ -52,22 +38,13 @@ def is_lossless(comm_hook: tuple[Any, CommHook] | None) -> bool:
 class TwoGroupCosine:
     """The state of :func:`two_group_cosine_hook`: ``<g_A, g_B>``, ``|g_A|²``, ``|g_B|²`` per group.
 
-    Ranks ``[0, W//2)`` form group A, the others group B. Each bucket is
-    all-reduced as two rows, ``[local, local if rank in A else 0] / W``: the
-    first row is DDP's usual mean, the second ``a = (B_A/B) g_A`` when local
-    gradients are scaled by the rank's share of the batch (as
-    ``AdaptiveBatch`` does), so ``b = mean - a = (B_B/B) g_B`` and
-    ``cos(a, b) = cos(g_A, g_B)``. The sums are identical on every rank.
+    Ranks ``[0, W//2)`` form group A. Read with :meth:`read` after the synchronising
+    backward. docs/algorithms.md, "Gradient statistics".
 
     Args:
-        param_groups: lists of parameters (or param-group dicts) of the DDP
-            module; statistics are per group.
+        param_groups: lists of parameters (or param-group dicts) of the DDP module.
         process_group: the DDP model's process group (default: the world).
-        inner: the ``(state, hook)`` pair that really reduces the gradient
-            (e.g. PowerSGD's); None uses the plain all-reduce of the first row.
-
-    Register with ``ddp.register_comm_hook(state, two_group_cosine_hook)``;
-    read with :meth:`read` after the synchronising backward.
+        inner: the ``(state, hook)`` pair that reduces the gradient (None: plain).
     """
 
     def __init__(
@@ -143,12 +120,8 @@ class TwoGroupCosine:
 
 # no annotations: DDP checks a hook's annotations by identity, which string annotations fail
 def two_group_cosine_hook(state, bucket):
-    """All-reduce a bucket as ``[local, local if in group A else 0] / W`` and measure the halves.
-
-    The first row is DDP's usual mean; from the second the state accumulates
-    the step's per-group ``(|a|², |b|², <a, b>)``. With ``state.inner`` the
-    inner hook reduces the gradient and this one only measures.
-    """
+    """All-reduce a bucket as ``[local, local if in group A else 0] / W`` and accumulate the
+    halves' ``(|a|², |b|², <a, b>)``."""
     buffer = bucket.buffer()
     rows = torch.zeros(2, buffer.numel(), dtype=buffer.dtype, device=buffer.device)
     torch.div(buffer, state.world_size, out=rows[0])

@@ -32,13 +32,8 @@ class World:
 
     @classmethod
     def of(cls, model: nn.Module) -> World:
-        """The world of ``model``: its DDP process group, the mesh of an FSDP2
-        ``fully_shard``, or one process for a plain module.
-
-        Other sharding (FSDP1, DTensor parameters without ``fully_shard``) is
-        refused with one clear error: bigbatch would otherwise take it for a
-        single process and draw the whole global batch on every rank.
-        """
+        """The world of ``model``: its DDP process group, its FSDP2 mesh, or one process. Other
+        sharding (FSDP1, bare DTensors) is a ``ValueError``, not taken for one process."""
         if is_fully_sharded(model):
             group = mesh_group(model)
             return cls(dist.get_rank(group), dist.get_world_size(group), group, sharded=True)
@@ -96,14 +91,8 @@ def _sharding(model: nn.Module) -> str | None:
 
 
 def init_from_env(device: torch.device | None = None, timeout: float | None = None) -> World:
-    """Join the process group that ``torchrun`` describes in the environment, if any.
-
-    Under ``torchrun`` (``WORLD_SIZE`` > 1) this initialises the default process
-    group, NCCL for CUDA devices and gloo otherwise, and returns its world; a
-    plain ``python`` run returns one process. ``timeout`` (seconds) bounds every
-    collective: a rank that stops answering ends the others' waits with an error
-    then, instead of torch's default (30 minutes for gloo).
-    """
+    """Join the process group ``torchrun`` describes (NCCL on CUDA, else gloo) and return
+    its world; one process otherwise. ``timeout`` (seconds) bounds every collective."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return World()

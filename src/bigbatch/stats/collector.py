@@ -1,28 +1,7 @@
-"""Gradient statistics from the sub-batches of one optimizer step.
-
-The sub-batches are the micro-batches of gradient accumulation on one
-process, and under DDP the micro-batches of every rank (docs/algorithms.md,
-"Gradient statistics"). Per step this costs, on top of the backward passes:
-
-- per micro-batch, one read of its gradient (its squared norm, taken in a
-  gradient hook before it is added to ``.grad``, so before DDP reduces it)
-  and one Python call;
-- the noise scalars: under DDP one all-reduce of ``2 G + 1`` float64
-  (``G`` parameter groups; :mod:`~bigbatch.stats.noise`);
-- the similarity (:mod:`~bigbatch.stats.halves`): one gradient copy on one
-  process, the two-group comm hook under DDP, or nothing when estimated
-  from the scalars;
-- with ``gsnr=True``, one to three gradient-sized buffers and a few
-  element-wise passes per micro-batch (:mod:`~bigbatch.stats.gsnr`).
-
-Nothing moves between the host and the device during a step: the norms stay
-on the device, Python numbers enter only as scalars, and everything is read
-at once (one synchronisation per optimizer step, :meth:`MicroBatchStatistics.finish`;
-:meth:`~MicroBatchStatistics.finish_pending` leaves the read for later). The
-estimators then run on the host, on the floats read.
-
-Around an ordinary accumulation loop (``bigbatch.AdaptiveBatch`` does this
-for you)::
+"""Gradient statistics from the sub-batches of one optimizer step (docs/algorithms.md,
+"Gradient statistics"). Nothing moves between host and device during a step:
+everything is read at once in :meth:`MicroBatchStatistics.finish`, the step's one
+synchronisation. Around an accumulation loop (``bigbatch.AdaptiveBatch`` does this)::
 
     stats = MicroBatchStatistics(optimizer.param_groups)
     stats.begin(sizes)                      # sizes of this step's micro-batches
@@ -57,56 +36,26 @@ __all__ = ["SIMILARITY_MODES", "GradientStats", "MicroBatchStatistics"]
 
 
 class MicroBatchStatistics:
-    """Collects :class:`GradientStats` over the micro-batches of each step (see the module).
+    """Collects :class:`GradientStats` over the micro-batches of each step.
 
-    The loss of micro-batch ``i`` must be its mean loss times ``W b_i / B``
-    (``W`` ranks, ``W = 1`` on one process; ``bigbatch.batch.loss_weights``),
-    so that ``.grad`` ends as the batch's mean gradient after DDP averages
-    over the ranks, or the weights must be passed to ``begin``. A loss scale
-    (``GradScaler``) is passed to ``finish`` and divided out; the similarity
-    and the noise scale do not depend on it.
-
-    Under DDP every rank calls ``begin`` with its own micro-batch sizes and
-    the sizes of all ranks (``rank_sizes``); ``finish`` is then a collective
-    and returns identical values on every rank.
+    Micro-batch losses must be weighted by ``W b_i / B`` (``bigbatch.batch.loss_weights``)
+    or the weights passed to :meth:`begin`. Under DDP :meth:`finish` is a collective.
 
     Args:
-        param_groups: lists of parameters (or torch.optim param-group dicts);
-            statistics are per group and overall.
-        ema_beta: smoothing of |G|² and tr Σ for the noise scale (gpt-neox: 0.99).
+        param_groups: lists of parameters (or param-group dicts).
+        ema_beta: smoothing of |G|² and tr Σ for the noise scale.
         gsnr: also collect the element-wise gradient signal-to-noise ratio.
-        dataset_size: apply the finite-population correction for a dataset of
-            this many samples drawn without replacement (None: no correction).
-        similarity: ``"split"`` measures the cosine of two halves exactly (the
-            micro-batch halves on one process, two groups of ranks under DDP,
-            through the comm-hook state ``two_groups``, which the caller
-            registers); ``"scalar"`` estimates it from the noise scalars, with
-            no gradient-sized buffer or traffic. Default: ``"split"`` on one
-            process, ``"scalar"`` under DDP and FSDP2.
-        world: the data-parallel world (``bigbatch.parallel.World.of(ddp_model)``);
-            one process by default.
-        lossy_reduction: DDP reduces the gradients with a lossy comm hook
-            (compression): the noise estimates then use only each rank's own,
-            uncompressed micro-batches and are averaged over the ranks; needs
-            2+ micro-batches per rank.
-        grad_sources: under FSDP2, each sharded parameter's unsharded tensor
-            (``bigbatch.parallel.fsdp.unsharded_parameters``), where the
-            micro-batch gradients are read before the reduce-scatter.
-        per_example: the trained module, to take the small-batch norms from each
-            example's gradient in the backward pass (:mod:`~bigbatch.stats.per_example`)
-            instead of from the micro-batches: a step then needs one micro-batch (the
-            similarity is the scalar one unless ``"split"`` is asked for, with 2+
-            micro-batches). Every trainable parameter must be covered
-            (:func:`~bigbatch.stats.per_example.uncovered`); not with a lossy
-            reduction or ``gsnr``, which read the micro-batches.
-        per_example_units: with ``per_example``, the most units of examples per
-            micro-batch whose norms are taken (:mod:`~bigbatch.stats.per_example`; None:
-            every example alone).
-        grad_accumulates: ``.grad`` holds this rank's earlier micro-batches when the
-            last one's backward runs. False where the framework reduces and frees
-            each micro-batch's gradient (DeepSpeed ZeRO-2): the rank-local noise
-            estimate (``lossy_reduction``) then keeps that sum itself, one
-            gradient-sized buffer during the step's backward passes.
+        dataset_size: samples drawn without replacement, for the finite-population
+            correction (None: none).
+        similarity: ``"split"`` (measured; under DDP through ``two_groups``, which the
+            caller registers) or ``"scalar"``; default ``"split"`` on one process.
+        world: the data-parallel world (``bigbatch.parallel.World.of(ddp_model)``).
+        lossy_reduction: a lossy comm hook reduces: average per-rank estimates.
+        grad_sources: under FSDP2, the unsharded tensors by parameter ``id``.
+        per_example: the trained module, for norms of units of examples
+            (:mod:`~bigbatch.stats.per_example`).
+        per_example_units: the most units per micro-batch (None: every example).
+        grad_accumulates: ``.grad`` keeps this rank's earlier micro-batches.
     """
 
     def __init__(  # noqa: PLR0913 - where the gradients come from, each a keyword
@@ -196,15 +145,8 @@ class MicroBatchStatistics:
         rank_sizes: Sequence[Sequence[int]] | None = None,
         loss_weights: Sequence[float] | None = None,
     ) -> None:
-        """Start a step made of micro-batches of these sizes.
-
-        ``rank_sizes`` (under DDP) lists every rank's micro-batch sizes, this
-        rank's among them; at least 2 sub-batches in all (2 micro-batches with
-        ``similarity="split"`` on one process). ``loss_weights`` are the factors
-        this rank's micro-batch mean losses are multiplied by before backward
-        (default ``W b_i / B``); loops that weight them ``1/k`` (Lightning, the
-        Hugging Face Trainer) pass theirs, and the sub-batch gradients stay exact.
-        """
+        """Start a step of micro-batches of these sizes (``rank_sizes``: every rank's);
+        ``loss_weights``: this rank's loss factors (default ``W b_i / B``)."""
         batches = _sub_batches(
             sizes, rank_sizes, loss_weights, self.world, self.per_example is not None
         )
@@ -216,11 +158,7 @@ class MicroBatchStatistics:
         self.small_norms.begin(batches)
 
     def before_backward(self, index: int) -> None:
-        """Announce that the next backward pass is micro-batch ``index``'s.
-
-        At the first micro-batch of half B, ``.grad`` holds half A's gradient
-        and is copied into the buffer (``similarity="split"`` on one process).
-        """
+        """Announce that the next backward pass is micro-batch ``index``'s."""
         if self._batches is None:
             raise RuntimeError("call begin(sizes) before before_backward")
         self.halves.before_backward(index, self._batches)
@@ -230,20 +168,14 @@ class MicroBatchStatistics:
     def finish(
         self, loss_scale: Tensor | float | None = None, loss: Tensor | None = None
     ) -> GradientStats:
-        """The step's statistics, read now (one host synchronisation); call after the last
-        backward, before the optimizer step.
-
-        ``loss`` (optional) is this rank's share of the batch loss, summed as
-        its micro-batch losses were weighted in backward; under DDP it travels
-        in the same all-reduce and comes back as the batch's mean loss.
-        """
+        """The step's statistics, read now (one host sync), after the last backward and before
+        the optimizer step; ``loss``: this rank's weighted share of the batch loss."""
         return self.finish_pending(loss_scale, loss).read()
 
     def finish_pending(
         self, loss_scale: Tensor | float | None = None, loss: Tensor | None = None
     ) -> PendingStats:
-        """:meth:`finish` without the read: the step's numbers gathered on the device (a few
-        operators, the collectives under DDP), read when the result's ``read()`` is called."""
+        """:meth:`finish` without the read; the result's ``read()`` synchronises."""
         batches = self._batches
         if batches is None or batches.current is None:
             raise RuntimeError("finish() without a step: call begin() and before_backward()")
@@ -362,8 +294,7 @@ def _check_sources(
 def _halves(
     similarity: str, layout: ParamLayout, world: World, dataset_size: int | None
 ) -> FromNoiseScalars | SplitRanks | SplitMicroBatches:
-    """What measures the two halves' similarity: the noise scalars, two groups of ranks,
-    or the micro-batch halves on one process."""
+    """What measures the halves' similarity: the scalars, two rank groups, or micro-batches."""
     if similarity == "scalar":
         return FromNoiseScalars(dataset_size)
     if world.distributed:
@@ -387,9 +318,7 @@ def _sub_batches(
     world: World,
     per_example: bool = False,
 ) -> SubBatches:
-    """A step's sub-batches, checked: every rank's sizes, this rank's among them, at least
-    two in all (two examples with ``per_example``), one positive loss weight per
-    micro-batch of this rank."""
+    """A step's sub-batches, checked."""
     local = [int(s) for s in sizes]
     every = [[int(s) for s in r] for r in rank_sizes] if rank_sizes is not None else [local]
     if len(every) != world.size:

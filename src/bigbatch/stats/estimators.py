@@ -1,14 +1,5 @@
-"""Estimators of gradient noise from sub-batch gradients (docs/algorithms.md).
-
-Pure functions of scalars, so they work the same whether the sub-batches are
-micro-batches on one process or ranks under DDP, and are tested against
-closed-form oracles without a model.
-
-Notation: ``k`` sub-batches of sizes ``b_i`` make one batch of size ``B``;
-``g_i`` is sub-batch ``i``'s mean gradient and ``g`` the batch's
-(sample-weighted) mean gradient; ``G`` is the true gradient and ``Σ`` the
-per-sample gradient covariance.
-"""
+"""Estimators of gradient noise from sub-batch gradients, pure functions of scalars
+(notation of docs/algorithms.md, "Gradient statistics")."""
 
 from __future__ import annotations
 
@@ -20,13 +11,8 @@ from torch import Tensor
 
 
 def inverse_size(b: float, dataset_size: float | None = None) -> float:
-    """The variance factor of a mean over ``b`` samples: ``E|g_b - G|² = trΣ · inverse_size(b)``.
-
-    ``1/b`` for samples drawn with replacement (or from an infinite stream);
-    ``(N - b) / (b (N - 1))`` without replacement from ``N`` samples, the
-    finite-population correction that matters when a batch is a large fraction
-    of the data (20% at 16k of 40k samples).
-    """
+    """The variance factor of a mean over ``b`` samples: ``1/b``, or ``(N - b) / (b (N - 1))``
+    without replacement from ``N`` (the finite-population correction)."""
     if dataset_size is None or math.isinf(dataset_size):
         return 1.0 / b
     n = float(dataset_size)
@@ -41,17 +27,11 @@ def noise_components(
     full_sq_norm: Tensor,
     dataset_size: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Unbiased ``(|G|², tr Σ)`` from the sub-batch and full-batch squared gradient norms.
-
-    With ``L = mean_i |g_i|²``, ``T = |g|²``, ``h = mean_i φ(b_i)`` and
-    ``φ(B)`` (``φ = inverse_size``; 1/b without the finite correction):
-    ``E L = |G|² + h trΣ`` and ``E T = |G|² + φ(B) trΣ``, so
-    ``trΣ = (L - T) / (h - φ(B))`` and ``|G|² = (h T - φ(B) L) / (h - φ(B))``
+    """Unbiased ``(|G|², tr Σ)`` from the sub-batch and batch squared gradient norms
     (McCandlish et al. 2018, App. A, generalised to unequal sizes).
 
     Args:
-        sub_sq_norms: ``|g_i|²`` for the ``k`` sub-batches, shape ``(k,)`` or
-            ``(k, groups)`` for per-group statistics.
+        sub_sq_norms: ``|g_i|²``, shape ``(k,)`` or ``(k, groups)``.
         sizes: the ``k`` sub-batch sizes (samples, or tokens).
         full_sq_norm: ``|g|²``, shape ``()`` or ``(groups,)``.
         dataset_size: ``N`` for the finite-population correction, or None.
@@ -65,12 +45,7 @@ def noise_from_mean(
     full_sq_norm: Tensor,
     dataset_size: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`noise_components` from ``L = mean_i |g_i|²`` alone.
-
-    Under DDP each rank holds a few of the ``|g_i|²``; their sum is all that
-    needs to travel (one scalar all-reduce per parameter group), because the
-    sizes ``b_i`` are known on every rank.
-    """
+    """:func:`noise_components` from ``L = mean_i |g_i|²`` alone (what DDP all-reduces)."""
     if len(sizes) < 2:
         raise ValueError(f"noise estimates need at least 2 sub-batches, got {len(sizes)}")
     total = float(sum(sizes))
@@ -90,10 +65,7 @@ def noise_from_examples(
     full_sq_norm: Tensor,
     dataset_size: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`noise_from_mean` with every sub-batch one example: ``L = mean_i |g_i|²`` over
-    the ``examples`` per-example gradients of a batch whose mean gradient has ``|g|²``
-    (``E L = |G|² + trΣ``, ``E |g|² = |G|² + φ(B) trΣ``). One pass gives both: the
-    per-example norms come from the backward (:mod:`bigbatch.stats.per_example`)."""
+    """:func:`noise_from_mean` with every sub-batch one example, of ``examples`` in all."""
     if examples < 2:
         raise ValueError(f"noise estimates need at least 2 examples, got {examples}")
     h, phi = inverse_size(1, dataset_size), inverse_size(examples, dataset_size)
@@ -130,12 +102,7 @@ def scalar_halves(
     size_b: float,
     dataset_size: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Expected ``(|g_A|², |g_B|², <g_A, g_B>)`` of two halves, from ``|G|²`` and ``tr Σ``.
-
-    ``E<g_A, g_B> = |G|² - trΣ/(N-1)`` (zero covariance with replacement) and
-    ``E|g_X|² = |G|² + trΣ φ(B_X)`` with ``φ = inverse_size`` (docs/algorithms.md,
-    "Gradient statistics").
-    """
+    """Expected ``(|g_A|², |g_B|², <g_A, g_B>)`` of two halves, from ``|G|²`` and ``tr Σ``."""
     cross = signal
     if dataset_size is not None and not math.isinf(dataset_size) and dataset_size > 1:
         cross = signal - trace / (float(dataset_size) - 1)
@@ -151,24 +118,14 @@ def scalar_similarity(
     size_b: float,
     dataset_size: float | None = None,
 ) -> Tensor:
-    """The half-split cosine estimated from ``|G|²`` and ``tr Σ`` alone (docs/algorithms.md).
-
-    ``s ≈ E<g_A, g_B> / sqrt(E|g_A|² E|g_B|²)`` for halves of ``size_a`` and
-    ``size_b`` samples (:func:`scalar_halves`). Fed with one step's unbiased
-    estimates (from all ``k`` sub-batches, not one split) it needs no
-    gradient-sized traffic under DDP; clamped to [-1, 1] like the cosine it
-    estimates.
-    """
+    """The half-split cosine estimated from ``|G|²`` and ``tr Σ`` (:func:`scalar_halves`),
+    clamped to [-1, 1]; docs/algorithms.md, "Gradient statistics"."""
     return half_split_cosine(*scalar_halves(signal, trace, size_a, size_b, dataset_size))
 
 
 def expected_similarity(b_simple: float, size_a: float, size_b: float | None = None) -> float:
-    """The cosine of two half-batch gradients implied by a noise scale (docs/algorithms.md).
-
-    ``E<g_A, g_B> = |G|²`` and ``E|g_X|² = |G|² + trΣ / B_X``, so
-    ``s ≈ 1 / sqrt((1 + B_simple/B_A)(1 + B_simple/B_B))``; for equal halves of a
-    batch ``B`` that is ``1 / (1 + 2 B_simple / B)``.
-    """
+    """The half-batch cosine a noise scale implies,
+    ``1 / sqrt((1 + B_simple/B_A)(1 + B_simple/B_B))``."""
     size_b = size_a if size_b is None else size_b
     return 1.0 / math.sqrt((1 + b_simple / size_a) * (1 + b_simple / size_b))
 
@@ -181,11 +138,8 @@ def equilibrium_batch(b_simple: float, target: float) -> float:
 
 
 def ema_update(average: Tensor, value: Tensor, beta: float) -> None:
-    """``average ← β average + (1 - β) value`` in place, skipping non-finite values.
-
-    A NaN or Inf estimate (an overflowed step) leaves the average untouched,
-    without a host sync.
-    """
+    """``average ← β average + (1 - β) value`` in place, skipping non-finite values
+    without a host sync."""
     finite = torch.isfinite(value)
     blended = average * beta + torch.where(finite, value, average) * (1 - beta)
     average.copy_(torch.where(finite, blended, average))

@@ -1,20 +1,6 @@
-"""The element-wise gradient signal-to-noise ratio over a step's sub-batches (for VRGD).
-
-``r = mean² / variance`` per coordinate, the variance accumulated from
-deviations, never as ``E x² - mean²`` (which cancels catastrophically):
-
-- :class:`WelfordGSNR` (one process): a weighted Welford update per
-  micro-batch (West 1979), from tensor hooks that see each increment before
-  it is added to ``.grad``; one gradient-sized buffer.
-- :class:`ShiftedGSNR` (DDP, FSDP2): each rank sums ``w (x - c)`` and
-  ``w (x - c)²`` about a shift ``c`` shared by all ranks (the previous step's
-  mean gradient), and one float32 gradient-sized all-reduce combines them;
-  three buffers. Under FSDP2 the hooks sit on the unsharded parameters and
-  the buffers are whole tensors on every rank (so is the GSNR it returns):
-  the shift must be the same for every coordinate on every rank, and the
-  all-reduce gives every rank the whole mean for it, with no gather. The
-  memory is three whole float32 copies of the parameters per rank.
-"""
+"""The element-wise GSNR ``mean² / variance`` over a step's sub-batches (for VRGD), the
+variance from deviations: Welford on one process (West 1979), shifted sums in one
+float32 all-reduce under DDP and FSDP2."""
 
 from __future__ import annotations
 
@@ -46,13 +32,8 @@ class WelfordGSNR:
         torch._foreach_zero_(self._m2)
 
     def _update(self, param_index: int, increment: Tensor) -> None:
-        """``M2 += w (x - mean_old)(x - mean_new)`` for parameter ``param_index``.
-
-        ``x = incr / l`` is the micro-batch's mean gradient (``l`` its loss
-        weight), ``w = l / Σ l`` its weight, and ``mean_old`` the weighted mean
-        of the earlier micro-batches: ``.grad / (Σ l so far)``, which a tensor
-        hook sees before its own increment is added.
-        """
+        """``M2 += w (x - mean_old)(x - mean_new)`` for parameter ``param_index``, with
+        ``x = incr / l`` the micro-batch's mean gradient and ``mean_old`` read from ``.grad``."""
         batches = self._current()
         if batches is None or batches.current is None or self._m2 is None:
             return
@@ -119,11 +100,8 @@ class ShiftedGSNR:
         self._m2[param_index].add_(deviation.square_(), alpha=w)
 
     def finish(self, grads: list[Tensor], batches: SubBatches) -> list[Tensor]:
-        """The ranks' sums in one float32 all-reduce; ``var = Σ w (x-c)² - (Σ w (x-c))²``.
-
-        The mean is ``c + Σ w (x - c)``: that of the uncompressed sub-batch
-        gradients, whatever comm hook reduced ``.grad``.
-        """
+        """The ranks' sums in one float32 all-reduce; ``var = Σ w (x-c)² - (Σ w (x-c))²`` about
+        the shift ``c``."""
         assert self._m1 is not None and self._m2 is not None and self._shift is not None
         flat = torch.cat([m.flatten() for m in (*self._m1, *self._m2)])
         self.world.all_reduce_sum(flat)

@@ -1,19 +1,6 @@
-"""The half-split terms ``(|g_A|², |g_B|², <g_A, g_B>)`` per group, three ways; one is chosen once.
-
-- :class:`SplitMicroBatches` (one process, ``similarity="split"``): ``.grad``
-  at the first micro-batch of half B holds half A's gradient; one copy into a
-  persistent buffer and three reductions at the end.
-- :class:`SplitRanks` (DDP, ``"split"``): SimiGrad's two groups of ranks,
-  measured by the :func:`~bigbatch.parallel.hooks.two_group_cosine_hook` (one
-  extra gradient-sized all-reduce).
-- :class:`FromNoiseScalars` (``"scalar"``): the expected terms from the step's
-  ``|G|²`` and ``tr Σ`` (docs/algorithms.md, "The similarity from scalars"):
-  no buffer, no traffic.
-
-The measured forms hold each half's gradient up to a positive factor (its
-share of the batch), which no cosine sees. Each mode *gathers* its device numbers
-into the step's single read and *reads* the terms from the floats, on the host.
-"""
+"""The half-split terms ``(|g_A|², |g_B|², <g_A, g_B>)`` per group: measured on one process
+(:class:`SplitMicroBatches`) or over two rank groups (:class:`SplitRanks`), or expected
+from the noise scalars (:class:`FromNoiseScalars`)."""
 
 from __future__ import annotations
 
@@ -114,7 +101,7 @@ class SplitRanks:
 
 
 class FromNoiseScalars:
-    """The halves' expected terms from the step's noise estimates (both halves of every group)."""
+    """The halves' expected terms from the step's noise estimates."""
 
     def __init__(self, dataset_size: int | None) -> None:
         self.dataset_size = dataset_size

@@ -15,13 +15,9 @@ from ..parallel.world import World
 class ParamLayout:
     """The trainable parameters of some param groups, and which group each belongs to.
 
-    Group index tensors live on the parameters' device and are built once per
-    pattern of present gradients, so sums per group never copy from the host
-    during a step.
-
-    ``sources`` maps a sharded parameter (by ``id``) to the unsharded tensor
-    its micro-batch gradients flow through (FSDP2, :mod:`bigbatch.parallel.fsdp`):
-    hooks go on ``hooked``; ``grads()`` are then this rank's shards.
+    Group indices live on the device, so per-group sums never copy from the host.
+    ``sources`` maps a sharded parameter (by ``id``) to the unsharded tensor its
+    gradients flow through (FSDP2); hooks go on ``hooked``.
     """
 
     def __init__(
@@ -71,8 +67,7 @@ class ParamLayout:
         return self._subsets[key]
 
     def per_group(self, values: Sequence[Tensor] | Tensor, square: bool = False) -> Tensor:
-        """Per-parameter scalars (a list, or one vector) summed per group, in float64 (squared
-        first with ``square``)."""
+        """Per-parameter scalars summed per group in float64 (squared first with ``square``)."""
         if isinstance(values, Tensor):
             v = values.double()
         else:
@@ -85,8 +80,7 @@ class ParamLayout:
         return out.index_add_(0, self.owner, v)
 
     def grads(self) -> list[Tensor]:
-        """Every parameter's ``.grad`` (zeros where it has none); this rank's shard of it
-        for a sharded parameter."""
+        """Every parameter's ``.grad`` (zeros where it has none; this rank's shard if sharded)."""
         return [
             local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in self.params
         ]
@@ -94,12 +88,8 @@ class ParamLayout:
 
 @dataclass
 class SubBatches:
-    """One step's sub-batches as the collector sees them.
-
-    ``sizes`` are this rank's micro-batch sizes, ``rank_sizes`` every rank's,
-    ``loss_weights`` the factors this rank's micro-batch mean losses were
-    multiplied by, ``current`` the micro-batch whose backward runs now.
-    """
+    """One step's sub-batches: this rank's ``sizes``, every rank's ``rank_sizes``, this
+    rank's ``loss_weights`` and the ``current`` micro-batch."""
 
     sizes: list[int]
     rank_sizes: list[list[int]]

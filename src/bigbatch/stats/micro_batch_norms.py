@@ -1,13 +1,6 @@
-"""The squared norm of each micro-batch's mean gradient, taken in the backward pass.
-
-The small-batch half of the noise scale's two norms when the step is split
-(McCandlish et al. 2018, App. A): a multi-gradient hook sees each micro-batch's
-increment before it reaches ``.grad``, and its norm, divided by the
-micro-batch's loss weight, is that micro-batch's mean gradient's. The other
-source of the same sum is :class:`~bigbatch.stats.per_example.PerExampleNorms`
-(each example's gradient norm, no split); both take ``begin()``, ``finish()``
-and ``handles``.
-"""
+"""The squared norm of each micro-batch's mean gradient, taken in a hook before it
+reaches ``.grad`` (the other source of the same sum:
+:class:`~bigbatch.stats.per_example.PerExampleNorms`)."""
 
 from __future__ import annotations
 

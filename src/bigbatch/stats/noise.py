@@ -1,20 +1,6 @@
-"""``(|G|², tr Σ)`` per group from the step's small-batch norms, two ways; one is chosen once.
-
-Each part first *gathers* device numbers into the step's single read
-(:class:`~bigbatch.stats.result.Gather`), then *estimates* from the floats read,
-on the host:
-
-- :class:`ReducedNoise`: the small batches are every rank's micro-batches, or
-  the units of examples of :mod:`~bigbatch.stats.per_example`; their squared
-  norms and ``|g|²`` of the reduced gradient (and the loss) travel in one
-  all-reduce of ``2 G + 1`` float64 under DDP or FSDP2 (where ``|g|²`` is the
-  sum of the ranks' shards'; nothing travels on one process), so every rank
-  decides from bitwise identical numbers.
-- :class:`PerRankNoise`: the reduced gradient is not the exact mean (a lossy
-  comm hook, e.g. compression): each rank estimates from its own micro-batches
-  and the uncompressed ``|g|²`` of its local mean (taken in a tensor hook at its
-  last micro-batch, before DDP reduces), and the estimates are averaged.
-"""
+"""``(|G|², tr Σ)`` per group from the step's small-batch norms: :class:`ReducedNoise`
+from every rank's (one all-reduce of ``2 G + 1`` float64), or :class:`PerRankNoise`,
+each rank's own estimate averaged, for a lossy reduction."""
 
 from __future__ import annotations
 
@@ -35,14 +21,9 @@ from .result import Gather
 
 @dataclass
 class SmallNorms:
-    """The step's small-batch gradient norms, as a source left them.
-
-    Either ``sums``, a device vector of ``Σ |g_b|²`` per group (already squared and
-    weighted), or ``norms``, device scalars whose squares are summed into their
-    ``groups`` on the host. ``count`` small batches were measured over every rank, with
-    ``h`` the mean of ``φ(b)`` over them; the mean squared norm of a small batch's mean
-    gradient is ``factor × Σ / count``.
-    """
+    """The step's small-batch gradient norms: ``sums`` (a device vector of ``Σ |g_b|²`` per
+    group) or ``norms`` (device scalars summed into ``groups`` on the host), over
+    ``count`` small batches with mean variance factor ``h``."""
 
     count: int
     h: float
@@ -78,8 +59,7 @@ class ReducedNoise:
         small: SmallNorms,
         loss: Tensor,
     ) -> None:
-        """Put this rank's numbers into the read: as they are on one process, summed over the
-        ranks (one all-reduce) under DDP or FSDP2."""
+        """Put this rank's numbers into the read (summed over the ranks under DDP or FSDP2)."""
         if not self.world.distributed:
             into.scalars("loss", [loss])
             into.scalars("grad", grad_norms)
@@ -179,12 +159,8 @@ class PerRankNoise:
         self._sums = {}
 
     def _local_total(self, param_index: int, increment: Tensor) -> None:
-        """At the last micro-batch: ``|earlier + increment|²``, this rank's accumulated gradient.
-
-        A tensor hook fires before its own increment is added, so ``.grad``
-        holds the earlier micro-batches (accumulated under ``no_sync``), or,
-        where ``.grad`` does not accumulate, this part's own sum does.
-        """
+        """At the last micro-batch: ``|earlier + increment|²``, this rank's accumulated gradient
+        (a tensor hook fires before its increment reaches ``.grad``)."""
         batches = self._current()
         if batches is None or self._local_sq is None:
             return
@@ -237,12 +213,8 @@ class PerRankNoise:
 
 
 class NoiseAverages:
-    """Bias-corrected moving averages of ``|G|²`` and ``tr Σ``, apart (gpt-neox, β 0.99).
-
-    The noise scale is the ratio of the two averages, never an average of ratios; a
-    non-finite step's estimates are skipped. Kept on the host: they are updated from the
-    floats the step reads anyway.
-    """
+    """Bias-corrected moving averages of ``|G|²`` and ``tr Σ``, apart, on the host;
+    non-finite estimates are skipped."""
 
     def __init__(self, beta: float) -> None:
         if not 0 <= beta < 1:

@@ -1,50 +1,9 @@
-"""Gradient norms of each example, or of small groups of examples, from the one backward pass.
-
-The noise scale needs ``E|g_b|²`` at a batch ``b`` smaller than the step's
-(docs/algorithms.md, "Gradient statistics"). Splitting the step into
-micro-batches gives it, at the price of one forward and backward per split.
-Here it comes from inside the step's single backward pass: each micro-batch of
-``n`` examples is cut into ``k`` *units* of ``m`` consecutive examples (the
-examples of a shuffled batch are exchangeable, so any ``m`` of them are a random
-batch of ``m``), and every covered layer forms its weight gradient unit by unit,
-so that each unit's squared gradient norm falls out of work the backward does
-anyway:
-
-- ``Linear`` (and ``Conv1d``/``Conv2d`` on their unfolded input): the weight
-  gradient as one batched product over the units, ``G_u = δ_uᵀ a_u``, summed
-  for ``.grad`` and normed for the statistics: the "simultaneous" per-example
-  gradient of Gray et al. 2024 ("Normalization layer per-example gradients are
-  sufficient to predict gradient noise scale in transformers", nanoGNS), which
-  replaces the weight gradient's product instead of adding one. Where a unit
-  holds few rows against the layer's size (a vector input, one row per
-  example) the Gram matrices of its inputs and output gradients give the norm
-  for less (the "ghost norm", Li et al. 2022), the choice made per layer by cost
-  as Bu et al. 2023's book-keeping does;
-- ``Embedding``: each unit's rows scattered into a table of its own (or, for a
-  vocabulary too large for ``k`` tables, summed by sorted key);
-- ``LayerNorm``: ``Σ_t x̂_t ⊙ δ_t`` and ``Σ_t δ_t`` per unit, taken once at the
-  end of the step for every LayerNorm of one shape together (their inputs and
-  output gradients are held until then), so that each such layer costs what
-  its plain backward does.
-
-With ``n`` below ``2 units`` (``units`` is 8 by default) every example is its
-own unit: the per-example norms. Larger micro-batches have units of
-``m = ⌊n_min / units⌋`` examples, between ``units`` and ``2 units`` of them (the
-examples past the last whole unit train but are not measured). Every unit's
-norm is exact and the estimate built from them unbiased for any ``m``
-(McCandlish et al. 2018, App. A); its variance stays that of ``k`` per-example
-norms while ``m`` is below the noise scale.
-
-:data:`RULES` is the registry, as data. A model is *covered* when every trainable
-parameter belongs to exactly one module of a type in it, as that module's own
-``weight`` or ``bias``, and every such module runs once per forward. A model that
-is not (a bare ``nn.Parameter``, a BatchNorm, which couples the examples, tied
-weights) keeps the sub-batch estimator; :func:`uncovered` names what is missing.
-
-Examples are the first dimension of each layer's input (batch-first models).
-Nothing is read to the host: each layer leaves a few device scalars, which the
-collector reads with the rest of the step's statistics in one transfer.
-"""
+"""Gradient norms of units of examples, from the step's one backward pass (Gray et al.
+2024, arXiv:2411.00999; the ghost norm of Li et al. 2022): every covered layer
+(:data:`RULES`) forms its weight gradient unit by unit. A model is covered when every
+trainable parameter is the ``weight`` or ``bias`` of exactly one such module run once
+per forward, batch first (:func:`uncovered`). Nothing is read to the host.
+docs/algorithms.md, "Gradient statistics" ("Noise from units of examples")."""
 
 from __future__ import annotations
 
@@ -65,11 +24,9 @@ from .noise import SmallNorms
 __all__ = ["RULES", "PerExampleNorms", "uncovered", "unit_size"]
 
 #: the default fewest units per micro-batch: 8 units covering the micro-batch estimate
-#: the noise about as well as every example alone (the trace's spread at batch 16 of the
-#: text model 1.12 against 1.09, of MNIST-1D 55 against 49; at 128 of MNIST-1D 73 with 8
-#: units of 16 against 62 with every example), and far better than 32 examples sampled
-#: from the micro-batch (122 at 128): the units and the batch gradient come from the
-#: same examples, so their noise largely cancels; fewer units, less work a layer
+#: the noise about as well as every example alone, and far better than a sample of the
+#: micro-batch's examples: the units and the batch gradient come from the same examples,
+#: so their noise largely cancels; fewer units, less work a layer
 UNITS = 8
 #: a layer forms its per-unit gradients (``k p q`` numbers) unless the Gram matrices of
 #: its units (``2 (mT)² (p + q)`` multiply-adds) cost less than this many times fewer
@@ -87,9 +44,7 @@ _eager_under_compile = getattr(torch, "_disable_dynamo", torch.compiler.disable)
 
 
 def unit_size(smallest: int, units: int | None = UNITS) -> int:
-    """The examples per unit of a step whose smallest micro-batch has ``smallest``:
-    ``⌊smallest / units⌋``, at least one (None: one), so that a micro-batch holds between
-    ``units`` and ``2 units`` whole units, or each of its examples alone."""
+    """``⌊smallest / units⌋`` examples per unit, at least one (``units`` None: one)."""
     if units is None:
         return 1
     return max(1, smallest // units)
@@ -140,8 +95,7 @@ class _Layer:
                 step.groups.append(self.groups[name])
 
     def offsets(self, n: int, k: int, m: int, rows: int, dims: int, device) -> Tensor:
-        """Per example of a micro-batch of ``n``, where its unit's table starts, shaped to add
-        to ids of ``dims`` dimensions; cached."""
+        """Per example of a micro-batch of ``n``, where its unit's table starts (cached)."""
         key = (n, k, m, rows, dims, device)
         cached = self.probe.offsets.get(key)
         if cached is None:
@@ -162,16 +116,14 @@ def _by_units(x: Tensor, k: int, m: int) -> Tensor:
 
 
 def _ghost_is_cheaper(rows: int, p: int, q: int) -> bool:
-    """A unit of ``rows`` rows: its Gram matrices (``2 rows² (p + q)``) against its
-    gradient (``p q`` numbers, written and read twice)."""
+    """A unit's Gram matrices (``2 rows² (p + q)``) against its gradient (``p q``, twice)."""
     return 2 * rows * rows * (p + q) < _ELEMENT_COST * p * q
 
 
 def _matrix_gradients(
     layer: _Layer, a: Tensor, d: Tensor, bias: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """The weight (``q x p``) and bias gradients of ``d ᵀ a`` over the first dimension's
-    examples (``a`` ``(N, ..., p)``, ``d`` ``(N, ..., q)``), and each unit's norms recorded."""
+    """The weight and bias gradients of ``dᵀ a`` over the examples, each unit's norms recorded."""
     n, p, q = len(a), a.shape[-1], d.shape[-1]
     k, m = layer.units(n)
     rows = (a.numel() // n) // p * m
@@ -302,8 +254,7 @@ def _conv_qualifies(module: nn.Module) -> bool:
 
 
 def _unit_keys(layer: _Layer, ids: Tensor, rows: int, padding: int | None) -> Tensor:
-    """Each id moved into its unit's own table of ``rows`` rows; the examples past the last
-    unit and the padding id point at row ``k rows``, which is left out."""
+    """Each id moved into its unit's own table of ``rows`` rows (dropped ids: row ``k rows``)."""
     k, m = layer.units(len(ids))
     keys = ids + layer.offsets(len(ids), k, m, rows, ids.dim(), ids.device)
     if k * m != len(ids):
@@ -346,9 +297,8 @@ class _EmbeddingFunction(torch.autograd.Function):
 
 
 def _gram_norm(ids: Tensor, grad: Tensor, k: int, m: int, padding: int | None) -> Tensor:
-    """``sqrt Σ_u Σ_{t,t'∈u} [x_t = x_t'] δ_t·δ_t'``: each unit's rows summed by id, squared,
-    from the Gram matrix of its output gradients (Li et al. 2022's ghost norm for an
-    embedding), for a vocabulary too large for a table a unit."""
+    """Each unit's embedding-gradient norm from the Gram matrix of its output gradients
+    (the ghost norm), for a vocabulary too large for a table per unit."""
     ids, d = _by_units(ids.reshape(len(ids), -1, 1), k, m)[..., 0], _by_units(grad, k, m)
     if padding is not None:  # the padding row gets no gradient
         d = d * (ids != padding).unsqueeze(-1)
@@ -419,10 +369,8 @@ _CPU_BATCHED_NUMBERS = 1 << 16
 
 
 def _batches_layer_norms(x: Tensor) -> bool:
-    """Whether a LayerNorm of input ``x`` is taken together with the others of its shape at
-    the step's end: where each operator launches a kernel (a GPU), and on a CPU where the
-    input is small enough that the operators cost more than stacking the inputs (at the
-    text model's batch 16, 8 operators a layer); else in its own backward."""
+    """Whether a LayerNorm is batched with the others of its shape at the step's end (on
+    a GPU, or a CPU with a small input) rather than taken in its own backward."""
     return x.device.type != "cpu" or x.numel() <= _CPU_BATCHED_NUMBERS
 
 
@@ -442,8 +390,7 @@ def _layer_norm_sums(step: _Step) -> None:
 
 
 def _layer_norm_units(entries: list[tuple]) -> None:
-    """The per-unit norms of LayerNorms of one shape, ``Σ_{t∈u} x̂_t ⊙ δ_t`` and ``Σ_{t∈u} δ_t``,
-    recorded: one layer as it is, several stacked into one computation."""
+    """Per-unit LayerNorm norms, ``Σ_{t∈u} x̂_t ⊙ δ_t`` and ``Σ_{t∈u} δ_t``, recorded."""
     x, mean, rstd, grad, k, m, dims, _, names = entries[0]
     if len(entries) > 1:
         x, mean, rstd, grad = (torch.stack([e[i] for e in entries]) for i in range(4))
@@ -491,8 +438,8 @@ def _rule(module: nn.Module) -> Rule | None:
 
 
 def _is_fsdp_subclass(module: nn.Module, kind: type) -> bool:
-    """FSDP2 swaps a module's class for a subclass named after it (``FSDPLinear``); a user's
-    own subclass may change ``forward``, so only those count."""
+    """Whether ``module``'s class is FSDP2's subclass of a rule's (``FSDPLinear``); a user's
+    own subclass may change ``forward``, so it does not count."""
     return type(module).__name__ == f"FSDP{kind.__name__}"
 
 
@@ -519,16 +466,13 @@ def _covered_modules(
 
 
 def uncovered(model: nn.Module, params: Sequence[Tensor]) -> list[str]:
-    """The trainable parameters (of ``params``) whose per-example norms no rule gives: a
-    bare parameter, a layer not in :data:`RULES` (BatchNorm couples the examples), a weight
-    shared by two layers. Empty: the model is covered."""
+    """The trainable parameters (of ``params``) no rule covers: a bare parameter, a layer
+    not in :data:`RULES`, a shared weight. Empty: the model is covered."""
     return _covered_modules(model, params)[1]
 
 
 class _MeasuredForward:
-    """A covered layer's ``forward`` while it is measured: its rule's function in a step with
-    gradients on, else the layer's own. An object (not a closure), so that a deep copy of
-    the model calls its own copy of the layer."""
+    """A covered layer's ``forward`` while measured (an object, so a deep copy calls its own)."""
 
     def __init__(self, module: nn.Module, rule: Rule, layer: _Layer) -> None:
         self.module, self.rule, self.layer = module, rule, layer
@@ -572,12 +516,9 @@ class _Restore:
 class PerExampleNorms:
     """``Σ_u |c_u|²`` over the units of each step, per covered parameter, from the backward.
 
-    ``c_u`` is unit ``u``'s contribution to ``.grad`` (:mod:`this module's <.per_example>`
-    units); :meth:`finish` returns one float32 device scalar per (layer parameter,
-    micro-batch), its norm, and the parameter group of each. Each covered layer's
-    ``forward`` is replaced on the instance (:meth:`close` puts the class's back) by a
-    function whose backward forms the unit gradients; outside a step, with gradients
-    off, it is the layer's own forward.
+    Each covered layer's ``forward`` is replaced on the instance (:meth:`close` puts the
+    class's back); with gradients off it is the layer's own. :meth:`finish` returns one
+    float32 device scalar per (parameter, micro-batch) and the group of each.
 
     Args:
         model: the trained module (every trainable parameter in ``layout`` covered).
@@ -637,8 +578,7 @@ class PerExampleNorms:
             self.step.ran.clear()
 
     def finish(self, batches: SubBatches) -> SmallNorms:
-        """The step's norms (device scalars), the group of each and the units they cover,
-        over every rank; ends the step."""
+        """The step's norms (device scalars), their groups and units, over every rank."""
         step = self.step
         if step is None:
             raise RuntimeError("per-example norms: finish() without begin()")

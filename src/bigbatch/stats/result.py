@@ -13,8 +13,7 @@ SCALARS = ("similarity", "grad_sq_norm", "trace", "noise_scale", "grad_sq_norm_e
 
 
 class Gather:
-    """Device numbers for one step's single read: named parts, each a list of scalars or a
-    vector, put into one tensor with one ``stack`` (a ``cat`` more for vectors)."""
+    """Device numbers for one step's single read, by named part, stacked into one tensor."""
 
     def __init__(self) -> None:
         self._scalars: list[Tensor] = []
@@ -52,13 +51,11 @@ class Gather:
 class GradientStats:
     """What one optimizer step measured, as Python floats (``gsnr``: device tensors).
 
-    ``similarity`` is the cosine of the mean gradients of the two halves of the
-    sub-batches (SimiGrad's signal); ``group_similarity`` the same per
-    parameter group. ``grad_sq_norm`` (|G|²) and ``trace`` (tr Σ) are this
-    step's unbiased estimates; ``noise_scale`` is ``B_simple = trΣ/|G|²`` from
-    their exponential moving averages (numerator and denominator smoothed
-    apart). ``gsnr`` (when collected) holds per parameter the element-wise
-    ``mean² / variance`` of the sub-batch gradients. See ``docs/algorithms.md``.
+    ``similarity``: the cosine of the two halves' mean gradients (``group_similarity``:
+    per group); ``grad_sq_norm`` (|G|²) and ``trace`` (tr Σ): this step's unbiased
+    estimates; ``noise_scale``: ``B_simple`` of their moving averages; ``gsnr``: per
+    parameter, ``mean² / variance`` of the sub-batch gradients. docs/algorithms.md,
+    "Gradient statistics".
     """
 
     similarity: float
@@ -97,11 +94,7 @@ class GradientStats:
 
 class PendingStats:
     """A step's statistics still on the device: :meth:`read` brings them to the host in one
-    transfer (the step's one synchronisation) and computes the :class:`GradientStats`.
-
-    :meth:`start` begins that transfer without waiting (a CUDA copy to pinned memory), so
-    that a loop can read the step's numbers one step later without stalling the device.
-    """
+    transfer; :meth:`start` begins it without waiting (pinned memory on a GPU)."""
 
     def __init__(self, values: Tensor, decode: Callable[[list[float]], GradientStats]) -> None:
         self._values: Tensor | None = values
