@@ -16,7 +16,6 @@ from bigbatch.experiments.config import (
     schema,
     section,
     to_toml,
-    with_keys_added_since,
 )
 
 
@@ -315,11 +314,3 @@ def test_a_schedule_length_the_run_cannot_lay_out_is_one_error_naming_the_key(se
 
     with pytest.raises(ConfigError, match=message):
         with_task_defaults(resolve({"task": "mnist1d", **settings}))
-
-
-def test_a_key_added_since_a_plan_was_saved_counts_as_its_default_there():
-    wanted = resolve({"task": "digits"})
-    saved = {k: v for k, v in wanted.items() if k != "keep_freed_memory"}
-    assert with_keys_added_since(saved, wanted) == wanted
-    changed = {**wanted, "keep_freed_memory": False}  # not the default: a difference
-    assert "keep_freed_memory" not in with_keys_added_since(saved, changed)

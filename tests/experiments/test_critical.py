@@ -79,11 +79,14 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     # run again, it continues what is there: nothing is trained twice
     again = critical.measure(config, tmp_path, ONE_POINT, quiet=True)
     assert again == points
-    # also where it was saved before a config key (at its default) was added
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    # saved before a config key was added: refused, not continued (no compatibility before 1.0)
+    saved = (tmp_path / "plan.json").read_text()
+    plan = json.loads(saved)
     del plan["config"]["keep_freed_memory"]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    assert critical.measure(config, tmp_path, ONE_POINT, quiet=True) == points
+    with pytest.raises(ConfigError, match="earlier bigbatch, before the key 'keep_freed_memory'"):
+        critical.measure(config, tmp_path, ONE_POINT, quiet=True)
+    (tmp_path / "plan.json").write_text(saved)
     other_settings = r"other settings \(batches = \[16, 32\] there, \[16, 64\] now\)"
     with pytest.raises(ConfigError, match=other_settings):
         other = CriticalSettings(batches=(16, 64), points=(0.25,))

@@ -64,3 +64,11 @@ def test_a_plan_claims_a_new_folder_continues_the_same_plan_and_refuses_another(
     (tmp_path / "mine" / "notes.txt").write_text("x")
     with pytest.raises(ConfigError, match="holds no study"):
         claim_plan(tmp_path / "mine", "plan.json", plan, "study", config_at="config")
+
+
+def test_a_plan_saved_before_a_key_existed_is_refused_in_one_line(tmp_path):
+    out, plan = tmp_path / "study", {"config": {"lr": 0.1, "added": 0}, "trials": 4}
+    (tmp_path / "study").mkdir()
+    (out / "plan.json").write_text(json.dumps({"config": {"lr": 0.1}, "trials": 4}))
+    with pytest.raises(ConfigError, match="written by an earlier bigbatch, before the key 'added'"):
+        claim_plan(out, "plan.json", plan, "study", config_at="config")

@@ -570,15 +570,6 @@ def defaults() -> dict[str, Any]:
     return {name: key.default for name, key in schema().items()}
 
 
-def with_keys_added_since(saved: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
-    """``saved``, a resolved config an earlier release kept (in a comparison's or a
-    measurement's plan), with each key it lacks taken from ``wanted`` where ``wanted`` holds
-    that key's default: a key added since changes nothing for a run that keeps it."""
-    default = defaults()
-    added = {k: v for k, v in wanted.items() if k not in saved and k in default and v == default[k]}
-    return {**saved, **added}
-
-
 def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in table.items():

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, load_toml, resolve, with_keys_added_since
+from .config import ConfigError, load_toml, resolve
 
 CHECKPOINT = "checkpoint.pt"
 #: the lock file of a run directory (held by the process that writes the run)
@@ -198,10 +198,12 @@ def first_difference(saved: Any, wanted: Any, where: str = "") -> str:
 
 def plan_difference(saved: Any, wanted: dict[str, Any], config_at: str) -> str:
     """:func:`first_difference` of a saved plan and the one asked for, where both hold a
-    resolved config at ``config_at``: a config key added since the plan was saved counts
-    as its default there, so a study saved by an earlier release continues."""
+    resolved config at ``config_at``; a saved config that lacks a key was written by an
+    earlier bigbatch, and is said to be (no compatibility before 1.0)."""
     if isinstance(saved, dict) and isinstance(saved.get(config_at), dict):
-        saved = {**saved, config_at: with_keys_added_since(saved[config_at], wanted[config_at])}
+        missing = sorted(wanted.get(config_at, {}).keys() - saved[config_at].keys())
+        if missing:
+            return f"written by an earlier bigbatch, before the key {missing[0]!r}"
     return first_difference(saved, wanted)
 
 
