@@ -1,23 +1,12 @@
 """``bigbatch compare``: a grid of arms, each tuned the same way, and one report.
 
-Each ``--vary KEY=V1,V2,...`` is an axis of the grid; keys joined by ``+``
-vary together, so ``model.width+model.depth=64+2,32+3`` is one axis of two
-shapes. Each ``--arm NAME:KEY=V,...`` (or ``[[compare.arms]]`` table of a
-recipe: ``name`` and config keys) is an arm written out, for arms that are
-no product (static batches beside a controller's settings). The arms are
-every explicit arm (or one arm of the base config) times every combination
-of the axes' values. Each arm trains through
-:func:`bigbatch.experiments.sweep.sweep`: its rate times each multiplier of
-``lr_grid`` on the first seed (widened by ``widen`` points at an end where
-the best rate lies), then the best of those (``rank``) on ``seeds`` seeds.
-
-A comparison directory holds ``compare.json`` (the plan, then what each arm
-chose), one run directory per run, and the report. Running the same
-comparison into the same directory again continues it: finished runs are
-reused. A recipe is a TOML file of config keys with the comparison in a
-``[compare]`` table (``vary``, ``arms``, ``lr_grid``, ``widen``, ``seeds``, ``rank``,
-``jobs``, ``tune``);
-``examples/recipes/`` has some.
+The arms are every ``--arm NAME:KEY=V,...`` (or ``[[compare.arms]]`` table) times every
+combination of the ``--vary KEY=V1,V2,...`` axes (keys joined by ``+`` vary together).
+Each arm trains through :func:`bigbatch.experiments.sweep.sweep`: the rate grid on the
+first seed, the best (``rank``) on ``seeds`` seeds. The directory holds ``compare.json``
+(the plan and each arm's choice), a directory per run and the report; the same command
+into it again continues it. ``examples/recipes/`` and ``benchmarks/studies/`` hold
+study files.
 """
 
 from __future__ import annotations
@@ -52,14 +41,11 @@ class Comparison:
     def to_dict(self) -> dict[str, Any]:
         p = self.protocol
         plan = {"varied": self.varied, "lr_grid": list(p.lr_grid), "seeds": p.seeds}
-        plan.update(rank=p.rank, tune=p.tune, base=self.base)
+        plan.update(rank=p.rank, tune=p.tune, widen=p.widen, prefixes=list(p.prefixes))
+        plan.update(base=self.base)
         plan["arms"] = [
             {"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms
         ]
-        if p.widen:  # absent otherwise, as in the plans of comparisons saved before it
-            plan["widen"] = p.widen
-        if p.prefixes:  # the same
-            plan["prefixes"] = list(p.prefixes)
         return plan
 
 

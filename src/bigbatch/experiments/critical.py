@@ -1,28 +1,15 @@
 """The critical batch along a run, measured by branched training (``bigbatch critical-batch``).
 
-Merrill et al. 2025 ("Critical batch size revisited", arXiv:2505.23971)
-measure the critical batch where the noise scale only estimates it: train a
-small-batch run; from its checkpoints, train short branches at larger
-batches with the learning-rate rule under test; the critical batch at that
-point is the largest batch whose branch ends within a tolerance of the
-small batch's loss after the same number of samples. A batch at or below it
-trades no samples for its fewer steps; one above it does.
-
-Here the small-batch run is a ``constant`` run at the smallest batch of the
-list (``DIR/base``), paused at the chosen fractions of its budget, where its
-checkpoint is kept as a snapshot (``DIR/snapshot-<i>.pt``); every branch (the
-smallest batch's included: it is the reference, and equals continuing the
-run) is a run of its own (``DIR/branch-<i>-<batch>``) that starts from a
-snapshot — model, optimizer, data order, random state and sample count, so
-the schedule continues — and pauses after ``branch_samples`` samples. All of
-them are :func:`bigbatch.experiments.runner.train` runs: locked, checkpointed,
-stopped cleanly by a signal, and continued where they stood when the same
-command runs again. Beside each measured point the report puts the noise
-scale that the base run logged there, with its bounds, and the estimate the
-config's controller would compare with the next size there
-(``BatchWarmup.critical_batch()``, from a copy of the controller that replays
-the base run's logged statistics without deciding anything), so the three can
-be compared.
+Merrill et al. 2025 (arXiv:2505.23971): from checkpoints of a small-batch run, train
+short branches at larger batches under the rate rule; the critical batch at that point
+is the largest whose branch ends within a tolerance of the small batch's loss after the
+same samples. The base run is a ``constant`` run at the smallest batch (``DIR/base``),
+paused at the chosen fractions with a snapshot kept (``DIR/snapshot-<i>.pt``); every
+branch, the smallest batch's included, is a :func:`bigbatch.experiments.runner.train`
+run from a snapshot (``DIR/branch-<i>-<batch>``): locked, checkpointed, and continued
+when the command runs again. Beside each point the report puts the noise scale the base
+run logged and the estimate the config's controller would compare with the next size
+(a replaying copy: ``BatchWarmup.critical_batch()``).
 """
 
 from __future__ import annotations

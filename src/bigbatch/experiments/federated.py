@@ -1,27 +1,16 @@
 """A federated simulation on one machine (``bigbatch federated``): Flower's FedAvg with
 bigbatch's local batches, on IID or non-IID splits of a classification task.
 
-``N`` Flower ClientApps (:func:`bigbatch.integrations.flower.client_app`) each
-hold one part of the task's training set: an even random split (``iid``) or,
-per class, shares drawn from a Dirichlet(α) distribution (``dirichlet``,
-Hsu et al. 2019, "Measuring the effects of non-identical data distribution":
-the smaller α, the fewer classes a client holds). Every round every client
-trains ``local_samples`` samples with SGD (momentum 0.9, weight decay 5e-4,
-the optimizer afresh each round) at the round's local batch and rate; the
-server (:class:`~bigbatch.integrations.flower.AdaptiveBatchStrategy` around
-Flower's ``FedAvg``) averages the weights, scores the global model on the
-task's test set, and chooses the next local batch by the scheme:
-
-- ``fixed``: ``local_batch`` every round;
-- ``switch``: ``large`` until ``switch`` of the samples, then ``local_batch``
-  (:class:`~bigbatch.federated.SmallLargeSwitch`, the seed paper's trade-off);
-- ``adaptive``: bigbatch's default controller (``BatchWarmup``) on the global
-  batch from the clients' pooled noise statistics, from ``local_batch``.
-
-The rate is ``lr`` at ``local_batch``, scaled linearly with the local batch
-(SGD's rule, Goyal et al. 2017), times a 5% warm-up and cosine decay over
-the samples. The run writes ``rounds.jsonl`` (a row per round),
-``summary.json`` and ``report.md`` with ``federated.png``.
+``N`` Flower ClientApps (:func:`bigbatch.integrations.flower.client_app`) each hold an
+even random part of the training set (``iid``) or Dirichlet(α) shares per class
+(``dirichlet``, Hsu et al. 2019). Each round each client trains ``local_samples`` with
+SGD (momentum 0.9, weight decay 5e-4) at the round's local batch; the server
+(:class:`~bigbatch.integrations.flower.AdaptiveBatchStrategy`) averages, scores the
+global model and chooses the next local batch: ``fixed``, ``switch`` (``large`` until
+``switch`` of the samples: :class:`~bigbatch.federated.SmallLargeSwitch`) or
+``adaptive`` (``BatchWarmup`` on the clients' pooled noise statistics). The rate is
+``lr`` at ``local_batch``, scaled linearly (Goyal et al. 2017), with a 5% warm-up and
+cosine decay. Writes ``rounds.jsonl``, ``summary.json`` and ``report.md``; docs/federated.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """A command's options as one settings class: flags, help, a study file's table, checks.
 
-``bigbatch compare``'s protocol, ``tune``, ``critical-batch`` and ``federated`` each take
-their options as the fields of one frozen dataclass, each field a
-:func:`bigbatch.knobs.setting` (its default, bounds and help, written once). From
-those fields come the command's flags (``--min-fidelity`` for ``min_fidelity``; a
-tuple is comma-separated, a flag true or absent), the help of each ending in its
-default, the options table of ``docs/cli.md`` (:func:`options_table`, checked by a
-test), the names in the command's table of a ``--config`` file (``[tune]``,
-``[critical]``, ``[compare]``, ``[federated]``) and the checks: one
-:class:`~bigbatch.experiments.config.ConfigError` naming the option and the value.
-A flag overrides the file's table, which overrides the default.
-
-torchtitan generates its flags with tyro; measured here (2026-11-27), tyro's import
-adds 70-165 ms to the command's 2-4 s start, but its errors are a seven-line box
-where this command promises one line, it owns the whole parser (the run keys'
-``--set``, the subcommands' shared flags), and it brings three more packages into
-the core install. The ~100 lines below do the part this command needs.
+``compare``, ``tune``, ``critical-batch`` and ``federated`` each take their options as
+the fields of one frozen dataclass of :func:`bigbatch.knobs.setting` fields (default,
+bounds, help written once). From them come the flags (``--min-fidelity`` for
+``min_fidelity``), the help, docs/cli.md's table (:func:`options_table`), the command's
+``--config`` table (``[tune]``, ``[compare]``, ...) and the checks: one
+:class:`~bigbatch.experiments.config.ConfigError` naming the option and the value. A
+flag overrides the file's table, which overrides the default. (A generator such as tyro
+would own the whole parser and print errors in several lines; this needs ~100.)
 """
 
 from __future__ import annotations

@@ -12,10 +12,7 @@ What this buys over starting ``torchrun`` as a child:
 - the agent's own log goes to ``<run>/launcher.log``, and a failed run is one
   line naming the ranks that failed and the ones that stopped answering.
 
-Exit codes: 0 done, 2 a config or environment error, 3 training stopped (a
-non-finite step under ``nonfinite = "raise"``, or more than ``skip_limit``
-steps skipped), 4 a training process failed or a collective timed out,
-128 + N stopped by signal N after a checkpoint (130 Ctrl-C, 143 SIGTERM).
+Exit codes: those of ``bigbatch`` (:mod:`bigbatch.cli`).
 """
 
 from __future__ import annotations

@@ -73,23 +73,14 @@ def train(
     """Train one run into ``out`` (new, or resumed from its checkpoint; None: a new
     directory under ``runs/``); return the summary (``run_dir`` names the directory).
 
-    ``start_from``, a checkpoint of another run, makes the new run a branch of it:
-    it continues that run's model, optimizer, data order, random state and sample
-    count (so the schedule goes on where it was) at the config's first batch
-    (``bigbatch critical-batch``).
-
-    With ``until`` below the budget, the run pauses after the first step that
-    reaches ``until`` samples: it evaluates, checkpoints and returns a
-    :func:`paused` record instead of the summary (no ``summary.json``); the
-    same call with ``resume=True`` continues it, to the same result as a run
-    never paused. Its schedule is laid over the whole budget all the same: a
-    tuner judges a prefix of the real run (``bigbatch tune``).
-
-    Under ``torchrun`` call it on every rank with the same arguments; rank 0
-    locks and writes ``out`` and returns the summary, the other ranks return it
-    too. A second writer on ``out`` gets a :class:`ConfigError` before anything
-    is built. SIGTERM or SIGINT stops the run after the current optimizer step
-    with a checkpoint (:class:`~bigbatch.experiments.signals.Stopped`).
+    ``start_from``, another run's checkpoint, makes this run a branch of it (its model,
+    optimizer, data order, random state and samples, at the config's first batch).
+    ``until`` below the budget pauses the run after the step that reaches it (evaluated,
+    checkpointed; a :func:`paused` record is returned) on the whole budget's schedule;
+    ``resume=True`` continues it to the result of a run never paused. Under ``torchrun``
+    call it on every rank alike; rank 0 locks and writes ``out``. A second writer gets a
+    :class:`ConfigError` before anything is built; SIGTERM or SIGINT stops after the
+    current step with a checkpoint (:class:`~bigbatch.experiments.signals.Stopped`).
     """
     config = with_task_defaults(config)
     intervals(config)  # an interval this run cannot measure: one line, before ``out`` is claimed

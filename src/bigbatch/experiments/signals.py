@@ -1,16 +1,12 @@
 """Stopping a run cleanly on a signal: finish the optimizer step, checkpoint, say so, exit.
 
-A cluster scheduler ends a job with SIGTERM (and a grace period), a terminal
-with SIGINT. :class:`StopRequest` turns the first of either into a request
-the training loop reads between optimizer steps; the loop then writes a
-checkpoint and raises :class:`Stopped`, which the command line turns into
-one line and the conventional exit code (128 + the signal's number). A
-second signal exits at once, as an impatient operator expects.
-
-Under data parallelism every rank must stop after the same step (the
-checkpoint is a collective): :meth:`StopRequest.agreed` takes the largest
-request over the ranks, a one-integer all-reduce on a gloo group (host
-memory, so it never waits for a GPU).
+:class:`StopRequest` turns the first SIGTERM or SIGINT into a request the loop reads
+between optimizer steps; it then checkpoints and raises :class:`Stopped`, which the
+command line turns into one line and exit code 128 + the signal's number. A second
+signal exits at once. Under data parallelism every rank stops after the same step
+(the checkpoint is a collective): :meth:`StopRequest.agreed` takes the largest request
+over the ranks by a one-integer all-reduce on a gloo group (host memory: it never waits
+for a GPU).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Tuned comparisons: every arm gets the same learning-rate grid, and its best rate more seeds.
 
-A comparison between batch sizes, optimizers or controllers is only fair if
-each arm is trained at a rate that suits it: one rate for all favours the arm
-it was tuned for. The protocol here gives every arm the same budget of tuning:
-
-1. each arm trains at its own rate (the config's ``lr``, or the task's
-   measured rate for the arm's optimizer and LR rule when ``lr`` is 0) times
-   each point of a multiplier grid, on the first seed;
-2. the grid run that ranks best (:data:`RANKS`) gives the arm's rate;
-3. that rate is trained again on the further seeds.
-
-Every run is one process and one run directory, ``<stem>-lr<i>-seed<s>`` under
-the sweep's root; a directory that holds a ``summary.json`` is reused, so a
-killed sweep continues where it stopped. ``bigbatch compare`` and the
-evidence benchmarks (``benchmarks/``) both run through :func:`sweep`.
+One rate for all favours the arm it was tuned for, so every arm trains at its own rate
+(``lr``, or the task's for the arm's optimizer and rule) times each multiplier of a grid
+on the first seed; the grid run that ranks best (:data:`RANKS`) gives its rate, trained
+again on the further seeds. Each run is one process and one directory,
+``<stem>-lr<i>-seed<s>``; one holding a ``summary.json`` is reused, so a killed sweep
+continues. ``bigbatch compare`` and ``benchmarks/`` run through :func:`sweep`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """``bigbatch tune``: a multi-fidelity search of the rate (and any number key) on Optuna.
 
-A ×2 grid trains every rate to the end. Here the rates are trials of an
-Optuna study, each an ordinary run in its own directory under ``trials/``,
-searched by successive halving (Jamieson & Talwalkar 2016, arXiv 1502.07943;
-in brackets as in Hyperband, Li et al. 2018, arXiv 1603.06560): a bracket
-starts ``trials`` runs, pauses each at the lowest fidelity, keeps the best
-``1/reduction`` of them and lets those go on to the next fidelity, and so on
-until one trains to the end.
-
-A low fidelity is the first samples of the full run, never a shorter run:
-the warm-up and decay are laid over the whole budget, so a rate is judged on
-the schedule it will train with (a schedule compressed into the fidelity
-favours large rates: the short-horizon bias, Wu et al. 2018, arXiv
-1803.02021; docs/tuning.md measures it), and a run kept at a rung continues
-from its checkpoint instead of starting again, so a survivor costs no more
-than its own samples.
-
-The first bracket's trials are spread over the space by a Latin hypercube;
-later brackets are proposed by Optuna's TPE sampler (Bergstra et al. 2011)
-from everything measured before. The study lives in SQLite inside the output
-folder with its settings; every decision is made again from what is stored,
-so a killed ``tune`` run again on the folder keeps every measurement and
-continues each paused or killed run from its checkpoint. Writes
-``best.toml`` (a config ``bigbatch train --config`` accepts), ``tune.md``
-and ``tune.png``.
+Each trial is an ordinary run under ``trials/``, searched by successive halving in
+brackets (Jamieson & Talwalkar 2016, arXiv 1502.07943; Hyperband, Li et al. 2018,
+arXiv 1603.06560): a bracket starts ``trials`` runs, pauses each at the lowest fidelity
+and lets the best ``1/reduction`` continue to the next. A fidelity is the first samples
+of the full run, on the full run's schedule (a compressed schedule favours large rates:
+Wu et al. 2018, arXiv 1803.02021), and a survivor continues from its checkpoint. The
+first bracket is a Latin hypercube, later ones TPE (Bergstra et al. 2011). The study
+lives in SQLite in the output folder and every decision is remade from it, so a killed
+``tune`` continues. Writes ``best.toml``, ``tune.md`` and ``tune.png``; docs/tuning.md.
 """
 
 from __future__ import annotations

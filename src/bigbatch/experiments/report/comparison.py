@@ -145,7 +145,7 @@ def render(root: Path) -> Path:
     lines += [f"![average batch vs best {score}](pareto.png)", ""]
     lines += _near_best(root, arms, loss)
     lines += _rate_grid(root, arms, loss)
-    lines += _judged_early(root, arms, plan.get("prefixes", []), loss)
+    lines += _judged_early(root, arms, plan["prefixes"], loss)
     axis = _axis(plan, arms)
     if axis is not None:
         lines += _by_axis(root, arms, axis, loss)
