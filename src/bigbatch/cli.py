@@ -13,10 +13,9 @@
     bigbatch report runs/mine
     bigbatch tasks
 
-Every failure is one line on stderr with an exit code: 2 a config or
-environment error, 3 training stopped on non-finite steps, 4 a training
-process or collective failed, 128 + N stopped by signal N after a checkpoint
-(docs/cli.md).
+Every failure is one line on stderr with an exit code (docs/cli.md): 2 a config or
+environment error, 3 training stopped on non-finite steps, 4 a training process or
+collective failed, 128 + N stopped by signal N after a checkpoint.
 """
 
 from __future__ import annotations

@@ -97,16 +97,12 @@ _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_P
 def keep_freed_memory() -> bool:
     """Keep freed memory in the process for the next step (glibc's malloc only).
 
-    Under glibc's defaults a large block comes from a fresh mapping or from the top of
-    the heap, which is handed back to the system once it passes the trim threshold, so
-    a CPU step whose activations are megabytes each faults their pages in again at
-    every step. Raising the mmap and trim thresholds (to 1 GiB) keeps that memory for
-    the next step, as PyTorch's CPU tuning guide does by preloading jemalloc or tcmalloc;
-    the cost is a resident size that stays at the run's peak. Measured on this project's
-    machine (docs/results.md, "The CPU allocator"): the ``text`` model's plain step at
-    batch 1,024 0.76x the time, the ``lm`` task's default run 0.90x. Does nothing
-    (returns False) off glibc, or where the user set glibc's malloc through its
-    environment; True when it applied.
+    glibc hands a large freed block back to the system, so a CPU step whose activations
+    are megabytes each faults their pages in again at every step. Raising the mmap and
+    trim thresholds (to 1 GiB) keeps them, as PyTorch's CPU tuning guide does with
+    jemalloc or tcmalloc, at a resident size that stays at the run's peak
+    (docs/results.md, "The CPU allocator"). False (nothing done) off glibc or where the
+    user set glibc's malloc through its environment.
     """
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return False
