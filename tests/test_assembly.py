@@ -17,7 +17,7 @@ def make_optimizer():
 
 def test_the_default_controller_warms_up_from_the_first_batch():
     parts = assemble(make_optimizer(), sub_batches=2)
-    assert isinstance(parts.controller, bb.batch.BatchWarmup) and parts.controller.initial == 16
+    assert isinstance(parts.controller, bb.batch.BatchWarmup) and parts.controller.initial == 8
     # the default controller reads the statistics: they are collected
     assert parts.world == World() and parts.options == StepOptions(statistics=True)
     started = assemble(make_optimizer(), sub_batches=2, first_batch=128)
@@ -37,7 +37,7 @@ def test_the_default_controller_starts_at_any_first_batch_a_sampler_gives():
     is outside [min, max] = [16, 16384]", naming arguments its user never passed."""
     small, large = resolve_controller(None, 8), resolve_controller(None, 32_768)
     assert (small.initial, small.min, small.max) == (8, 8, 16_384)
-    assert (large.initial, large.min, large.max) == (32_768, 16, 32_768)
+    assert (large.initial, large.min, large.max) == (32_768, 8, 32_768)
     assert repr(resolve_controller(None, 64)) == repr(bb.batch.BatchWarmup(initial=64))
 
 

@@ -100,9 +100,9 @@ def test_controller_scheme_applies_a_decision_from_the_next_round_and_stops_feed
 def test_controller_scheme_grows_where_the_pooled_noise_scale_exceeds_the_next_batch():
     noisy = [{"grad_sq_norm": 1.0, "trace": 1000.0, "similarity": 0.0, "schedule": 1.0}] * 12
     quiet = [{"grad_sq_norm": 1.0, "trace": 10.0, "similarity": 0.9, "schedule": 1.0}] * 12
-    grows = ControllerScheme(BatchWarmup(initial=64), clients=4)
+    grows = ControllerScheme(BatchWarmup(multiple=0.25, initial=64), clients=4)
     assert grows.next_local_batch(noisy, 16, 4, samples=10_000, total=100_000) == 32
-    holds = ControllerScheme(BatchWarmup(initial=64), clients=4)
+    holds = ControllerScheme(BatchWarmup(multiple=0.25, initial=64), clients=4)
     assert holds.next_local_batch(quiet, 16, 4, samples=10_000, total=100_000) == 16
 
 

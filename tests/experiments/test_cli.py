@@ -72,7 +72,7 @@ def test_train_writes_the_run_directory(tmp_path, capsys):
     assert summary["steps"] == len(rows) and summary["samples"] == rows[-1]["samples"] >= 6000
     assert summary["avg_batch_size"] == pytest.approx(summary["samples"] / summary["steps"])
     assert summary["best_accuracy"] > 0.5
-    assert summary["controller"].startswith("BatchWarmup(multiple=0.25, initial=32, ")
+    assert summary["controller"].startswith("BatchWarmup(multiple=0.125, initial=32, ")
     assert "best accuracy" in capsys.readouterr().out
     # an existing run is never overwritten
     before = (out / "metrics.jsonl").read_text()

@@ -277,4 +277,4 @@ def test_the_report_adds_the_largest_attention_logit_on_a_transformer_task(train
     lines = (out / "report.md").read_text().splitlines()
     header = next(line for line in lines if "lr (grid)" in line)
     assert header.endswith("| wall s | largest attention logit |")
-    assert next(line for line in lines if line.startswith("| a |")).endswith("| 2.50 |")
+    assert next(line for line in lines if line.startswith("| a |")).endswith("| 1.77 |")

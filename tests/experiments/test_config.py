@@ -121,13 +121,14 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
 
     warmup = with_task_defaults(resolve({"batch.controller": "batch_warmup"}))
     ramp = with_task_defaults(resolve({"batch.controller": "critical_ramp"}))
-    assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.25, 6.0)
-    assert (warmup["batch.initial"], ramp["batch.initial"]) == (16, 64)
+    assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.125, 6.0)
+    assert (warmup["batch.initial"], ramp["batch.initial"]) == (8, 64)
     # bounds that exclude the controller's own first batch move it, as only they were asked
     assert with_task_defaults(resolve({"batch.min": 32}))["batch.initial"] == 32
     # a controller with no default of its own (a constant batch) takes the default's
     constant = with_task_defaults(resolve({"batch.controller": "constant"}))
-    assert constant["batch.initial"] == constant["batch.base"] == 16
+    assert constant["batch.initial"] == constant["batch.base"] == 8
+    assert constant["batch.min"] == 8  # a key it does not take: held to the default's
     chosen = with_task_defaults(
         resolve({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
     )
@@ -135,8 +136,8 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
 
 
 def test_a_bound_left_at_its_default_moves_to_what_was_set_past_it():
-    """Only what was set was asked for: a constant batch of 8 or 20,000, a ``batch.max`` of
-    8, needs no other bound set (each was an error naming a bound nobody set)."""
+    """Only what was set was asked for: a constant batch of 4 or 20,000, a ``batch.max`` of
+    4, needs no other bound set (each was an error naming a bound nobody set)."""
     from bigbatch.experiments.build import with_task_defaults
 
     def bounds(**layer):
@@ -144,14 +145,14 @@ def test_a_bound_left_at_its_default_moves_to_what_was_set_past_it():
         run = with_task_defaults(resolve(dict(layer.items())), origins)
         return [run[k] for k in ("batch.min", "batch.initial", "batch.max")], origins
 
-    assert bounds(**{"batch.controller": "constant", "batch.initial": 8})[0] == [8, 8, 16384]
+    assert bounds(**{"batch.controller": "constant", "batch.initial": 4})[0] == [4, 4, 16384]
     big, why = bounds(**{"batch.controller": "constant", "batch.initial": 20_000})
-    assert big == [16, 20_000, 20_000]
+    assert big == [8, 20_000, 20_000]
     assert why["batch.max"] == "batch.initial (20,000), set past its default 16,384"
-    low, why = bounds(**{"batch.max": 8})  # batch_warmup's own first batch is 16
-    assert low == [8, 8, 8]
+    low, why = bounds(**{"batch.max": 4})  # batch_warmup's own first batch is 8
+    assert low == [4, 4, 4]
     assert why["batch.initial"] == (
-        "the batch_warmup controller's default 16, moved into [batch.min, batch.max]"
+        "the batch_warmup controller's default 8, moved into [batch.min, batch.max]"
     )
     assert bounds(**{"batch.min": 32_768})[0] == [32_768, 32_768, 32_768]
     # a bound that was set stays, and its conflict is an error

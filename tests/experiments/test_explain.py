@@ -21,11 +21,10 @@ def test_the_default_runs_rate_is_derived_in_words_and_numbers():
     config = resolve({})
     text = explain(config)
     run = with_task_defaults(config)
-    assert run["lr"] == pytest.approx(0.004 * 0.5)  # mnist1d's LAMB rate at 64, sqrt to 16
-    assert "rate  0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5 (sqrt of 16/64)" in (
-        text
-    )
-    assert "x sqrt(B/16) as the batch changes" in text
+    assert run["lr"] == pytest.approx(0.004 * 0.5**1.5)  # mnist1d's LAMB rate at 64, sqrt to 8
+    rate = "rate  0.001414 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.3536"
+    assert f"{rate} (sqrt of 8/64)" in text
+    assert "x sqrt(B/8) as the batch changes" in text
     assert "cosine over 1,200,000 samples, 5% warm-up" in text
     filled = filled_lines(text)
     for key, (value, _) in filled.items():
@@ -100,7 +99,7 @@ def test_a_controller_that_asks_for_the_familys_rule_says_so():
 def test_the_command_prints_it_and_trains_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--task", "text", "--explain"]) == 0
-    assert capsys.readouterr().out.startswith("text: lamb, batch_warmup from batch 16\n")
+    assert capsys.readouterr().out.startswith("text: lamb, batch_warmup from batch 8\n")
     assert not (tmp_path / "runs").exists()
     saved = tmp_path / "run"
     saved.mkdir()

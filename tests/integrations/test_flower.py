@@ -150,14 +150,14 @@ def test_a_failing_client_is_an_error_reply_and_the_round_goes_on_without_it():
 
 
 def test_a_failing_client_does_not_move_the_adaptive_batch():
-    quiet = ControllerScheme(BatchWarmup(initial=12, min=12, window=4), clients=3)
+    quiet = ControllerScheme(BatchWarmup(multiple=0.25, initial=12, min=12, window=4), clients=3)
     strategy, grid, initial, _ = federation(quiet, local_samples=64, fail=2)
     strategy.start(grid, initial, num_rounds=2)
     assert [r["local_batch"] for r in strategy.history] == [4, 4]
 
 
 def test_the_controller_grows_the_local_batch_on_noisy_clients_and_steps_fall():
-    noisy = ControllerScheme(BatchWarmup(initial=12, min=12, window=4), clients=3)
+    noisy = ControllerScheme(BatchWarmup(multiple=0.25, initial=12, min=12, window=4), clients=3)
     strategy, grid, initial, _ = federation(noisy, local_samples=64, noise=30.0)
     strategy.start(grid, initial, num_rounds=3)
     batches = [r["local_batch"] for r in strategy.history]
@@ -173,7 +173,8 @@ def test_two_simulations_with_one_seed_are_identical():
     def history():
         random.seed(0)  # Flower samples (and so orders) the round's clients with it
         strategy, grid, initial, _ = federation(
-            ControllerScheme(BatchWarmup(initial=12, min=12, window=4), clients=3), noise=30.0
+            ControllerScheme(BatchWarmup(multiple=0.25, initial=12, min=12, window=4), clients=3),
+            noise=30.0,
         )
         strategy.start(grid, initial, num_rounds=2)
         return strategy.history

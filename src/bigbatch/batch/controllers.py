@@ -139,9 +139,9 @@ class BatchWarmup:
     (:meth:`current_multiple`). docs/algorithms.md, "BatchWarmup (the default)".
     """
 
-    multiple: float = setting(0.25, **_MULTIPLE)
-    initial: int = setting(16, **_INITIAL)
-    min: int = setting(16, **_MIN)
+    multiple: float = setting(0.125, **_MULTIPLE)
+    initial: int = setting(8, **_INITIAL)
+    min: int = setting(8, **_MIN)
     max: int = setting(16384, **_MAX)
     _: KW_ONLY
     factor: float = setting(2.0, **_FACTOR)

@@ -683,19 +683,23 @@ def fill_controller_defaults(config: dict[str, Any], origins: dict[str, str] | N
     ``batch.min`` or lowered to ``batch.max``."""
     kind, origins = config["batch.controller"], origins if origins is not None else {}
     own_first = not config["batch.initial"]
+    left = [n for n in ("batch.min", "batch.max") if config[n] == schema()[n].default]
     for key in schema().values():
         if key.owners is not None and config[key.name] == key.default:
-            config[key.name] = key.owners.get(kind, key.default)
+            # a controller that takes no such key (a constant batch has no minimum) is
+            # held to the registry's default controller's value
+            config[key.name] = key.owners.get(kind, next(iter(key.owners.values())))
             if config[key.name] != key.default:
                 origins[key.name] = f"the {kind} controller's default"
-    _move_default_bounds(config, origins, own_first)
+    _move_default_bounds(config, origins, own_first, left)
 
 
-def _move_default_bounds(config: dict[str, Any], origins: dict[str, str], own_first: bool) -> None:
-    """:func:`fill_controller_defaults`' rule for the batch bounds: a bound left at its
+def _move_default_bounds(
+    config: dict[str, Any], origins: dict[str, str], own_first: bool, left: list[str]
+) -> None:
+    """:func:`fill_controller_defaults`' rule for the batch bounds: a bound ``left`` at its
     default moves to what was set past it, the controller's own first batch into them."""
     first = config["batch.initial"]
-    left = [n for n in ("batch.min", "batch.max") if config[n] == schema()[n].default]
     moves = []  # (bound, set key that moves it)
     if not own_first:  # a first batch set outside a bound left at its default
         moves += [(n, "batch.initial") for n in left]

@@ -212,12 +212,12 @@ def test_text_pins_the_rates_of_every_registered_optimizer():
 
 
 def _default_and_constant_256(task, optimizer):
-    """``task``'s resolved config for ``optimizer`` under the default controller and at
-    constant batch 256, everything else at its default."""
+    """``task``'s resolved config for ``optimizer`` under the default controller from batch
+    16 and at constant batch 256, everything else at its default."""
     from bigbatch.experiments.build import with_task_defaults
     from bigbatch.experiments.config import defaults
 
-    config = {**defaults(), "task": task, "optimizer": optimizer}
+    config = {**defaults(), "task": task, "optimizer": optimizer, "batch.initial": 16}
     constant = {**config, "batch.controller": "constant", "batch.initial": 256}
     return with_task_defaults(config), with_task_defaults(constant)
 
