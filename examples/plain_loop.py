@@ -5,8 +5,8 @@
 Compared with an ordinary gradient-accumulation loop, the lines marked
 ``# bigbatch`` are the changes. Prints the batch size as the controller
 grows it (every 40 steps); runs in well under 2 minutes on 2 CPU cores. The
-controller is the default one (``bb.batch.BatchWarmup``): from batch 16,
-the batch doubles whenever a quarter of the smoothed noise scale is
+controller is the default rule (``bb.batch.BatchWarmup``) from batch 16 (the
+default starts at 8): the batch doubles whenever an eighth of the smoothed noise scale is
 confidently (one standard error) above the next size, and the learning rate
 follows LAMB's rule, ×√2 per doubling (``lr_scaling="auto"``).
 """
@@ -45,7 +45,7 @@ def main() -> None:
         optimizer,
         train,
         max_micro_batch=512,
-        controller=bb.batch.BatchWarmup(initial=16, max=8192),  # the default, from 16
+        controller=bb.batch.BatchWarmup(initial=16, max=8192),  # the default rule, from 16
         schedule=bb.schedules.warmup_cosine(total=1_500_000, warmup=50_000),
     )
     for step in loop.steps(max_samples=1_500_000):  # bigbatch
