@@ -40,13 +40,18 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         p = self.protocol
-        plan = {"varied": self.varied, "lr_grid": list(p.lr_grid), "seeds": p.seeds}
-        plan.update(rank=p.rank, tune=p.tune, widen=p.widen, prefixes=list(p.prefixes))
-        plan.update(base=self.base)
-        plan["arms"] = [
-            {"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms
-        ]
-        return plan
+        arms = [{"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms]
+        return {
+            "varied": self.varied,
+            "lr_grid": list(p.lr_grid),
+            "seeds": p.seeds,
+            "rank": p.rank,
+            "tune": p.tune,
+            "widen": p.widen,
+            "prefixes": list(p.prefixes),
+            "base": self.base,
+            "arms": arms,
+        }
 
 
 def parse_axis(text: str) -> tuple[list[str], list[dict[str, Any]]]:

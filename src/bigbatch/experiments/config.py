@@ -686,8 +686,8 @@ def fill_controller_defaults(config: dict[str, Any], origins: dict[str, str] | N
     left = [n for n in ("batch.min", "batch.max") if config[n] == schema()[n].default]
     for key in schema().values():
         if key.owners is not None and config[key.name] == key.default:
-            # a controller that takes no such key (a constant batch has no minimum) is
-            # held to the registry's default controller's value
+            # a controller that takes no such key (a constant batch has no minimum) gets
+            # the first owner's value, as component_keys gives one without a default
             config[key.name] = key.owners.get(kind, next(iter(key.owners.values())))
             if config[key.name] != key.default:
                 origins[key.name] = f"the {kind} controller's default"
