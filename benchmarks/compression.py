@@ -44,11 +44,11 @@ def powersgd_bytes(task: str) -> float:
     """Per-step payload of PowerSGD rank 1 on the task's model (P and Q, float32)."""
     import torch
 
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import resolve
     from bigbatch.experiments.tasks import TASKS
 
-    model = TASKS[task].build(with_task_defaults(resolve({"task": task}))).model
+    model = TASKS[task].build(plan_run(resolve({"task": task}))).model
     total = 0
     for p in model.parameters():
         if p.ndim <= 1:

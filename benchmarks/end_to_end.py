@@ -45,11 +45,11 @@ RESULT = "RESULT "
 
 
 def config_for(task: str, sets: list[str], **overrides) -> dict:
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import resolve, with_overrides
 
     config = with_overrides(resolve({"task": task}), sets)
-    return with_task_defaults(resolve(config, overrides))
+    return plan_run(resolve(config, overrides))
 
 
 def plain_run(args: argparse.Namespace) -> list[list[float]]:

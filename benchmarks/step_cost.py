@@ -73,7 +73,7 @@ from torch.utils.data import TensorDataset
 
 import bigbatch as bb
 from _timing import interleaved, medians
-from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import resolve, with_overrides
 from bigbatch.experiments.device import keep_freed_memory
 from bigbatch.experiments.tasks import TASKS, TinyTransformer
@@ -288,7 +288,7 @@ def _forever(loader):
 
 
 def agreement(task: str, args) -> None:
-    config = with_task_defaults(with_overrides(resolve({"task": task, "device": "cpu"}), args.set))
+    config = plan_run(with_overrides(resolve({"task": task, "device": "cpu"}), args.set))
     problem = TASKS[task].build(config)
     model = problem.model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -4,7 +4,8 @@ Sweeps and comparisons are about choosing and aggregating runs; with this
 trainer their tests check the choices against known answers in milliseconds.
 The model: the best rate is 0.004 at any batch (accuracy falls with the
 squared log-distance from it), and the steps to the target follow
-``S_min · (1 + B_crit / B)`` with ``S_min = 100`` and ``B_crit = 4 · width``.
+``S_min · (1 + B_crit / B)`` with ``S_min = 100`` and ``B_crit = 4 · width``; a run
+trains its budget (``max_samples``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import to_toml
 
 S_MIN = 100
@@ -36,13 +37,13 @@ def fake_train(
     accuracy already the final one) and a checkpoint to resume from."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    filled = with_task_defaults(config)
+    filled = plan_run(config)
     (out / "config.toml").write_text(to_toml(filled))  # as the runner does
     batch = filled["batch.initial"]
-    width = config["model.width"] or 32
+    width = filled["model.width"]
     accuracy = 0.98 - 0.01 * math.log(config["lr"] / 0.004) ** 2 - 0.001 * config["seed"]
     steps = round(S_MIN * (1 + critical_batch(width) / batch))
-    if until is not None and until < with_task_defaults(config)["max_samples"]:
+    if until is not None and until < filled["max_samples"]:
         (out / "checkpoint.pt").write_text(str(until))
         return {"paused": True, "samples": until, "eval_accuracy": accuracy}
     summary = {
@@ -56,7 +57,7 @@ def fake_train(
         "steps_to_target": steps if accuracy >= 0.9 else None,
         "samples_to_target": steps * batch if accuracy >= 0.9 else None,
         "steps": 2 * steps,
-        "samples": 2 * steps * batch,
+        "samples": filled["max_samples"],
         "avg_batch_size": float(batch),
         "wall_seconds": 1.0,
         "ended": "budget",

@@ -7,6 +7,7 @@ from bigbatch.experiments.config import (
     RUN_SECTIONS,
     BatchKeys,
     ConfigError,
+    RunPlan,
     _keys,
     _toml,
     defaults,
@@ -110,40 +111,37 @@ def test_the_cli_docs_list_every_key_as_the_help_does():
 def test_a_config_left_at_its_defaults_builds_the_librarys_default_controller(name):
     """One default per knob: the command line's controller is the class's own default."""
     from bigbatch.batch.controllers import CONTROLLERS
-    from bigbatch.experiments.build import make_controller, with_task_defaults
+    from bigbatch.experiments.build import make_controller, plan_run
 
-    config = with_task_defaults(resolve({"batch.controller": name}))
+    config = plan_run(resolve({"batch.controller": name}))
     assert repr(make_controller(config)) == repr(CONTROLLERS[name]())
 
 
 def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_default():
-    from bigbatch.experiments.build import make_controller, with_task_defaults
+    from bigbatch.experiments.build import make_controller, plan_run
 
-    warmup = with_task_defaults(resolve({"batch.controller": "batch_warmup"}))
-    ramp = with_task_defaults(resolve({"batch.controller": "critical_ramp"}))
+    warmup = plan_run(resolve({"batch.controller": "batch_warmup"}))
+    ramp = plan_run(resolve({"batch.controller": "critical_ramp"}))
     assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.125, 6.0)
     assert (warmup["batch.initial"], ramp["batch.initial"]) == (8, 64)
     # bounds that exclude the controller's own first batch move it, as only they were asked
-    assert with_task_defaults(resolve({"batch.min": 32}))["batch.initial"] == 32
+    assert plan_run(resolve({"batch.min": 32}))["batch.initial"] == 32
     # a controller with no default of its own (a constant batch) takes the default's
-    constant = with_task_defaults(resolve({"batch.controller": "constant"}))
+    constant = plan_run(resolve({"batch.controller": "constant"}))
     assert constant["batch.initial"] == constant["batch.base"] == 8
     assert constant["batch.min"] == 8  # a key it does not take: held to the default's
-    chosen = with_task_defaults(
-        resolve({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
-    )
+    chosen = plan_run(resolve({"batch.controller": "critical_ramp", "batch.noise_multiple": 3}))
     assert make_controller(chosen).multiple == 3.0
 
 
 def test_a_bound_left_at_its_default_moves_to_what_was_set_past_it():
     """Only what was set was asked for: a constant batch of 4 or 20,000, a ``batch.max`` of
     4, needs no other bound set (each was an error naming a bound nobody set)."""
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
     def bounds(**layer):
-        origins = {}
-        run = with_task_defaults(resolve(dict(layer.items())), origins)
-        return [run[k] for k in ("batch.min", "batch.initial", "batch.max")], origins
+        run = plan_run(resolve(dict(layer.items())))
+        return [run[k] for k in ("batch.min", "batch.initial", "batch.max")], run.origins
 
     assert bounds(**{"batch.controller": "constant", "batch.initial": 4})[0] == [4, 4, 16384]
     big, why = bounds(**{"batch.controller": "constant", "batch.initial": 20_000})
@@ -162,19 +160,19 @@ def test_a_bound_left_at_its_default_moves_to_what_was_set_past_it():
 
 def test_a_budget_below_the_first_batch_is_refused():
     """The loop takes whole batches: ``max_samples = 1`` trained one step of 16 unsaid."""
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
     with pytest.raises(ConfigError, match=r"max_samples \(1\) is below the first batch "):
-        with_task_defaults(resolve({"max_samples": 1}))
-    assert with_task_defaults(resolve({"max_samples": 16}))["max_samples"] == 16
+        plan_run(resolve({"max_samples": 1}))
+    assert plan_run(resolve({"max_samples": 16}))["max_samples"] == 16
 
 
 def test_a_ramp_in_the_users_units_from_config_keys():
-    from bigbatch.experiments.build import make_controller, with_task_defaults
+    from bigbatch.experiments.build import make_controller, plan_run
 
     def ramp(**keys):
         layer = {"batch.controller": "ramp", "model.context": 0, **keys}
-        return with_task_defaults(resolve(layer))
+        return plan_run(resolve(layer))
 
     # the table gives the first batch; its shares are of max_samples
     table = ramp(**{"batch.ramp_points": "0:32, 25%:64", "max_samples": 4000})
@@ -182,7 +180,7 @@ def test_a_ramp_in_the_users_units_from_config_keys():
     assert table["batch.initial"] == table["batch.base"] == 32
     assert [controller.next({}, 0, s) for s in (999, 1000)] == [32, 64]
     # the linear ramp's length in tokens needs a sequence task: its context
-    text = with_task_defaults(
+    text = plan_run(
         resolve({"task": "text", "batch.controller": "ramp", "batch.ramp_over": "1M tokens"})
     )
     assert make_controller(text).tokens_per_sample == text["model.context"] > 0
@@ -226,10 +224,10 @@ def test_a_config_file_that_is_not_toml_text_or_not_a_file_is_named(tmp_path):
 
 @pytest.mark.parametrize("name", ["sgd", "lars", "lamb", "vr-sgd"])
 def test_keys_left_at_auto_take_the_optimizers_recipe(name):
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
     from bigbatch.optim import RECIPES
 
-    config = with_task_defaults(resolve({"optimizer": name}))
+    config = plan_run(resolve({"optimizer": name}))
     recipe = RECIPES[name]
     assert config["weight_decay"] == recipe.weight_decay
     assert config["schedule.kind"] == recipe.schedule
@@ -237,15 +235,13 @@ def test_keys_left_at_auto_take_the_optimizers_recipe(name):
     assert config["vrgd.gamma"] == recipe.options.get("gamma", "auto")
     # the saved config reads back as the same run
     saved = flatten(_toml().loads(to_toml(config)))
-    assert with_task_defaults(resolve(saved)) == config
+    assert plan_run(resolve(saved)) == config
 
 
 def test_a_key_set_by_the_user_wins_over_the_recipe():
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
-    config = with_task_defaults(
-        resolve({"optimizer": "lars", "weight_decay": 0.0, "schedule.kind": "poly"})
-    )
+    config = plan_run(resolve({"optimizer": "lars", "weight_decay": 0.0, "schedule.kind": "poly"}))
     assert (config["weight_decay"], config["schedule.kind"]) == (0.0, "poly")
 
 
@@ -276,9 +272,9 @@ def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key, messag
     ],
 )
 def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
-    assert with_task_defaults(resolve(layer))["min_sub_batches"] == fewest
+    assert plan_run(resolve(layer))["min_sub_batches"] == fewest
 
 
 @pytest.mark.parametrize(
@@ -292,13 +288,13 @@ def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):
     ],
 )
 def test_the_warm_up_is_a_share_or_a_length_in_samples_or_tokens(task, length, share):
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
     if not isinstance(length, str) and length > 1:
         with pytest.raises(ConfigError, match=r"schedule.warmup must be in \[0, 1\]"):
             resolve({"task": task, "schedule.warmup": length})
         length = str(length)
-    config = with_task_defaults(resolve({"task": task, "schedule.warmup": length}))
+    config = plan_run(resolve({"task": task, "schedule.warmup": length}))
     assert config["schedule.warmup"] == pytest.approx(share)
 
 
@@ -311,7 +307,21 @@ def test_the_warm_up_is_a_share_or_a_length_in_samples_or_tokens(task, length, s
     ],
 )
 def test_a_schedule_length_the_run_cannot_lay_out_is_one_error_naming_the_key(settings, message):
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
     with pytest.raises(ConfigError, match=message):
-        with_task_defaults(resolve({"task": "mnist1d", **settings}))
+        plan_run(resolve({"task": "mnist1d", **settings}))
+
+
+def test_a_plan_is_read_only_planned_once_and_saved_as_a_plan(tmp_path):
+    from bigbatch.experiments.build import plan_run
+    from bigbatch.experiments.rundir import read_config
+
+    run = plan_run(resolve({"task": "digits"}))
+    assert plan_run(run) is run
+    assert run["lr"] > 0 and "the digits task's" in run.origins["lr"]
+    with pytest.raises(TypeError):
+        run["lr"] = 1.0  # type: ignore[index]
+    (tmp_path / "config.toml").write_text(to_toml(run))
+    saved = read_config(tmp_path)
+    assert isinstance(saved, RunPlan) and saved == run and plan_run(saved) is saved

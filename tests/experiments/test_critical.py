@@ -9,7 +9,7 @@ import torch
 from bigbatch import cli
 from bigbatch.batch.lr import lr_factor
 from bigbatch.experiments import critical
-from bigbatch.experiments.build import build, make_controller, with_task_defaults
+from bigbatch.experiments.build import build, make_controller, plan_run
 from bigbatch.experiments.config import ConfigError, resolve
 from bigbatch.experiments.options import CriticalSettings
 
@@ -61,7 +61,7 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     assert point.losses[16] == pytest.approx(problem.evaluate(problem.model)["eval_loss"], abs=1e-6)
     assert point.critical_batch in (16, 32) and math.isfinite(point.noise_scale)
     # beside it, what the default controller (BatchWarmup) would decide on, from the same steps
-    replay = make_controller(with_task_defaults(config))
+    replay = make_controller(plan_run(config))
     for line in (tmp_path / "base" / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         replay.next(row, replay.max, row["samples"])

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from bigbatch import cli
-from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import resolve, to_toml
 from bigbatch.experiments.explain import explain
 
@@ -20,7 +20,7 @@ def filled_lines(text):
 def test_the_default_runs_rate_is_derived_in_words_and_numbers():
     config = resolve({})
     text = explain(config)
-    run = with_task_defaults(config)
+    run = plan_run(config)
     assert run["lr"] == pytest.approx(0.004 * 0.5**1.5)  # mnist1d's LAMB rate at 64, sqrt to 8
     rate = "rate  0.001414 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.3536"
     assert f"{rate} (sqrt of 8/64)" in text
@@ -103,7 +103,7 @@ def test_the_command_prints_it_and_trains_nothing(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "runs").exists()
     saved = tmp_path / "run"
     saved.mkdir()
-    (saved / "config.toml").write_text(to_toml(with_task_defaults(resolve({}))))
+    (saved / "config.toml").write_text(to_toml(plan_run(resolve({}))))
     assert cli.main(["train", "--resume", str(saved), "--explain"]) == 2
     assert "--explain explains a new run's config" in capsys.readouterr().err
 

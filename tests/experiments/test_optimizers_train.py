@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from bigbatch.experiments import tasks
-from bigbatch.experiments.build import _loop, with_task_defaults
+from bigbatch.experiments.build import _loop, plan_run
 from bigbatch.experiments.config import resolve
 from bigbatch.experiments.device import Precision
 from bigbatch.experiments.tasks import TASKS
@@ -38,7 +38,7 @@ REPRESENTATIVES = ("lamb", "sgd", "lars")
 
 
 def _train(task_name: str, optimizer: str, problem, initial_model) -> dict[str, float]:
-    config = with_task_defaults(
+    config = plan_run(
         resolve(
             {
                 "task": task_name,
@@ -80,7 +80,7 @@ def test_optimizers_train_the_task_at_their_familys_rate(
         draw = tasks.mnist1d_arrays
         monkeypatch.setattr(tasks.data, "mnist1d_arrays", lambda: draw(samples=4_000))
     torch.manual_seed(0)
-    config = with_task_defaults(resolve({"task": task_name, "device": "cpu"}))
+    config = plan_run(resolve({"task": task_name, "device": "cpu"}))
     problem = TASKS[task_name].build(config)
     initial = copy.deepcopy(problem.model)
     failures = []

@@ -48,3 +48,24 @@ def test_a_run_paused_twice_and_resumed_ends_like_one_never_paused(tmp_path):
 def test_until_at_or_past_the_budget_trains_the_whole_run(tmp_path):
     summary = runner.train(resolve(CONFIG), tmp_path / "r", quiet=True, until=6000)
     assert "paused" not in summary and summary["samples"] >= 6000
+
+
+def test_a_run_is_planned_once_then_checked_and_trained_with_that_plan(
+    trained, tmp_path, monkeypatch
+):
+    from bigbatch.experiments.config import RunPlan
+
+    planned = []
+
+    def plan_run(config):
+        planned.append(config)
+        return real(config)
+
+    real = runner.plan_run
+    monkeypatch.setattr(runner, "plan_run", plan_run)
+    runner.train_or_reuse(resolve(CONFIG), tmp_path / "run")
+    # the runner planned the config once; the check and the trainer took that plan
+    assert len([c for c in planned if not isinstance(c, RunPlan)]) == 1
+    assert isinstance(trained[0], RunPlan) and trained[0]["lr"] > 0
+    runner.train_or_reuse(resolve(CONFIG), tmp_path / "run")  # finished: checked, reused
+    assert len(trained) == 1

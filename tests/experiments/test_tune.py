@@ -22,7 +22,7 @@ pytest.importorskip("optuna")
 
 from bigbatch import cli
 from bigbatch.experiments import runner
-from bigbatch.experiments.build import with_task_defaults
+from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import ConfigError, load_toml, resolve, to_toml
 from bigbatch.experiments.tasks import TASKS
 from bigbatch.experiments.tune import (
@@ -269,7 +269,7 @@ def test_every_trial_and_best_toml_take_the_tasks_ceiling_along_with_the_rate(
     monkeypatch.setattr(runner, "train", recording)
     ceiled = dataclasses.replace(TASKS["digits"], lr_max={"adam": 0.01})
     monkeypatch.setitem(TASKS, "digits", ceiled)
-    rate = with_task_defaults(resolve(BASE))["lr"]
+    rate = plan_run(resolve(BASE))["lr"]
     tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=6))
     assert len({lr for lr, _ in seen}) == 6
     assert all(ceiling == pytest.approx(0.01 * lr / rate) for lr, ceiling in seen)
@@ -282,7 +282,7 @@ def test_a_trial_folder_of_another_config_is_refused_not_continued(tmp_path):
 
     old = resolve(BASE, {"lr": 0.004})
     (tmp_path / "0000").mkdir()
-    (tmp_path / "0000" / "config.toml").write_text(to_toml(with_task_defaults(old)))
+    (tmp_path / "0000" / "config.toml").write_text(to_toml(plan_run(old)))
     with pytest.raises(ConfigError, match=r"holds a finished run of another config \(lr_max"):
         _train_trial(({**old, "lr_max": 0.002}, str(tmp_path / "0000"), 9000, True))
 

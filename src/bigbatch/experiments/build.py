@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from .config import (
     MachineKeys,
     OptimizerKeys,
     RunKeys,
+    RunPlan,
     ScheduleKeys,
     defaults,
     fewest_sub_batches_of,
@@ -35,15 +37,16 @@ from .device import Precision, resolve_device, to_device
 from .tasks import TASKS, Problem
 
 
-def with_task_defaults(
-    config: dict[str, Any], origins: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """Fill the keys left at 0 ("the task's default") from the task and those left at
-    ``"auto"`` from the optimizer's recipe, and resolve the LR rule. ``origins``, when
-    given, receives where each filled value came from, in words (``bigbatch train
-    --explain``)."""
+def plan_run(config: Mapping[str, Any]) -> RunPlan:
+    """The run a resolved ``config`` describes, every automatic value filled in one place:
+    the keys left at 0 ("the task's default") from the task, those left at ``"auto"`` from
+    the optimizer's recipe, the controller's own defaults and bounds, the micro-batches
+    the statistics need, the LR rule and the rate; each with its origin
+    (:attr:`RunPlan.origins`). A :class:`RunPlan` is returned as it is."""
+    if isinstance(config, RunPlan):
+        return config
     task = TASKS[config["task"]]
-    origins = origins if origins is not None else {}
+    origins: dict[str, str] = {}
     config = with_recipe(config, origins)
     if config["model.context"] and not task.context:
         raise ConfigError(
@@ -95,7 +98,7 @@ def with_task_defaults(
         origins["batch.lr_scaling"] = why
     if not config["lr"]:
         _task_rate(config, task, origins)
-    return config
+    return RunPlan(config, origins)
 
 
 def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str]) -> None:
@@ -156,7 +159,7 @@ def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
     """``config`` trained at rate ``lr`` (a grid point, a tuning trial).
 
     ``config`` is a config layer or a resolved config, not one that
-    :func:`with_task_defaults` has filled (its rate and ceiling would be fixed). Where
+    :func:`plan_run` has filled (its rate and ceiling would be fixed). Where
     it leaves the rate and the ceiling to its task and the task records a ceiling for
     the optimizer, the ceiling moves with the rate: a point at ``m`` times the task's
     rate is the task's recipe at ``m`` times its scale, so ×1 is exactly what
@@ -165,7 +168,7 @@ def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
     out = {**config, "lr": lr}
     if config.get("lr") or config.get("lr_max"):
         return out
-    own = with_task_defaults(resolve(config))
+    own = plan_run(resolve(config))
     if own["lr_max"]:
         out["lr_max"] = own["lr_max"] * (lr / own["lr"])  # exactly the ceiling at ×1
     return out
@@ -218,7 +221,7 @@ def run_device(config: dict[str, Any]) -> torch.device:
 
 def make_controller(config: dict[str, Any]) -> Controller:
     """The controller a config names, built from the keys it declares (its ``CONFIG``),
-    after :func:`with_task_defaults` has filled in its own defaults. The noise-following
+    after :func:`plan_run` has filled in its own defaults. The noise-following
     controllers hold the batch while the rate warms up by watching the schedule
     multiplier, so the sample budget is not theirs to know."""
     cls = CONTROLLERS[config["batch.controller"]]
@@ -263,7 +266,7 @@ def _declared(config: dict[str, Any], prefix: str, knobs: dict[str, Any]) -> dic
 
 
 def make_schedule(config: dict[str, Any]):
-    """The rate's schedule of a config :func:`with_task_defaults` has filled."""
+    """The rate's schedule of a config :func:`plan_run` has filled."""
     total, schedule = config["max_samples"], section(ScheduleKeys, config)
     return schedule_by_name(schedule.kind, total, int(schedule.warmup * total), schedule.cooldown)
 

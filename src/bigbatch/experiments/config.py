@@ -75,6 +75,32 @@ class ConfigError(ValueError):
     """A configuration a run cannot start with; the message names the key and value."""
 
 
+class RunPlan(Mapping[str, Any]):
+    """A resolved config with every automatic value filled in
+    (:func:`bigbatch.experiments.build.plan_run`), read-only: what a run trains with, as its
+    ``config.toml`` saves it, and where each filled value came from (``origins``, in words:
+    ``bigbatch train --explain``). A run is planned once: planning a plan returns it."""
+
+    __slots__ = ("_values", "origins")
+
+    def __init__(self, values: Mapping[str, Any], origins: Mapping[str, str] | None = None):
+        self._values = dict(values)
+        #: each filled key's source, in words
+        self.origins: dict[str, str] = dict(origins or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"RunPlan({self._values!r})"
+
+
 @dataclass(frozen=True)
 class Key:
     """One config key: its name, default and :class:`~bigbatch.knobs.Knob` (meaning,
@@ -642,7 +668,7 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"unknown config key {name!r}{did_you_mean(name, known)}")
             config[name] = _check(known[name], value)
     # the bounds as the chosen controller will see them, its own defaults filled in (that
-    # happens later, in build.with_task_defaults, so a layer that changes the controller
+    # happens later, in build.plan_run, so a layer that changes the controller
     # still gets the new one's defaults)
     bounds = dict(config)
     fill_controller_defaults(bounds)

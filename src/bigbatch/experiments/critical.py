@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .build import make_controller, with_task_defaults
+from .build import make_controller, plan_run
 from .config import resolve
 from .options import CriticalSettings
 from .report.critical_batch import render
@@ -79,7 +79,7 @@ def measure(
     (so every branch trains whole steps of the same samples).
     """
     settings = settings or CriticalSettings()
-    first = with_task_defaults(config)["batch.initial"]
+    first = plan_run(config)["batch.initial"]
     batches = sorted(settings.batches or [first * 2**k for k in range(6)])
     small = batches[0]
     base = _config(config, small, small, settings.lr_rule)
@@ -94,7 +94,7 @@ def measure(
     marks = sorted(math.ceil(p * budget) for p in settings.points)
     # the config's own controller replays the base run without deciding anything, so each
     # point shows what it would have compared with the next size there
-    shadow, measured = make_controller(with_task_defaults(config)), []
+    shadow, measured = make_controller(plan_run(config)), []
     plan["controller"] = repr(shadow)  # as it starts
     try:
         snapshots = _train_base(base, out, marks, quiet)
@@ -132,7 +132,7 @@ def _config(config: dict[str, Any], batch: int, small: int, lr_rule: str) -> dic
         # every branch is compared at the same samples: none may end early at the target
         "stop_at_target": False,
     }
-    return with_task_defaults(resolve(config, overrides))
+    return plan_run(resolve(config, overrides))
 
 
 #: the base run's directory inside the measurement's

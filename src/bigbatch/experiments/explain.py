@@ -2,7 +2,7 @@
 
 A config leaves many keys to someone else: 0 for the task's default or the
 controller's, ``"auto"`` for the optimizer's recipe or the rate rule. They are
-filled in one place, :func:`~bigbatch.experiments.build.with_task_defaults`,
+filled in one place, :func:`~bigbatch.experiments.build.plan_run`,
 which records why it chose each value; this module lays that record out, the
 rate first, as "0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5
 (sqrt of 16/64)". What only the model decides (``noise_from = "auto"``: each
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..batch.controllers import contract_of
-from .build import build, fit_batches_to_data, run_device, with_task_defaults
+from .build import build, fit_batches_to_data, plan_run, run_device
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
 FOLLOWS = {
@@ -35,8 +35,8 @@ def explain(config: dict[str, Any]) -> str:
     """The run ``config`` (resolved, not yet filled) describes: its rate, schedule, noise
     statistics and machine in one line each, then every value filled for it and where that
     value came from."""
-    origins: dict[str, str] = {}
-    run = with_task_defaults(config, origins)
+    run = plan_run(config)
+    origins = dict(run.origins)
     # one process builds the run: what only the data and the model decide
     built = build(run) if run["dist.compression"] == "none" else None
     fitted = fit_batches_to_data(run, built[0]) if built else run  # as build fitted its own

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from ..batch.controllers import BatchWarmup
 from ..batch.lr import warmup_cosine
 from ..federated import ControllerScheme, Fixed, RoundPlanner, Scheme, SmallLargeSwitch
-from .build import with_task_defaults
+from .build import plan_run
 from .config import ConfigError, defaults
 from .device import set_threads
 from .options import FederatedSettings
@@ -115,7 +115,7 @@ def simulate(cfg: FederatedSettings, out: Path | None = None, threads: int | Non
     set_threads(threads or 0)
     _quiet_flower()
     random.seed(cfg.seed)  # Flower samples the round's clients with Python's random
-    config = with_task_defaults({**defaults(), "task": cfg.task, "seed": cfg.seed})
+    config = plan_run({**defaults(), "task": cfg.task, "seed": cfg.seed})
     problem = TASKS[cfg.task].build(config)
     labels = _labels(problem.train)
     if cfg.clients > len(labels):  # each client needs a sample of its own

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, load_toml, resolve
+from .config import ConfigError, RunPlan, load_toml, resolve
 
 CHECKPOINT = "checkpoint.pt"
 #: the lock file of a run directory (held by the process that writes the run)
@@ -317,5 +317,7 @@ def read_metrics(out: Path) -> list[dict[str, Any]]:
     return records
 
 
-def read_config(out: Path) -> dict[str, Any]:
-    return resolve(load_toml(Path(out) / "config.toml"))
+def read_config(out: Path) -> RunPlan:
+    """The config a run saved: planned when it started (its filled values' origins are
+    not saved)."""
+    return RunPlan(resolve(load_toml(Path(out) / "config.toml")))

@@ -34,8 +34,8 @@ from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..parallel.world import World, init_from_env
 from ..sinks import Sinks
-from .build import build, intervals, run_device, run_facts, train_step, with_task_defaults
-from .config import ConfigError, DistKeys, MachineKeys, RunKeys, resolve, section, to_toml
+from .build import build, intervals, plan_run, run_device, run_facts, train_step
+from .config import ConfigError, DistKeys, MachineKeys, RunKeys, section, to_toml
 from .device import keep_freed_memory, set_tf32, set_threads
 from .report import run as run_report
 from .run_sinks import check_sinks, open_sinks
@@ -82,7 +82,7 @@ def train(
     :class:`ConfigError` before anything is built; SIGTERM or SIGINT stops after the
     current step with a checkpoint (:class:`~bigbatch.experiments.signals.Stopped`).
     """
-    config = with_task_defaults(config)
+    config = plan_run(config)
     intervals(config)  # an interval this run cannot measure: one line, before ``out`` is claimed
     machine, timeout = section(MachineKeys, config), section(DistKeys, config).timeout
     device = run_device(config)
@@ -479,7 +479,7 @@ def check_same_config(path: Path, config: dict[str, Any]) -> None:
     if not (path / "config.toml").is_file():
         return
     saved = read_config(path)
-    wanted = with_task_defaults(resolve(config))
+    wanted = plan_run(config)
     for key in sorted(wanted.keys() - REUSE_IGNORES):
         if saved.get(key, wanted[key]) != wanted[key]:
             raise ConfigError(
@@ -500,7 +500,7 @@ def train_or_reuse(
     """The run in ``out`` to ``until`` samples (None: the end), for a sweep, a study or a
     measurement: reused if finished, else resumed or started (a branch of ``start_from``);
     a diverged run's summary has no scores and says why under ``diverged``."""
-    out = Path(out)
+    out, config = Path(out), plan_run(config)  # planned once: checked, then trained
     check_same_config(out, config)
     done = finished_summary(out)
     if done is not None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
-from .build import at_rate, with_task_defaults
+from .build import at_rate, plan_run
 from .config import resolve
 from .device import share_of_cores
 from .options import Protocol
@@ -75,7 +75,7 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
         base["threads"] = share_of_cores(jobs)
     root = Path(root)
     # an arm's rate before the grid: its lr, or the task's when 0 (every config checked here)
-    rates = {arm.stem: with_task_defaults(resolve({**base, **arm.overrides}))["lr"] for arm in arms}
+    rates = {arm.stem: plan_run(resolve({**base, **arm.overrides}))["lr"] for arm in arms}
     if tune is not None:
         return [
             _tuned_arm(base, arm, rates[arm.stem], root, multipliers, seeds, jobs, quiet, tune)

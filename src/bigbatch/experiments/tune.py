@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from . import runner
 from .arms import metric
-from .build import at_rate, with_task_defaults
+from .build import at_rate, plan_run
 from .config import ConfigError, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
@@ -96,7 +96,7 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
 def default_space(config: dict[str, Any]) -> list[Dimension]:
     """The rate from 1/8 to 8 times the task's rate for the run's optimizer and batch rule
     (seven points of a ×2 grid)."""
-    rate = with_task_defaults(resolve(config))["lr"]
+    rate = plan_run(resolve(config))["lr"]
     return [Dimension("lr", rate / 8, rate * 8, log=True)]
 
 
@@ -168,7 +168,7 @@ def _warmup(config: dict[str, Any], space: Sequence[Dimension] = ()) -> float:
     """The longest warm-up a trial trains with, a fraction of its samples: the config's,
     or the top of its range where the warm-up is searched."""
     searched = [d.high for d in space if d.key == "schedule.warmup"]
-    return max([float(with_task_defaults(config)["schedule.warmup"]), *searched])
+    return max([float(plan_run(config)["schedule.warmup"]), *searched])
 
 
 def _brackets_in_budget(settings: TuneSettings, space: list[Dimension], warmup: float) -> int:
@@ -219,7 +219,7 @@ class _Bracket:
     ) -> None:
         self.study, self.out, self.config, self.space = study, out, config, space
         self.settings, self.index, self.quiet = settings, index, quiet
-        self.budget = with_task_defaults(config)["max_samples"]
+        self.budget = plan_run(config)["max_samples"]
         task = TASKS[config["task"]]
         self.target, self.lower_is_better = task.target_metric, task.lower_is_better
 
@@ -365,7 +365,7 @@ def _result(
         best_value=float(best.value),
         best_dir=out / "trials" / f"{best.number:04d}",
         samples=sum(t.user_attrs.get("samples", 0) for t in trials),
-        grid_samples=_grid_runs(space) * with_task_defaults(resolve(config))["max_samples"],
+        grid_samples=_grid_runs(space) * plan_run(resolve(config))["max_samples"],
         trials=rows,
     )
 

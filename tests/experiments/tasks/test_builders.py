@@ -54,19 +54,19 @@ def test_text_build_is_deterministic_and_holds_out_a_tenth_of_the_files():
 
 
 def test_lm_honours_model_context_too():
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
-    config = with_task_defaults(resolve({"task": "lm", "model.context": 8, "model.width": 16}))
+    config = plan_run(resolve({"task": "lm", "model.context": 8, "model.width": 16}))
     problem = tasks.TASKS["lm"].build(config)
     assert problem.train[0][0].shape == (8,) and problem.test[0].shape == (1000, 8)
 
 
 def test_a_context_on_a_task_without_sequences_is_one_error():
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
     config = resolve({"task": "mnist1d", "model.context": 16})
     with pytest.raises(ConfigError, match=r"model.context = 16 .* mnist1d task has no sequences"):
-        with_task_defaults(config)
+        plan_run(config)
 
 
 def _python_files(root, count=30):
@@ -92,17 +92,17 @@ def test_a_corpus_that_is_neither_package_nor_folder_is_one_error():
 
 
 def test_a_corpus_on_a_task_without_one_is_one_error():
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
     config = resolve({"task": "digits", "text.corpus": "sympy"})
     with pytest.raises(ConfigError, match=r"text.corpus = 'sympy' .* digits task reads no corpus"):
-        with_task_defaults(config)
+        plan_run(config)
 
 
 @pytest.mark.parametrize(("lr_max", "factor"), [(0.0, None), (0.05, 0.5)])
 def test_the_loop_stops_the_rate_at_lr_max(lr_max, factor):
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
 
-    config = with_task_defaults(resolve({"task": "digits", "lr": 0.1, "lr_max": lr_max}))
+    config = plan_run(resolve({"task": "digits", "lr": 0.1, "lr_max": lr_max}))
     _, loop, _ = build({**config, "model.width": 8, "model.depth": 1})
     assert loop.engine.options.max_lr_factor == factor

@@ -50,7 +50,7 @@ def test_every_built_in_task_has_a_rate_for_every_registered_optimizer(name, opt
 
 
 def test_a_run_without_a_rate_for_its_optimizer_is_one_config_error():
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import ConfigError, defaults
 
     task = make_task(name="text", lrs={"adam": 1e-3, "adam/held": 1e-3})
@@ -58,9 +58,9 @@ def test_a_run_without_a_rate_for_its_optimizer_is_one_config_error():
     refusal = "text task has no measured rate for optimizer 'lars'.*give one with --set lr="
     with mock.patch.dict(TASKS, {"text": task}):
         with pytest.raises(ConfigError, match=refusal):
-            with_task_defaults(config)
+            plan_run(config)
         # a rate given by the user needs none from the task
-        assert with_task_defaults({**config, "lr": 0.5})["lr"] == 0.5
+        assert plan_run({**config, "lr": 0.5})["lr"] == 0.5
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -75,7 +75,7 @@ def test_a_tasks_rates_are_keyed_by_known_names_each_with_its_held_partner(name)
 
 
 def test_a_tasks_measured_batch_rule_carries_its_rate_where_the_user_names_none():
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import defaults
 
     task = make_task(name="text", lr_rules={"sgd": "sqrt", "vr-momentum": "none"})
@@ -89,7 +89,7 @@ def test_a_tasks_measured_batch_rule_carries_its_rate_where_the_user_names_none(
     def resolved(**overrides):
         config = {**defaults(), "task": "text", "optimizer": "sgd", **overrides}
         with mock.patch.dict(TASKS, {"text": task}):
-            done = with_task_defaults(config)
+            done = plan_run(config)
         return done["batch.lr_scaling"], done["lr"]
 
     constant = {"batch.controller": "constant"}
@@ -158,7 +158,7 @@ def test_a_scaled_rate_carried_to_batch_256_is_the_held_rate_where_the_task_reco
 
 
 def test_a_ceiling_is_the_optimizers_own_else_its_familys_and_only_for_the_tasks_rate():
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import defaults
 
     task = make_task(name="text", lr_max={"sgd": 0.3, "plain-sgd": 0.2})
@@ -171,7 +171,7 @@ def test_a_ceiling_is_the_optimizers_own_else_its_familys_and_only_for_the_tasks
     def resolved(**overrides):
         config = {**defaults(), "task": "text", "optimizer": "sgd", **overrides}
         with mock.patch.dict(TASKS, {"text": task}):
-            return with_task_defaults(config)["lr_max"]
+            return plan_run(config)["lr_max"]
 
     assert resolved() == 0.3 and resolved(optimizer="lamb") == 0.0
     assert resolved(lr=0.5) == 0.0  # the ceiling was measured with the task's rates
@@ -214,12 +214,12 @@ def test_text_pins_the_rates_of_every_registered_optimizer():
 def _default_and_constant_256(task, optimizer):
     """``task``'s resolved config for ``optimizer`` under the default controller from batch
     16 and at constant batch 256, everything else at its default."""
-    from bigbatch.experiments.build import with_task_defaults
+    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import defaults
 
     config = {**defaults(), "task": task, "optimizer": optimizer, "batch.initial": 16}
     constant = {**config, "batch.controller": "constant", "batch.initial": 256}
-    return with_task_defaults(config), with_task_defaults(constant)
+    return plan_run(config), plan_run(constant)
 
 
 @pytest.mark.parametrize("optimizer", sorted(TEXT_RATES))
@@ -284,16 +284,16 @@ def test_an_accuracy_is_reached_from_below_a_loss_from_above(metric, target, row
 def test_a_rate_off_the_tasks_own_takes_the_tasks_ceiling_along_in_proportion():
     """A grid point or trial at m× the task's rate is the recipe at m× its scale, so ×1 is
     exactly the run ``bigbatch train`` makes; a rate or ceiling the user set stays theirs."""
-    from bigbatch.experiments.build import at_rate, with_task_defaults
+    from bigbatch.experiments.build import at_rate, plan_run
     from bigbatch.experiments.config import resolve
 
     layer = {"task": "text", "optimizer": "plain-sgd", "batch.controller": "constant"}
     layer["batch.initial"] = 256
-    own = with_task_defaults(resolve(layer))
+    own = plan_run(resolve(layer))
     assert (own["lr"], own["lr_max"]) == (pytest.approx(2.528), 0.632)
     for m in (0.5, 1.0, 2.0):
-        point = with_task_defaults(resolve(at_rate(layer, own["lr"] * m)))
+        point = plan_run(resolve(at_rate(layer, own["lr"] * m)))
         assert point["lr_max"] == 0.632 * m  # exactly: ×1 is the recipe, bit for bit
-    assert with_task_defaults(resolve(at_rate({**layer, "lr": 1.0}, 2.0)))["lr_max"] == 0.0
-    assert with_task_defaults(resolve(at_rate({**layer, "lr_max": 0.5}, 2.0)))["lr_max"] == 0.5
+    assert plan_run(resolve(at_rate({**layer, "lr": 1.0}, 2.0)))["lr_max"] == 0.0
+    assert plan_run(resolve(at_rate({**layer, "lr_max": 0.5}, 2.0)))["lr_max"] == 0.5
     assert "lr_max" not in at_rate({**layer, "optimizer": "lamb"}, 0.1)  # no ceiling to move
