@@ -99,7 +99,7 @@ def test_a_controller_that_asks_for_the_familys_rule_says_so():
 def test_the_command_prints_it_and_trains_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--task", "text", "--explain"]) == 0
-    assert capsys.readouterr().out.startswith("text: lamb, batch_warmup from batch 8\n")
+    assert capsys.readouterr().out.startswith("text: lamb, batch_warmup from batch 8 (its own start")
     assert not (tmp_path / "runs").exists()
     saved = tmp_path / "run"
     saved.mkdir()
@@ -112,3 +112,15 @@ def test_docs_quote_the_default_runs_explanation():
     docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     head = "\n".join(explain(resolve({})).splitlines()[:4])
     assert f"```\n{head}\n```" in docs
+
+
+def test_the_default_start_says_why_it_is_small_and_a_start_that_was_set_does_not():
+    why = "never shrinks it, so a start above the best batch would cost loss"
+    assert why in explain(resolve({})).splitlines()[0]
+    assert why in explain(resolve({"batch.controller": "warmup_seesaw"})).splitlines()[0]
+    for keys in (
+        {"batch.initial": 16},
+        {"batch.controller": "seesaw"},
+        {"batch.controller": "constant"},
+    ):
+        assert why not in explain(resolve(keys)).splitlines()[0], keys

@@ -12,11 +12,12 @@ engine, built on the CPU as one process builds it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..batch.controllers import contract_of
+from ..batch.controllers import CONTROLLERS, BatchWarmup, contract_of
 from .build import build, fit_batches_to_data, plan_run, run_device
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
@@ -51,7 +52,7 @@ def explain(config: dict[str, Any]) -> str:
         schedule += f", {run['schedule.cooldown']:.0%} cool-down"
     lines = [
         f"{run['task']}: {run['optimizer']}, {run['batch.controller']} from batch "
-        f"{run['batch.initial']}",
+        f"{run['batch.initial']}{_start_why(run, origins)}",
         f"rate  {run['lr']:.4g} = {origins.get('lr', 'as set (lr)')}; then "
         + FOLLOWS[run["batch.lr_scaling"]].format(base=run["batch.base"])
         + " and x the schedule"
@@ -66,6 +67,19 @@ def explain(config: dict[str, Any]) -> str:
     width = max((len(k) for k in keys), default=0)
     lines += [f"  {key:<{width}}  {run[key]!r:<10}  {origins[key]}" for key in keys]
     return "\n".join(lines)
+
+
+def _start_why(run: Mapping[str, Any], origins: Mapping[str, str]) -> str:
+    """Why :class:`BatchWarmup`'s own first batch is small: it grows with the noise scale and
+    never shrinks, so a start above the task's best batch would cost loss no later step
+    regains, and one below it costs steps the growth repays (docs/adaptive_batching.md)."""
+    own = origins.get("batch.initial", "").startswith(f"the {run['batch.controller']} ")
+    if not own or not issubclass(CONTROLLERS[run["batch.controller"]], BatchWarmup):
+        return ""
+    return (
+        " (its own start, small: the noise scale grows the batch and never shrinks it, so "
+        "a start above the best batch would cost loss no later step regains)"
+    )
 
 
 def _noise(run: dict[str, Any], engine: Any) -> str:
