@@ -17,6 +17,7 @@ from ..batch.sampler import MAX_SEED
 from ..knobs import setting
 from .config import ConfigError
 from .flags import checked
+from .tasks import TASKS
 
 __all__ = ["SECTIONS", "CriticalSettings", "FederatedSettings", "Protocol", "TuneSettings"]
 
@@ -188,7 +189,11 @@ class FederatedSettings:
     docs/results.md ("Federated"), where the adaptive arm from local batch 4 at rate
     0.025 was the one to save steps."""
 
-    task: str = setting("mnist1d", "the task", choices=("mnist1d", "digits", "teacher"))
+    task: str = setting(
+        "mnist1d",
+        "the task: one that classifies (its clients' data is split by label)",
+        choices=tuple(name for name, task in TASKS.items() if not task.lower_is_better),
+    )
     clients: int = setting(4, "clients, all trained each round", low=1)
     split: str = setting("iid", "how the training set is shared", choices=("iid", "dirichlet"))
     alpha: float = setting(0.5, "the Dirichlet split's concentration", low=0, low_open=True)
