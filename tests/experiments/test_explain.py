@@ -99,7 +99,7 @@ def test_a_controller_that_asks_for_the_familys_rule_says_so():
 def test_the_command_prints_it_and_trains_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--task", "text", "--explain"]) == 0
-    assert capsys.readouterr().out.startswith("text: lamb, batch_warmup from batch 8 (its own start")
+    assert capsys.readouterr().out.startswith("text: lamb, batch_warmup from batch 8 (its own")
     assert not (tmp_path / "runs").exists()
     saved = tmp_path / "run"
     saved.mkdir()

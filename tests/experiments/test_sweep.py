@@ -8,7 +8,7 @@ import pytest
 
 from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import ConfigError, resolve
-from bigbatch.experiments.options import TuneSettings
+from bigbatch.experiments.options import Protocol, TuneSettings
 from bigbatch.experiments.sweep import RANKS, Arm, metric, sweep
 from bigbatch.experiments.tasks import TASKS
 
@@ -20,7 +20,7 @@ def test_each_arm_gets_the_grid_and_its_best_rate_gets_the_seeds(trained, tmp_pa
         Arm("low", {"batch.initial": 64, "lr": 0.002}, "low"),  # best at x2
         Arm("high", {"batch.initial": 256, "lr": 0.008}, "high"),  # best at x0.5
     ]
-    results = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0, 2.0), seeds=3)
+    results = sweep(BASE, arms, tmp_path, Protocol(lr_grid=(0.5, 1.0, 2.0), seeds=3))
     assert [r.lr for r in results] == pytest.approx([0.004, 0.004])
     assert [r.chosen for r in results] == [2, 0]
     assert results[0].lrs == pytest.approx([0.001, 0.002, 0.004])
@@ -36,7 +36,7 @@ def test_an_arm_that_sets_its_seed_trains_from_that_seed(trained, tmp_path):
     """``--vary seed=0,5``: each arm's grid and further seeds start at its own seed (they
     were all trained at the base's seed, the same runs under different names)."""
     arms = [Arm("s0", {"seed": 0}, "s0"), Arm("s5", {"seed": 5}, "s5")]
-    results = sweep({**BASE, "seed": 3}, arms, tmp_path, multipliers=(1.0, 2.0), seeds=2)
+    results = sweep({**BASE, "seed": 3}, arms, tmp_path, Protocol(lr_grid=(1.0, 2.0), seeds=2))
     assert [r["seed"] for r in trained] == [0, 0, 5, 5, 1, 6]
     assert results[1].dirs == ["s5-lr0-seed5", "s5-lr0-seed6"]
     assert results[1].grid_dirs == ["s5-lr0-seed5", "s5-lr1-seed5"]
@@ -45,8 +45,10 @@ def test_an_arm_that_sets_its_seed_trains_from_that_seed(trained, tmp_path):
     trained.clear()
     # the task's rate (no lr given): the chosen point's config is resolved again
     base = {k: v for k, v in BASE.items() if k != "lr"}
-    tuned = sweep(base, arms[1:], tmp_path / "tuned", multipliers=(0.5, 2.0), seeds=2,
-                  tune=TuneSettings(trials=3, reduction=3))  # fmt: skip
+    protocol = Protocol(lr_grid=(0.5, 2.0), seeds=2, tune=True)
+    tuned = sweep(
+        base, arms[1:], tmp_path / "tuned", protocol, tune=TuneSettings(trials=3, reduction=3)
+    )
     assert {r["seed"] for r in trained} == {5, 6}  # the study's trials, then seed 6
     assert tuned[0].dirs[1] == "s5-tuned-seed1"
     assert [r["final_accuracy"] for r in tuned[0].runs][1] < tuned[0].runs[0]["final_accuracy"]
@@ -57,9 +59,9 @@ def test_a_grid_at_the_tasks_rate_scales_the_tasks_ceiling_with_it(trained, tmp_
     digits = dataclasses.replace(TASKS["digits"], lr_max={"adam": 0.01})
     base = {"task": "digits", "batch.controller": "constant", "batch.initial": 64}
     with mock.patch.dict(TASKS, {"digits": digits}):
-        (a,) = sweep(base, [Arm("a", {}, "a")], tmp_path / "a", multipliers=(0.5, 1.0, 2.0))
+        (a,) = sweep(base, [Arm("a", {}, "a")], tmp_path / "a", Protocol(lr_grid=(0.5, 1.0, 2.0)))
         user = {**base, "lr_max": 0.03}
-        (b,) = sweep(user, [Arm("b", {}, "b")], tmp_path / "b", multipliers=(0.5, 2))
+        (b,) = sweep(user, [Arm("b", {}, "b")], tmp_path / "b", Protocol(lr_grid=(0.5, 2)))
         # the ceiling the chosen point trained under, for a run at the chosen rate
         assert (a.lr_max, b.lr_max) == (0.01 * a.lr / trained[1]["lr"], 0.03)
         assert plan_run(trained[1]) == {**plan_run(resolve(base)), "seed": 0}
@@ -75,12 +77,12 @@ def test_a_grid_at_the_tasks_rate_scales_the_tasks_ceiling_with_it(trained, tmp_
 
 def test_a_repeated_sweep_reuses_its_finished_runs(trained, tmp_path):
     arms = [Arm("a", {"batch.initial": 64}, "a")]
-    first = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0), seeds=2)
+    first = sweep(BASE, arms, tmp_path, Protocol(lr_grid=(0.5, 1.0), seeds=2))
     count = len(trained)
     (tmp_path / "a-lr1-seed1" / "summary.json").unlink()  # as if killed midway
     stopped = {"ended": "signal", "why": "stopped by SIGTERM at step 3", "final_accuracy": 0.1}
     (tmp_path / "a-lr0-seed0" / "summary.json").write_text(json.dumps(stopped))
-    again = sweep(BASE, arms, tmp_path, multipliers=(0.5, 1.0), seeds=2)
+    again = sweep(BASE, arms, tmp_path, Protocol(lr_grid=(0.5, 1.0), seeds=2))
     assert len(trained) == count + 2  # only the killed and the stopped run trained again
     assert [r.runs for r in again] == [r.runs for r in first]
 
@@ -99,7 +101,7 @@ def test_a_finished_run_of_another_config_is_refused_not_reused(trained, tmp_pat
 def test_a_best_rate_at_the_grid_edge_widens_the_grid_until_it_is_inside(trained, tmp_path):
     # the fake's best rate is 0.004: from a grid 0.00025-0.0005, three more points above
     arms = [Arm("a", {"lr": 0.00025}, "a"), Arm("b", {"lr": 0.004}, "b")]
-    results = sweep(BASE, arms, tmp_path, multipliers=(1.0, 2.0), rank="final", widen=4)
+    results = sweep(BASE, arms, tmp_path, Protocol(lr_grid=(1.0, 2.0), rank="final", widen=4))
     a, b = results
     assert a.lrs == pytest.approx([0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008])
     assert a.lr == pytest.approx(0.004) and not a.at_edge
@@ -110,7 +112,7 @@ def test_a_best_rate_at_the_grid_edge_widens_the_grid_until_it_is_inside(trained
 
 def test_widening_stops_at_its_cap_and_says_the_rate_is_at_the_edge(trained, tmp_path):
     arms = [Arm("a", {"lr": 0.00025}, "a")]
-    (result,) = sweep(BASE, arms, tmp_path, multipliers=(1.0, 2.0), rank="final", widen=1)
+    (result,) = sweep(BASE, arms, tmp_path, Protocol(lr_grid=(1.0, 2.0), rank="final", widen=1))
     assert result.lrs == pytest.approx([0.00025, 0.0005, 0.001])
     assert result.at_edge and result.dirs == ["a-lr2-seed0"]
 
@@ -136,12 +138,12 @@ def test_the_protocol_offers_every_rank_the_sweep_has():
     [
         ({"rank": "fastest"}, "rank must be one of"),
         ({"seeds": 0}, "seeds must be a whole number >= 1, got 0"),
-        ({"multipliers": (1.0, -2.0)}, r"lr_grid must be > 0, got -2.0"),
+        ({"lr_grid": (1.0, -2.0)}, r"lr_grid must be > 0, got -2.0"),
     ],
 )
 def test_bad_options_stop_before_any_run(trained, tmp_path, options, message):
     with pytest.raises(ConfigError, match=message):
-        sweep(BASE, [Arm("a", {}, "a")], tmp_path, **options)
+        sweep(BASE, [Arm("a", {}, "a")], tmp_path, Protocol(**options))
     with pytest.raises(ConfigError, match=r"batch\.intial"):
         sweep(BASE, [Arm("a", {"batch.intial": 3}, "a")], tmp_path)
     assert trained == []
@@ -162,7 +164,7 @@ def test_a_rate_that_diverges_ranks_last_and_leaves_a_summary(trained, tmp_path,
         return fake_train(config, out, **options)
 
     monkeypatch.setattr(runner, "train", train)
-    (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path, multipliers=(1.0, 2.0))
+    (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path, Protocol(lr_grid=(1.0, 2.0)))
     assert result.lr == pytest.approx(0.004)
     diverged = json.loads((tmp_path / result.grid_dirs[1] / "summary.json").read_text())
     assert "30 of 40 optimizer steps were skipped" in diverged["diverged"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +39,15 @@ class Comparison:
     protocol: Protocol
 
     def to_dict(self) -> dict[str, Any]:
-        p = self.protocol
-        arms = [{"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms]
-        return {
-            "varied": self.varied,
-            "lr_grid": list(p.lr_grid),
-            "seeds": p.seeds,
-            "rank": p.rank,
-            "tune": p.tune,
-            "widen": p.widen,
-            "prefixes": list(p.prefixes),
-            "base": self.base,
-            "arms": arms,
+        """The plan as ``compare.json`` saves it: every protocol option but the runs at a
+        time (which may change between sessions), the base and the arms."""
+        protocol = {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in asdict(self.protocol).items()
+            if k != "jobs"
         }
+        arms = [{"name": a.name, "overrides": a.overrides, "stem": a.stem} for a in self.arms]
+        return {"varied": self.varied, **protocol, "base": self.base, "arms": arms}
 
 
 def parse_axis(text: str) -> tuple[list[str], list[dict[str, Any]]]:
@@ -156,16 +152,7 @@ def run_comparison(
     p = comparison.protocol
     try:
         results = sweep(
-            comparison.base,
-            comparison.arms,
-            root,
-            multipliers=p.lr_grid,
-            seeds=p.seeds,
-            rank=p.rank,
-            jobs=p.jobs,
-            quiet=quiet or p.jobs > 1,
-            widen=p.widen,
-            tune=(tune or TuneSettings()) if p.tune else None,
+            comparison.base, comparison.arms, root, p, quiet=quiet or p.jobs > 1, tune=tune
         )
         index = {"plan": planned, "arms": [r.to_dict() for r in results]}
         index_path.write_text(json.dumps(index, indent=2) + "\n")

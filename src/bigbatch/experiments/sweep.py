@@ -13,20 +13,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
 from .build import at_rate, plan_run
 from .config import resolve
 from .device import share_of_cores
-from .options import Protocol
+from .options import Protocol, TuneSettings
 from .pool import in_processes
 from .rundir import read_json
 from .summary import finished_summary
-
-if TYPE_CHECKING:
-    from .options import TuneSettings
 
 __all__ = ["RANKS", "Arm", "ArmResult", "metric", "sweep"]
 
@@ -39,37 +36,35 @@ def train_once(job: tuple[dict[str, Any], str, bool]) -> dict[str, Any]:
     return runner.train_or_reuse(resolve(config), out, quiet=quiet)
 
 
-def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
+def sweep(
     base: dict[str, Any],
     arms: Sequence[Arm],
     root: Path,
+    protocol: Protocol | None = None,
     *,
-    multipliers: Sequence[float] = (1.0,),
-    seeds: int = 1,
-    rank: str = "best",
-    jobs: int = 1,
     quiet: bool = True,
-    widen: int = 0,
     tune: TuneSettings | None = None,
 ) -> list[ArmResult]:
-    """Train every arm on the rate grid, then its best rate on ``seeds`` seeds (module docstring).
+    """Train every arm on the rate grid, then its best rate on more seeds (module docstring),
+    as ``protocol`` (:class:`~bigbatch.experiments.options.Protocol`; None: its defaults) says.
 
     ``base`` is a config layer (any keys of the schema) under each arm's
     overrides; an arm's seeds are its ``seed`` (an arm may vary it; else
     ``base["seed"]``, default 0) and the ones after it. With ``widen`` > 0, an
     arm whose best rate lies at an end of the grid trains one more rate beyond
-    that end (the grid's outer ratio further),
-    up to ``widen`` times on each side, so that its best rate is inside the
-    grid it was tuned on (an arm still at an end after that is reported as
-    such by :attr:`ArmResult.at_edge`). With ``tune`` (settings of
-    ``bigbatch tune``), each arm's rate is searched by a study over the
+    that end (the grid's outer ratio further), up to ``widen`` times on each
+    side, so that its best rate is inside the grid it was tuned on (an arm
+    still at an end after that is reported as such by
+    :attr:`ArmResult.at_edge`). With ``protocol.tune``, each arm's rate is
+    searched by a ``bigbatch tune`` study (``tune``, its settings) over the
     grid's range instead (chosen by the final metric, whatever ``rank``
-    says), cheaper than the grid when the grid is wide; ``widen`` does not
-    apply. With ``jobs`` > 1 and ``threads`` unset, each run gets an equal
-    share of the cores. Raises :class:`ConfigError` before training if any
-    config is bad.
+    says); ``widen`` does not apply. With ``jobs`` > 1 and ``threads`` unset,
+    each run gets an equal share of the cores. Raises :class:`ConfigError`
+    before training if any config is bad.
     """
-    Protocol(lr_grid=tuple(multipliers), seeds=seeds, rank=rank, jobs=jobs, tune=tune is not None)
+    protocol = protocol or Protocol()
+    multipliers, seeds, rank, jobs = protocol.lr_grid, protocol.seeds, protocol.rank, protocol.jobs
+    tune = (tune or TuneSettings()) if protocol.tune else None
     base = dict(base)
     if jobs > 1 and not base.get("threads"):
         base["threads"] = share_of_cores(jobs)
@@ -96,7 +91,7 @@ def sweep(  # noqa: PLR0913 - the protocol's settings, each a keyword
         scores = {i: RANKS[rank](done[_run_name(arm, i, seed)]) for i in grids[arm.stem]}
         return min(sorted(scores), key=scores.__getitem__)
 
-    for _ in range(widen):
+    for _ in range(protocol.widen):
         extra = [
             job(arm, i) for arm in arms if (i := _beyond(grids[arm.stem], best(arm))) is not None
         ]
