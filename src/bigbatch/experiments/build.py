@@ -27,11 +27,12 @@ from .config import (
     RunKeys,
     RunPlan,
     ScheduleKeys,
-    defaults,
     fewest_sub_batches_of,
     fill_controller_defaults,
     resolve,
+    schema,
     section,
+    task_keys,
 )
 from .device import Precision, resolve_device, to_device
 from .tasks import TASKS, Problem
@@ -48,16 +49,7 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     task = TASKS[config["task"]]
     origins: dict[str, str] = {}
     config = with_recipe(config, origins)
-    if config["model.context"] and not task.context:
-        raise ConfigError(
-            f"model.context = {config['model.context']} is set, but the {task.name} task "
-            "has no sequences (lm and text do)"
-        )
-    if config["text.corpus"] != defaults()["text.corpus"] and task.name != "text":
-        raise ConfigError(
-            f"text.corpus = {config['text.corpus']!r} is set, but the {task.name} task "
-            "reads no corpus (text does)"
-        )
+    _check_task_keys(config, task)
     for key, value in (
         ("model.width", task.width),
         ("model.depth", task.depth),
@@ -101,6 +93,27 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     return RunPlan(config, origins)
 
 
+def _check_task_keys(config: Mapping[str, Any], task: Any) -> None:
+    """A :class:`ConfigError` for a key set that the task does not read: a sequence length
+    where it has no sequences, another task's own key (``text.corpus``)."""
+    if config["model.context"] and not task.context:
+        raise ConfigError(
+            f"model.context = {config['model.context']} is set, but the {task.name} task "
+            f"has no sequences ({_sequence_tasks()} do)"
+        )
+    for key, owner in task_keys(task.name).items():
+        if config[key] != schema()[key].default:
+            raise ConfigError(
+                f"{key} = {config[key]!r} is set, but the {task.name} task does not read it "
+                f"({owner} does)"
+            )
+
+
+def _sequence_tasks() -> str:
+    """The tasks with sequences (a ``model.context``), as words: "lm and text"."""
+    return " and ".join(name for name, task in TASKS.items() if task.context)
+
+
 def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str]) -> None:
     """The task's rate for the optimizer, carried from the task's small batch to
     ``batch.base`` by the run's rule, and the task's ceiling on a step's rate."""
@@ -140,7 +153,7 @@ def _ramp_start(config: dict[str, Any], origins: dict[str, str]) -> None:
         if length.unit == "tokens" and not config["model.context"]:
             raise ConfigError(
                 f"{key} = {config[key]!r} counts tokens, but the {config['task']} task has no "
-                "sequences (lm and text do); give samples, steps or a share ('25%')"
+                f"sequences ({_sequence_tasks()} do); give samples, steps or a share ('25%')"
             )
     if not points:
         return

@@ -224,14 +224,9 @@ class RunKeys:
     context: int = run_key(
         "model.context",
         0,
-        "sequence length of the sequence tasks (lm, text); 0: the task's default",
+        "sequence length of the sequence tasks "
+        f"({', '.join(n for n, t in TASKS.items() if t.context)}); 0: the task's default",
         low=0,
-    )
-    corpus: str = run_key(
-        "text.corpus",
-        "torch",
-        "the text task's corpus: the *.py files of this installed package, or of this folder "
-        "given as a path (./src, /data/code)",
     )
     optimizer: str = run_key(
         "optimizer",
@@ -584,7 +579,21 @@ def _keys() -> list[Key]:
             keys.append(Key(name, f.default, f.metadata["knob"], from_recipe=recipe))
             if name in COMPONENTS:
                 keys += component_keys(*COMPONENTS[name])
+            if name == "task":  # each task's own keys
+                owned = [f for t in TASKS.values() if t.options for f in fields(t.options)]
+                keys += [Key(f.metadata["key"], f.default, f.metadata["knob"]) for f in owned]
     return keys
+
+
+def task_keys(task: str) -> dict[str, str]:
+    """Every task's own keys (:attr:`~bigbatch.experiments.tasks.Task.options`) but those
+    of ``task``, each with the task that reads it."""
+    return {
+        f.metadata["key"]: other.name
+        for other in TASKS.values()
+        if other.options and other.name != task
+        for f in fields(other.options)
+    }
 
 
 @functools.cache

@@ -4,12 +4,14 @@ its loss and evaluation."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
+from ...knobs import setting
 from . import data as datasets
 from .models import Conv1dNet, TinyTransformer, mlp
 from .problem import Problem
@@ -109,6 +111,18 @@ def build_lm(config: dict[str, Any], sequences: int = 20_000, test: int = 1_000)
         next_token_loss,
         next_token_eval(x[sequences:], y[sequences:]),
         info={"loss_floor": floor},
+    )
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """The ``text`` task's own keys."""
+
+    corpus: str = setting(
+        "torch",
+        "the text task's corpus: the *.py files of this installed package, or of this folder "
+        "given as a path (./src, /data/code)",
+        key="text.corpus",
     )
 
 

@@ -81,6 +81,10 @@ class Task:
     #: that joins an optimizer's best rate at a small and at a large batch. On ``text``
     #: momentum SGD's best rate rises 4x from batch 16 to 256 (sqrt), LARS's not at all
     lr_rules: Mapping[str, str] = field(default_factory=dict)
+    #: the task's own config keys: a frozen class whose fields are
+    #: :func:`~bigbatch.knobs.setting` s naming keys ``<task>.<name>`` (``text.corpus``);
+    #: its build reads them, a run of another task refuses them set
+    options: type | None = None
     #: the largest rate a step may take, measured where an optimizer's best rate stops
     #: rising with the batch (its rule would carry it past the largest stable rate),
     #: keyed like ``lrs``; it applies to the task's own rates (``lr = 0``)

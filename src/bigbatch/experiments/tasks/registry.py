@@ -1,8 +1,19 @@
-"""The built-in tasks as data: one :class:`Task` record each, with its measured rates."""
+"""The built-in tasks as data: one :class:`Task` record each, with its measured rates.
+
+A new task is a record here, its ``build`` (builders.py) and its data (data.py); keys of
+its own (``text.corpus``) are its ``options`` class, which the config, ``--help`` and the
+docs' key listing read."""
 
 from __future__ import annotations
 
-from .builders import build_digits, build_lm, build_mnist1d, build_teacher, build_text
+from .builders import (
+    TextOptions,
+    build_digits,
+    build_lm,
+    build_mnist1d,
+    build_teacher,
+    build_text,
+)
 from .problem import Task
 
 TASKS: dict[str, Task] = {
@@ -205,6 +216,7 @@ TASKS: dict[str, Task] = {
             depth=2,
             build=build_text,
             context=32,
+            options=TextOptions,
         ),
     )
 }
