@@ -392,6 +392,9 @@ def _tasks(args: argparse.Namespace) -> None:
         print(f"    expected  {task.expected}; target {name} {task.target:g}")
         print(f"    budget    {task.max_samples:,} samples")
         print(f"    rates     {rates} (scaled rates at batch {task.base_batch})")
+        for batch, table in task.lrs_at.items():
+            measured = ", ".join(f"{k} {v:g}" for k, v in table.items())
+            print(f"    at {batch:<6} {measured} (scaled rates measured at batch {batch})")
         if task.lr_rules:
             rules = ", ".join(f"{k} {v}" for k, v in task.lr_rules.items())
             print(f"    rules     {rules} (measured here; else the family's)")

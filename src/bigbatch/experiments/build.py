@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -114,28 +115,48 @@ def _sequence_tasks() -> str:
     return " and ".join(name for name, task in TASKS.items() if task.context)
 
 
+def _scaled_rate(task: Any, optimizer: str, batch: int, rule: str) -> tuple[float, str]:
+    """The task's scaled rate at ``batch`` and why: its measured rate there, interpolated as
+    a power of the batch between two measured batches, or carried from the nearest by
+    ``rule``."""
+    rates = task.measured_rates(optimizer)
+    what = f"the {task.name} task's {optimizer} rate"
+    if batch in rates:
+        return rates[batch], f"{what} {rates[batch]:g} at batch {batch}"
+    below = [b for b in rates if b < batch]
+    above = [b for b in rates if b > batch]
+    if below and above:
+        low, high = below[-1], above[0]
+        power = math.log(rates[high] / rates[low]) / math.log(high / low)
+        rate = rates[low] * (batch / low) ** power
+        return rate, (
+            f"{what} between {rates[low]:g} at batch {low} and {rates[high]:g} at {high} "
+            f"(x B^{power:.3g})"
+        )
+    near = below[-1] if below else above[0]
+    factor, why = lr_factor(rule, batch, near), f"{what} {rates[near]:g} at batch {near}"
+    if factor != 1:
+        why += f" x {factor:.4g} ({rule} of {batch}/{near})"
+    return rates[near] * factor, why
+
+
 def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str]) -> None:
-    """The task's rate for the optimizer, carried from the task's small batch to
-    ``batch.base`` by the run's rule, and the task's ceiling on a step's rate."""
+    """The task's rate for the optimizer at ``batch.base`` (held, or scaled:
+    :func:`_scaled_rate`), and the task's ceiling on a step's rate."""
     if not config["lr_max"]:
         # a ceiling belongs to the rates it was measured with: only the task's own
         config["lr_max"] = task.lr_ceiling(config["optimizer"]) or 0.0
         if config["lr_max"]:
             origins["lr_max"] = f"the {task.name} task's ceiling for {config['optimizer']}"
-    rule = config["batch.lr_scaling"]
-    held = rule == "none"
-    # a scaled rate is measured at the task's small batch: carry it to batch.base
+    rule, optimizer = config["batch.lr_scaling"], config["optimizer"]
     try:
-        base_rate = task.lr(config["optimizer"], held)
+        if rule == "none":
+            base_rate = task.lr(optimizer, held=True)
+            why = f"the {task.name} task's {optimizer} rate {base_rate:g} held at every batch"
+        else:
+            base_rate, why = _scaled_rate(task, optimizer, config["batch.base"], rule)
     except KeyError as err:
         raise ConfigError(err.args[0]) from None
-    where = "held at every batch" if held else f"at batch {task.base_batch}"
-    why = f"the {task.name} task's {config['optimizer']} rate {base_rate:g} {where}"
-    if not held:
-        factor = lr_factor(rule, config["batch.base"], task.base_batch)
-        if factor != 1:
-            why += f" x {factor:.4g} ({rule} of {config['batch.base']}/{task.base_batch})"
-        base_rate *= factor
     config["lr"] = base_rate
     origins["lr"] = why
 

@@ -297,3 +297,33 @@ def test_a_rate_off_the_tasks_own_takes_the_tasks_ceiling_along_in_proportion():
     assert plan_run(resolve(at_rate({**layer, "lr": 1.0}, 2.0)))["lr_max"] == 0.0
     assert plan_run(resolve(at_rate({**layer, "lr_max": 0.5}, 2.0)))["lr_max"] == 0.5
     assert "lr_max" not in at_rate({**layer, "optimizer": "lamb"}, 0.1)  # no ceiling to move
+
+
+def test_a_rate_measured_at_another_batch_is_met_there_and_interpolated_between():
+    from bigbatch.experiments.build import plan_run
+    from bigbatch.experiments.config import defaults
+
+    lrs = {"adam": 0.016, "adam/held": 0.016, "adamw": 0.01, "adamw/held": 0.01}
+    task = make_task(name="text", lrs=lrs, lrs_at={8: {"lamb": 0.008}, 16: {"adam": 0.008}})
+    assert task.measured_rates("lamb") == {8: 0.008, 16: 0.008, 64: 0.016}
+    assert task.measured_rates("merit") == {16: 0.008, 64: 0.016}  # the family's key only
+    assert task.measured_rates("adamw") == {64: 0.01}  # measured by name at 64: its own only
+
+    def rate(optimizer, batch):
+        config = {**defaults(), "task": "text", "optimizer": optimizer, "batch.initial": batch}
+        with mock.patch.dict(TASKS, {"text": task}):
+            return plan_run(config)["lr"], plan_run(config).origins["lr"]
+
+    assert rate("lamb", 8) == (0.008, "the text task's lamb rate 0.008 at batch 8")
+    assert rate("lamb", 32)[0] == pytest.approx(0.008 * 2**0.5)  # 0.008 at 16, 0.016 at 64
+    assert "between 0.008 at batch 16 and 0.016 at 64 (x B^0.5)" in rate("lamb", 32)[1]
+    assert rate("lamb", 4)[0] == pytest.approx(0.008 * 0.5**0.5)  # sqrt from the nearest
+    assert rate("lamb", 256)[0] == pytest.approx(0.032)
+    assert rate("merit", 8)[0] == pytest.approx(0.008 * 0.5**0.5)
+    assert rate("adamw", 8)[0] == pytest.approx(0.01 * (8 / 64) ** 0.5)
+
+
+@pytest.mark.parametrize("lrs_at", [{64: {"adam": 0.01}}, {8: {"adam": -1.0}}, {0: {"adam": 1.0}}])
+def test_a_task_refuses_a_measured_rate_that_is_not_a_positive_rate_at_another_batch(lrs_at):
+    with pytest.raises(ValueError, match="lrs_at"):
+        make_task(lrs_at=lrs_at)

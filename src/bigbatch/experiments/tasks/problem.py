@@ -81,6 +81,12 @@ class Task:
     #: that joins an optimizer's best rate at a small and at a large batch. On ``text``
     #: momentum SGD's best rate rises 4x from batch 16 to 256 (sqrt), LARS's not at all
     lr_rules: Mapping[str, str] = field(default_factory=dict)
+    #: scaled rates measured at other batches than ``base_batch``: ``{batch: {key: rate}}``,
+    #: keyed like ``lrs`` (an entry counts for an optimizer by its own name, or by the key
+    #: its ``base_batch`` rate was found under). Between two measured batches a run starts
+    #: at the rate interpolated as a power of the batch; beyond them the rule carries the
+    #: nearest (:meth:`measured_rates`)
+    lrs_at: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     #: the task's own config keys: a frozen class whose fields are
     #: :func:`~bigbatch.knobs.setting` s naming keys ``<task>.<name>`` (``text.corpus``);
     #: its build reads them, a run of another task refuses them set
@@ -91,6 +97,13 @@ class Task:
     lr_max: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for batch, table in self.lrs_at.items():
+            rates = [r for r in table.values() if not (isinstance(r, float) and 0 < r < math.inf)]
+            if not (isinstance(batch, int) and batch >= 1 and batch != self.base_batch) or rates:
+                raise ValueError(
+                    f"task {self.name!r}: lrs_at[{batch!r}] = {dict(table)!r}; a measured "
+                    f"rate is a positive number at a batch other than base_batch"
+                )
         for key, ceiling in self.lr_max.items():
             number = isinstance(ceiling, (int, float)) and not isinstance(ceiling, bool)
             if not (number and 0 < ceiling < math.inf):
@@ -118,6 +131,19 @@ class Task:
             f"the {self.name} task has no measured rate for optimizer {optimizer!r} "
             f"(no {wanted} in its rates); give one with --set lr=..."
         )
+
+    def measured_rates(self, optimizer: str) -> dict[int, float]:
+        """The scaled rates measured for ``optimizer``, by batch: ``base_batch``'s (its own,
+        else its family's) and those of :attr:`lrs_at` under its name or that key."""
+        keys = [k for k in _own_then_family(optimizer) if k in self.lrs]
+        if not keys:
+            self.lr(optimizer, held=False)  # the KeyError that names what is missing
+        rates = {self.base_batch: self.lrs[keys[0]]}
+        for batch, table in self.lrs_at.items():
+            key = next((k for k in (optimizer, keys[0]) if k in table), None)
+            if key is not None:
+                rates[batch] = table[key]
+        return dict(sorted(rates.items()))
 
     def lr_rule(self, optimizer: str) -> str | None:
         """The batch rule measured for ``optimizer`` on this task (its own, else its
