@@ -45,10 +45,9 @@ def powersgd_bytes(task: str) -> float:
     import torch
 
     from bigbatch.experiments.build import plan_run
-    from bigbatch.experiments.config import resolve
     from bigbatch.experiments.tasks import TASKS
 
-    model = TASKS[task].build(plan_run(resolve({"task": task}))).model
+    model = TASKS[task].build(plan_run({"task": task})).model
     total = 0
     for p in model.parameters():
         if p.ndim <= 1:

@@ -31,7 +31,6 @@ import torch
 
 from bigbatch.batch.lr import lr_factor, schedule_by_name
 from bigbatch.experiments.build import plan_run
-from bigbatch.experiments.config import resolve
 from bigbatch.experiments.tasks import TASKS
 from bigbatch.optim import create_optimizer
 from bigbatch.parallel.compression import rand_k, top_k
@@ -45,7 +44,7 @@ def train(args: argparse.Namespace, method: str, seed: int) -> list[float]:
     """The run's evaluation scores, every 100 steps and at the end."""
     base = {"task": args.task, "optimizer": args.optimizer, "seed": seed, "lr": args.lr}
     base.update({"batch.controller": "constant", "batch.initial": args.batch, "batch.base": 64})
-    config = plan_run(resolve(base))
+    config = plan_run(base)
     rate = config["lr"] * lr_factor(config["batch.lr_scaling"], args.batch, 64)
     problem = TASKS[args.task].build(config)
     model, data = problem.model, problem.train.tensors

@@ -113,24 +113,24 @@ def test_a_config_left_at_its_defaults_builds_the_librarys_default_controller(na
     from bigbatch.batch.controllers import CONTROLLERS
     from bigbatch.experiments.build import make_controller, plan_run
 
-    config = plan_run(resolve({"batch.controller": name}))
+    config = plan_run({"batch.controller": name})
     assert repr(make_controller(config)) == repr(CONTROLLERS[name]())
 
 
 def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_default():
     from bigbatch.experiments.build import make_controller, plan_run
 
-    warmup = plan_run(resolve({"batch.controller": "batch_warmup"}))
-    ramp = plan_run(resolve({"batch.controller": "critical_ramp"}))
+    warmup = plan_run({"batch.controller": "batch_warmup"})
+    ramp = plan_run({"batch.controller": "critical_ramp"})
     assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.125, 6.0)
     assert (warmup["batch.initial"], ramp["batch.initial"]) == (8, 64)
     # bounds that exclude the controller's own first batch move it, as only they were asked
-    assert plan_run(resolve({"batch.min": 32}))["batch.initial"] == 32
+    assert plan_run({"batch.min": 32})["batch.initial"] == 32
     # a controller with no default of its own (a constant batch) takes the default's
-    constant = plan_run(resolve({"batch.controller": "constant"}))
+    constant = plan_run({"batch.controller": "constant"})
     assert constant["batch.initial"] == constant["batch.base"] == 8
     assert constant["batch.min"] == 8  # a key it does not take: held to the default's
-    chosen = plan_run(resolve({"batch.controller": "critical_ramp", "batch.noise_multiple": 3}))
+    chosen = plan_run({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
     assert make_controller(chosen).multiple == 3.0
 
 
@@ -140,7 +140,7 @@ def test_a_bound_left_at_its_default_moves_to_what_was_set_past_it():
     from bigbatch.experiments.build import plan_run
 
     def bounds(**layer):
-        run = plan_run(resolve(dict(layer.items())))
+        run = plan_run(dict(layer.items()))
         return [run[k] for k in ("batch.min", "batch.initial", "batch.max")], run.origins
 
     assert bounds(**{"batch.controller": "constant", "batch.initial": 4})[0] == [4, 4, 16384]
@@ -163,8 +163,8 @@ def test_a_budget_below_the_first_batch_is_refused():
     from bigbatch.experiments.build import plan_run
 
     with pytest.raises(ConfigError, match=r"max_samples \(1\) is below the first batch "):
-        plan_run(resolve({"max_samples": 1}))
-    assert plan_run(resolve({"max_samples": 16}))["max_samples"] == 16
+        plan_run({"max_samples": 1})
+    assert plan_run({"max_samples": 16})["max_samples"] == 16
 
 
 def test_a_ramp_in_the_users_units_from_config_keys():
@@ -172,7 +172,7 @@ def test_a_ramp_in_the_users_units_from_config_keys():
 
     def ramp(**keys):
         layer = {"batch.controller": "ramp", "model.context": 0, **keys}
-        return plan_run(resolve(layer))
+        return plan_run(layer)
 
     # the table gives the first batch; its shares are of max_samples
     table = ramp(**{"batch.ramp_points": "0:32, 25%:64", "max_samples": 4000})
@@ -227,7 +227,7 @@ def test_keys_left_at_auto_take_the_optimizers_recipe(name):
     from bigbatch.experiments.build import plan_run
     from bigbatch.optim import RECIPES
 
-    config = plan_run(resolve({"optimizer": name}))
+    config = plan_run({"optimizer": name})
     recipe = RECIPES[name]
     assert config["weight_decay"] == recipe.weight_decay
     assert config["schedule.kind"] == recipe.schedule
@@ -235,13 +235,13 @@ def test_keys_left_at_auto_take_the_optimizers_recipe(name):
     assert config["vrgd.gamma"] == recipe.options.get("gamma", "auto")
     # the saved config reads back as the same run
     saved = flatten(_toml().loads(to_toml(config)))
-    assert plan_run(resolve(saved)) == config
+    assert plan_run(saved) == config
 
 
 def test_a_key_set_by_the_user_wins_over_the_recipe():
     from bigbatch.experiments.build import plan_run
 
-    config = plan_run(resolve({"optimizer": "lars", "weight_decay": 0.0, "schedule.kind": "poly"}))
+    config = plan_run({"optimizer": "lars", "weight_decay": 0.0, "schedule.kind": "poly"})
     assert (config["weight_decay"], config["schedule.kind"]) == (0.0, "poly")
 
 
@@ -274,7 +274,7 @@ def test_a_recipe_key_takes_a_number_or_auto_and_names_anything_else(key, messag
 def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):
     from bigbatch.experiments.build import plan_run
 
-    assert plan_run(resolve(layer))["min_sub_batches"] == fewest
+    assert plan_run(layer)["min_sub_batches"] == fewest
 
 
 @pytest.mark.parametrize(
@@ -294,7 +294,7 @@ def test_the_warm_up_is_a_share_or_a_length_in_samples_or_tokens(task, length, s
         with pytest.raises(ConfigError, match=r"schedule.warmup must be in \[0, 1\]"):
             resolve({"task": task, "schedule.warmup": length})
         length = str(length)
-    config = plan_run(resolve({"task": task, "schedule.warmup": length}))
+    config = plan_run({"task": task, "schedule.warmup": length})
     assert config["schedule.warmup"] == pytest.approx(share)
 
 
@@ -310,14 +310,14 @@ def test_a_schedule_length_the_run_cannot_lay_out_is_one_error_naming_the_key(se
     from bigbatch.experiments.build import plan_run
 
     with pytest.raises(ConfigError, match=message):
-        plan_run(resolve({"task": "mnist1d", **settings}))
+        plan_run({"task": "mnist1d", **settings})
 
 
 def test_a_plan_is_read_only_planned_once_and_saved_as_a_plan(tmp_path):
     from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.rundir import read_config
 
-    run = plan_run(resolve({"task": "digits"}))
+    run = plan_run({"task": "digits"})
     assert plan_run(run) is run
     assert run["lr"] > 0 and "the digits task's" in run.origins["lr"]
     with pytest.raises(TypeError):

@@ -103,7 +103,7 @@ def test_the_command_prints_it_and_trains_nothing(tmp_path, monkeypatch, capsys)
     assert not (tmp_path / "runs").exists()
     saved = tmp_path / "run"
     saved.mkdir()
-    (saved / "config.toml").write_text(to_toml(plan_run(resolve({}))))
+    (saved / "config.toml").write_text(to_toml(plan_run({})))
     assert cli.main(["train", "--resume", str(saved), "--explain"]) == 2
     assert "--explain explains a new run's config" in capsys.readouterr().err
 

@@ -80,7 +80,7 @@ def test_optimizers_train_the_task_at_their_familys_rate(
         draw = tasks.mnist1d_arrays
         monkeypatch.setattr(tasks.data, "mnist1d_arrays", lambda: draw(samples=4_000))
     torch.manual_seed(0)
-    config = plan_run(resolve({"task": task_name, "device": "cpu"}))
+    config = plan_run({"task": task_name, "device": "cpu"})
     problem = TASKS[task_name].build(config)
     initial = copy.deepcopy(problem.model)
     failures = []

@@ -650,10 +650,9 @@ def sharded_optimizer_collectives(name: str, layers: int) -> int:
 def cli_build(strategy: str, steps: int) -> dict:
     """The command line's model and loop for ``dist.strategy`` on these ranks, a few steps."""
     from bigbatch.experiments.build import build, plan_run
-    from bigbatch.experiments.config import resolve
     from bigbatch.parallel import World
 
-    config = plan_run(resolve({"task": "teacher", "device": "cpu", "dist.strategy": strategy}))
+    config = plan_run({"task": "teacher", "device": "cpu", "dist.strategy": strategy})
     world = World(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
     problem, loop, _ = build(config, world)
     losses = []

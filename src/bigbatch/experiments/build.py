@@ -40,13 +40,15 @@ from .tasks import TASKS, Problem
 
 
 def plan_run(config: Mapping[str, Any]) -> RunPlan:
-    """The run a resolved ``config`` describes, every automatic value filled in one place:
+    """The run ``config`` (a config layer, or resolved) describes, every automatic value
+    filled in one place:
     the keys left at 0 ("the task's default") from the task, those left at ``"auto"`` from
     the optimizer's recipe, the controller's own defaults and bounds, the micro-batches
     the statistics need, the LR rule and the rate; each with its origin
     (:attr:`RunPlan.origins`). A :class:`RunPlan` is returned as it is."""
     if isinstance(config, RunPlan):
         return config
+    config = resolve(config)
     task = TASKS[config["task"]]
     origins: dict[str, str] = {}
     config = with_recipe(config, origins)
@@ -202,7 +204,7 @@ def at_rate(config: dict[str, Any], lr: float) -> dict[str, Any]:
     out = {**config, "lr": lr}
     if config.get("lr") or config.get("lr_max"):
         return out
-    own = plan_run(resolve(config))
+    own = plan_run(config)
     if own["lr_max"]:
         out["lr_max"] = own["lr_max"] * (lr / own["lr"])  # exactly the ceiling at ×1
     return out

@@ -79,7 +79,8 @@ def measure(
     (so every branch trains whole steps of the same samples).
     """
     settings = settings or CriticalSettings()
-    first = plan_run(config)["batch.initial"]
+    planned = plan_run(config)
+    first = planned["batch.initial"]
     batches = sorted(settings.batches or [first * 2**k for k in range(6)])
     small = batches[0]
     base = _config(config, small, small, settings.lr_rule)
@@ -94,7 +95,7 @@ def measure(
     marks = sorted(math.ceil(p * budget) for p in settings.points)
     # the config's own controller replays the base run without deciding anything, so each
     # point shows what it would have compared with the next size there
-    shadow, measured = make_controller(plan_run(config)), []
+    shadow, measured = make_controller(planned), []
     plan["controller"] = repr(shadow)  # as it starts
     try:
         snapshots = _train_base(base, out, marks, quiet)

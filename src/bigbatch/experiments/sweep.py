@@ -70,7 +70,7 @@ def sweep(
         base["threads"] = share_of_cores(jobs)
     root = Path(root)
     # an arm's rate before the grid: its lr, or the task's when 0 (every config checked here)
-    rates = {arm.stem: plan_run(resolve({**base, **arm.overrides}))["lr"] for arm in arms}
+    rates = {arm.stem: plan_run({**base, **arm.overrides})["lr"] for arm in arms}
     if tune is not None:
         return [
             _tuned_arm(base, arm, rates[arm.stem], root, multipliers, seeds, jobs, quiet, tune)

@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 from . import runner
 from .arms import metric
 from .build import at_rate, plan_run
-from .config import ConfigError, resolve, schema, to_toml
+from .config import ConfigError, RunPlan, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
 from .pool import in_processes
@@ -96,7 +96,7 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
 def default_space(config: dict[str, Any]) -> list[Dimension]:
     """The rate from 1/8 to 8 times the task's rate for the run's optimizer and batch rule
     (seven points of a ×2 grid)."""
-    rate = plan_run(resolve(config))["lr"]
+    rate = plan_run(config)["lr"]
     return [Dimension("lr", rate / 8, rate * 8, log=True)]
 
 
@@ -108,6 +108,8 @@ class TuneResult:
     best_value: float
     best_dir: Path
     samples: int
+    #: the samples each trial's schedule spans (the run's ``max_samples``)
+    budget: int
     grid_samples: int
     trials: list[dict[str, Any]]
 
@@ -135,8 +137,9 @@ def tune(
     settings = settings or TuneSettings()
     # trials are ranked by their quality at each pause: none may end early at the target
     config = resolve(config, {"stop_at_target": False})
-    space = list(space or default_space(config))
-    brackets = _brackets_in_budget(settings, space, _warmup(config, space))
+    planned = plan_run(config)  # the study's run as configured: its rate, warm-up, budget
+    space = list(space or default_space(planned))
+    brackets = _brackets_in_budget(settings, space, _warmup(planned, space))
     if settings.jobs > 1 and not config.get("threads"):
         config = {**config, "threads": share_of_cores(settings.jobs)}
     out = Path(out)
@@ -146,8 +149,8 @@ def tune(
         study = _study(out, config)
         _fail_orphans(study)
         for bracket in range(brackets):
-            _Bracket(study, out, config, space, settings, bracket, quiet).run()
-        result = _result(study, config, space, out)
+            _Bracket(study, out, planned, config, space, settings, bracket, quiet).run()
+        result = _result(study, planned, space, out)
         _write_outputs(out, config, result, space)
         return result
     finally:
@@ -164,11 +167,11 @@ def _fail_orphans(study: optuna.Study) -> None:
         study.tell(study.ask(), state=TrialState.FAIL)
 
 
-def _warmup(config: dict[str, Any], space: Sequence[Dimension] = ()) -> float:
-    """The longest warm-up a trial trains with, a fraction of its samples: the config's,
-    or the top of its range where the warm-up is searched."""
+def _warmup(planned: RunPlan, space: Sequence[Dimension] = ()) -> float:
+    """The longest warm-up a trial trains with, a fraction of its samples: the planned
+    run's, or the top of its range where the warm-up is searched."""
     searched = [d.high for d in space if d.key == "schedule.warmup"]
-    return max([float(plan_run(config)["schedule.warmup"]), *searched])
+    return max([float(planned["schedule.warmup"]), *searched])
 
 
 def _brackets_in_budget(settings: TuneSettings, space: list[Dimension], warmup: float) -> int:
@@ -211,6 +214,7 @@ class _Bracket:
         self,
         study: optuna.Study,
         out: Path,
+        planned: RunPlan,
         config: dict[str, Any],
         space: list[Dimension],
         settings: TuneSettings,
@@ -219,13 +223,13 @@ class _Bracket:
     ) -> None:
         self.study, self.out, self.config, self.space = study, out, config, space
         self.settings, self.index, self.quiet = settings, index, quiet
-        self.budget = plan_run(config)["max_samples"]
+        self.planned, self.budget = planned, planned["max_samples"]
         task = TASKS[config["task"]]
         self.target, self.lower_is_better = task.target_metric, task.lower_is_better
 
     def run(self) -> None:
         self._start_trials()
-        warmup = _warmup(self.config, self.space)
+        warmup = _warmup(self.planned, self.space)
         rungs, keep = self.settings.rungs(warmup), self.settings.survivors(warmup)
         for j, fidelity in enumerate(rungs):
             alive = [t for t in self._trials() if t.state != TrialState.FAIL]
@@ -337,9 +341,7 @@ def _grid_runs(space: Sequence[Dimension]) -> int:
     return math.prod(d.grid_points() for d in space)
 
 
-def _result(
-    study: optuna.Study, config: dict[str, Any], space: list[Dimension], out: Path
-) -> TuneResult:
+def _result(study: optuna.Study, planned: RunPlan, space: list[Dimension], out: Path) -> TuneResult:
     trials = study.get_trials(deepcopy=False)
     if not any(t.state == TrialState.COMPLETE for t in trials):
         raise RuntimeError("no trial trained to the end: every one diverged; lower the range")
@@ -365,7 +367,8 @@ def _result(
         best_value=float(best.value),
         best_dir=out / "trials" / f"{best.number:04d}",
         samples=sum(t.user_attrs.get("samples", 0) for t in trials),
-        grid_samples=_grid_runs(space) * plan_run(resolve(config))["max_samples"],
+        budget=planned["max_samples"],
+        grid_samples=_grid_runs(space) * planned["max_samples"],
         trials=rows,
     )
 
@@ -375,7 +378,8 @@ def render_report(out: Path) -> Path:
     ``tune.json`` and the study's database); the report's path."""
     saved = read_json(out / SETTINGS_FILE)
     config, space = saved["config"], [Dimension(**d) for d in saved["space"]]
-    _write_outputs(out, config, _result(_study(out, config), config, space, out), space)
+    result = _result(_study(out, config), plan_run(config), space, out)
+    _write_outputs(out, config, result, space)
     return out / "tune.md"
 
 

@@ -1,10 +1,9 @@
 """What the task tests share."""
 
 from bigbatch.experiments.build import plan_run
-from bigbatch.experiments.config import resolve
 
 
 def text_config(**keys):
     """The text task at a test's size: a small model on windows of 8 bytes."""
     small = {"task": "text", "model.width": 16, "model.depth": 1, "model.context": 8}
-    return plan_run(resolve({**small, **keys}))
+    return plan_run({**small, **keys})

@@ -56,7 +56,7 @@ def test_text_build_is_deterministic_and_holds_out_a_tenth_of_the_files():
 def test_lm_honours_model_context_too():
     from bigbatch.experiments.build import plan_run
 
-    config = plan_run(resolve({"task": "lm", "model.context": 8, "model.width": 16}))
+    config = plan_run({"task": "lm", "model.context": 8, "model.width": 16})
     problem = tasks.TASKS["lm"].build(config)
     assert problem.train[0][0].shape == (8,) and problem.test[0].shape == (1000, 8)
 
@@ -103,6 +103,6 @@ def test_a_corpus_on_a_task_without_one_is_one_error():
 def test_the_loop_stops_the_rate_at_lr_max(lr_max, factor):
     from bigbatch.experiments.build import plan_run
 
-    config = plan_run(resolve({"task": "digits", "lr": 0.1, "lr_max": lr_max}))
+    config = plan_run({"task": "digits", "lr": 0.1, "lr_max": lr_max})
     _, loop, _ = build({**config, "model.width": 8, "model.depth": 1})
     assert loop.engine.options.max_lr_factor == factor

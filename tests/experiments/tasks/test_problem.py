@@ -285,17 +285,16 @@ def test_a_rate_off_the_tasks_own_takes_the_tasks_ceiling_along_in_proportion():
     """A grid point or trial at m× the task's rate is the recipe at m× its scale, so ×1 is
     exactly the run ``bigbatch train`` makes; a rate or ceiling the user set stays theirs."""
     from bigbatch.experiments.build import at_rate, plan_run
-    from bigbatch.experiments.config import resolve
 
     layer = {"task": "text", "optimizer": "plain-sgd", "batch.controller": "constant"}
     layer["batch.initial"] = 256
-    own = plan_run(resolve(layer))
+    own = plan_run(layer)
     assert (own["lr"], own["lr_max"]) == (pytest.approx(2.528), 0.632)
     for m in (0.5, 1.0, 2.0):
-        point = plan_run(resolve(at_rate(layer, own["lr"] * m)))
+        point = plan_run(at_rate(layer, own["lr"] * m))
         assert point["lr_max"] == 0.632 * m  # exactly: ×1 is the recipe, bit for bit
-    assert plan_run(resolve(at_rate({**layer, "lr": 1.0}, 2.0)))["lr_max"] == 0.0
-    assert plan_run(resolve(at_rate({**layer, "lr_max": 0.5}, 2.0)))["lr_max"] == 0.5
+    assert plan_run(at_rate({**layer, "lr": 1.0}, 2.0))["lr_max"] == 0.0
+    assert plan_run(at_rate({**layer, "lr_max": 0.5}, 2.0))["lr_max"] == 0.5
     assert "lr_max" not in at_rate({**layer, "optimizer": "lamb"}, 0.1)  # no ceiling to move
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..build import plan_run
-from ..config import resolve
 from ..tasks import TASKS
 from .figures import plt, save
 
@@ -14,7 +12,7 @@ from .figures import plt, save
 def markdown(config: dict[str, Any], result: Any, space: list[Any]) -> str:
     task = TASKS[config["task"]]
     name = task.target_metric.removeprefix("eval_")
-    budget = plan_run(resolve(config))["max_samples"]
+    budget = result.budget
     states = [t["state"] for t in result.trials]
     best = ", ".join(f"{k} = {v:.4g}" for k, v in result.best.items())
     ranges = ", ".join(
