@@ -3,13 +3,10 @@
 Merrill et al. 2025 (arXiv:2505.23971): from checkpoints of a small-batch run, train
 short branches at larger batches under the rate rule; the critical batch at that point
 is the largest whose branch ends within a tolerance of the small batch's loss after the
-same samples. The base run is a ``constant`` run at the smallest batch (``DIR/base``),
-paused at the chosen fractions with a snapshot kept (``DIR/snapshot-<i>.pt``); every
-branch, the smallest batch's included, is a :func:`bigbatch.experiments.runner.train`
-run from a snapshot (``DIR/branch-<i>-<batch>``): locked, checkpointed, and continued
-when the command runs again. Beside each point the report puts the noise scale the base
-run logged and the estimate the config's controller would compare with the next size
-(a replaying copy: ``BatchWarmup.critical_batch()``).
+same samples. The base run (``DIR/base``, a constant batch) is paused at the chosen
+fractions with a snapshot kept; every branch is a run from a snapshot
+(``DIR/branch-<i>-<batch>``), continued when the command runs again. The report puts the
+base run's noise scale and the config's controller's estimate beside each point.
 """
 
 from __future__ import annotations

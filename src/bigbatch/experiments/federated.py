@@ -1,16 +1,11 @@
 """A federated simulation on one machine (``bigbatch federated``): Flower's FedAvg with
 bigbatch's local batches, on IID or non-IID splits of a classification task.
 
-``N`` Flower ClientApps (:func:`bigbatch.integrations.flower.client_app`) each hold an
-even random part of the training set (``iid``) or Dirichlet(α) shares per class
-(``dirichlet``, Hsu et al. 2019). Each round each client trains ``local_samples`` with
-SGD (momentum 0.9, weight decay 5e-4) at the round's local batch; the server
-(:class:`~bigbatch.integrations.flower.AdaptiveBatchStrategy`) averages, scores the
-global model and chooses the next local batch: ``fixed``, ``switch`` (``large`` until
-``switch`` of the samples: :class:`~bigbatch.federated.SmallLargeSwitch`) or
-``adaptive`` (``BatchWarmup`` on the clients' pooled noise statistics). The rate is
-``lr`` at ``local_batch``, scaled linearly (Goyal et al. 2017), with a 5% warm-up and
-cosine decay. Writes ``rounds.jsonl``, ``summary.json`` and ``report.md``; docs/federated.md.
+Each round each client (an even random part of the training set, or Dirichlet(α) shares
+per class: Hsu et al. 2019) trains ``local_samples`` with momentum SGD at the round's local
+batch; the server (:class:`~bigbatch.integrations.flower.AdaptiveBatchStrategy`) averages,
+scores and chooses the next local batch (``fixed``, ``switch`` or ``adaptive``).
+Writes ``rounds.jsonl``, ``summary.json`` and ``report.md``; docs/federated.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""One training run: build the task, train with AdaptiveBatch, write the run directory.
-
-A run directory holds ``config.toml`` (the resolved config), ``metrics.jsonl``
-(one JSON object per optimizer step; evaluation steps add ``eval_loss`` and
-``eval_accuracy``), ``checkpoint.pt`` (written atomically every
-``checkpoint_every`` steps or duration, and at the end), ``summary.json``
-(however the run ends: ``ended`` says how), the PNG plots and
-``report.md``. A killed run resumed with ``resume`` continues from its last
-checkpoint to the result it would have had.
-
-Under ``torchrun`` (or ``bigbatch train --nproc N``) every rank trains its
-shard of each global batch through ``DistributedDataParallel``, or FSDP2's
-``fully_shard`` with ``dist.strategy = "fsdp"`` (where every rank joins the
-evaluation's forward passes); rank 0 evaluates and writes the run
-directory, every rank loads the checkpoint on resume.
+"""One training run: build the task, train with AdaptiveBatch, write the run directory
+(its files: docs/cli.md, `bigbatch train`). A killed run resumed with ``resume``
+continues from its last checkpoint to the result it would have had. Under ``torchrun``
+(or ``bigbatch train --nproc N``) every rank trains its shard of each global batch (DDP,
+or FSDP2 with ``dist.strategy = "fsdp"``); rank 0 writes the directory.
 """
 
 from __future__ import annotations

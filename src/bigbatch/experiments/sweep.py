@@ -46,21 +46,11 @@ def sweep(
     tune: TuneSettings | None = None,
 ) -> list[ArmResult]:
     """Train every arm on the rate grid, then its best rate on more seeds (module docstring),
-    as ``protocol`` (:class:`~bigbatch.experiments.options.Protocol`; None: its defaults) says.
-
-    ``base`` is a config layer (any keys of the schema) under each arm's
-    overrides; an arm's seeds are its ``seed`` (an arm may vary it; else
-    ``base["seed"]``, default 0) and the ones after it. With ``widen`` > 0, an
-    arm whose best rate lies at an end of the grid trains one more rate beyond
-    that end (the grid's outer ratio further), up to ``widen`` times on each
-    side, so that its best rate is inside the grid it was tuned on (an arm
-    still at an end after that is reported as such by
-    :attr:`ArmResult.at_edge`). With ``protocol.tune``, each arm's rate is
-    searched by a ``bigbatch tune`` study (``tune``, its settings) over the
-    grid's range instead (chosen by the final metric, whatever ``rank``
-    says); ``widen`` does not apply. With ``jobs`` > 1 and ``threads`` unset,
-    each run gets an equal share of the cores. Raises :class:`ConfigError`
-    before training if any config is bad.
+    as ``protocol`` (:class:`~bigbatch.experiments.options.Protocol`, whose fields' help
+    says what each does; None: its defaults) says; ``tune`` is the settings of the studies
+    a tuned protocol runs. ``base`` is a config layer under each arm's overrides; an arm's
+    seeds start at its ``seed``, else the base's. Raises :class:`ConfigError` before
+    training if any config is bad.
     """
     protocol = protocol or Protocol()
     multipliers, seeds, rank, jobs = protocol.lr_grid, protocol.seeds, protocol.rank, protocol.jobs
