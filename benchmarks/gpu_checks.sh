@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks, as one command for a machine lent for a few minutes (about 6 minutes on
+# an H200; docs/results.md, "Cost of a step", says what the numbers are compared with):
+#
+#   bash benchmarks/gpu_checks.sh [OUT]             # OUT: where the results go (default gpu-out)
+#
+# bigbatch is imported from src (no install). A machine without network takes wheels from
+# WHEELS (a folder made here with `pip download mnist1d -d WHEELS --no-deps`), so the
+# tests that build MNIST-1D import. Each part has its own time limit and the script goes
+# on past a failed one; every part's output is in OUT.
+set -uo pipefail
+out=${1:-gpu-out}
+mkdir -p "$out"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "${WHEELS:-}" ]; then
+    python -m pip install -q --no-index --no-deps --find-links "$WHEELS" mnist1d >"$out/wheels.txt" 2>&1
+fi
+
+part() {  # part NAME SECONDS COMMAND...: run it with a limit, its output in OUT/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/parts.txt"
+}
+
+part machine 60 python -c "import torch, sys; print(sys.version); print(torch.__version__, \
+torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
+# the CUDA-only tests (skipped on a CPU machine)
+part cuda-tests 240 python -m pytest -q -p no:cacheprovider -m cuda tests
+# a step's time against a plain step, per-step medians and steady blocks (issue: step cost)
+part step-cost 180 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
+    --models text-gpu,gpt2 --batches "${BATCHES:-16,64,256,1024}" \
+    --gpt2-batches "${GPT2_BATCHES:-16,64}" --steps 15 --steady 10 --arms plain,examples,off
+# where the host waits: synchronisations per step and the statistics' buffers
+part step-details 90 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
+    --models text-gpu --batches "${DETAIL_BATCHES:-16,256}" --steps 5 --arms examples,off --details
+cat "$out/parts.txt"
