@@ -11,6 +11,7 @@
 set -uo pipefail
 out=${1:-gpu-out}
 mkdir -p "$out"
+: >"$out/parts.txt"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "${WHEELS:-}" ]; then
     python -m pip install -q --no-index --no-deps --find-links "$WHEELS" mnist1d >"$out/wheels.txt" 2>&1

@@ -120,6 +120,7 @@ def test_the_default_start_says_why_it_is_small_and_a_start_that_was_set_does_no
     assert why in explain(resolve({"batch.controller": "warmup_seesaw"})).splitlines()[0]
     for keys in (
         {"batch.initial": 16},
+        {"batch.min": 512},  # the own start raised to a bound
         {"batch.controller": "seesaw"},
         {"batch.controller": "constant"},
     ):

@@ -133,19 +133,12 @@ def test_the_protocol_offers_every_rank_the_sweep_has():
     assert tuple(RANKS) == RANK_NAMES
 
 
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        ({"rank": "fastest"}, "rank must be one of"),
-        ({"seeds": 0}, "seeds must be a whole number >= 1, got 0"),
-        ({"lr_grid": (1.0, -2.0)}, r"lr_grid must be > 0, got -2.0"),
-    ],
-)
-def test_bad_options_stop_before_any_run(trained, tmp_path, options, message):
-    with pytest.raises(ConfigError, match=message):
-        sweep(BASE, [Arm("a", {}, "a")], tmp_path, Protocol(**options))
+def test_a_bad_arm_config_stops_the_sweep_before_any_run(trained, tmp_path):
+    # (bad protocol options are refused when the Protocol is made: test_compare.py)
     with pytest.raises(ConfigError, match=r"batch\.intial"):
         sweep(BASE, [Arm("a", {"batch.intial": 3}, "a")], tmp_path)
+    with pytest.raises(ValueError, match="the protocol does not tune"):
+        sweep(BASE, [Arm("a", {}, "a")], tmp_path, tune=TuneSettings())
     assert trained == []
 
 

@@ -579,7 +579,7 @@ def _keys() -> list[Key]:
             keys.append(Key(name, f.default, f.metadata["knob"], from_recipe=recipe))
             if name in COMPONENTS:
                 keys += component_keys(*COMPONENTS[name])
-            if name == "task":  # each task's own keys
+            if name == "model.context":  # then each task's own keys
                 owned = [f for t in TASKS.values() if t.options for f in fields(t.options)]
                 keys += [Key(f.metadata["key"], f.default, f.metadata["knob"]) for f in owned]
     return keys

@@ -73,7 +73,7 @@ def _start_why(run: Mapping[str, Any], origins: Mapping[str, str]) -> str:
     """Why :class:`BatchWarmup`'s own first batch is small: it grows with the noise scale and
     never shrinks, so a start above the task's best batch would cost loss no later step
     regains, and one below it costs steps the growth repays (docs/adaptive_batching.md)."""
-    own = origins.get("batch.initial", "").startswith(f"the {run['batch.controller']} ")
+    own = origins.get("batch.initial") == f"the {run['batch.controller']} controller's default"
     if not own or not issubclass(CONTROLLERS[run["batch.controller"]], BatchWarmup):
         return ""
     return (

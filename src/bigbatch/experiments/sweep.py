@@ -53,6 +53,8 @@ def sweep(
     training if any config is bad.
     """
     protocol = protocol or Protocol()
+    if tune is not None and not protocol.tune:
+        raise ValueError("sweep: tune settings are given, but the protocol does not tune")
     multipliers, seeds, rank, jobs = protocol.lr_grid, protocol.seeds, protocol.rank, protocol.jobs
     tune = (tune or TuneSettings()) if protocol.tune else None
     base = dict(base)

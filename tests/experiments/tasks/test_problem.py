@@ -322,7 +322,27 @@ def test_a_rate_measured_at_another_batch_is_met_there_and_interpolated_between(
     assert rate("adamw", 8)[0] == pytest.approx(0.01 * (8 / 64) ** 0.5)
 
 
-@pytest.mark.parametrize("lrs_at", [{64: {"adam": 0.01}}, {8: {"adam": -1.0}}, {0: {"adam": 1.0}}])
+@pytest.mark.parametrize(
+    "lrs_at",
+    [
+        {64: {"adam": 0.01}},
+        {8: {"adam": -1.0}},
+        {0: {"adam": 1.0}},
+        {True: {"adam": 1.0}},
+        {8: {"adam": True}},
+    ],
+)
 def test_a_task_refuses_a_measured_rate_that_is_not_a_positive_rate_at_another_batch(lrs_at):
     with pytest.raises(ValueError, match="lrs_at"):
         make_task(lrs_at=lrs_at)
+
+
+def test_a_rate_measured_at_another_batch_may_be_a_whole_number():
+    assert make_task(lrs_at={128: {"sgd": 1}}).measured_rates("sgd") == {64: 0.1, 128: 1}
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_a_tasks_rates_at_other_batches_are_keyed_by_known_names(name):
+    known = set(list_optimizers()) | set(FAMILIES)
+    for table in TASKS[name].lrs_at.values():
+        assert set(table) <= known

@@ -27,6 +27,10 @@ def _measured(table: Mapping[str, Any], optimizer: str) -> Any:
     return next((table[k] for k in _own_then_family(optimizer) if k in table), None)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class Problem:
     """What a run trains: data, model, and how to score it."""
@@ -98,15 +102,14 @@ class Task:
 
     def __post_init__(self) -> None:
         for batch, table in self.lrs_at.items():
-            rates = [r for r in table.values() if not (isinstance(r, float) and 0 < r < math.inf)]
-            if not (isinstance(batch, int) and batch >= 1 and batch != self.base_batch) or rates:
+            bad = [r for r in table.values() if not (_is_number(r) and 0 < r < math.inf)]
+            if type(batch) is not int or batch < 1 or batch == self.base_batch or bad:
                 raise ValueError(
                     f"task {self.name!r}: lrs_at[{batch!r}] = {dict(table)!r}; a measured "
                     f"rate is a positive number at a batch other than base_batch"
                 )
         for key, ceiling in self.lr_max.items():
-            number = isinstance(ceiling, (int, float)) and not isinstance(ceiling, bool)
-            if not (number and 0 < ceiling < math.inf):
+            if not (_is_number(ceiling) and 0 < ceiling < math.inf):
                 raise ValueError(
                     f"task {self.name!r}: lr_max[{key!r}] = {ceiling!r}; a ceiling is a "
                     "positive rate"
