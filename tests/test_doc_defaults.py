@@ -2,6 +2,7 @@
 docs/adaptive_batching.md lists every keyword of its constructor with its default."""
 
 import ast
+import importlib.util
 import inspect
 import operator
 import re
@@ -107,30 +108,15 @@ def test_the_tasks_table_gives_each_tasks_shape_target_and_rates():
         assert numbers(rates)[:2] == [task.lrs["adam"], task.lrs["adam/held"]], name
 
 
-def with_options_tables(text: str) -> str:
-    """docs/cli.md with the table after each ``<!-- generated: options NAME -->`` made
-    from the command's settings class (run as a script, this rewrites the page)."""
-    from bigbatch.experiments.flags import options_table
-    from bigbatch.experiments.options import SECTIONS
-
-    lines, out, i = text.splitlines(), [], 0
-    while i < len(lines):
-        out.append(lines[i])
-        marker = re.fullmatch(r"<!-- generated: options (\w+) -->", lines[i])
-        i += 1
-        if marker:
-            while i < len(lines) and (lines[i].startswith("|") or not lines[i].strip()):
-                i += 1  # the old table and the blank lines around it
-            out += [options_table(SECTIONS[marker[1]]), ""]
-    return "\n".join(out) + "\n"
-
-
 def test_each_commands_options_table_is_made_from_its_settings():
     text = (ROOT / "docs" / "cli.md").read_text()
     assert text.count("<!-- generated: options ") == 4  # compare, critical, tune, federated
-    assert text == with_options_tables(text), "run: python tests/test_doc_defaults.py"
+    assert text == _gen_docs().options_tables(text), "run: python tools/gen_docs.py"
 
 
-if __name__ == "__main__":  # rewrite docs/cli.md's generated options tables
-    page = ROOT / "docs" / "cli.md"
-    page.write_text(with_options_tables(page.read_text()))
+def _gen_docs():
+    """tools/gen_docs.py, the one writer of the docs' generated parts, as a module."""
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "tools" / "gen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

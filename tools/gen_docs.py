@@ -4,12 +4,15 @@
     python tools/gen_docs.py --check    # exit 1 if any is out of date
 
 - docs/cli.md, "## Config keys": the listing ``bigbatch train --help`` prints
-  (``bigbatch.experiments.config.help_text``), every key with its default and meaning.
+  (``bigbatch.experiments.config.help_text``), every key with its default and meaning;
+- docs/cli.md, each table after ``<!-- generated: options NAME -->``: that command's
+  options, from its settings class (``bigbatch.experiments.options.SECTIONS``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -25,7 +28,25 @@ def config_keys(text: str) -> str:
     return f"{head}## Config keys{before}```\n{help_text()}\n```{after}"
 
 
-GENERATED = {ROOT / "docs" / "cli.md": config_keys}
+def options_tables(text: str) -> str:
+    """docs/cli.md with the table after each ``<!-- generated: options NAME -->`` made from
+    the command's settings class."""
+    from bigbatch.experiments.flags import options_table
+    from bigbatch.experiments.options import SECTIONS
+
+    lines, out, i = text.splitlines(), [], 0
+    while i < len(lines):
+        out.append(lines[i])
+        marker = re.fullmatch(r"<!-- generated: options (\w+) -->", lines[i])
+        i += 1
+        if marker:
+            while i < len(lines) and (lines[i].startswith("|") or not lines[i].strip()):
+                i += 1  # the old table and the blank lines around it
+            out += [options_table(SECTIONS[marker[1]]), ""]
+    return "\n".join(out) + "\n"
+
+
+GENERATED = {ROOT / "docs" / "cli.md": lambda text: options_tables(config_keys(text))}
 
 
 def main() -> int:
