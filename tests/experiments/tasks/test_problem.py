@@ -346,3 +346,13 @@ def test_a_tasks_rates_at_other_batches_are_keyed_by_known_names(name):
     known = set(list_optimizers()) | set(FAMILIES)
     for table in TASKS[name].lrs_at.values():
         assert set(table) <= known
+
+
+@pytest.mark.parametrize(
+    "batch, rate", [(4, 0.004), (8, 0.008), (16, 0.008), (32, 0.008 * 2**0.5), (256, 0.032)]
+)
+def test_text_starts_lamb_at_its_rate_measured_at_small_batches(batch, rate):
+    from bigbatch.experiments.build import plan_run
+
+    config = {"task": "text", "batch.controller": "constant", "batch.initial": batch}
+    assert plan_run(config)["lr"] == pytest.approx(rate)

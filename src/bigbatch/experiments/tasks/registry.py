@@ -195,6 +195,11 @@ TASKS: dict[str, Task] = {
                 "vr-sgd": 1.264,
                 "vr-sgd/held": 0.632,
             },
+            # LAMB's best at batches 4, 8 and 16 of a x2 grid (0.004 to 0.016), the same on
+            # the sources of torch, sympy and scikit-learn (docs/results.md "The default's
+            # start"): below 16 the sqrt rule from 64 gave 0.7x the best rate at 8, where the
+            # default starts
+            lrs_at={4: {"lamb": 4e-3}, 8: {"lamb": 8e-3}, 16: {"lamb": 8e-3}},
             lr_max={"plain-sgd": 0.632, "vr-sgd": 0.632, "vr-adam": 0.016},
             # the linear rule over-scales here: from batch 16 to 256 the best rate rises 4x
             # for momentum SGD and vr-lars, 2x for vr-momentum and plain SGD, not at all for
