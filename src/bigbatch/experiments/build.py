@@ -36,7 +36,7 @@ from .config import (
     task_keys,
 )
 from .device import Precision, resolve_device, to_device
-from .tasks import TASKS, Problem
+from .tasks import SEQUENCE_TASKS, TASKS, Problem
 
 
 def plan_run(config: Mapping[str, Any]) -> RunPlan:
@@ -102,7 +102,7 @@ def _check_task_keys(config: Mapping[str, Any], task: Any) -> None:
     if config["model.context"] and not task.context:
         raise ConfigError(
             f"model.context = {config['model.context']} is set, but the {task.name} task "
-            f"has no sequences ({_sequence_tasks()} do)"
+            f"has no sequences ({' and '.join(SEQUENCE_TASKS)} do)"
         )
     for key, owner in task_keys(task.name).items():
         if config[key] != schema()[key].default:
@@ -110,11 +110,6 @@ def _check_task_keys(config: Mapping[str, Any], task: Any) -> None:
                 f"{key} = {config[key]!r} is set, but the {task.name} task does not read it "
                 f"({owner} does)"
             )
-
-
-def _sequence_tasks() -> str:
-    """The tasks with sequences (a ``model.context``), as words: "lm and text"."""
-    return " and ".join(name for name, task in TASKS.items() if task.context)
 
 
 def _scaled_rate(task: Any, optimizer: str, batch: int, rule: str) -> tuple[float, str]:
@@ -176,7 +171,8 @@ def _ramp_start(config: dict[str, Any], origins: dict[str, str]) -> None:
         if length.unit == "tokens" and not config["model.context"]:
             raise ConfigError(
                 f"{key} = {config[key]!r} counts tokens, but the {config['task']} task has no "
-                f"sequences ({_sequence_tasks()} do); give samples, steps or a share ('25%')"
+                f"sequences ({' and '.join(SEQUENCE_TASKS)} do); give samples, steps or a "
+                "share ('25%')"
             )
     if not points:
         return

@@ -151,7 +151,7 @@ def run_comparison(
         print(f"[{arm.stem}] {arm.name}", flush=True)
     p = comparison.protocol
     try:
-        tune = (tune or TuneSettings()) if p.tune else None  # a [tune] table may be there
+        tune = tune if p.tune else None  # a [tune] table's settings reach only a tuned sweep
         results = sweep(
             comparison.base, comparison.arms, root, p, quiet=quiet or p.jobs > 1, tune=tune
         )

@@ -49,7 +49,7 @@ from ..options import NOISE_SOURCES, NONFINITE_POLICIES, StepOptions
 from ..parallel.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..stats import SIMILARITY_MODES
 from .device import PRECISIONS
-from .tasks import TASKS
+from .tasks import SEQUENCE_TASKS, TASKS
 
 
 def _toml() -> Any:
@@ -225,7 +225,7 @@ class RunKeys:
         "model.context",
         0,
         "sequence length of the sequence tasks "
-        f"({', '.join(n for n, t in TASKS.items() if t.context)}); 0: the task's default",
+        f"({', '.join(SEQUENCE_TASKS)}); 0: the task's default",
         low=0,
     )
     optimizer: str = run_key(
@@ -580,20 +580,20 @@ def _keys() -> list[Key]:
             if name in COMPONENTS:
                 keys += component_keys(*COMPONENTS[name])
             if name == "model.context":  # then each task's own keys
-                owned = [f for t in TASKS.values() if t.options for f in fields(t.options)]
-                keys += [Key(f.metadata["key"], f.default, f.metadata["knob"]) for f in owned]
+                keys += [Key(f.metadata["key"], f.default, f.metadata["knob"])
+                         for _, f in _task_options()]  # fmt: skip
     return keys
 
 
+def _task_options() -> list[tuple[str, Any]]:
+    """Every task's own keys (:attr:`~bigbatch.experiments.tasks.Task.options`) as the
+    fields that declare them, each with the task that owns it."""
+    return [(t.name, f) for t in TASKS.values() if t.options for f in fields(t.options)]
+
+
 def task_keys(task: str) -> dict[str, str]:
-    """Every task's own keys (:attr:`~bigbatch.experiments.tasks.Task.options`) but those
-    of ``task``, each with the task that reads it."""
-    return {
-        f.metadata["key"]: other.name
-        for other in TASKS.values()
-        if other.options and other.name != task
-        for f in fields(other.options)
-    }
+    """Every task's own keys but those of ``task``, each with the task that reads it."""
+    return {f.metadata["key"]: owner for owner, f in _task_options() if owner != task}
 
 
 @functools.cache

@@ -13,9 +13,10 @@ from __future__ import annotations
 from .data import byte_windows, digits_arrays, markov_language, mnist1d_arrays, text_corpus
 from .models import TinyTransformer
 from .problem import Problem, Task
-from .registry import TASKS
+from .registry import SEQUENCE_TASKS, TASKS
 
 __all__ = [
+    "SEQUENCE_TASKS",
     "TASKS",
     "Problem",
     "Task",

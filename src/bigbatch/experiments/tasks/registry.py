@@ -225,3 +225,6 @@ TASKS: dict[str, Task] = {
         ),
     )
 }
+
+#: the tasks with sequences (a ``model.context``)
+SEQUENCE_TASKS = tuple(name for name, task in TASKS.items() if task.context)
