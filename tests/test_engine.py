@@ -305,6 +305,41 @@ def test_statistics_every_is_refused_where_every_steps_statistics_are_read():
         bb.StepOptions(statistics_every=0)
 
 
+@pytest.mark.parametrize(
+    ("batch", "every"), [(2, 4), (8, 4), (16, 4), (32, 2), (48, 1), (64, 1), (1024, 1)]
+)
+def test_auto_measures_once_in_64_over_b_steps_at_most_once_in_four(batch, every):
+    assert bb.StepOptions(statistics_every="auto").every_at(batch) == every
+    assert bb.StepOptions(statistics_every=3).every_at(batch) == 3
+
+
+@pytest.mark.parametrize(
+    ("batch", "measured"), [(16, [0, 4, 8]), (32, [0, 2, 4, 6, 8]), (64, list(range(9)))]
+)
+def test_auto_measures_by_the_batch_the_next_step_takes(batch, measured):
+    _, _, engine = setup(bb.batch.Constant(batch), statistics_every="auto")
+    found = []
+    for step in range(9):
+        engine.steps_taken = step
+        if engine.measures():
+            found.append(step)
+    assert found == measured
+
+
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")  # no data here
+def test_auto_measures_every_step_where_every_steps_statistics_are_read():
+    model = nn.Linear(4, 2)
+    vrgd = bb.optim.VRGD(torch.optim.SGD(model.parameters(), lr=0.1))
+    engine = StepEngine.build(
+        vrgd, bb.batch.Constant(16), bb.StepOptions(statistics_every="auto"), model=model
+    )
+    assert engine.options.statistics_every == 1
+    with pytest.raises(
+        ValueError, match="statistics_every must be a whole number of steps or 'auto', got 'often'"
+    ):
+        bb.StepOptions(statistics_every="often")
+
+
 def test_a_saved_batch_outside_the_new_bounds_resumes_at_the_nearest_bound():
     model, _, engine = setup(bb.batch.Constant(64))
     engine.after_optimizer_step(run_step(model, engine))

@@ -100,7 +100,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     wrapped = isinstance(optimizer, StatisticsWrapper)
     gsnr = options.gsnr or (wrapped and "gsnr" in optimizer.requirements())
     options = _with_statistics(options, optimizer, controller, gsnr)
-    _check_every(options, type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else "")
+    options = _every(options, type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else "")
     in_use = _hook_in_use(comm_hook, registers_hooks, model)
     obstacles = _per_example_obstacles(framework is not None, gsnr, in_use, weighted)
     per_example, noise_why = _per_example_model(
@@ -350,13 +350,17 @@ def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any]
     }
 
 
-def _check_every(options: StepOptions, reader: str) -> None:
-    """One error if ``statistics_every`` skips steps whose statistics ``reader`` reads."""
+def _every(options: StepOptions, reader: str) -> StepOptions:
+    """``options`` measuring every step where ``reader`` reads every step's statistics
+    (``"auto"``), one error where ``statistics_every`` was set to skip some there."""
+    if options.statistics_every == "auto":
+        return dataclasses.replace(options, statistics_every=1) if reader else options
     if options.statistics_every > 1 and reader:
         raise ValueError(
             f"statistics_every={options.statistics_every} measures only some steps, but "
             f"{reader} reads every step's statistics: use statistics_every=1"
         )
+    return options
 
 
 def _check_sub_batches(

@@ -136,8 +136,9 @@ class StepEngine:
     # ------------------------------------------------------------ the micro-batches
 
     def measures(self) -> bool:
-        """Whether the next step measures: every ``statistics_every``-th, from the first."""
-        every = self.options.statistics_every
+        """Whether the next step measures: every ``statistics_every``-th, from the first (the
+        step count, not the steps since a batch change: the same after a resume)."""
+        every = self.options.every_at(self.batch_size)
         return self.collector is not None and self.steps_taken % every == 0
 
     @property

@@ -16,6 +16,15 @@ from .stats.per_example import UNITS
 
 __all__ = ["NOISE_SOURCES", "NONFINITE_POLICIES", "StepOptions"]
 
+#: ``statistics_every="auto"``: a step of batch ``B`` below this measures once in
+#: ``AUTO_EXAMPLES // B`` steps, where a measurement's fixed cost (its launches and Python,
+#: not its arithmetic) is the largest share of the step (docs/results.md, "Measuring every
+#: k-th step")
+AUTO_EXAMPLES = 64
+#: ... and at most once in this many: the noise scale's trace, smoothed over 20 steps,
+#: still holds ``MIN_TRACE`` measurements' weight (bigbatch.batch.smoothing)
+AUTO_MOST = 4
+
 NONFINITE_POLICIES = ("skip", "raise")
 #: where the noise statistics' small-batch norms come from (``StepOptions.noise_from``)
 NOISE_SOURCES = ("sub_batches", "examples", "auto")
@@ -72,8 +81,10 @@ class StepOptions:
     #: micro-batches beyond what memory asks. A noise-scale controller
     #: (``Contract.learns_between_measurements``) still learns ``|G|²`` from their batch gradient's
     #: norm; one that reads the similarity holds the batch, its window counting measured
-    #: steps. Not with VRGD, AGVM or ``gsnr``, which read every step's statistics
-    statistics_every: int = 1
+    #: steps. Not with VRGD, AGVM or ``gsnr``, which read every step's statistics.
+    #: ``"auto"``: by the batch (:meth:`every_at`), every step where something reads every
+    #: step's statistics
+    statistics_every: int | str = 1
     #: smoothing of the statistics' noise-scale averages (gpt-neox: 0.99)
     ema_beta: float = 0.99
     #: correct the noise for batches that are a large fraction of a finite dataset
@@ -107,11 +118,24 @@ class StepOptions:
                     f"noise_units must be at least 2 (one unit has no noise to measure), "
                     f"got {self.noise_units}"
                 )
-        positive_int("statistics_every", self.statistics_every)
+        if isinstance(self.statistics_every, str) and self.statistics_every != "auto":
+            raise ValueError(
+                f"statistics_every must be a whole number of steps or 'auto', got "
+                f"{self.statistics_every!r}"
+            )
+        if self.statistics_every != "auto":
+            positive_int("statistics_every", self.statistics_every)
         check_number("ema_beta", self.ema_beta, high=1.0, high_open=True)
         check_flag("finite_correction", self.finite_correction)
         choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+
+    def every_at(self, batch_size: int) -> int:
+        """Steps from one measured step to the next at ``batch_size``: ``statistics_every``,
+        or under ``"auto"`` ``AUTO_EXAMPLES // batch_size`` within ``[1, AUTO_MOST]``."""
+        if self.statistics_every != "auto":
+            return self.statistics_every
+        return min(AUTO_MOST, max(1, AUTO_EXAMPLES // batch_size))
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

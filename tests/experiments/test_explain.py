@@ -62,6 +62,10 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
     )
     similarity_every = noise(statistics_every=4, **{"batch.controller": "damped_simigrad"})
     assert "one step in 4;" in similarity_every  # a similarity controller learns nothing between
+    assert "measured one step in 64/B below batch 64 (at most one in 4), every step from" in (
+        noise(statistics_every="auto")
+    )
+    assert "measured every step;" in noise(statistics_every="auto", optimizer="vr-lamb")
     # VRGD's GSNR reads the micro-batches: auto falls back and says why
     assert noise(optimizer="vr-lamb").endswith(
         "(noise_from = 'auto', but the GSNR (VRGD) reads the micro-batches)"

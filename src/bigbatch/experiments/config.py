@@ -45,7 +45,7 @@ from ..duration import Duration
 from ..knobs import NO_DEFAULT, Knob, setting, signature_defaults
 from ..optim import AGVM, IMPLS, VRGD, list_optimizers, module_param_groups
 from ..optim.agvm import GROUPS_CONFIG
-from ..options import NOISE_SOURCES, NONFINITE_POLICIES, StepOptions
+from ..options import AUTO_EXAMPLES, AUTO_MOST, NOISE_SOURCES, NONFINITE_POLICIES, StepOptions
 from ..parallel.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..stats import SIMILARITY_MODES
 from .device import PRECISIONS
@@ -124,6 +124,13 @@ class Key:
 
 #: the value of a key that the chosen optimizer's recipe fills in
 AUTO = "auto"
+
+
+def auto_only(text: str) -> str:
+    """The one text a number key of the run's own choosing takes: ``auto``."""
+    if text != AUTO:
+        raise ValueError(f"give a whole number or {AUTO!r}")
+    return text
 
 
 def share_of_budget(text: str) -> Duration:
@@ -434,13 +441,15 @@ class BatchKeys:
         "batch, a ramp); otherwise only a controller, rate rule or optimizer that reads them "
         "pays for them",
     )
-    statistics_every: int = run_key(
+    statistics_every: int | str = run_key(
         "statistics_every",
         StepOptions.statistics_every,
         "measure the statistics at every this many optimizer steps; the steps between run "
         "unsplit, as a plain step; a noise-scale controller learns |G|^2 from their batch "
-        "gradient, a similarity one keeps its batch",
+        f"gradient, a similarity one keeps its batch; auto: one step in {AUTO_EXAMPLES}/B "
+        f"below batch {AUTO_EXAMPLES} (at most one in {AUTO_MOST}), every step from there",
         low=1,
+        parse=auto_only,
     )
     similarity: str = run_key(
         "batch.similarity",

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..batch.controllers import CONTROLLERS, BatchWarmup, contract_of
+from ..options import AUTO_EXAMPLES, AUTO_MOST
 from .build import build, fit_batches_to_data, plan_run, run_device
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
@@ -95,9 +96,15 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
     if collector is None:
         name = type(engine.controller).__name__
         return f"not measured: nothing reads it ({name}; log_statistics = true measures it)"
-    many, every = engine.sub_batches, run["statistics_every"]
-    steps = "every step" if every == 1 else f"one step in {every}"
-    if every > 1 and contract_of(engine.controller).learns_between_measurements:
+    many, every = engine.sub_batches, engine.options.statistics_every
+    if every == "auto":
+        steps = (
+            f"one step in {AUTO_EXAMPLES}/B below batch {AUTO_EXAMPLES} (at most one in "
+            f"{AUTO_MOST}), every step from there"
+        )
+    else:
+        steps = "every step" if every == 1 else f"one step in {every}"
+    if every != 1 and contract_of(engine.controller).learns_between_measurements:
         steps += " (|G|^2 also from the batch gradient's norm between)"
     if collector.per_example is not None:
         source = "each example's gradient norm in the one backward"
