@@ -21,7 +21,8 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
 - ``off``: the same with ``statistics=False``;
 - with ``--every K``, ``sub-batches/K`` and ``examples/K``: the statistics measured at
   every K-th step only (``statistics_every=K``), the steps between unsplit; each timed
-  unit is K steps (one measured), so the time is the mean step over the cycle.
+  unit is K steps (one measured), so the time is the mean step over the cycle; ``--every
+  auto``: K by the batch, as ``statistics_every="auto"`` takes it.
 
 ``--steady N`` adds the steady-state time: blocks of N steps with one synchronisation at
 the end of each (a per-step synchronisation charges the host's work in full on a GPU),
@@ -85,7 +86,7 @@ ARMS = ("plain", "sub-batches", "examples", "all examples", "off")
 KNOWN_ARMS = (*ARMS, "gsnr")
 
 
-def arms_of(names: tuple[str, ...], every: int) -> tuple[str, ...]:
+def arms_of(names: tuple[str, ...], every: int | str) -> tuple[str, ...]:
     """The arms timed: ``names``, and the two estimators measuring every ``every``-th step."""
     return names if every == 1 else (*names, f"sub-batches/{every}", f"examples/{every}")
 
@@ -140,8 +141,10 @@ class Arm:
         self.data, self.batch, self.position = data, batch, 0
         self.loop = None
         base, _, every = name.partition("/")
-        #: optimizer steps per timed unit: a whole cycle of statistics_every
-        self.every = int(every or 1)
+        #: optimizer steps per timed unit: a whole cycle of statistics_every ("auto": the
+        #: cycle at this batch)
+        statistics_every = every if every == "auto" else int(every or 1)
+        self.every = bb.StepOptions(statistics_every=statistics_every).every_at(batch)
         if name != "plain":
             split = base in ("sub-batches", "gsnr")
             self.loop = bb.AdaptiveBatch(
@@ -155,7 +158,7 @@ class Arm:
                 gsnr=base == "gsnr",
                 noise_from="sub_batches" if split else "examples",
                 noise_units=None if name == "all examples" else bb.stats.per_example.UNITS,
-                statistics_every=self.every,
+                statistics_every=statistics_every,
                 loader_options={"pin_memory": args.device.type == "cuda"},
             )
 
@@ -385,7 +388,10 @@ def main() -> None:
         "--keep-freed-memory", action="store_true", help="as bigbatch train does on a CPU"
     )
     parser.add_argument(
-        "--every", type=int, default=1, help="also time statistics measured every K-th step"
+        "--every",
+        type=lambda text: text if text == "auto" else int(text),
+        default=1,
+        help="also time statistics measured every K-th step (auto: statistics_every='auto')",
     )
     parser.add_argument("--tasks", default="text,mnist1d,lm")
     parser.add_argument("--warm-steps", type=int, default=200)
