@@ -136,8 +136,7 @@ class StepEngine:
     # ------------------------------------------------------------ the micro-batches
 
     def measures(self) -> bool:
-        """Whether the next step measures: every ``statistics_every``-th, from the first (the
-        step count, not the steps since a batch change: the same after a resume)."""
+        """Whether the next step measures (:meth:`StepOptions.every_at`; by the step count)."""
         every = self.options.every_at(self.batch_size)
         return self.collector is not None and self.steps_taken % every == 0
 

@@ -131,8 +131,7 @@ class StepOptions:
         choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
     def every_at(self, batch_size: int) -> int:
-        """Steps from one measured step to the next at ``batch_size``: ``statistics_every``,
-        or under ``"auto"`` ``AUTO_EXAMPLES // batch_size`` within ``[1, AUTO_MOST]``."""
+        """Steps from one measured step to the next at ``batch_size``."""
         if self.statistics_every != "auto":
             return self.statistics_every
         return min(AUTO_MOST, max(1, AUTO_EXAMPLES // batch_size))

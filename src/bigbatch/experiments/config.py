@@ -1,17 +1,15 @@
 """The experiment configuration: one schema, TOML files, ``--set`` overrides, checked up front.
 
-Every key has a default, a type and a meaning (``bigbatch train --help`` lists
-them). TOML tables become dotted keys: ``[batch] target = 0.5`` is
-``--set batch.target=0.5``. A bad value is one :class:`ConfigError` naming
-the key and the value; nothing is evaluated.
+Every key has a default, a type and a meaning (``bigbatch train --help``). TOML tables
+become dotted keys: ``[batch] target = 0.5`` is ``--set batch.target=0.5``. A bad value is
+one :class:`ConfigError` naming the key and the value; nothing is evaluated.
 
-The keys are written as the fields of frozen section classes (:data:`RUN_SECTIONS`),
-each field a :func:`~bigbatch.knobs.setting` (:func:`run_key`; :func:`recipe_key` for
-a number the optimizer's recipe fills) naming its whole key: the idiom of the
-commands' options (:mod:`bigbatch.experiments.options`) and of the components' own
-settings, whose keys (a controller's ``batch.*``) follow the key they belong with
-(:data:`COMPONENTS`). A resolved config is a flat dict of dotted keys, as saved in a
-run's ``config.toml``; :func:`section` reads one section of it as its typed class.
+The keys are the fields of frozen section classes (:data:`RUN_SECTIONS`), each a
+:func:`~bigbatch.knobs.setting` (:func:`run_key`; :func:`recipe_key` for a number the
+optimizer's recipe fills) naming its whole key, as the commands' options and the
+components' own settings are (a controller's ``batch.*`` keys, :data:`COMPONENTS`). A
+resolved config is a flat dict of dotted keys, as a run's ``config.toml`` saves it;
+:func:`section` reads one section of it as its typed class.
 """
 
 from __future__ import annotations
