@@ -82,8 +82,8 @@ class StepOptions:
     #: (``Contract.learns_between_measurements``) still learns ``|G|²`` from their batch gradient's
     #: norm; one that reads the similarity holds the batch, its window counting measured
     #: steps. Not with VRGD, AGVM or ``gsnr``, which read every step's statistics.
-    #: ``"auto"``: by the batch (:meth:`every_at`), every step where something reads every
-    #: step's statistics
+    #: ``"auto"`` (``bigbatch train``'s default): by the batch (:meth:`every_at`), every
+    #: step where something reads every step's statistics
     statistics_every: int | str = 1
     #: smoothing of the statistics' noise-scale averages (gpt-neox: 0.99)
     ema_beta: float = 0.99

@@ -43,7 +43,7 @@ def bigbatch(*args, wait=True, capture=False):
 
 def test_two_processes_train_like_one_on_the_same_batches(tmp_path):
     constant = [*SMALL, "--set", "batch.controller=constant", "--set", "max_samples=3000"]
-    constant += ["--set", "log_statistics=true"]  # measured to compare their traffic
+    constant += ["--set", "log_statistics=true", "--set", "statistics_every=1"]  # every step
     one, two = tmp_path / "one", tmp_path / "two"
     assert bigbatch("train", *constant, "--out", one).returncode == 0
     result = bigbatch("train", *constant, "--nproc", 2, "--out", two)

@@ -50,9 +50,11 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
 
     assert noise() == (
         "each example's gradient norm in the one backward, 1 micro-batch at least, measured "
-        "every step; similarity scalar (noise_from = 'auto': every trained parameter is in "
-        "a layer with a rule)"
+        "one step in 64/B below batch 64 (at most one in 4), every step from there (|G|^2 "
+        "also from the batch gradient's norm between); similarity scalar (noise_from = "
+        "'auto': every trained parameter is in a layer with a rule)"
     )
+    assert "measured every step;" in noise(statistics_every=1)
     # SimiGrad reads the measured similarity: two micro-batches for the halves
     assert "2 micro-batches at least" in noise(**{"batch.controller": "simigrad"})
     assert "similarity split" in noise(**{"batch.controller": "simigrad"})
@@ -62,10 +64,7 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
     )
     similarity_every = noise(statistics_every=4, **{"batch.controller": "damped_simigrad"})
     assert "one step in 4;" in similarity_every  # a similarity controller learns nothing between
-    assert "measured one step in 64/B below batch 64 (at most one in 4), every step from" in (
-        noise(statistics_every="auto")
-    )
-    assert "measured every step;" in noise(statistics_every="auto", optimizer="vr-lamb")
+    assert "measured every step;" in noise(optimizer="vr-lamb")  # VRGD reads every step
     # VRGD's GSNR reads the micro-batches: auto falls back and says why
     assert noise(optimizer="vr-lamb").endswith(
         "(noise_from = 'auto', but the GSNR (VRGD) reads the micro-batches)"

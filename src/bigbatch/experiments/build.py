@@ -404,7 +404,7 @@ def _loop(
         noise_from=batch.noise_from,
         noise_units=batch.noise_units or None,
         statistics=True if batch.log_statistics else None,
-        statistics_every=batch.statistics_every,
+        statistics_every=batch.statistics_every or "auto",
         lr_scaling=batch.lr_scaling,
         base_batch_size=batch.base,
         schedule=make_schedule(config),

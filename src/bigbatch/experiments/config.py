@@ -124,13 +124,6 @@ class Key:
 AUTO = "auto"
 
 
-def auto_only(text: str) -> str:
-    """The one text a number key of the run's own choosing takes: ``auto``."""
-    if text != AUTO:
-        raise ValueError(f"give a whole number or {AUTO!r}")
-    return text
-
-
 def share_of_budget(text: str) -> Duration:
     """A length of the schedule as text: samples, tokens or a share ('5%'); the schedule
     runs in samples, so optimizer steps, whose samples a changing batch decides, are not
@@ -439,15 +432,15 @@ class BatchKeys:
         "batch, a ramp); otherwise only a controller, rate rule or optimizer that reads them "
         "pays for them",
     )
-    statistics_every: int | str = run_key(
+    statistics_every: int = run_key(
         "statistics_every",
-        StepOptions.statistics_every,
+        0,
         "measure the statistics at every this many optimizer steps; the steps between run "
         "unsplit, as a plain step; a noise-scale controller learns |G|^2 from their batch "
-        f"gradient, a similarity one keeps its batch; auto: one step in {AUTO_EXAMPLES}/B "
-        f"below batch {AUTO_EXAMPLES} (at most one in {AUTO_MOST}), every step from there",
-        low=1,
-        parse=auto_only,
+        f"gradient, a similarity one keeps its batch; 0: one step in {AUTO_EXAMPLES}/B below "
+        f"batch {AUTO_EXAMPLES} (at most one in {AUTO_MOST}), every step from there and "
+        "wherever every step's statistics are read",
+        low=0,
     )
     similarity: str = run_key(
         "batch.similarity",
