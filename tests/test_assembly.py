@@ -81,3 +81,27 @@ def test_a_comm_hook_needs_ranks():
     hook = (None, default_hooks.allreduce_hook)
     with pytest.raises(ValueError, match="comm_hook needs a DistributedDataParallel model"):
         assemble(make_optimizer(), model=nn.Linear(4, 3), sub_batches=2, comm_hook=hook)
+
+
+@pytest.mark.parametrize(
+    ("controller", "keywords", "every"),
+    [
+        (bb.batch.BatchWarmup(), {}, "auto"),  # it learns |G|^2 from the steps between
+        (bb.batch.Constant(16), {"statistics": True}, "auto"),  # logged, nothing reads them
+        (bb.batch.SimiGrad(), {}, 1),  # it decides on measured steps only
+        (bb.batch.BatchWarmup(), {"gsnr": True}, 1),  # the GSNR reads every step
+    ],
+)
+def test_auto_skips_steps_only_where_the_steps_between_lose_nothing(controller, keywords, every):
+    options = StepOptions(statistics_every="auto", **keywords)
+    parts = assemble(make_optimizer(), controller, options, sub_batches=2)
+    assert parts.options.statistics_every == every
+
+
+def test_auto_measures_every_step_where_a_lossy_reduction_leaves_no_batch_gradient():
+    from bigbatch.assembly import _every
+    from bigbatch.batch.controllers import contract_of
+
+    auto, contract = StepOptions(statistics_every="auto"), contract_of(bb.batch.BatchWarmup())
+    assert _every(auto, "", contract, lossy=False).statistics_every == "auto"
+    assert _every(auto, "", contract, lossy=True).statistics_every == 1

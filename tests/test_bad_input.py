@@ -32,6 +32,7 @@ CLI_CASES = [
     (["train", "--set", "lr=fast"], "fast"),
     (["train", "--set", "batch.target=2"], "batch.target must be in [-1, 1], got 2"),
     (["train", "--set", "agvm.momentum=1"], "agvm.momentum must be in [0, 1), got 1"),
+    (["train", "--set", "statistics_every=auto"], "'auto': give a whole number of steps (0: by"),
     # rules the controller holds beyond the key's bounds: the key, then the argument's error
     (
         ["train", "--set", "batch.controller=seesaw", "--set", "batch.max_growth=0.5"],
@@ -176,6 +177,7 @@ API_CASES = [
     (lambda: VRGD(torch.optim.SGD(model().parameters(), lr=0.1), gamma=0), ValueError, "0"),
     (lambda: AGVM(torch.optim.SGD(model().parameters(), lr=0.1), interval=0), ValueError, "0"),
     (lambda: SimiGrad(target=1.5), ValueError, "1.5"),
+    (lambda: bb.StepOptions(statistics_every="often"), ValueError, "or 'auto', got 'often'"),
     (lambda: micro_batch_sizes(3, max_micro_batch=8, min_sub_batches=4), ValueError, "3"),
     (lambda: shard_batch([1, 2, 3], 5, 2), ValueError, "5"),
     (lambda: GlobalBatchSampler(100, 0, micro_batches=2), ValueError, "0"),

@@ -325,6 +325,39 @@ def test_statistics_every_k_splits_only_the_measured_steps_and_resumes_exactly()
         assert torch.equal(p.detach(), q)
 
 
+def test_auto_measures_by_the_batch_across_its_changes_and_resumes_exactly():
+    """At 16 one step in 4, at 32 one in 2, from 64 every step (a ramp in samples); a run
+    resumed between two measurements at 16 measures the same steps and ends the same."""
+    ramp = dict(points=[(0, 16), (128, 32), (256, 64)])
+
+    def run(seed=0):
+        return make_run(
+            seed, bb.batch.Ramp(**ramp), statistics=True, statistics_every="auto",
+            noise_from="examples", lr_scaling="none",
+        )  # fmt: skip
+
+    model, loop = run()
+    history = train(loop, model, max_steps=16)
+    assert [r["batch_size"] for r in history][6:14] == [16, 16, 32, 32, 32, 32, 64, 64]
+    measured = [i for i, r in enumerate(history) if "trace" in r]
+    assert measured == [0, 4, 8, 10, 12, 13, 14, 15]
+    train(loop, model, max_steps=24)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    model, loop = run()
+    train(loop, model, max_steps=6)
+    buffer = io.BytesIO()
+    torch.save(loop.state_dict(), buffer)
+    buffer.seek(0)
+    model, resumed = run(seed=99)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    later = train(resumed, model, max_steps=16)
+    assert [6 + i for i, r in enumerate(later) if "trace" in r] == measured[2:]
+    train(resumed, model, max_steps=24)
+    for p, q in zip(model.parameters(), expected):
+        assert torch.equal(p.detach(), q)
+
+
 @pytest.mark.parametrize("noise_from", ["examples", "sub_batches"])
 def test_clipping_in_apply_comes_after_the_statistics_and_before_the_update(noise_from):
     """The statistics read the batch's own gradient; the optimizer steps with the clipped one."""

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ._checks import positive_int
-from .batch.controllers import BatchWarmup, Controller, contract_of
+from .batch.controllers import BatchWarmup, Contract, Controller, contract_of
 from .batch.lr import resolve_lr_rule
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
@@ -100,7 +100,6 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     wrapped = isinstance(optimizer, StatisticsWrapper)
     gsnr = options.gsnr or (wrapped and "gsnr" in optimizer.requirements())
     options = _with_statistics(options, optimizer, controller, gsnr)
-    options = _every(options, type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else "")
     in_use = _hook_in_use(comm_hook, registers_hooks, model)
     obstacles = _per_example_obstacles(framework is not None, gsnr, in_use, weighted)
     per_example, noise_why = _per_example_model(
@@ -117,6 +116,9 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     if wrapped:
         optimizer.check_sub_batches(sub_batches * world.size)
     comm_hook = _comm_hook(comm_hook, in_use, registers_hooks, world, options, framework)
+    lossy = framework is not None or not is_lossless(comm_hook)
+    reader = type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else ""
+    options = _every(options, reader, contract_of(controller), lossy)
     collector = None
     if options.statistics:
         collector = MicroBatchStatistics(
@@ -127,7 +129,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             similarity="scalar" if framework is not None else options.similarity,
             world=world,
             # the gradients are reduced only inside the framework's step: each rank's own
-            lossy_reduction=framework is not None or not is_lossless(comm_hook),
+            lossy_reduction=lossy,
             grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
             grad_accumulates=framework is None or framework.grad_accumulates,
             per_example=per_example,
@@ -350,11 +352,15 @@ def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any]
     }
 
 
-def _every(options: StepOptions, reader: str) -> StepOptions:
-    """``options`` measuring every step where ``reader`` reads every step's statistics
-    (``"auto"``), one error where ``statistics_every`` was set to skip some there."""
+def _every(options: StepOptions, reader: str, contract: Contract, lossy: bool) -> StepOptions:
+    """``"auto"`` as every step where ``reader`` or the controller needs every step's
+    statistics; one error where ``statistics_every`` skips steps ``reader`` reads."""
     if options.statistics_every == "auto":
-        return dataclasses.replace(options, statistics_every=1) if reader else options
+        # a step between teaches a noise-scale controller |G|^2 from .grad's batch gradient,
+        # which a lossy reduction does not leave; a similarity controller learns nothing there
+        between = contract.learns_between_measurements and not lossy
+        every = reader or (contract.needs_statistics and not between)
+        return dataclasses.replace(options, statistics_every=1) if every else options
     if options.statistics_every > 1 and reader:
         raise ValueError(
             f"statistics_every={options.statistics_every} measures only some steps, but "

@@ -19,7 +19,8 @@ __all__ = ["NOISE_SOURCES", "NONFINITE_POLICIES", "StepOptions"]
 #: ``statistics_every="auto"``: a step of batch ``B`` below this measures once in
 #: ``AUTO_EXAMPLES // B`` steps, where a measurement's fixed cost (its launches and Python,
 #: not its arithmetic) is the largest share of the step (docs/results.md, "Measuring every
-#: k-th step")
+#: k-th step"). ``B`` is the whole step's over every rank, in the batch's unit (a batch
+#: counted in tokens is past it: every step)
 AUTO_EXAMPLES = 64
 #: ... and at most once in this many: the noise scale's trace, smoothed over 20 steps,
 #: still holds ``MIN_TRACE`` measurements' weight (bigbatch.batch.smoothing)

@@ -50,10 +50,13 @@ def test_where_the_noise_comes_from_is_read_off_the_runs_engine():
 
     assert noise() == (
         "each example's gradient norm in the one backward, 1 micro-batch at least, measured "
-        "one step in 64/B below batch 64 (at most one in 4), every step from there (|G|^2 "
-        "also from the batch gradient's norm between); similarity scalar (noise_from = "
-        "'auto': every trained parameter is in a layer with a rule)"
+        "one step in 4 at batch 8 (by the batch: one in 64/B below 64, at most one in 4, "
+        "every step from 64; |G|^2 also from the batch gradient's norm between); similarity "
+        "scalar (noise_from = 'auto': every trained parameter is in a layer with a rule)"
     )
+    # a run that never goes below 64 has no step between
+    large = noise(**{"batch.initial": 128, "batch.min": 128})
+    assert "every step at batch 128 (by the batch:" in large and "between" not in large
     assert "measured every step;" in noise(statistics_every=1)
     # SimiGrad reads the measured similarity: two micro-batches for the halves
     assert "2 micro-batches at least" in noise(**{"batch.controller": "simigrad"})

@@ -124,6 +124,11 @@ class Key:
 AUTO = "auto"
 
 
+def _whole_steps(text: str) -> int:
+    """``statistics_every`` takes no text: 0 is what the library calls ``"auto"``."""
+    raise ValueError("give a whole number of steps (0: by the batch, the library's 'auto')")
+
+
 def share_of_budget(text: str) -> Duration:
     """A length of the schedule as text: samples, tokens or a share ('5%'); the schedule
     runs in samples, so optimizer steps, whose samples a changing batch decides, are not
@@ -441,6 +446,7 @@ class BatchKeys:
         f"batch {AUTO_EXAMPLES} (at most one in {AUTO_MOST}), every step from there and "
         "wherever every step's statistics are read",
         low=0,
+        parse=_whole_steps,
     )
     similarity: str = run_key(
         "batch.similarity",

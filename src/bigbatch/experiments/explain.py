@@ -97,15 +97,19 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
         name = type(engine.controller).__name__
         return f"not measured: nothing reads it ({name}; log_statistics = true measures it)"
     many, every = engine.sub_batches, engine.options.statistics_every
+    first = engine.options.every_at(engine.batch_size)
+    steps, notes = "every step" if first == 1 else f"one step in {first}", []
     if every == "auto":
-        steps = (
-            f"one step in {AUTO_EXAMPLES}/B below batch {AUTO_EXAMPLES} (at most one in "
-            f"{AUTO_MOST}), every step from there"
+        steps += f" at batch {engine.batch_size}"
+        notes.append(
+            f"by the batch: one in {AUTO_EXAMPLES}/B below {AUTO_EXAMPLES}, at most one in "
+            f"{AUTO_MOST}, every step from {AUTO_EXAMPLES}"
         )
-    else:
-        steps = "every step" if every == 1 else f"one step in {every}"
-    if every != 1 and contract_of(engine.controller).learns_between_measurements:
-        steps += " (|G|^2 also from the batch gradient's norm between)"
+    between = engine.options.every_at(min(engine.controller.min, engine.batch_size)) > 1
+    if between and contract_of(engine.controller).learns_between_measurements:
+        notes.append("|G|^2 also from the batch gradient's norm between")
+    if notes:
+        steps += f" ({'; '.join(notes)})"
     if collector.per_example is not None:
         source = "each example's gradient norm in the one backward"
     else:
