@@ -182,6 +182,8 @@ def main() -> None:
     if args.arm:
         run_in_process(args)
         return
+    if args.save and not args.save.parent.is_dir():
+        parser.error(f"--save {args.save}: no folder {args.save.parent}")
     seeds = [int(s) for s in args.seeds.split(",")]
     arms: dict[str, dict[int, list]] = {}
     for seed in seeds:  # the arms interleaved, seed by seed
@@ -209,6 +211,7 @@ def main() -> None:
         print(f"| {name} | {final[name]:.4f} ({final[name] - final[best]:+.4f}) | "
               f"{seeds}/{len(arms[name])} | {steps:,.0f} | {seconds:.1f} | {total:.1f} | "
               f"{seconds / base[2]:.2f}, {total / base[3]:.2f} |")  # fmt: skip
+    print("\nto T: the mean over the seeds that reach it (each arm's own seeds: T reached)")
 
 
 def _row(runs: dict[int, list], target: float) -> tuple[int, float, float, float]:
