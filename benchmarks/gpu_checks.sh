@@ -32,7 +32,8 @@ part cuda-tests 240 python -m pytest -q -p no:cacheprovider -m cuda tests
 # a step's time against a plain step, per-step medians and steady blocks (issue: step cost)
 part step-cost 180 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
     --models text-gpu,gpt2 --batches "${BATCHES:-16,64,256,1024}" \
-    --gpt2-batches "${GPT2_BATCHES:-16,64}" --steps 15 --steady 10 --arms plain,examples,off
+    --gpt2-batches "${GPT2_BATCHES:-16,64}" --steps 15 --steady 10 --arms plain,examples,off \
+    --every auto
 # where the host waits: synchronisations per step and the statistics' buffers
 part step-details 90 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
     --models text-gpu --batches "${DETAIL_BATCHES:-16,256}" --steps 5 --arms examples,off --details
