@@ -7,6 +7,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import bigbatch as bb
 from bigbatch.assembly import assemble, describe_collector, resolve_controller
+from bigbatch.engine import StepEngine
 from bigbatch.options import StepOptions
 from bigbatch.parallel.world import World
 
@@ -94,8 +95,8 @@ def test_a_comm_hook_needs_ranks():
 )
 def test_auto_skips_steps_only_where_the_steps_between_lose_nothing(controller, keywords, every):
     options = StepOptions(statistics_every="auto", **keywords)
-    parts = assemble(make_optimizer(), controller, options, sub_batches=2)
-    assert parts.options.statistics_every == every
+    engine = StepEngine.build(make_optimizer(), controller, options, sub_batches=2)
+    assert engine.options.statistics_every == every
 
 
 def test_auto_measures_every_step_where_a_lossy_reduction_leaves_no_batch_gradient():

@@ -326,6 +326,12 @@ def test_auto_measures_by_the_batch_the_next_step_takes(batch, measured):
     assert found == measured
 
 
+def test_an_engine_built_directly_resolves_auto_as_the_assembled_one_does():
+    _, _, similarity = setup(bb.batch.SimiGrad(), statistics_every="auto")
+    _, _, noise = setup(bb.batch.BatchWarmup(initial=16, min=16), statistics_every="auto")
+    assert (similarity.options.statistics_every, noise.options.statistics_every) == (1, "auto")
+
+
 @pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")  # no data here
 def test_auto_measures_every_step_where_every_steps_statistics_are_read():
     model = nn.Linear(4, 2)

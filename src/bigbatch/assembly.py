@@ -117,8 +117,6 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         optimizer.check_sub_batches(sub_batches * world.size)
     comm_hook = _comm_hook(comm_hook, in_use, registers_hooks, world, options, framework)
     lossy = framework is not None or not is_lossless(comm_hook)
-    reader = type(optimizer).__name__ if wrapped else "gsnr=True" if gsnr else ""
-    options = _every(options, reader, contract_of(controller), lossy)
     collector = None
     if options.statistics:
         collector = MicroBatchStatistics(
@@ -352,9 +350,22 @@ def describe_collector(collector: MicroBatchStatistics | None) -> dict[str, Any]
     }
 
 
+def measuring_every(
+    options: StepOptions,
+    optimizer: torch.optim.Optimizer,
+    controller: Controller,
+    collector: MicroBatchStatistics | None,
+) -> StepOptions:
+    """``options``' ``statistics_every`` as the collector and controller allow (``_every``)."""
+    if collector is None:
+        return options
+    wrapped = isinstance(optimizer, StatisticsWrapper)
+    reader = type(optimizer).__name__ if wrapped else "gsnr=True" if collector.gsnr else ""
+    return _every(options, reader, contract_of(controller), collector.lossy_reduction)
+
+
 def _every(options: StepOptions, reader: str, contract: Contract, lossy: bool) -> StepOptions:
-    """``"auto"`` as every step where ``reader`` or the controller needs every step's
-    statistics; one error where ``statistics_every`` skips steps ``reader`` reads."""
+    """``"auto"`` resolved, ``k > 1`` refused where ``reader`` reads every step's statistics."""
     if options.statistics_every == "auto":
         # a step between teaches a noise-scale controller |G|^2 from .grad's batch gradient,
         # which a lossy reduction does not leave; a similarity controller learns nothing there

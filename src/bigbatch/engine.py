@@ -13,7 +13,7 @@ from torch import Tensor
 from ._checks import positive_int
 from ._tensors import norms, sq_norms
 from ._warn import warn_at_caller
-from .assembly import assemble, check_statistics, describe, fewest_sub_batches
+from .assembly import assemble, check_statistics, describe, fewest_sub_batches, measuring_every
 from .batch.controllers import Controller, contract_of
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
 from .batch.plan import StepPlan
@@ -91,6 +91,7 @@ class StepEngine:
         self.loss_reduction = self.options.loss_reduction
         self.scaler = scaler
         check_statistics(optimizer, controller, collector, self.lr_scaling)
+        self.options = measuring_every(self.options, optimizer, controller, collector)
         #: the batch size of the next step
         self.batch_size = controller.initial
         #: optimizer steps taken (skipped ones included) and samples trained on
