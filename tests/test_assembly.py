@@ -6,7 +6,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import bigbatch as bb
-from bigbatch.assembly import assemble, describe_collector, resolve_controller
+from bigbatch.assembly import assemble, describe_collector, measuring_every, resolve_controller
+from bigbatch.batch import BatchWarmup
 from bigbatch.engine import StepEngine
 from bigbatch.options import StepOptions
 from bigbatch.parallel.world import World
@@ -100,9 +101,12 @@ def test_auto_skips_steps_only_where_the_steps_between_lose_nothing(controller, 
 
 
 def test_auto_measures_every_step_where_a_lossy_reduction_leaves_no_batch_gradient():
-    from bigbatch.assembly import _every
-    from bigbatch.batch.controllers import contract_of
+    auto, optimizer, warmup = StepOptions(statistics_every="auto"), make_optimizer(), BatchWarmup()
 
-    auto, contract = StepOptions(statistics_every="auto"), contract_of(bb.batch.BatchWarmup())
-    assert _every(auto, "", contract, lossy=False).statistics_every == "auto"
-    assert _every(auto, "", contract, lossy=True).statistics_every == 1
+    def every(lossy):
+        collector = bb.stats.MicroBatchStatistics(
+            optimizer.param_groups, lossy_reduction=lossy, grad_accumulates=not lossy
+        )  # one process: the reduction is lossy only where the framework keeps no batch gradient
+        return measuring_every(auto, optimizer, warmup, collector).statistics_every
+
+    assert (every(False), every(True)) == ("auto", 1)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ._checks import positive_int
-from .batch.controllers import BatchWarmup, Contract, Controller, contract_of
+from .batch.controllers import BatchWarmup, Controller, contract_of
 from .batch.lr import resolve_lr_rule
 from .optim.registry import optimizer_family
 from .optim.wrapper import StatisticsWrapper
@@ -116,7 +116,6 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     if wrapped:
         optimizer.check_sub_batches(sub_batches * world.size)
     comm_hook = _comm_hook(comm_hook, in_use, registers_hooks, world, options, framework)
-    lossy = framework is not None or not is_lossless(comm_hook)
     collector = None
     if options.statistics:
         collector = MicroBatchStatistics(
@@ -127,7 +126,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             similarity="scalar" if framework is not None else options.similarity,
             world=world,
             # the gradients are reduced only inside the framework's step: each rank's own
-            lossy_reduction=lossy,
+            lossy_reduction=framework is not None or not is_lossless(comm_hook),
             grad_sources=fsdp.unsharded_parameters(model) if world.sharded else None,
             grad_accumulates=framework is None or framework.grad_accumulates,
             per_example=per_example,
@@ -356,20 +355,17 @@ def measuring_every(
     controller: Controller,
     collector: MicroBatchStatistics | None,
 ) -> StepOptions:
-    """``options``' ``statistics_every`` as the collector and controller allow (``_every``)."""
+    """``"auto"`` resolved, ``k > 1`` refused where the optimizer or ``gsnr`` reads every
+    step's statistics."""
     if collector is None:
         return options
     wrapped = isinstance(optimizer, StatisticsWrapper)
     reader = type(optimizer).__name__ if wrapped else "gsnr=True" if collector.gsnr else ""
-    return _every(options, reader, contract_of(controller), collector.lossy_reduction)
-
-
-def _every(options: StepOptions, reader: str, contract: Contract, lossy: bool) -> StepOptions:
-    """``"auto"`` resolved, ``k > 1`` refused where ``reader`` reads every step's statistics."""
     if options.statistics_every == "auto":
         # a step between teaches a noise-scale controller |G|^2 from .grad's batch gradient,
         # which a lossy reduction does not leave; a similarity controller learns nothing there
-        between = contract.learns_between_measurements and not lossy
+        contract = contract_of(controller)
+        between = contract.learns_between_measurements and not collector.lossy_reduction
         every = reader or (contract.needs_statistics and not between)
         return dataclasses.replace(options, statistics_every=1) if every else options
     if options.statistics_every > 1 and reader:

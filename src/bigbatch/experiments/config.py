@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -124,7 +124,7 @@ class Key:
 AUTO = "auto"
 
 
-def _whole_steps(text: str) -> int:
+def _whole_steps(text: str) -> NoReturn:
     """``statistics_every`` takes no text: 0 is what the library calls ``"auto"``."""
     raise ValueError("give a whole number of steps (0: by the batch, the library's 'auto')")
 
