@@ -113,6 +113,12 @@ MODELS = {
         lambda n: torch.randn(n, 4, dtype=torch.float64),
     ),
     "transformer": (lambda: Transformer().double(), lambda n: torch.randint(0, 13, (n, 5))),
+    "layernorm-without-bias": (
+        lambda: nn.Sequential(
+            nn.Linear(4, 6), nn.LayerNorm(6, bias=False), nn.Linear(6, 2)
+        ).double(),
+        lambda n: torch.randn(n, 3, 4, dtype=torch.float64),
+    ),
 }
 
 
@@ -162,20 +168,23 @@ def test_a_linear_layer_of_any_shape_gives_its_units_norms(n, steps, width_in, w
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["transformer", "layernorm-without-bias"])
 @pytest.mark.parametrize("n, units", [(6, 32), (14, 4)], ids=["examples", "remainder"])
-def test_layer_norms_taken_together_at_the_steps_end_give_the_same_norms(monkeypatch, n, units):
-    # the two LayerNorms of one shape in one batched computation, or each in its backward
+def test_layer_norms_taken_together_at_the_steps_end_give_the_same_norms(monkeypatch, name, n,
+                                                                        units):  # fmt: skip
+    # on a GPU the LayerNorms of one shape are batched at the step's end; on a CPU each in
+    # its backward, its parameters' gradients the units' sums added up
     import bigbatch.stats.per_example as per_example
 
     torch.manual_seed(0)
-    model, inputs = Transformer().double(), torch.randint(0, 13, (n, 5))
-    monkeypatch.setattr(per_example, "_CPU_BATCHED_NUMBERS", 0)
+    make_model, make_inputs = MODELS[name]
+    model, inputs = make_model(), make_inputs(n)
     alone, grads, _ = measured(copy.deepcopy(model), inputs, units)
-    monkeypatch.setattr(per_example, "_CPU_BATCHED_NUMBERS", 1 << 30)
+    monkeypatch.setattr(per_example, "_batches_layer_norms", lambda x: True)
     together, grads_together, _ = measured(model, inputs, units)
     torch.testing.assert_close(together, alone, rtol=1e-12, atol=0)
     for a, b in zip(grads, grads_together, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-18)
 
 
 @pytest.mark.parametrize("n, units, m", [(6, 32, 1), (14, 4, 3)], ids=["examples", "remainder"])

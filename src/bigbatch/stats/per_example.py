@@ -348,30 +348,56 @@ class _LayerNormFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         module, layer = ctx.module, ctx.layer
-        mask = [ctx.needs_input_grad[0], weight is not None, bias is not None]
-        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
-            grad, x, module.normalized_shape, mean, rstd, weight, bias, mask
-        )
+        shape = module.normalized_shape
         names = tuple(n for n, t in (("weight", weight), ("bias", bias)) if t is not None)
         k, m = layer.units(len(x))
-        entry = (x, mean, rstd, grad, k, m, len(module.normalized_shape), layer, names)
+        entry = (x, mean, rstd, grad, k, m, len(shape), layer, names)
         if _batches_layer_norms(x):
             # the per-unit sums wait for the step's end, where every LayerNorm of this shape
             # takes them together (a handful of operators for all, instead of eight each)
+            grads = torch.ops.aten.native_layer_norm_backward(
+                grad, x, shape, mean, rstd, weight, bias,
+                [ctx.needs_input_grad[0], weight is not None, bias is not None],
+            )  # fmt: skip
             layer.probe.step.held.append(entry)
-        else:
-            _layer_norm_units([entry])
+            return (*grads, None, None)
+        # on a CPU the parameters' gradients are the units' sums added up: one pass over
+        # the activations fewer than torch's whole backward
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad, x, shape, mean, rstd, weight, bias, [True, False, False]
+            )[0]
+        sums = _layer_norm_unit_sums(entry, weight is not None, bias is not None)
+        layer.record(names, torch._foreach_norm(sums, 2, dtype=norm_dtype(sums[0])))
+        totals = [unit.sum(0) for unit in sums]
+        if k * m != len(x):  # the examples past the units
+            rest = torch.ops.aten.native_layer_norm_backward(
+                grad[k * m :], x[k * m :], shape, mean[k * m :], rstd[k * m :], weight, bias,
+                [False, weight is not None, bias is not None],
+            )[1:]  # fmt: skip
+            totals = [t + r for t, r in zip(totals, (r for r in rest if r is not None))]
+        grad_w = totals[0] if weight is not None else None
+        grad_b = totals[-1] if bias is not None else None
         return grad_x, grad_w, grad_b, None, None
 
 
-#: on a CPU, LayerNorms with inputs of at most this many numbers are taken together too
-_CPU_BATCHED_NUMBERS = 1 << 16
-
-
 def _batches_layer_norms(x: Tensor) -> bool:
-    """Whether a LayerNorm is batched with the others of its shape at the step's end (on
-    a GPU, or a CPU with a small input) rather than taken in its own backward."""
-    return x.device.type != "cpu" or x.numel() <= _CPU_BATCHED_NUMBERS
+    """Whether a LayerNorm's units' sums wait for the step's end, batched with the other
+    LayerNorms of its shape (on a GPU: fewer launches), rather than taken in its backward
+    (on a CPU: the stacking copies cost more than the operators they save)."""
+    return x.device.type != "cpu"
+
+
+def _layer_norm_unit_sums(entry: tuple, weight: bool, bias: bool) -> list[Tensor]:
+    """One LayerNorm's per-unit sums ``Σ_{t∈u} x̂_t ⊙ δ_t`` (weight) and ``Σ_{t∈u} δ_t``
+    (bias), each ``(k, *normalized_shape)``, for the parameters it has."""
+    x, mean, rstd, grad, k, m, dims, _, _ = entry
+    if k * m != len(x):
+        x, mean, rstd, grad = x[: k * m], mean[: k * m], rstd[: k * m], grad[: k * m]
+    sums = [(x - mean).mul_(rstd).mul_(grad)] if weight else []
+    sums += [grad] if bias else []
+    return [s.reshape(k, -1, *x.shape[x.dim() - dims :]).sum(1) for s in sums]
 
 
 def _layer_norm(module: nn.LayerNorm, layer: _Layer, x: Tensor) -> Tensor:
