@@ -113,6 +113,10 @@ MODELS = {
         lambda n: torch.randn(n, 4, dtype=torch.float64),
     ),
     "transformer": (lambda: Transformer().double(), lambda n: torch.randint(0, 13, (n, 5))),
+    "rmsnorm": (
+        lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2)).double(),
+        lambda n: torch.randn(n, 3, 4, dtype=torch.float64),
+    ),
     "layernorm-without-bias": (
         lambda: nn.Sequential(
             nn.Linear(4, 6), nn.LayerNorm(6, bias=False), nn.Linear(6, 2)
@@ -320,9 +324,9 @@ def _three_steps(model, forward, **options):
     return torch.tensor(out)
 
 
-def _mlp():
+def _mlp(norm=nn.LayerNorm):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), norm(32), nn.ReLU(), nn.Linear(32, 4))
 
 
 @pytest.mark.compile
@@ -335,11 +339,12 @@ def test_a_compiled_model_gives_the_same_statistics():
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
 
 
-def test_bf16_autocast_and_micro_batches_of_a_memory_limit():
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+def test_bf16_autocast_and_micro_batches_of_a_memory_limit(norm):
     # the rules read bf16 activations in fp32; a step split for memory sums its micro-batches
-    model = _mlp()
+    model = _mlp(norm)
     whole = _three_steps(model, model, noise_units=None)
-    model = _mlp()
+    model = _mlp(norm)
 
     def bf16(x):
         with torch.autocast("cpu", torch.bfloat16):
@@ -369,15 +374,17 @@ def test_units_of_several_examples_give_the_sub_batch_estimate_of_their_size():
 
 
 @pytest.mark.cuda
-def test_the_layers_give_each_examples_squared_norm_on_cuda():
+@pytest.mark.parametrize("name", ["embedding-layernorm-conv1d-linear", "rmsnorm"])
+def test_the_layers_give_each_examples_squared_norm_on_cuda(name):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    model = Sequences().cuda()
-    inputs = torch.randint(0, 11, (6, 7), device="cuda")
+    make_model, make_inputs = MODELS[name]
+    model, inputs = make_model().float().cuda(), make_inputs(6)
+    inputs = (inputs.float() if inputs.is_floating_point() else inputs).cuda()
     expected = unit_sq_norms(model, inputs, 1)
     norms = PerExampleNorms(model, ParamLayout([list(model.parameters())]))
     norms.begin(sub_batches([6]))
-    model(inputs).mean().backward()
+    model(inputs).reshape(6, -1).sum(1).mean().backward()
     small = norms.finish(sub_batches([6]))
     total = sum(n.double().square() for n in small.norms).cpu() * small.factor
     torch.testing.assert_close(total, expected.cpu(), rtol=1e-4, atol=0)

@@ -383,15 +383,12 @@ class _LayerNormFunction(torch.autograd.Function):
 
 
 def _batches_layer_norms(x: Tensor) -> bool:
-    """Whether a LayerNorm's units' sums wait for the step's end, batched with the other
-    LayerNorms of its shape (on a GPU: fewer launches), rather than taken in its backward
-    (on a CPU: the stacking copies cost more than the operators they save)."""
-    return x.device.type != "cpu"
+    """Whether a LayerNorm's units' sums wait for the step's end, batched by shape (a GPU)."""
+    return x.device.type != "cpu"  # on a CPU the stacking costs more than the launches saved
 
 
 def _layer_norm_unit_sums(entry: tuple, weight: bool, bias: bool) -> list[Tensor]:
-    """One LayerNorm's per-unit sums ``Σ_{t∈u} x̂_t ⊙ δ_t`` (weight) and ``Σ_{t∈u} δ_t``
-    (bias), each ``(k, *normalized_shape)``, for the parameters it has."""
+    """A LayerNorm's ``(k, *shape)`` unit sums ``Σ_{t∈u} x̂_t ⊙ δ_t``, ``Σ_{t∈u} δ_t`` (w, b)."""
     x, mean, rstd, grad, k, m, dims, _, _ = entry
     if k * m != len(x):
         x, mean, rstd, grad = x[: k * m], mean[: k * m], rstd[: k * m], grad[: k * m]
@@ -440,6 +437,44 @@ def _layer_norm_units(entries: list[tuple]) -> None:
         layer.record(names, flat[i * len(names) : (i + 1) * len(names)])
 
 
+# ---------------------------------------------------------------- RMSNorm
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, module: nn.Module, layer: _Layer) -> Tensor:
+        dims = tuple(range(-len(module.normalized_shape), 0))
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        eps = module.eps if module.eps is not None else torch.finfo(wide.dtype).eps
+        rms = torch.rsqrt(wide.square().mean(dims, keepdim=True).add_(eps))
+        normed = wide * rms
+        ctx.layer, ctx.dims = layer, dims
+        ctx.save_for_backward(normed, weight, rms)
+        return (normed * weight).to(x.dtype)  # as F.rms_norm: the input's dtype
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        normed, weight, rms = ctx.saved_tensors
+        layer, dims = ctx.layer, ctx.dims
+        grad = grad.to(normed.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # d/dx of x̂ ⊙ w, x̂ = x / rms(x)
+            g = grad * weight
+            grad_x = (g - normed * (g * normed).mean(dims, keepdim=True)).mul_(rms)
+        k, m = layer.units(len(normed))
+        products = normed * grad
+        units = products[: k * m].reshape(k, -1, *weight.shape).sum(1)
+        layer.record(("weight",), (torch.linalg.vector_norm(units, dtype=norm_dtype(units)),))
+        grad_w = units.sum(0)
+        if k * m != len(normed):  # the examples past the units
+            grad_w = grad_w + products[k * m :].reshape(-1, *weight.shape).sum(0)
+        return grad_x, grad_w.to(weight.dtype), None, None
+
+
+def _rms_norm(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
+    return _RMSNormFunction.apply(x, module.weight, module, layer)
+
+
 # ---------------------------------------------------------------- the registry
 
 #: a rule: (module, its layer record, its input) -> its output, through a function whose
@@ -451,6 +486,7 @@ RULES: dict[type, tuple[Rule, Callable[[nn.Module], bool]]] = {
     nn.Linear: (_linear, lambda m: True),
     nn.Embedding: (_embedding, _embedding_qualifies),
     nn.LayerNorm: (_layer_norm, lambda m: True),
+    nn.RMSNorm: (_rms_norm, lambda m: True),
     nn.Conv1d: (_conv, _conv_qualifies),
     nn.Conv2d: (_conv, _conv_qualifies),
 }
