@@ -3,6 +3,7 @@ gradients summed per unit; the layers' own gradients against autograd's; the one
 estimate against the sub-batch estimator."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -154,11 +155,19 @@ def test_each_units_squared_norm_is_exact_and_the_gradients_are_autograds(name, 
     width_out=st.integers(1, 7),
     units=st.integers(2, 5),
     bias=st.booleans(),
+    ghost=st.booleans(),
 )
 def test_a_linear_layer_of_any_shape_gives_its_units_norms(n, steps, width_in, width_out, units,
-                                                           bias):  # fmt: skip
-    # the ghost norm and the units' gradients are both exact: which is taken depends on
-    # the rows of a unit against the widths
+                                                           bias, ghost):  # fmt: skip
+    # the ghost norm and the units' gradients are both exact (which one a layer takes is a
+    # matter of cost: both are taken here)
+    import bigbatch.stats.per_example as per_example
+
+    with mock.patch.object(per_example, "_ghost_is_cheaper", lambda rows, p, q: ghost):
+        _check_linear(n, steps, width_in, width_out, units, bias)
+
+
+def _check_linear(n, steps, width_in, width_out, units, bias):
     torch.manual_seed(0)
     model = nn.Linear(width_in, width_out, bias=bias).double()
     inputs = torch.randn(n, steps, width_in, dtype=torch.float64)

@@ -32,6 +32,9 @@ UNITS = 8
 #: its units (``2 (mT)² (p + q)`` multiply-adds) cost less than this many times fewer
 #: multiply-adds: a number written and read twice costs about that many
 _ELEMENT_COST = 16
+#: the Gram form's eight operators more, as multiply-adds (about 2^17 each on a CPU, the
+#: Python of a call; a GPU's launch costs more): a small layer takes the units' gradients
+_GHOST_OPERATORS = 8 << 17
 #: an embedding's units each take a table of their own while the tables hold at most this
 #: many times the micro-batch's rows; beyond (a large vocabulary), the Gram matrices of
 #: the units' output gradients while they hold at most this many numbers a row of the
@@ -117,7 +120,7 @@ def _by_units(x: Tensor, k: int, m: int) -> Tensor:
 
 def _ghost_is_cheaper(rows: int, p: int, q: int) -> bool:
     """A unit's Gram matrices (``2 rows² (p + q)``) against its gradient (``p q``, twice)."""
-    return 2 * rows * rows * (p + q) < _ELEMENT_COST * p * q
+    return 2 * rows * rows * (p + q) + _GHOST_OPERATORS < _ELEMENT_COST * p * q
 
 
 def _matrix_gradients(
