@@ -118,6 +118,10 @@ MODELS = {
         lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2)).double(),
         lambda n: torch.randn(n, 3, 4, dtype=torch.float64),
     ),
+    "norms-over-two-dims": (
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.RMSNorm((3, 4)), nn.LayerNorm((3, 4))).double(),
+        lambda n: torch.randn(n, 5, 3, 4, dtype=torch.float64),
+    ),
     "layernorm-without-bias": (
         lambda: nn.Sequential(
             nn.Linear(4, 6), nn.LayerNorm(6, bias=False), nn.Linear(6, 2)
