@@ -3,6 +3,7 @@ gradients summed per unit; the layers' own gradients against autograd's; the one
 estimate against the sub-batch estimator."""
 
 import copy
+import functools
 from unittest import mock
 
 import pytest
@@ -117,6 +118,16 @@ MODELS = {
     "rmsnorm": (
         lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2)).double(),
         lambda n: torch.randn(n, 3, 4, dtype=torch.float64),
+    ),
+    "groupnorm": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1),
+            nn.GroupNorm(2, 4),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(4 * 5 * 5, 3),
+        ).double(),
+        lambda n: torch.randn(n, 2, 5, 5, dtype=torch.float64),
     ),
     "norms-over-two-dims": (
         lambda: nn.Sequential(nn.Linear(4, 4), nn.RMSNorm((3, 4)), nn.LayerNorm((3, 4))).double(),
@@ -352,7 +363,9 @@ def test_a_compiled_model_gives_the_same_statistics():
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+@pytest.mark.parametrize(
+    "norm", [nn.LayerNorm, nn.RMSNorm, functools.partial(nn.GroupNorm, 4)], ids=["ln", "rms", "gn"]
+)
 def test_bf16_autocast_and_micro_batches_of_a_memory_limit(norm):
     # the rules read bf16 activations in fp32; a step split for memory sums its micro-batches
     model = _mlp(norm)
@@ -387,7 +400,7 @@ def test_units_of_several_examples_give_the_sub_batch_estimate_of_their_size():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["embedding-layernorm-conv1d-linear", "rmsnorm"])
+@pytest.mark.parametrize("name", ["embedding-layernorm-conv1d-linear", "rmsnorm", "groupnorm"])
 def test_the_layers_give_each_examples_squared_norm_on_cuda(name):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)

@@ -440,6 +440,47 @@ def _layer_norm_units(entries: list[tuple]) -> None:
         layer.record(names, flat[i * len(names) : (i + 1) * len(names)])
 
 
+# ---------------------------------------------------------------- GroupNorm
+
+
+class _GroupNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, layer):
+        if _autocast_dtype(x.device) is not None:  # autocast runs group_norm in float32
+            x, weight, bias = x.float(), weight.float(), bias.float()
+        n, c = x.shape[:2]
+        out, mean, rstd = torch.native_group_norm(
+            x, weight, bias, n, c, x[0, 0].numel(), module.num_groups, module.eps
+        )
+        ctx.module, ctx.layer = module, layer
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight, mean, rstd = ctx.saved_tensors
+        module, layer = ctx.module, ctx.layer
+        n, c, groups = len(x), x.shape[1], module.num_groups
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.native_group_norm_backward(
+                grad, x, mean, rstd, weight, n, c, x[0, 0].numel(), groups, [True, False, False]
+            )[0]
+        # each example's Σ x̂ ⊙ δ and Σ δ over its positions, (n, c); then the units' sums
+        normed = (x.reshape(n, groups, -1) - mean[..., None]).mul_(rstd[..., None])
+        d = grad.reshape(n, c, -1)
+        per_example = [normed.reshape(n, c, -1).mul_(d).sum(2), d.sum(2)]
+        k, m = layer.units(n)
+        units = [e[: k * m].reshape(k, m, c).sum(1) for e in per_example]
+        layer.record(("weight", "bias"), torch._foreach_norm(units, 2, dtype=norm_dtype(units[0])))
+        grad_w, grad_b = (e.sum(0) for e in per_example)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _group_norm(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
+    return _GroupNormFunction.apply(x, module.weight, module.bias, module, layer)
+
+
 # ---------------------------------------------------------------- RMSNorm
 
 
@@ -490,6 +531,7 @@ RULES: dict[type, tuple[Rule, Callable[[nn.Module], bool]]] = {
     nn.Embedding: (_embedding, _embedding_qualifies),
     nn.LayerNorm: (_layer_norm, lambda m: True),
     nn.RMSNorm: (_rms_norm, lambda m: True),
+    nn.GroupNorm: (_group_norm, lambda m: m.affine),
     nn.Conv1d: (_conv, _conv_qualifies),
     nn.Conv2d: (_conv, _conv_qualifies),
 }
