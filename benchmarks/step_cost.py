@@ -41,7 +41,9 @@ language model (``lm-gpu``: vocabulary 512, width 512, 8 layers, context 256), a
 GPT-2-small shape (width 768, 12 layers, 12 heads, vocabulary 50,257; context
 ``--gpt2-context``, 1,024 by default, 64 on a CPU, where a step of 1,024 tokens takes
 minutes) and an overhead-bound ``mlp`` (32 features, 256 hidden, 10 classes), where the
-loop's own Python is what a step costs.
+loop's own Python is what a step costs; ``text-rms`` and ``text-gpu-rms``, those two with
+RMSNorms for their LayerNorms (Llama's blocks); ``cnn1d``, MNIST-1D's CNN, and ``cnn2d-gn``,
+two 3×3 convolutions with GroupNorms on 16×16 images.
 
 **ops.** The ATen operators one optimizer step dispatches (``bigbatch.testing.count_ops``),
 every arm with torch's AdamW (``foreach=True``, so that the optimizer dispatches alike on
@@ -78,6 +80,7 @@ from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import resolve, with_overrides
 from bigbatch.experiments.device import keep_freed_memory
 from bigbatch.experiments.tasks import TASKS, TinyTransformer
+from bigbatch.experiments.tasks.models import Conv1dNet
 from bigbatch.stats import MicroBatchStatistics
 from bigbatch.testing import count_ops, host_syncs
 
@@ -101,17 +104,56 @@ MODELS = {
 }
 
 
+#: a model of MODELS with its LayerNorms as RMSNorms (Llama's blocks)
+RMS = {"text-rms": "text", "text-gpu-rms": "text-gpu"}
+#: convolutional nets, by their input's shape: MNIST-1D's CNN, a Conv2d net with GroupNorms
+CNNS = {"cnn1d": (40,), "cnn2d-gn": (3, 16, 16)}
+
+
+def context_of(name: str) -> int:
+    """The sequence length ``name`` takes (0: none)."""
+    return 0 if name in CNNS else MODELS[RMS.get(name, name)][4]
+
+
 def make_model(name: str, context: int) -> nn.Module:
-    vocab, width, depth, heads, features = MODELS[name]
     torch.manual_seed(0)
+    if name == "cnn1d":
+        return Conv1dNet(32, 3)
+    if name == "cnn2d-gn":
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1, stride=2), nn.GroupNorm(8, 32), nn.ReLU(),
+            nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        )  # fmt: skip
+    if name in RMS:
+        model = make_model(RMS[name], context)
+        for parent in list(model.modules()):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, nn.LayerNorm):
+                    setattr(parent, child_name, nn.RMSNorm(child.normalized_shape))
+        return model
+    vocab, width, depth, heads, features = MODELS[name]
     if depth == 0:
         return nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, vocab))
     return TinyTransformer(vocab, context, width, depth, heads=heads)
 
 
-def make_data(name: str, context: int, sequences: int) -> TensorDataset:
-    vocab, _, depth, _, features = MODELS[name]
+def make_data(name: str, context: int, sequences: int, zeros: bool = False) -> TensorDataset:
+    """``sequences`` examples for ``name`` (``zeros``: all zero, for counting operators)."""
     gen = torch.Generator().manual_seed(0)
+    if name in CNNS:
+        x = (
+            torch.zeros(sequences, *CNNS[name])
+            if zeros
+            else torch.randn(sequences, *CNNS[name], generator=gen)
+        )
+        return TensorDataset(x, torch.randint(0, 10, (sequences,), generator=gen))
+    vocab, _, depth, _, features = MODELS[RMS.get(name, name)]
+    if zeros and depth == 0:
+        return TensorDataset(torch.zeros(sequences, features), torch.zeros(sequences).long())
+    if zeros:
+        tokens = torch.zeros(sequences, context + 1, dtype=torch.long)
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
     if depth == 0:  # a linear teacher's classes
         x = torch.randn(sequences, features, generator=gen)
         return TensorDataset(x, (x @ torch.randn(features, vocab, generator=gen)).argmax(1))
@@ -235,16 +277,9 @@ def ops(model_name: str, batch: int, context: int, args) -> dict[str, int]:
     device, nothing computed, so GPT-2 at context 1,024 counts in seconds)."""
     device = torch.device(args.ops_device)
     here = argparse.Namespace(**{**vars(args), "device": device})
-    _, _, depth, _, features = MODELS[model_name]
     with torch.device(device):
-        torch.manual_seed(0)
         model = make_model(model_name, context)
-        rows = max(4 * batch, 256)
-        if depth == 0:
-            data = TensorDataset(torch.zeros(rows, features), torch.zeros(rows, dtype=torch.long))
-        else:
-            tokens = torch.zeros(rows, context + 1, dtype=torch.long)
-            data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        data = make_data(model_name, context, max(4 * batch, 256), zeros=True)
     counts = {}
     for name in args.arms:
         arm = Arm(name, copy.deepcopy(model), data, batch, here, adamw=True)
@@ -366,7 +401,9 @@ def main() -> None:
         default=["cost"],
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--models", default="text,gpt2", help=f"of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--models", default="text,gpt2", help=f"of {', '.join([*MODELS, *RMS, *CNNS])}"
+    )
     parser.add_argument("--batches", default="16,64,256,1024")
     parser.add_argument("--gpt2-batches", default=None, help="default: 16 on CPU, --batches")
     parser.add_argument("--gpt2-context", type=int, default=None)
@@ -418,7 +455,7 @@ def main() -> None:
         print(f"\n| model | batch | {' | '.join(names)} |")
         print("|---|---|" + "---|" * len(names))
         for name in args.models.split(","):
-            batches, context = args.batches, MODELS[name][4]
+            batches, context = args.batches, context_of(name)
             if name == "gpt2":
                 batches = args.gpt2_batches or ("16" if cpu else args.batches)
                 context = args.gpt2_context or (64 if cpu else context)
@@ -430,7 +467,7 @@ def main() -> None:
         print("|---|---|---|" + "---|" * len(args.arms))
         computed = args.ops_device != "meta"
         for name in args.models.split(","):
-            batches, context = args.batches, MODELS[name][4]
+            batches, context = args.batches, context_of(name)
             if name == "gpt2" and computed:  # a real step of GPT-2 at 1,024 on a CPU: minutes
                 batches = args.gpt2_batches or ("16" if cpu else args.batches)
                 context = args.gpt2_context or (64 if cpu else context)

@@ -215,6 +215,29 @@ def test_layer_norms_taken_together_at_the_steps_end_give_the_same_norms(monkeyp
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-18)
 
 
+@pytest.mark.parametrize("name", ["embedding-layernorm-conv1d-linear", "conv2d", "groupnorm"])
+@pytest.mark.parametrize("n, units, m", [(6, 32, 1), (14, 4, 3)], ids=["examples", "remainder"])
+def test_a_convolutions_three_forms_give_the_same_norms_and_gradients(monkeypatch, name, n,
+                                                                       units, m):  # fmt: skip
+    # the units as the groups of one grouped convolution, or from the unfolded input: its
+    # units' products (the test's other cases) or its Gram matrices; all exact
+    import bigbatch.stats.per_example as per_example
+
+    torch.manual_seed(0)
+    make_model, make_inputs = MODELS[name]
+    model, inputs = make_model(), make_inputs(n)
+    expected = unit_sq_norms(model, inputs, m, 0.25 / n)
+    monkeypatch.setattr(per_example, "_groups_units", lambda x, m: True)
+    grouped, grads, _ = measured(copy.deepcopy(model), inputs, units)
+    monkeypatch.setattr(per_example, "_groups_units", lambda x, m: False)
+    monkeypatch.setattr(per_example, "_ghost_is_cheaper", lambda rows, p, q: True)
+    gram, grads_gram, _ = measured(model, inputs, units)
+    for got in (grouped, gram):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=0)
+    for a, b in zip(grads, grads_gram, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("n, units, m", [(6, 32, 1), (14, 4, 3)], ids=["examples", "remainder"])
 def test_an_embeddings_three_ways_give_the_same_norms(monkeypatch, n, units, m):
     # a table a unit (a small vocabulary), the units' Gram matrices, rows summed by key

@@ -45,19 +45,8 @@ def build_mnist1d(config: dict[str, Any]) -> Problem:
 
 
 def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 10_000) -> Problem:
-    """Labels from a fixed random MLP (the teacher) of the student's own shape.
-
-    1.0 is reachable in principle (the student can represent the teacher), but
-    not at this budget, and the reason is in the labels: the teacher's logits
-    are nearly tied for many inputs. Measured on 60k inputs: the logits have a
-    standard deviation of 0.50, and the gap between the two largest is below
-    0.03 for 10% of the inputs, below 0.08 for 25% and below 0.18 for half, so
-    a student must reproduce the teacher's function to a few hundredths near
-    every decision boundary to label those points right. Training stalls as an
-    underfit, not an overfit: the default run ends at 0.78 test and 0.83 train
-    accuracy. The classes are also unbalanced (the teacher's biases shift its
-    logits: the largest class holds 40% of the inputs, the smallest 0.01%).
-    """
+    """Labels from a fixed random MLP (the teacher) of the student's own shape: 1.0 is
+    reachable in principle, not at the default budget (docs/cli.md, "Tasks", says why)."""
     width, depth, dims, classes = config["model.width"], config["model.depth"], 32, 10
     gen = torch.Generator().manual_seed(1234)  # the teacher and the data are fixed
     torch.manual_seed(1234)

@@ -51,7 +51,7 @@ TASKS: dict[str, Task] = {
             summary="teacher-student: labels from a random MLP of the student's shape",
             size="50k train / 10k test, 32 features",
             # measured (docs/results.md): the default run ends at 0.78 test accuracy and
-            # 0.83 train accuracy; build_teacher says why it stalls there
+            # 0.83 train accuracy; docs/cli.md ("Tasks") says why it stalls there
             expected="~0.78 test accuracy at the default budget (1.0 reachable in principle)",
             target=0.75,
             lrs={
