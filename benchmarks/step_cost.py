@@ -42,8 +42,9 @@ GPT-2-small shape (width 768, 12 layers, 12 heads, vocabulary 50,257; context
 ``--gpt2-context``, 1,024 by default, 64 on a CPU, where a step of 1,024 tokens takes
 minutes) and an overhead-bound ``mlp`` (32 features, 256 hidden, 10 classes), where the
 loop's own Python is what a step costs; ``text-rms`` and ``text-gpu-rms``, those two with
-RMSNorms for their LayerNorms (Llama's blocks); ``cnn1d``, MNIST-1D's CNN, and ``cnn2d-gn``,
-two 3×3 convolutions with GroupNorms on 16×16 images.
+RMSNorms for their LayerNorms (Llama's blocks); ``cnn1d``, MNIST-1D's CNN, ``cnn2d-gn``, two
+3×3 convolutions with GroupNorms on 16×16 images, and ``cnn2d``, two wider ones (16 to 64
+channels) without.
 
 **ops.** The ATen operators one optimizer step dispatches (``bigbatch.testing.count_ops``),
 every arm with torch's AdamW (``foreach=True``, so that the optimizer dispatches alike on
@@ -106,8 +107,9 @@ MODELS = {
 
 #: a model of MODELS with its LayerNorms as RMSNorms (Llama's blocks)
 RMS = {"text-rms": "text", "text-gpu-rms": "text-gpu"}
-#: convolutional nets, by their input's shape: MNIST-1D's CNN, a Conv2d net with GroupNorms
-CNNS = {"cnn1d": (40,), "cnn2d-gn": (3, 16, 16)}
+#: convolutional nets, by their input's shape: MNIST-1D's CNN, a Conv2d net with GroupNorms,
+#: a wider Conv2d net
+CNNS = {"cnn1d": (40,), "cnn2d-gn": (3, 16, 16), "cnn2d": (16, 16, 16)}
 
 
 def context_of(name: str) -> int:
@@ -124,6 +126,12 @@ def make_model(name: str, context: int) -> nn.Module:
             nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.ReLU(),
             nn.Conv2d(32, 32, 3, padding=1, stride=2), nn.GroupNorm(8, 32), nn.ReLU(),
             nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        )  # fmt: skip
+    if name == "cnn2d":
+        return nn.Sequential(
+            nn.Conv2d(16, 64, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, padding=1, stride=2), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
         )  # fmt: skip
     if name in RMS:
         model = make_model(RMS[name], context)

@@ -252,16 +252,15 @@ class _ConvFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-#: on a CPU, units of at least this many examples take a convolution's gradients as the
-#: groups of one grouped convolution: torch's CPU unfold loops over the examples (at batch
-#: 256 of MNIST-1D's CNN a measured step 1.46x a plain one against 1.66x unfolded; at 16
-#: the grouped form's extra operators cost more: 1.64x against 1.43x)
+#: on a CPU a 2-D convolution's units, and a 1-D one's of at least this many examples, are
+#: the groups of one grouped convolution: torch's CPU unfold loops over the examples, and
+#: its 2-D form costs most (docs/results.md, "Cost of a step")
 _GROUPED_UNITS = 16
 
 
 def _groups_units(x: Tensor, m: int) -> bool:
     """Whether a convolution's units are a grouped convolution's groups (else unfolded)."""
-    return x.device.type == "cpu" and m >= _GROUPED_UNITS
+    return x.device.type == "cpu" and (x.dim() > 3 or m >= _GROUPED_UNITS)
 
 
 def _conv_backward(module: nn.Module, grad: Tensor, x: Tensor, weight: Tensor, groups: int,
