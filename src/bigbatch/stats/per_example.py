@@ -280,7 +280,7 @@ def _units_as_channels(t: Tensor, k: int, m: int) -> Tensor:
 def _conv_by_columns(
     module: nn.Module, layer: _Layer, x: Tensor, grad: Tensor, bias: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """The weight and bias gradients from the unfolded input (where the Gram form is cheaper)."""
+    """The weight and bias gradients from the unfolded input (a GPU's; a CPU's small 1-D units)."""
     one_d = isinstance(module, nn.Conv1d)
     x2, g2 = (x.unsqueeze(2), grad.unsqueeze(2)) if one_d else (x, grad)
     kernel, dilation, padding, stride = _conv_geometry(module)
