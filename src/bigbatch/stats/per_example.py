@@ -7,7 +7,6 @@ docs/algorithms.md, "Gradient statistics" ("Noise from units of examples")."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -404,7 +403,6 @@ class _LayerNormFunction(torch.autograd.Function):
         shape = module.normalized_shape
         names = tuple(n for n, t in (("weight", weight), ("bias", bias)) if t is not None)
         k, m = layer.units(len(x))
-        entry = (x, mean, rstd, grad, k, m, len(shape), layer, names)
         if _batches_layer_norms(x):
             # the per-unit sums wait for the step's end, where every LayerNorm of this shape
             # takes them together (a handful of operators for all, instead of eight each)
@@ -412,7 +410,7 @@ class _LayerNormFunction(torch.autograd.Function):
                 grad, x, shape, mean, rstd, weight, bias,
                 [ctx.needs_input_grad[0], weight is not None, bias is not None],
             )  # fmt: skip
-            layer.probe.step.held.append(entry)
+            layer.probe.step.held.append((x, mean, rstd, grad, k, m, len(shape), layer, names))
             return (*grads, None, None)
         # on a CPU the parameters' gradients are the units' sums added up: one pass over
         # the activations fewer than torch's whole backward
@@ -421,12 +419,15 @@ class _LayerNormFunction(torch.autograd.Function):
             grad_x = torch.ops.aten.native_layer_norm_backward(
                 grad, x, shape, mean, rstd, weight, bias, [True, False, False]
             )[0]
-        sums = _layer_norm_unit_sums(entry, weight is not None, bias is not None)
+        used, units = k * m, (x, mean, rstd, grad)
+        if used != len(x):
+            units = tuple(t[:used] for t in units)
+        sums = _layer_norm_unit_sums(units, k, len(shape), weight is not None, bias is not None)
         layer.record(names, torch._foreach_norm(sums, 2, dtype=norm_dtype(sums[0])))
         totals = [unit.sum(0) for unit in sums]
-        if k * m != len(x):  # the examples past the units
+        if used != len(x):  # the examples past the units
             rest = torch.ops.aten.native_layer_norm_backward(
-                grad[k * m :], x[k * m :], shape, mean[k * m :], rstd[k * m :], weight, bias,
+                grad[used:], x[used:], shape, mean[used:], rstd[used:], weight, bias,
                 [False, weight is not None, bias is not None],
             )[1:]  # fmt: skip
             totals = [t + r for t, r in zip(totals, (r for r in rest if r is not None))]
@@ -440,14 +441,16 @@ def _batches_layer_norms(x: Tensor) -> bool:
     return x.device.type != "cpu"  # on a CPU the stacking costs more than the launches saved
 
 
-def _layer_norm_unit_sums(entry: tuple, weight: bool, bias: bool) -> list[Tensor]:
-    """A LayerNorm's ``(k, *shape)`` unit sums ``Σ_{t∈u} x̂_t ⊙ δ_t``, ``Σ_{t∈u} δ_t`` (w, b)."""
-    x, mean, rstd, grad, k, m, dims, _, _ = entry
-    if k * m != len(x):
-        x, mean, rstd, grad = x[: k * m], mean[: k * m], rstd[: k * m], grad[: k * m]
+def _layer_norm_unit_sums(
+    tensors: Sequence[Tensor], k: int, dims: int, weight: bool, bias: bool, layers: int = 0
+) -> list[Tensor]:
+    """The ``(k, *shape)`` unit sums ``Σ_{t∈u} x̂_t ⊙ δ_t`` (``weight``), ``Σ_{t∈u} δ_t``
+    (``bias``) of a LayerNorm's whole units' ``(x, mean, rstd, δ)`` (``layers``: stacked)."""
+    x, mean, rstd, grad = tensors
     sums = [(x - mean).mul_(rstd).mul_(grad)] if weight else []
     sums += [grad] if bias else []
-    return [s.reshape(k, -1, *x.shape[x.dim() - dims :]).sum(1) for s in sums]
+    lead = (layers,) if layers else ()
+    return [s.reshape(*lead, k, -1, *x.shape[x.dim() - dims :]).sum(len(lead) + 1) for s in sums]
 
 
 def _layer_norm(module: nn.LayerNorm, layer: _Layer, x: Tensor) -> Tensor:
@@ -475,16 +478,12 @@ def _layer_norm_units(entries: list[tuple]) -> None:
     used = k * m
     if used != x.shape[1]:
         x, mean, rstd, grad = x[:, :used], mean[:, :used], rstd[:, :used], grad[:, :used]
-    width = math.prod(x.shape[x.dim() - dims :])
-    layers = len(entries)
-    parts = []
-    if "weight" in names:
-        products = (x - mean).mul_(rstd).mul_(grad)
-        parts.append(products.reshape(layers, k, -1, width).sum(2))
-    if "bias" in names:
-        parts.append(grad.reshape(layers, k, -1, width).sum(2))
+    parts = _layer_norm_unit_sums((x, mean, rstd, grad), k, dims, "weight" in names,
+                                  "bias" in names, layers=len(entries))  # fmt: skip
     stacked = parts[0][:, None] if len(parts) == 1 else torch.stack(parts, 1)
-    norms = torch.linalg.vector_norm(stacked, dim=(2, 3), dtype=norm_dtype(stacked))
+    norms = torch.linalg.vector_norm(
+        stacked, dim=tuple(range(2, stacked.dim())), dtype=norm_dtype(stacked)
+    )
     flat = norms.reshape(-1).unbind(0)  # layer by layer, its parameters in order
     for i, (*_, layer, _) in enumerate(entries):
         layer.record(names, flat[i * len(names) : (i + 1) * len(names)])
