@@ -54,13 +54,13 @@ def _recipe(weight_decay: float, evidence: str, **options: Any) -> Recipe:
 
 
 #: decoupled weight decay 0.01 as in the LAMB paper's BERT runs and timm's defaults
-_ADAM = _recipe(0.01, "LAMB paper (BERT: 0.01); evidence grids of issues 13 and 21")
+_ADAM = _recipe(0.01, "the LAMB paper's BERT runs; timm")
 #: coupled L2 5e-4 as in the LARS paper and torchvision's ResNet recipes (a coupled decay
 #: of the Adam-type 0.01 is far too strong: docs/optimizers.md, "Recipes")
-_SGD = _recipe(5e-4, "LARS paper and torchvision (5e-4); docs/results.md, Recipes")
+_SGD = _recipe(5e-4, "the LARS paper; torchvision's ResNet recipes")
 _LARS = _recipe(
     5e-4,
-    "LARS paper, MLPerf ResNet-50 (trust 0.001, wd 5e-4..1e-4); docs/results.md, Recipes",
+    "the LARS paper; MLPerf's ResNet-50",
     trust_coefficient=0.001,
 )
 #: the VRGD paper's γ (its good range: 0.04-0.2)
@@ -69,7 +69,8 @@ _GAMMA = 0.1
 
 def _vrgd(base: Recipe) -> Recipe:
     """A VRGD form's recipe: its base optimizer's, plus the GSNR clip γ."""
-    return replace(base, options=MappingProxyType({**base.options, "gamma": _GAMMA}))
+    options = MappingProxyType({**base.options, "gamma": _GAMMA})
+    return replace(base, options=options, evidence=f"{base.evidence}; γ: the VRGD paper's")
 
 
 #: the recipe of every registered optimizer, by name
