@@ -44,10 +44,10 @@ def powersgd_bytes(task: str) -> float:
     """Per-step payload of PowerSGD rank 1 on the task's model (P and Q, float32)."""
     import torch
 
-    from bigbatch.experiments.build import plan_run
+    from bigbatch.experiments.plan import plan_run
     from bigbatch.experiments.tasks import TASKS
 
-    model = TASKS[task].build(plan_run({"task": task})).model
+    model = TASKS[task].build(plan_run({"task": task}).task_args).model
     total = 0
     for p in model.parameters():
         if p.ndim <= 1:

@@ -30,7 +30,7 @@ import statistics
 import torch
 
 from bigbatch.batch.lr import lr_factor, schedule_by_name
-from bigbatch.experiments.build import plan_run
+from bigbatch.experiments.plan import plan_run
 from bigbatch.experiments.tasks import TASKS
 from bigbatch.optim import create_optimizer
 from bigbatch.parallel.compression import rand_k, top_k
@@ -46,7 +46,7 @@ def train(args: argparse.Namespace, method: str, seed: int) -> list[float]:
     base.update({"batch.controller": "constant", "batch.initial": args.batch, "batch.base": 64})
     config = plan_run(base)
     rate = config["lr"] * lr_factor(config["batch.lr_scaling"], args.batch, 64)
-    problem = TASKS[args.task].build(config)
+    problem = TASKS[args.task].build(config.task_args)
     model, data = problem.model, problem.train.tensors
     options = {"lr": rate, "weight_decay": config["weight_decay"]}
     if args.momentum is not None:

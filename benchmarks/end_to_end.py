@@ -47,8 +47,8 @@ RESULT = "RESULT "
 
 
 def config_for(task: str, sets: list[str], **overrides) -> dict:
-    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import resolve, with_overrides
+    from bigbatch.experiments.plan import plan_run
 
     config = with_overrides(resolve({"task": task}), sets)
     return plan_run(resolve(config, overrides))
@@ -74,7 +74,7 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
         config["schedule.kind"], total, int(config["schedule.warmup"] * total)
     )
     device = torch.device(args.device)
-    problem = TASKS[args.task].build(config)
+    problem = TASKS[args.task].build(config.task_args)
     model = problem.model.to(device)
     optimizer = LAMB(param_groups(model, config["weight_decay"]), lr=lr)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)

@@ -77,9 +77,9 @@ from torch.utils.data import TensorDataset
 
 import bigbatch as bb
 from _timing import interleaved, medians
-from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import resolve, with_overrides
 from bigbatch.experiments.device import keep_freed_memory
+from bigbatch.experiments.plan import plan_run
 from bigbatch.experiments.tasks import TASKS, TinyTransformer
 from bigbatch.experiments.tasks.models import Conv1dNet
 from bigbatch.stats import MicroBatchStatistics
@@ -335,7 +335,7 @@ def _forever(loader):
 
 def agreement(task: str, args) -> None:
     config = plan_run(with_overrides(resolve({"task": task, "device": "cpu"}), args.set))
-    problem = TASKS[task].build(config)
+    problem = TASKS[task].build(config.task_args)
     model = problem.model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(problem.train, batch_size=64, shuffle=True, drop_last=True)

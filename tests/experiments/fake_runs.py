@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import to_toml
+from bigbatch.experiments.plan import plan_run
 
 S_MIN = 100
 

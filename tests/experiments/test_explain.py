@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from bigbatch import cli
-from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import resolve, to_toml
 from bigbatch.experiments.explain import explain
+from bigbatch.experiments.plan import plan_run
 
 
 def filled_lines(text):

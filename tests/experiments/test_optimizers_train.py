@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from bigbatch.experiments import tasks
-from bigbatch.experiments.build import _loop, plan_run
+from bigbatch.experiments.build import _loop
 from bigbatch.experiments.config import resolve
 from bigbatch.experiments.device import Precision
+from bigbatch.experiments.plan import plan_run
 from bigbatch.experiments.tasks import TASKS
 from bigbatch.optim import list_optimizers
 
@@ -81,7 +82,7 @@ def test_optimizers_train_the_task_at_their_familys_rate(
         monkeypatch.setattr(tasks.data, "mnist1d_arrays", lambda: draw(samples=4_000))
     torch.manual_seed(0)
     config = plan_run({"task": task_name, "device": "cpu"})
-    problem = TASKS[task_name].build(config)
+    problem = TASKS[task_name].build(config.task_args)
     initial = copy.deepcopy(problem.model)
     failures = []
     loss = TASKS[task_name].lower_is_better

@@ -53,7 +53,7 @@ def test_until_at_or_past_the_budget_trains_the_whole_run(tmp_path):
 def test_a_run_is_planned_once_then_checked_and_trained_with_that_plan(
     trained, tmp_path, monkeypatch
 ):
-    from bigbatch.experiments.config import RunPlan
+    from bigbatch.experiments.plan import RunPlan
 
     planned = []
 

@@ -6,9 +6,9 @@ from unittest import mock
 
 import pytest
 
-from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import ConfigError
 from bigbatch.experiments.options import Protocol, TuneSettings
+from bigbatch.experiments.plan import plan_run
 from bigbatch.experiments.sweep import RANKS, Arm, metric, sweep
 from bigbatch.experiments.tasks import TASKS
 

@@ -22,8 +22,8 @@ pytest.importorskip("optuna")
 
 from bigbatch import cli
 from bigbatch.experiments import runner
-from bigbatch.experiments.build import plan_run
 from bigbatch.experiments.config import ConfigError, load_toml, resolve, to_toml
+from bigbatch.experiments.plan import plan_run
 from bigbatch.experiments.tasks import TASKS
 from bigbatch.experiments.tune import (
     Dimension,

@@ -649,7 +649,8 @@ def sharded_optimizer_collectives(name: str, layers: int) -> int:
 
 def cli_build(strategy: str, steps: int) -> dict:
     """The command line's model and loop for ``dist.strategy`` on these ranks, a few steps."""
-    from bigbatch.experiments.build import build, plan_run
+    from bigbatch.experiments.build import build
+    from bigbatch.experiments.plan import plan_run
     from bigbatch.parallel import World
 
     config = plan_run({"task": "teacher", "device": "cpu", "dist.strategy": strategy})

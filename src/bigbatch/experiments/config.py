@@ -1,15 +1,10 @@
-"""The experiment configuration: one schema, TOML files, ``--set`` overrides, checked up front.
+"""The experiment configuration's schema: keys, TOML files, ``--set``, each value checked.
 
-Every key has a default, a type and a meaning (``bigbatch train --help``). TOML tables
-become dotted keys: ``[batch] target = 0.5`` is ``--set batch.target=0.5``. A bad value is
-one :class:`ConfigError` naming the key and the value; nothing is evaluated.
-
-The keys are the fields of frozen section classes (:data:`RUN_SECTIONS`), each a
-:func:`~bigbatch.knobs.setting` (:func:`run_key`; :func:`recipe_key` for a number the
-optimizer's recipe fills) naming its whole key, as the commands' options and the
-components' own settings are (a controller's ``batch.*`` keys, :data:`COMPONENTS`). A
-resolved config is a flat dict of dotted keys, as a run's ``config.toml`` saves it;
-:func:`section` reads one section of it as its typed class.
+Every key is a field of a frozen section class (:data:`RUN_SECTIONS`; :func:`run_key`,
+:func:`recipe_key` for a number the optimizer's recipe fills) or a component's declared
+knob (:data:`COMPONENTS`), with its default, type and meaning (``bigbatch train --help``).
+TOML tables are dotted keys (``[batch] target = 0.5`` is ``--set batch.target=0.5``); a bad
+value is one :class:`ConfigError` naming the key. :mod:`.plan` fills the automatic values.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ else:  # pragma: no cover - Python 3.10: the cli extra brings tomli
 
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-from .._checks import batch_bounds, did_you_mean
-from ..assembly import fewest_sub_batches
+from .._checks import did_you_mean
 from ..batch.controllers import CONTROLLERS, contract_of
 from ..batch.lr import LR_RULES, SCHEDULES
 from ..batch.plan import MAX_MICRO_BATCH
@@ -71,32 +65,6 @@ COMPRESSION_CHOICES = ("none", *(m for m in METHODS if m != "none"), "topk-only"
 
 class ConfigError(ValueError):
     """A configuration a run cannot start with; the message names the key and value."""
-
-
-class RunPlan(Mapping[str, Any]):
-    """A resolved config with every automatic value filled in
-    (:func:`bigbatch.experiments.build.plan_run`), read-only: what a run trains with, as its
-    ``config.toml`` saves it, and where each filled value came from (``origins``, in words:
-    ``bigbatch train --explain``). A run is planned once: planning a plan returns it."""
-
-    __slots__ = ("_values", "origins")
-
-    def __init__(self, values: Mapping[str, Any], origins: Mapping[str, str] | None = None):
-        self._values = dict(values)
-        #: each filled key's source, in words
-        self.origins: dict[str, str] = dict(origins or {})
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key]
-
-    def __iter__(self):
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"RunPlan({self._values!r})"
 
 
 @dataclass(frozen=True)
@@ -161,7 +129,7 @@ def component_keys(
 
     A key several components take has their common default; where their
     defaults differ (only the controllers' do), its default is 0 ("the chosen
-    controller's own", filled in by :func:`fill_controller_defaults`), the owners'
+    controller's own", filled in by :func:`~.plan.fill_controller_defaults`), the owners'
     values listed in its help, and a component with no default of its own (a
     constant batch) takes the first component's (the registry's default). A
     key only some take names them in its help.
@@ -212,11 +180,36 @@ def recipe_key(key: str, help: str = "", *, knob: Knob | None = None, **bounds: 
 
 @dataclass(frozen=True)
 class RunKeys:
-    """The task, the model's size, the optimizer's name and rate, the budget."""
+    """The task, the seed and the budget."""
 
     task: str = run_key(
         "task", "mnist1d", "the task to train (see `bigbatch tasks`)", choices=tuple(TASKS)
     )
+    seed: int = run_key(
+        "seed", 0, "seed for model initialisation and data order", low=0, high=MAX_SEED
+    )
+    max_samples: int = run_key(
+        "max_samples", 0, "training budget in samples; 0: the task's default", low=0
+    )
+    train_samples: int = run_key(
+        "train_samples",
+        0,
+        "train on the task's first N training samples only (a smaller set opens a "
+        "generalization gap); 0: all of them",
+        low=0,
+    )
+    stop_at_target: bool = run_key(
+        "stop_at_target",
+        False,
+        "end the run at the first evaluation that reaches the task's target (for "
+        "steps-to-target studies; the schedule still spans max_samples)",
+    )
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """The task's model's size (each task's own keys beside these: ``Task.options``)."""
+
     width: int = run_key(
         "model.width",
         0,
@@ -231,13 +224,20 @@ class RunKeys:
         f"({', '.join(SEQUENCE_TASKS)}); 0: the task's default",
         low=0,
     )
-    optimizer: str = run_key(
+
+
+@dataclass(frozen=True)
+class OptimizerKeys:
+    """The optimizer, its rate and recipe, the VRGD forms' γ and AGVM's switch (beside
+    these, the keys the VRGD forms and AGVM declare: :data:`COMPONENTS`)."""
+
+    name: str = run_key(
         "optimizer",
         "lamb",
         "optimizer name (bigbatch.optim.list_optimizers())",
         choices=tuple(list_optimizers()),
     )
-    optimizer_impl: str = run_key(
+    impl: str = run_key(
         "optimizer_impl",
         "foreach",
         "impl of bigbatch optimizers (fused: Triton kernels, CUDA only)",
@@ -264,24 +264,11 @@ class RunKeys:
         "AdamW and LAMB)",
         low=0,
     )
-    seed: int = run_key(
-        "seed", 0, "seed for model initialisation and data order", low=0, high=MAX_SEED
-    )
-    max_samples: int = run_key(
-        "max_samples", 0, "training budget in samples; 0: the task's default", low=0
-    )
-    train_samples: int = run_key(
-        "train_samples",
-        0,
-        "train on the task's first N training samples only (a smaller set opens a "
-        "generalization gap); 0: all of them",
-        low=0,
-    )
-    stop_at_target: bool = run_key(
-        "stop_at_target",
+    gamma: float | str = recipe_key("vrgd.gamma", knob=VRGD.CONFIG["gamma"])
+    agvm: bool = run_key(
+        "agvm.enabled",
         False,
-        "end the run at the first evaluation that reaches the task's target (for "
-        "steps-to-target studies; the schedule still spans max_samples)",
+        "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)",
     )
 
 
@@ -529,21 +516,17 @@ class DistKeys:
     )
 
 
-@dataclass(frozen=True)
-class OptimizerKeys:
-    """The VRGD forms' γ (part of their recipes) and AGVM's switch (beside these, the keys
-    the VRGD forms and AGVM declare: :data:`COMPONENTS`)."""
-
-    gamma: float | str = recipe_key("vrgd.gamma", knob=VRGD.CONFIG["gamma"])
-    agvm: bool = run_key(
-        "agvm.enabled",
-        False,
-        "AGVM: per-module-group LR from gradient variance (Xue et al. 2022)",
-    )
-
-
 #: the run keys written here, section by section; each field names its whole key
-RUN_SECTIONS = (RunKeys, MachineKeys, LogKeys, BatchKeys, ScheduleKeys, DistKeys, OptimizerKeys)
+RUN_SECTIONS = (
+    RunKeys,
+    ModelKeys,
+    OptimizerKeys,
+    MachineKeys,
+    LogKeys,
+    BatchKeys,
+    ScheduleKeys,
+    DistKeys,
+)
 
 #: the keys that components declare on their classes (``CONFIG``), listed after the written
 #: key they belong with: (prefix, {name: (component, its knobs)}) for :func:`component_keys`
@@ -672,7 +655,9 @@ def _check(key: Key, value: Any) -> Any:
 
 
 def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
-    """Defaults overlaid by each layer in turn, every key and value checked."""
+    """Defaults overlaid by each layer in turn, every key and value checked (how the keys
+    agree with each other, the batch bounds for one, is the plan's to check:
+    :func:`~bigbatch.experiments.plan.plan_run`)."""
     known = schema()
     config = defaults()
     for layer in layers:
@@ -682,84 +667,7 @@ def resolve(*layers: Mapping[str, Any]) -> dict[str, Any]:
             if name not in known:
                 raise ConfigError(f"unknown config key {name!r}{did_you_mean(name, known)}")
             config[name] = _check(known[name], value)
-    # the bounds as the chosen controller will see them, its own defaults filled in (that
-    # happens later, in build.plan_run, so a layer that changes the controller
-    # still gets the new one's defaults)
-    bounds = dict(config)
-    fill_controller_defaults(bounds)
-    names = ("batch.initial", "batch.min", "batch.max")
-    try:
-        batch_bounds(*(bounds[n] for n in names), names=names)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    # 0: what the statistics need (auto: at least the one micro-batch the examples need)
-    fewest = config["min_sub_batches"] or fewest_sub_batches_of(config)
-    if bounds["batch.min"] < fewest:
-        raise ConfigError(
-            f"batch.min ({bounds['batch.min']}) is below min_sub_batches "
-            f"({fewest}): every sub-batch needs a sample"
-        )
     return config
-
-
-def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:
-    """The micro-batches per step a config's statistics need (``min_sub_batches = 0``), by
-    the loop's own rule (:func:`bigbatch.assembly.fewest_sub_batches`): per-example
-    statistics keep a split for a measured similarity, asked for or read by the
-    controller (SimiGrad's rules); ``auto`` counts as per-example, its least need."""
-    split = (
-        config["batch.similarity"] == "split"
-        or contract_of(CONTROLLERS[config["batch.controller"]]).reads_similarity
-    )
-    return fewest_sub_batches(True, config["noise_from"] != "sub_batches", split)
-
-
-def fill_controller_defaults(config: dict[str, Any], origins: dict[str, str] | None = None) -> None:
-    """The chosen controller's own defaults for the batch keys left at 0 (those whose
-    controllers differ: :attr:`Key.owners`), so a run's saved config says what it ran
-    with. Where a bound left at its default excludes what was set, only what was set was
-    asked for: such a bound moves to a first batch set outside it (a constant batch of 8
-    needs no ``batch.min = 8``) or to the other bound set past it (``batch.max = 8`` lowers
-    the default ``batch.min``), and the controller's own first batch is raised to
-    ``batch.min`` or lowered to ``batch.max``."""
-    kind, origins = config["batch.controller"], origins if origins is not None else {}
-    own_first = not config["batch.initial"]
-    left = [n for n in ("batch.min", "batch.max") if config[n] == schema()[n].default]
-    for key in schema().values():
-        if key.owners is not None and config[key.name] == key.default:
-            # a controller that takes no such key (a constant batch has no minimum) gets
-            # the first owner's value, as component_keys gives one without a default
-            config[key.name] = key.owners.get(kind, next(iter(key.owners.values())))
-            if config[key.name] != key.default:
-                origins[key.name] = f"the {kind} controller's default"
-    _move_default_bounds(config, origins, own_first, left)
-
-
-def _move_default_bounds(
-    config: dict[str, Any], origins: dict[str, str], own_first: bool, left: list[str]
-) -> None:
-    """:func:`fill_controller_defaults`' rule for the batch bounds: a bound ``left`` at its
-    default moves to what was set past it, the controller's own first batch into them."""
-    first = config["batch.initial"]
-    moves = []  # (bound, set key that moves it)
-    if not own_first:  # a first batch set outside a bound left at its default
-        moves += [(n, "batch.initial") for n in left]
-    other = {"batch.min": "batch.max", "batch.max": "batch.min"}
-    if len(left) == 1:  # the other bound, set past it
-        moves.append((left[0], other[left[0]]))
-    for bound, cause in moves:
-        outside = (
-            config[cause] < config[bound] if bound == "batch.min" else config[cause] > config[bound]
-        )
-        if outside:
-            origins[bound] = f"{cause} ({config[cause]:,}), set past its default {config[bound]:,}"
-            config[bound] = config[cause]
-    if own_first:
-        inside = min(config["batch.max"], max(config["batch.min"], first))
-        if inside != first:
-            own = origins.get("batch.initial", "the controller's default")
-            origins["batch.initial"] = f"{own} {first}, moved into [batch.min, batch.max]"
-        config["batch.initial"] = inside
 
 
 def to_toml(config: Mapping[str, Any]) -> str:

@@ -1,25 +1,20 @@
-"""Where a run's automatic values come from, in words (``bigbatch train --explain``).
-
-A config leaves many keys to someone else: 0 for the task's default or the
-controller's, ``"auto"`` for the optimizer's recipe or the rate rule. They are
-filled in one place, :func:`~bigbatch.experiments.build.plan_run`,
-which records why it chose each value; this module lays that record out, the
-rate first, as "0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5
-(sqrt of 16/64)". What only the model decides (``noise_from = "auto"``: each
-example's gradient norm where every layer has a rule) is read off the run's
-engine, built on the CPU as one process builds it.
+"""Where a run's automatic values come from, in words (``bigbatch train --explain``): the
+plan's record of why it chose each value (:func:`~bigbatch.experiments.plan.plan_run`), the
+rate first ("0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5 (sqrt of
+16/64)"); what only the model decides (``noise_from = "auto"``) read off the run's engine,
+built on the CPU as one process builds it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..batch.controllers import CONTROLLERS, BatchWarmup, contract_of
 from ..options import AUTO_EXAMPLES, AUTO_MOST
-from .build import build, fit_batches_to_data, plan_run, run_device
+from .build import build, fit_batches_to_data, run_device
+from .plan import RunPlan, plan_run
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
 FOLLOWS = {
@@ -38,27 +33,22 @@ def explain(config: dict[str, Any]) -> str:
     statistics and machine in one line each, then every value filled for it and where that
     value came from."""
     run = plan_run(config)
-    origins = dict(run.origins)
     # one process builds the run: what only the data and the model decide
-    built = build(run) if run["dist.compression"] == "none" else None
-    fitted = fit_batches_to_data(run, built[0]) if built else run  # as build fitted its own
-    if fitted["batch.max"] != run["batch.max"]:
-        origins["batch.max"] = f"the training set's size (batch.max {run['batch.max']:,} is larger)"
-        run = fitted
-    schedule = (
-        f"{run['schedule.kind']} over {run['max_samples']:,} samples, "
-        f"{run['schedule.warmup']:.0%} warm-up"
-    )
-    if run["schedule.kind"] == "wsd":
-        schedule += f", {run['schedule.cooldown']:.0%} cool-down"
+    built = build(run) if run.dist.compression == "none" else None
+    if built:
+        run = fit_batches_to_data(run, built[0])  # as build fitted its own
+    origins, opt, batch, schedule = run.origins, run.optimizer, run.batch, run.schedule
+    shape = f"{schedule.kind} over {run.run.max_samples:,} samples, {schedule.warmup:.0%} warm-up"
+    if schedule.kind == "wsd":
+        shape += f", {schedule.cooldown:.0%} cool-down"
     lines = [
-        f"{run['task']}: {run['optimizer']}, {run['batch.controller']} from batch "
-        f"{run['batch.initial']}{_start_why(run, origins)}",
-        f"rate  {run['lr']:.4g} = {origins.get('lr', 'as set (lr)')}; then "
-        + FOLLOWS[run["batch.lr_scaling"]].format(base=run["batch.base"])
+        f"{run.run.task}: {opt.name}, {batch.controller} from batch "
+        f"{run['batch.initial']}{_start_why(run)}",
+        f"rate  {opt.lr:.4g} = {origins.get('lr', 'as set (lr)')}; then "
+        + FOLLOWS[batch.lr_scaling].format(base=batch.base)
         + " and x the schedule"
-        + (f", at most {run['lr_max']:.4g} a step" if run["lr_max"] else ""),
-        f"schedule  {schedule}",
+        + (f", at most {opt.lr_max:.4g} a step" if opt.lr_max else ""),
+        f"schedule  {shape}",
         f"noise     {_noise(run, built[1].engine if built else None)}",
         f"machine   {_machine(run)}",
         "",
@@ -70,12 +60,13 @@ def explain(config: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _start_why(run: Mapping[str, Any], origins: Mapping[str, str]) -> str:
+def _start_why(run: RunPlan) -> str:
     """Why :class:`BatchWarmup`'s own first batch is small: it grows with the noise scale and
     never shrinks, so a start above the task's best batch would cost loss no later step
     regains, and one below it costs steps the growth repays (docs/adaptive_batching.md)."""
-    own = origins.get("batch.initial") == f"the {run['batch.controller']} controller's default"
-    if not own or not issubclass(CONTROLLERS[run["batch.controller"]], BatchWarmup):
+    kind = run.batch.controller
+    own = run.origins.get("batch.initial") == f"the {kind} controller's default"
+    if not own or not issubclass(CONTROLLERS[kind], BatchWarmup):
         return ""
     return (
         " (its own start, small: the noise scale grows the batch and never shrinks it, so "
@@ -83,14 +74,14 @@ def _start_why(run: Mapping[str, Any], origins: Mapping[str, str]) -> str:
     )
 
 
-def _noise(run: dict[str, Any], engine: Any) -> str:
+def _noise(run: RunPlan, engine: Any) -> str:
     """Where the run's noise statistics come from and why, as its engine was built (on the
     CPU, one process: under DDP the ranks' halves give the split similarity); a
     compressed run's engine, which one process does not build, by the rule."""
     if engine is None:
         return (
             "the spread of each rank's own micro-batches "
-            f"(dist.compression = {run['dist.compression']!r}: a lossy reduction)"
+            f"(dist.compression = {run.dist.compression!r}: a lossy reduction)"
         )
     collector = engine.collector
     if collector is None:
@@ -120,13 +111,13 @@ def _noise(run: dict[str, Any], engine: Any) -> str:
     )
 
 
-def _machine(run: dict[str, Any]) -> str:
+def _machine(run: RunPlan) -> str:
     """The device this process would train on, its CPU threads and the forward's precision."""
-    device = run_device(run)
-    auto = run["device"] == "auto"
+    device, machine = run_device(run), run.machine
+    auto = machine.device == "auto"
     text = f"{device}{' (device auto: no GPU)' if auto and device.type == 'cpu' else ''}"
     if device.type == "cpu":
-        threads = run["threads"] or torch.get_num_threads()
+        threads = machine.threads or torch.get_num_threads()
         text += f", {threads} thread{'s' if threads > 1 else ''}"
-        text += "" if run["threads"] else " (torch's default)"
-    return f"{text}; forward passes in {run['precision']}"
+        text += "" if machine.threads else " (torch's default)"
+    return f"{text}; forward passes in {machine.precision}"

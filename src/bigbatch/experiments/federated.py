@@ -27,12 +27,11 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 from ..batch.controllers import BatchWarmup
 from ..batch.lr import warmup_cosine
 from ..federated import ControllerScheme, Fixed, RoundPlanner, Scheme, SmallLargeSwitch
-from .build import plan_run
-from .config import ConfigError, defaults
+from .config import ConfigError
 from .device import set_threads
 from .options import FederatedSettings
+from .plan import plan_run
 from .report.rounds import render
-from .tasks import TASKS
 
 
 def split_indices(
@@ -110,8 +109,8 @@ def simulate(cfg: FederatedSettings, out: Path | None = None, threads: int | Non
     set_threads(threads or 0)
     _quiet_flower()
     random.seed(cfg.seed)  # Flower samples the round's clients with Python's random
-    config = plan_run({**defaults(), "task": cfg.task, "seed": cfg.seed})
-    problem = TASKS[cfg.task].build(config)
+    run = plan_run({"task": cfg.task, "seed": cfg.seed})
+    problem = run.task.build(run.task_args)
     labels = _labels(problem.train)
     if cfg.clients > len(labels):  # each client needs a sample of its own
         raise ConfigError(

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..sinks import MLflowSink, Sinks, TensorBoardSink, WandbSink, require
-from .config import LogKeys, section
+from .config import LogKeys
+from .plan import RunPlan
 
 __all__ = ["check_sinks", "open_sinks"]
 
@@ -17,9 +18,8 @@ MLFLOW_RUN = "mlflow_run_id"
 WANDB_RUN = "wandb_run_id"
 
 
-def check_sinks(config: dict[str, Any]) -> None:
+def check_sinks(log: LogKeys) -> None:
     """Fail before a run directory is made if a sink's package is missing."""
-    log = section(LogKeys, config)
     for wanted, package in (
         (log.tensorboard, "tensorboard"),
         (log.wandb, "wandb"),
@@ -29,10 +29,10 @@ def check_sinks(config: dict[str, Any]) -> None:
             require(package, package)
 
 
-def open_sinks(config: dict[str, Any], out: Path, resume: bool, first_step: int) -> Sinks:
-    """Every sink the config asks for, writing into (or naming) the run directory ``out``;
+def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks:
+    """Every sink the plan asks for, writing into (or naming) the run directory ``out``;
     a resumed run continues its trackers' runs from ``first_step``."""
-    log = section(LogKeys, config)
+    log = plan.log
     sinks: list[Any] = []
     if log.tensorboard:
         # a resumed run hides what the killed one wrote after its checkpoint
@@ -42,10 +42,10 @@ def open_sinks(config: dict[str, Any], out: Path, resume: bool, first_step: int)
         local = log.mlflow == "local"
         sink = MLflowSink(
             f"sqlite:///{(out / 'mlflow.db').resolve()}" if local else log.mlflow,
-            experiment=f"bigbatch-{config['task']}",
+            experiment=f"bigbatch-{plan.run.task}",
             run_name=out.name,
             run_id=_saved(out, MLFLOW_RUN) if resume else None,
-            params=config,
+            params=dict(plan),
             artifact_location=(out / "mlflow-artifacts").resolve().as_uri() if local else None,
         )
         (out / MLFLOW_RUN).write_text(sink.run_id)
@@ -56,7 +56,7 @@ def open_sinks(config: dict[str, Any], out: Path, resume: bool, first_step: int)
             project=os.environ.get("WANDB_PROJECT", "bigbatch"),
             name=out.name,
             run_id=_saved(out, WANDB_RUN) if resume else None,
-            config=config,
+            config=dict(plan),
         )
         (out / WANDB_RUN).write_text(sink.run_id)
         sinks.append(sink)

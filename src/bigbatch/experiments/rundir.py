@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, RunPlan, load_toml, resolve
+from .config import ConfigError, load_toml, resolve
+from .plan import RunPlan
 
 CHECKPOINT = "checkpoint.pt"
 #: the lock file of a run directory (held by the process that writes the run)

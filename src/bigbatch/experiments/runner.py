@@ -24,9 +24,10 @@ from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..parallel.world import World, init_from_env
 from ..sinks import Sinks
-from .build import build, intervals, plan_run, run_device, run_facts, train_step
-from .config import ConfigError, DistKeys, MachineKeys, RunKeys, section, to_toml
+from .build import build, run_device, train_step
+from .config import ConfigError, to_toml
 from .device import keep_freed_memory, set_tf32, set_threads
+from .plan import RunPlan, intervals, plan_run
 from .report import run as run_report
 from .run_sinks import check_sinks, open_sinks
 from .rundir import (
@@ -48,7 +49,6 @@ from .rundir import (
 )
 from .signals import Stopped, StopRequest, watch_launcher
 from .summary import ENDS, batch_path_ratio, finished_summary, target_summary, traffic_per_step
-from .tasks import TASKS
 
 
 def train(
@@ -72,26 +72,23 @@ def train(
     :class:`ConfigError` before anything is built; SIGTERM or SIGINT stops after the
     current step with a checkpoint (:class:`~bigbatch.experiments.signals.Stopped`).
     """
-    config = plan_run(config)
-    intervals(config)  # an interval this run cannot measure: one line, before ``out`` is claimed
-    machine, timeout = section(MachineKeys, config), section(DistKeys, config).timeout
-    device = run_device(config)
+    plan = plan_run(config)
+    machine, timeout = plan.machine, plan.dist.timeout
+    device = run_device(plan)
     set_tf32(machine.tf32)
-    check_sinks(config)
+    check_sinks(plan.log)
     world = init_from_env(device, timeout=timeout)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size)) if world.distributed else 1
     set_threads(machine.threads, local)
     if machine.keep_freed_memory and device.type == "cpu":
         keep_freed_memory()
-    out, lock = _claim(out, resume, world, config["task"])
+    out, lock = _claim(out, resume, world, plan.run.task)
     agreed_stop: Exception | None = None
     try:
         with StopRequest(world, timeout) as stop:
             watch_launcher()
             # no name holds the run: its objects are gone before _leave (its docstring)
-            summary = _train(
-                _Run(config, out, world, device, stop, until), resume, quiet, start_from
-            )
+            summary = _train(_Run(plan, out, world, device, stop, until), resume, quiet, start_from)
     except OSError as err:  # a full disk, a directory made read-only midway: one line
         raise disk_error(err, err.filename or out) from None
     except (Stopped, TooManySkippedError) as err:
@@ -150,14 +147,14 @@ def _claim(out: Path | None, resume: bool, world: World, task: str) -> tuple[Pat
 
 
 def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dict[str, Any]:
-    config, out, world = run.config, run.out, run.world
+    plan, out, world = run.plan, run.out, run.world
     run.open(resume, start_from)
     loop, problem, writer = run.loop, run.problem, run.writer
     first_step = loop.steps_taken
     if run.pause_at is not None and loop.samples >= run.pause_at:  # paused here before
         return paused(out, loop, problem.evaluate(problem.model) if run.evaluates else {})
     run.bar = tqdm(
-        total=config["max_samples"],
+        total=plan.run.max_samples,
         initial=loop.samples,
         unit="sample",
         unit_scale=True,
@@ -165,12 +162,12 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
         mininterval=0.5,
         disable=quiet or not writer,  # a disabled bar's calls do nothing
     )
-    sinks = open_sinks(config, out, resume, first_step) if writer else Sinks()
+    sinks = open_sinks(plan, out, resume, first_step) if writer else Sinks()
     try:
         with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
             run.log, run.sinks = log, sinks
             with sinks:
-                for step in loop.steps(max_samples=config["max_samples"]):
+                for step in loop.steps(max_samples=plan.run.max_samples):
                     train_step(step, problem, loop, run.precision)
                     end = run.after_step(step)
                     if end == "pause":
@@ -201,17 +198,16 @@ class _Run:
 
     def __init__(
         self,
-        config: dict[str, Any],
+        plan: RunPlan,
         out: Path,
         world: World,
         device: Any,
         stop: StopRequest,
         until: int | None,
     ) -> None:
-        self.config, self.out, self.world, self.stop = config, out, world, stop
-        self.problem, self.loop, self.precision = build(config, world, device)
-        self.keys, self.machine = section(RunKeys, config), section(MachineKeys, config)
-        self.task = TASKS[self.keys.task]
+        self.plan, self.out, self.world, self.stop = plan, out, world, stop
+        self.problem, self.loop, self.precision = build(plan, world, device)
+        self.keys, self.machine, self.task = plan.run, plan.machine, plan.task
         self.writer = world.rank == 0
         # under FSDP2 a forward is a collective (it gathers the parameters): every rank
         # evaluates
@@ -221,9 +217,9 @@ class _Run:
         self.keep_previous = True
         self.evaluation: dict[str, float] = {}
         self.ended = "budget"
-        every = intervals(config)
+        every = intervals(plan)
         self.eval_every, self.checkpoint_every = every["eval_every"], every["checkpoint_every"]
-        self.facts = run_facts(config)  # what the durations' ticks are read with
+        self.facts = plan.facts  # what the durations' ticks are read with
         self.bar: Any = None
         self.log: Any = None
         self.sinks: Sinks = Sinks()
@@ -250,7 +246,7 @@ class _Run:
                 branched["engine"]["batch_size"] = loop.engine.controller.initial
                 loop.load_state_dict(branched)
             if self.writer:  # the directory was made and locked by _claim (or the launcher)
-                (out / "config.toml").write_text(to_toml(self.config))
+                (out / "config.toml").write_text(to_toml(self.plan))
                 metrics.write_text("")
             # a run is resumable from its first moment: a kill before the first periodic
             # checkpoint must not leave a directory that neither resumes nor can be reused

@@ -17,10 +17,10 @@ from typing import Any
 
 from . import runner
 from .arms import RANKS, Arm, ArmResult, metric
-from .build import at_rate, plan_run
 from .config import resolve
 from .device import share_of_cores
 from .options import Protocol, TuneSettings
+from .plan import at_rate, plan_run
 from .pool import in_processes
 from .rundir import read_json
 from .summary import finished_summary
@@ -62,7 +62,7 @@ def sweep(
         base["threads"] = share_of_cores(jobs)
     root = Path(root)
     # an arm's rate before the grid: its lr, or the task's when 0 (every config checked here)
-    rates = {arm.stem: plan_run({**base, **arm.overrides})["lr"] for arm in arms}
+    rates = {arm.stem: plan_run({**base, **arm.overrides}).optimizer.lr for arm in arms}
     if tune is not None:
         return [
             _tuned_arm(base, arm, rates[arm.stem], root, multipliers, seeds, jobs, quiet, tune)

@@ -26,10 +26,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from . import runner
 from .arms import metric
-from .build import at_rate, plan_run
-from .config import ConfigError, RunPlan, resolve, schema, to_toml
+from .config import ConfigError, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
+from .plan import RunPlan, at_rate, plan_run
 from .pool import in_processes
 from .rundir import claim_plan, read_json
 from .tasks import TASKS
@@ -96,7 +96,7 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
 def default_space(config: dict[str, Any]) -> list[Dimension]:
     """The rate from 1/8 to 8 times the task's rate for the run's optimizer and batch rule
     (seven points of a ×2 grid)."""
-    rate = plan_run(config)["lr"]
+    rate = plan_run(config).optimizer.lr
     return [Dimension("lr", rate / 8, rate * 8, log=True)]
 
 
@@ -171,7 +171,7 @@ def _warmup(planned: RunPlan, space: Sequence[Dimension] = ()) -> float:
     """The longest warm-up a trial trains with, a fraction of its samples: the planned
     run's, or the top of its range where the warm-up is searched."""
     searched = [d.high for d in space if d.key == "schedule.warmup"]
-    return max([float(planned["schedule.warmup"]), *searched])
+    return max([float(planned.schedule.warmup), *searched])
 
 
 def _brackets_in_budget(settings: TuneSettings, space: list[Dimension], warmup: float) -> int:
@@ -223,8 +223,8 @@ class _Bracket:
     ) -> None:
         self.study, self.out, self.config, self.space = study, out, config, space
         self.settings, self.index, self.quiet = settings, index, quiet
-        self.planned, self.budget = planned, planned["max_samples"]
-        task = TASKS[config["task"]]
+        self.planned, self.budget = planned, planned.run.max_samples
+        task = planned.task
         self.target, self.lower_is_better = task.target_metric, task.lower_is_better
 
     def run(self) -> None:
@@ -309,7 +309,7 @@ class _Bracket:
 
 def trial_config(config: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """The config a trial trains: ``config`` with its values, a searched rate taking the
-    task's ceiling along with it (:func:`~bigbatch.experiments.build.at_rate`)."""
+    task's ceiling along with it (:func:`~bigbatch.experiments.plan.at_rate`)."""
     rest = resolve(config, {k: v for k, v in params.items() if k != "lr"})
     return resolve(at_rate(rest, params["lr"])) if "lr" in params else rest
 
@@ -367,8 +367,8 @@ def _result(study: optuna.Study, planned: RunPlan, space: list[Dimension], out: 
         best_value=float(best.value),
         best_dir=out / "trials" / f"{best.number:04d}",
         samples=sum(t.user_attrs.get("samples", 0) for t in trials),
-        budget=planned["max_samples"],
-        grid_samples=_grid_runs(space) * planned["max_samples"],
+        budget=planned.run.max_samples,
+        grid_samples=_grid_runs(space) * planned.run.max_samples,
         trials=rows,
     )
 

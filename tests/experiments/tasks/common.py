@@ -1,6 +1,6 @@
 """What the task tests share."""
 
-from bigbatch.experiments.build import plan_run
+from bigbatch.experiments.plan import plan_run
 
 
 def text_config(**keys):

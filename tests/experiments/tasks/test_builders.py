@@ -1,5 +1,6 @@
 """Each task's build: its training samples, its held-out files, its context."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -8,16 +9,16 @@ import torch
 from bigbatch.experiments import tasks
 from bigbatch.experiments.build import build
 from bigbatch.experiments.config import ConfigError, resolve
+from bigbatch.experiments.plan import plan_run
 
 from .common import text_config
 
 
 @pytest.mark.parametrize("name", ["digits", "teacher"])
 def test_train_samples_keeps_the_first_samples_and_scores_the_gap_on_them(name):
-    config = resolve({"task": name, "train_samples": 300})
-    config = {**config, "model.width": 8, "model.depth": 1}
-    problem = tasks.TASKS[name].build(config)
-    full = tasks.TASKS[name].build({**config, "train_samples": 0})
+    args = plan_run({"task": name, "train_samples": 300, "model.width": 8, "model.depth": 1})
+    problem = tasks.TASKS[name].build(args.task_args)
+    full = tasks.TASKS[name].build(replace(args.task_args, train_samples=0))
     assert len(problem.train) == 300
     assert all(torch.equal(a, b) for a, b in zip(problem.train[:300], full.train[:300]))
     assert all(torch.equal(a, b) for a, b in zip(problem.test, full.test))  # the same test set
@@ -29,14 +30,14 @@ def test_train_samples_keeps_the_first_samples_and_scores_the_gap_on_them(name):
 
 
 def test_more_train_samples_than_the_task_has_is_one_error():
-    config = resolve({"task": "digits", "train_samples": 5000})
+    config = plan_run({"task": "digits", "train_samples": 5000})
     with pytest.raises(ConfigError, match=r"train_samples = 5000 is more than the task's 1,437"):
         build(config)
 
 
 def test_text_build_is_deterministic_and_holds_out_a_tenth_of_the_files():
-    config = text_config()
-    first, second = tasks.TASKS["text"].build(config), tasks.TASKS["text"].build(config)
+    args = text_config().task_args
+    first, second = tasks.TASKS["text"].build(args), tasks.TASKS["text"].build(args)
     assert torch.equal(first.train.tensors[0], second.train.tensors[0])
     assert all(torch.equal(a, b) for a, b in zip(first.test, second.test))
     assert first.info == second.info
@@ -54,16 +55,12 @@ def test_text_build_is_deterministic_and_holds_out_a_tenth_of_the_files():
 
 
 def test_lm_honours_model_context_too():
-    from bigbatch.experiments.build import plan_run
-
     config = plan_run({"task": "lm", "model.context": 8, "model.width": 16})
-    problem = tasks.TASKS["lm"].build(config)
+    problem = tasks.TASKS["lm"].build(config.task_args)
     assert problem.train[0][0].shape == (8,) and problem.test[0].shape == (1000, 8)
 
 
 def test_a_context_on_a_task_without_sequences_is_one_error():
-    from bigbatch.experiments.build import plan_run
-
     config = resolve({"task": "mnist1d", "model.context": 16})
     with pytest.raises(ConfigError, match=r"model.context = 16 .* mnist1d task has no sequences"):
         plan_run(config)
@@ -77,7 +74,7 @@ def _python_files(root, count=30):
 def test_text_reads_the_corpus_it_is_named_and_says_which(tmp_path):
     _python_files(tmp_path)
     config = text_config(**{"text.corpus": str(tmp_path)})
-    problem = tasks.TASKS["text"].build(config)
+    problem = tasks.TASKS["text"].build(config.task_args)
     train, _, info = tasks.text_corpus(tmp_path)
     assert problem.info == {"corpus": str(tmp_path.resolve()), **info}
     assert problem.train.tensors[0].flatten()[:9].numpy().tobytes() == train[:9].tobytes()
@@ -92,8 +89,6 @@ def test_a_corpus_that_is_neither_package_nor_folder_is_one_error():
 
 
 def test_a_corpus_on_a_task_without_one_is_one_error():
-    from bigbatch.experiments.build import plan_run
-
     config = resolve({"task": "digits", "text.corpus": "sympy"})
     with pytest.raises(ConfigError, match=r"'sympy' is set, but the digits task does not read"):
         plan_run(config)
@@ -101,8 +96,6 @@ def test_a_corpus_on_a_task_without_one_is_one_error():
 
 @pytest.mark.parametrize(("lr_max", "factor"), [(0.0, None), (0.05, 0.5)])
 def test_the_loop_stops_the_rate_at_lr_max(lr_max, factor):
-    from bigbatch.experiments.build import plan_run
-
-    config = plan_run({"task": "digits", "lr": 0.1, "lr_max": lr_max})
-    _, loop, _ = build({**config, "model.width": 8, "model.depth": 1})
+    layer = {"task": "digits", "lr": 0.1, "lr_max": lr_max, "model.width": 8, "model.depth": 1}
+    _, loop, _ = build(plan_run(layer))
     assert loop.engine.options.max_lr_factor == factor

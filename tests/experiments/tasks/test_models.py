@@ -26,7 +26,7 @@ def test_a_few_steps_lower_the_text_loss(one_thread):
 
 
 def test_the_text_model_runs_under_bf16_autocast(one_thread):
-    problem = tasks.TASKS["text"].build(text_config())
+    problem = tasks.TASKS["text"].build(text_config().task_args)
     batch = (torch.stack([problem.train[i][0] for i in range(8)]),)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = problem.loss(problem.model, batch)

@@ -50,8 +50,8 @@ def test_every_built_in_task_has_a_rate_for_every_registered_optimizer(name, opt
 
 
 def test_a_run_without_a_rate_for_its_optimizer_is_one_config_error():
-    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import ConfigError, defaults
+    from bigbatch.experiments.plan import plan_run
 
     task = make_task(name="text", lrs={"adam": 1e-3, "adam/held": 1e-3})
     config = {**defaults(), "task": "text", "optimizer": "lars"}
@@ -75,8 +75,8 @@ def test_a_tasks_rates_are_keyed_by_known_names_each_with_its_held_partner(name)
 
 
 def test_a_tasks_measured_batch_rule_carries_its_rate_where_the_user_names_none():
-    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import defaults
+    from bigbatch.experiments.plan import plan_run
 
     task = make_task(name="text", lr_rules={"sgd": "sqrt", "vr-momentum": "none"})
     assert (task.lr_rule("sgd"), task.lr_rule("plain-sgd"), task.lr_rule("lamb")) == (
@@ -158,8 +158,8 @@ def test_a_scaled_rate_carried_to_batch_256_is_the_held_rate_where_the_task_reco
 
 
 def test_a_ceiling_is_the_optimizers_own_else_its_familys_and_only_for_the_tasks_rate():
-    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import defaults
+    from bigbatch.experiments.plan import plan_run
 
     task = make_task(name="text", lr_max={"sgd": 0.3, "plain-sgd": 0.2})
     assert (task.lr_ceiling("plain-sgd"), task.lr_ceiling("sgd"), task.lr_ceiling("lamb")) == (
@@ -214,8 +214,8 @@ def test_text_pins_the_rates_of_every_registered_optimizer():
 def _default_and_constant_256(task, optimizer):
     """``task``'s resolved config for ``optimizer`` under the default controller from batch
     16 and at constant batch 256, everything else at its default."""
-    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import defaults
+    from bigbatch.experiments.plan import plan_run
 
     config = {**defaults(), "task": task, "optimizer": optimizer, "batch.initial": 16}
     constant = {**config, "batch.controller": "constant", "batch.initial": 256}
@@ -284,7 +284,7 @@ def test_an_accuracy_is_reached_from_below_a_loss_from_above(metric, target, row
 def test_a_rate_off_the_tasks_own_takes_the_tasks_ceiling_along_in_proportion():
     """A grid point or trial at m× the task's rate is the recipe at m× its scale, so ×1 is
     exactly the run ``bigbatch train`` makes; a rate or ceiling the user set stays theirs."""
-    from bigbatch.experiments.build import at_rate, plan_run
+    from bigbatch.experiments.plan import at_rate, plan_run
 
     layer = {"task": "text", "optimizer": "plain-sgd", "batch.controller": "constant"}
     layer["batch.initial"] = 256
@@ -299,8 +299,8 @@ def test_a_rate_off_the_tasks_own_takes_the_tasks_ceiling_along_in_proportion():
 
 
 def test_a_rate_measured_at_another_batch_is_met_there_and_interpolated_between():
-    from bigbatch.experiments.build import plan_run
     from bigbatch.experiments.config import defaults
+    from bigbatch.experiments.plan import plan_run
 
     lrs = {"adam": 0.016, "adam/held": 0.016, "adamw": 0.01, "adamw/held": 0.01}
     task = make_task(name="text", lrs=lrs, lrs_at={8: {"lamb": 0.008}, 16: {"adam": 0.008}})
@@ -352,7 +352,7 @@ def test_a_tasks_rates_at_other_batches_are_keyed_by_known_names(name):
     "batch, rate", [(4, 0.004), (8, 0.008), (16, 0.008), (32, 0.008 * 2**0.5), (256, 0.032)]
 )
 def test_text_starts_lamb_at_its_rate_measured_at_small_batches(batch, rate):
-    from bigbatch.experiments.build import plan_run
+    from bigbatch.experiments.plan import plan_run
 
     config = {"task": "text", "batch.controller": "constant", "batch.initial": batch}
     assert plan_run(config)["lr"] == pytest.approx(rate)

@@ -10,12 +10,12 @@ from .common import text_config
 
 
 def test_text_task_scores_cross_entropy_per_byte_and_honours_the_context(one_thread):
-    problem = tasks.TASKS["text"].build(text_config())
+    problem = tasks.TASKS["text"].build(text_config().task_args)
     (window,) = problem.train[0]
     assert window.shape == (9,) and window.dtype == torch.uint8
     x, y = problem.test
     assert x.shape == (1000, 8) and torch.equal(x[:, 1:], y[:, :-1])  # targets: the next byte
-    longer = tasks.TASKS["text"].build(text_config(**{"model.context": 16}))
+    longer = tasks.TASKS["text"].build(text_config(**{"model.context": 16}).task_args)
     assert longer.train[0][0].shape == (17,) and longer.test[0].shape == (1000, 16)
     model = problem.model
     with torch.no_grad():
@@ -45,7 +45,7 @@ def test_an_evaluation_is_the_same_whatever_its_chunks(chunk, one_thread):
 
 @pytest.mark.parametrize("chunk_tokens", [8, 24, 65_536])
 def test_a_language_models_evaluation_is_the_same_whatever_its_chunks(chunk_tokens, one_thread):
-    problem = tasks.TASKS["text"].build(text_config())
+    problem = tasks.TASKS["text"].build(text_config().task_args)
     x, y = problem.test
     whole = tasks.scoring.next_token_eval(x, y, chunk_tokens=x.numel())(problem.model)
     parts = tasks.scoring.next_token_eval(x, y, chunk_tokens=chunk_tokens)(problem.model)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .data import byte_windows, digits_arrays, markov_language, mnist1d_arrays, text_corpus
 from .models import TinyTransformer
-from .problem import Problem, Task
+from .problem import Problem, Task, TaskArgs
 from .registry import SEQUENCE_TASKS, TASKS
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "TASKS",
     "Problem",
     "Task",
+    "TaskArgs",
     "TinyTransformer",
     "byte_windows",
     "digits_arrays",

@@ -1,11 +1,10 @@
-"""Each task's ``build(config) -> Problem``: its data, its model at the config's size and seed,
-its loss and evaluation."""
+"""Each task's ``build(args) -> Problem``: its data, its model at the run's size and seed
+(:class:`~.problem.TaskArgs`), its loss and evaluation."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +13,7 @@ from torch.utils.data import TensorDataset
 from ...knobs import setting
 from . import data as datasets
 from .models import Conv1dNet, TinyTransformer, mlp
-from .problem import Problem
+from .problem import Problem, TaskArgs
 from .scoring import classification_eval, classification_loss, next_token_eval, next_token_loss
 
 
@@ -33,21 +32,21 @@ def classification_problem(
     )
 
 
-def build_mnist1d(config: dict[str, Any]) -> Problem:
+def build_mnist1d(args: TaskArgs) -> Problem:
     data = datasets.mnist1d_arrays()
     x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"], dtype=torch.long)
-    rows = datasets.training_rows(config, len(x))
+    rows = datasets.training_rows(args.train_samples, len(x))
     xt = torch.tensor(data["x_test"], dtype=torch.float32)
     yt = torch.tensor(data["y_test"], dtype=torch.long)
-    torch.manual_seed(config["seed"])
-    model = Conv1dNet(config["model.width"], config["model.depth"])
+    torch.manual_seed(args.seed)
+    model = Conv1dNet(args.width, args.depth)
     return classification_problem(x[:rows], y[:rows], xt, yt, model)
 
 
-def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 10_000) -> Problem:
+def build_teacher(args: TaskArgs, n_train: int = 50_000, n_test: int = 10_000) -> Problem:
     """Labels from a fixed random MLP (the teacher) of the student's own shape: 1.0 is
     reachable in principle, not at the default budget (docs/cli.md, "Tasks", says why)."""
-    width, depth, dims, classes = config["model.width"], config["model.depth"], 32, 10
+    width, depth, dims, classes = args.width, args.depth, 32, 10
     gen = torch.Generator().manual_seed(1234)  # the teacher and the data are fixed
     torch.manual_seed(1234)
     teacher = mlp(dims, width, depth, classes)
@@ -56,29 +55,29 @@ def build_teacher(config: dict[str, Any], n_train: int = 50_000, n_test: int = 1
     x = torch.randn(n_train + n_test, dims, generator=gen)
     with torch.no_grad():
         y = teacher(x).argmax(1)
-    torch.manual_seed(config["seed"])
+    torch.manual_seed(args.seed)
     model = mlp(dims, width, depth, classes)
     xt, yt = x[n_train:], y[n_train:]
-    rows = datasets.training_rows(config, n_train)
+    rows = datasets.training_rows(args.train_samples, n_train)
     return classification_problem(x[:rows], y[:rows], xt, yt, model)
 
 
-def build_digits(config: dict[str, Any]) -> Problem:
+def build_digits(args: TaskArgs) -> Problem:
     digits = datasets.digits_arrays()
     x = torch.tensor(digits["x"] / 16.0, dtype=torch.float32)
     y = torch.tensor(digits["y"], dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[order], y[order]
     split = 1437
-    torch.manual_seed(config["seed"])
-    model = mlp(64, config["model.width"], config["model.depth"], 10)
+    torch.manual_seed(args.seed)
+    model = mlp(64, args.width, args.depth, 10)
     xt, yt = x[split:], y[split:]
-    rows = datasets.training_rows(config, split)
+    rows = datasets.training_rows(args.train_samples, split)
     return classification_problem(x[:rows], y[:rows], xt, yt, model)
 
 
-def build_lm(config: dict[str, Any], sequences: int = 20_000, test: int = 1_000) -> Problem:
-    context = config["model.context"]
+def build_lm(args: TaskArgs, sequences: int = 20_000, test: int = 1_000) -> Problem:
+    context = args.context
     transition, floor = datasets.markov_language()
     gen = torch.Generator().manual_seed(11)
     total = sequences + test
@@ -89,10 +88,10 @@ def build_lm(config: dict[str, Any], sequences: int = 20_000, test: int = 1_000)
             transition[tokens[:, t]].float(), 1, generator=gen
         ).squeeze(1)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    torch.manual_seed(config["seed"])
-    model = TinyTransformer(len(transition), context, config["model.width"], config["model.depth"])
+    torch.manual_seed(args.seed)
+    model = TinyTransformer(len(transition), context, args.width, args.depth)
 
-    rows = datasets.training_rows(config, sequences)
+    rows = datasets.training_rows(args.train_samples, sequences)
     return Problem(
         TensorDataset(x[:rows], y[:rows]),
         (x[sequences:], y[sequences:]),
@@ -115,7 +114,7 @@ class TextOptions:
     )
 
 
-def build_text(config: dict[str, Any], validation_windows: int = 1_000) -> Problem:
+def build_text(args: TaskArgs, validation_windows: int = 1_000) -> Problem:
     """A byte-level GPT (:class:`TinyTransformer`, 256 tokens) on Python source text: the
     ``*.py`` files of the package (or folder) ``text.corpus``, torch's by default.
 
@@ -123,17 +122,17 @@ def build_text(config: dict[str, Any], validation_windows: int = 1_000) -> Probl
     the first ``context`` bytes, the target each next byte. The validation set
     is ``validation_windows`` windows spread evenly over the held-out files.
     """
-    context = config["model.context"]
-    corpus = config["text.corpus"]
+    context = args.context
+    corpus = args.options.corpus
     root = datasets.corpus_root(corpus)
     train, validation, info = datasets.text_corpus(root)
     # a package by its name, a folder by its absolute path
     info = {"corpus": str(root) if datasets.names_a_folder(corpus) else corpus, **info}
     windows = datasets.byte_windows(train, context + 1)
     held = datasets.byte_windows(validation, context + 1, validation_windows)
-    torch.manual_seed(config["seed"])
-    model = TinyTransformer(256, context, config["model.width"], config["model.depth"])
-    rows = datasets.training_rows(config, len(windows))
+    torch.manual_seed(args.seed)
+    model = TinyTransformer(256, context, args.width, args.depth)
+    rows = datasets.training_rows(args.train_samples, len(windows))
     x, y = held[:, :-1], held[:, 1:]
     return Problem(
         TensorDataset(windows[:rows]),

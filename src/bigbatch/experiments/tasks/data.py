@@ -23,10 +23,10 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def training_rows(config: dict[str, Any], available: int) -> int:
+def training_rows(train_samples: int, available: int) -> int:
     """How many of a task's ``available`` training samples a run uses: the first
-    ``train_samples`` (a smaller training set opens a generalization gap), or all."""
-    wanted = config.get("train_samples", 0) or available
+    ``train_samples`` (a smaller training set opens a generalization gap), or all (0)."""
+    wanted = train_samples or available
     if wanted > available:
         raise ValueError(
             f"train_samples = {wanted} is more than the task's {available:,} training samples"

@@ -31,6 +31,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class TaskArgs:
+    """What a task's build reads of a planned run (``RunPlan.task_args``): the model's
+    size, the seed of its initialisation, how many training samples to keep (0: all) and
+    the task's own keys (an instance of :attr:`Task.options`, else None)."""
+
+    width: int
+    depth: int
+    context: int = 0
+    seed: int = 0
+    train_samples: int = 0
+    options: Any = None
+
+
 @dataclass
 class Problem:
     """What a run trains: data, model, and how to score it."""
@@ -73,7 +87,7 @@ class Task:
     max_samples: int
     width: int
     depth: int
-    build: Callable[[dict[str, Any]], Problem]
+    build: Callable[[TaskArgs], Problem]
     target_metric: str = "eval_accuracy"
 
     #: the small batch the scaled rates are tuned at (``batch.base``)

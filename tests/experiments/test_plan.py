@@ -1,0 +1,205 @@
+"""The plan: every automatic value filled in one place (the task's, the recipe's, the
+controller's, the statistics' and the rate's), read as typed sections, planned once."""
+
+import pytest
+
+from bigbatch.experiments.config import ConfigError, _toml, flatten, resolve, to_toml
+from bigbatch.experiments.plan import RunPlan, plan_run
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["batch_warmup", "seesaw", "simigrad", "critical_ramp", "damped_simigrad", "noise_scale"],
+)
+def test_a_config_left_at_its_defaults_builds_the_librarys_default_controller(name):
+    """One default per knob: the command line's controller is the class's own default."""
+    from bigbatch.batch.controllers import CONTROLLERS
+    from bigbatch.experiments.build import make_controller
+
+    config = plan_run({"batch.controller": name})
+    assert repr(make_controller(config)) == repr(CONTROLLERS[name]())
+
+
+def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_default():
+    from bigbatch.experiments.build import make_controller
+
+    warmup = plan_run({"batch.controller": "batch_warmup"})
+    ramp = plan_run({"batch.controller": "critical_ramp"})
+    assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.125, 6.0)
+    assert (warmup["batch.initial"], ramp["batch.initial"]) == (8, 64)
+    # bounds that exclude the controller's own first batch move it, as only they were asked
+    assert plan_run({"batch.min": 32})["batch.initial"] == 32
+    # a controller with no default of its own (a constant batch) takes the default's
+    constant = plan_run({"batch.controller": "constant"})
+    assert constant["batch.initial"] == constant["batch.base"] == 8
+    assert constant["batch.min"] == 8  # a key it does not take: held to the default's
+    chosen = plan_run({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
+    assert make_controller(chosen).multiple == 3.0
+
+
+def test_a_bound_left_at_its_default_moves_to_what_was_set_past_it():
+    """Only what was set was asked for: a constant batch of 4 or 20,000, a ``batch.max`` of
+    4, needs no other bound set (each was an error naming a bound nobody set)."""
+
+    def bounds(**layer):
+        run = plan_run(dict(layer.items()))
+        return [run[k] for k in ("batch.min", "batch.initial", "batch.max")], run.origins
+
+    assert bounds(**{"batch.controller": "constant", "batch.initial": 4})[0] == [4, 4, 16384]
+    big, why = bounds(**{"batch.controller": "constant", "batch.initial": 20_000})
+    assert big == [8, 20_000, 20_000]
+    assert why["batch.max"] == "batch.initial (20,000), set past its default 16,384"
+    low, why = bounds(**{"batch.max": 4})  # batch_warmup's own first batch is 8
+    assert low == [4, 4, 4]
+    assert why["batch.initial"] == (
+        "the batch_warmup controller's default 8, moved into [batch.min, batch.max]"
+    )
+    assert bounds(**{"batch.min": 32_768})[0] == [32_768, 32_768, 32_768]
+    # a bound that was set stays, and its conflict is an error
+    with pytest.raises(ConfigError, match=r"batch\.initial \(8\) is outside .* = \[4, 4\]"):
+        plan_run({"batch.initial": 8, "batch.max": 4})
+
+
+def test_a_budget_below_the_first_batch_is_refused():
+    """The loop takes whole batches: ``max_samples = 1`` trained one step of 16 unsaid."""
+    with pytest.raises(ConfigError, match=r"max_samples \(1\) is below the first batch "):
+        plan_run({"max_samples": 1})
+    assert plan_run({"max_samples": 16})["max_samples"] == 16
+
+
+def test_a_ramp_in_the_users_units_from_config_keys():
+    from bigbatch.experiments.build import make_controller
+
+    def ramp(**keys):
+        layer = {"batch.controller": "ramp", "model.context": 0, **keys}
+        return plan_run(layer)
+
+    # the table gives the first batch; its shares are of max_samples
+    table = ramp(**{"batch.ramp_points": "0:32, 25%:64", "max_samples": 4000})
+    controller = make_controller(table)
+    assert table["batch.initial"] == table["batch.base"] == 32
+    assert [controller.next({}, 0, s) for s in (999, 1000)] == [32, 64]
+    # the linear ramp's length in tokens needs a sequence task: its context
+    text = plan_run(
+        resolve({"task": "text", "batch.controller": "ramp", "batch.ramp_over": "1M tokens"})
+    )
+    assert make_controller(text).tokens_per_sample == text["model.context"] > 0
+    with pytest.raises(ConfigError, match="'1M tokens' counts tokens, but the mnist1d task"):
+        ramp(**{"batch.ramp_over": "1M tokens"})
+    with pytest.raises(ConfigError, match=r"batch\.initial = 16 but batch\.ramp_points starts"):
+        ramp(**{"batch.ramp_points": "0:32, 25%:64", "batch.initial": 16})
+    with pytest.raises(ConfigError, match=r"batch\.ramp_points = '0:32, 25%': a ramp point"):
+        resolve({"batch.ramp_points": "0:32, 25%"})
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars", "lamb", "vr-sgd"])
+def test_keys_left_at_auto_take_the_optimizers_recipe(name):
+    from bigbatch.optim import RECIPES
+
+    config = plan_run({"optimizer": name})
+    recipe = RECIPES[name]
+    assert config["weight_decay"] == recipe.weight_decay
+    assert config["schedule.kind"] == recipe.schedule
+    assert config["schedule.warmup"] == recipe.warmup
+    assert config["vrgd.gamma"] == recipe.options.get("gamma", "auto")
+    # the saved config reads back as the same run
+    saved = flatten(_toml().loads(to_toml(config)))
+    assert plan_run(saved) == config
+
+
+def test_a_key_set_by_the_user_wins_over_the_recipe():
+    config = plan_run({"optimizer": "lars", "weight_decay": 0.0, "schedule.kind": "poly"})
+    assert (config["weight_decay"], config["schedule.kind"]) == (0.0, "poly")
+
+
+@pytest.mark.parametrize(
+    "layer, fewest",
+    [
+        ({"noise_from": "sub_batches"}, 4),
+        ({"noise_from": "examples", "batch.controller": "constant"}, 1),
+        # SimiGrad's rule reads the measured cosine: the examples keep a split for it
+        ({"noise_from": "examples", "batch.controller": "simigrad"}, 2),
+        ({"noise_from": "examples", "batch.similarity": "split"}, 2),
+        ({}, 0),  # auto, the default: the loop decides on the model
+    ],
+)
+def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):
+    assert plan_run(layer)["min_sub_batches"] == fewest
+
+
+@pytest.mark.parametrize(
+    ("task", "length", "share"),
+    [
+        ("mnist1d", 0.05, 0.05),
+        ("mnist1d", "5%", 0.05),
+        ("mnist1d", "60k samples", 0.05),
+        ("mnist1d", 60000, 60000 / 1_200_000),  # a number above 1 is refused below; as text
+        ("text", "1M tokens", 1_000_000 / 32 / 150_000),
+    ],
+)
+def test_the_warm_up_is_a_share_or_a_length_in_samples_or_tokens(task, length, share):
+    if not isinstance(length, str) and length > 1:
+        with pytest.raises(ConfigError, match=r"schedule.warmup must be in \[0, 1\]"):
+            resolve({"task": task, "schedule.warmup": length})
+        length = str(length)
+    config = plan_run({"task": task, "schedule.warmup": length})
+    assert config["schedule.warmup"] == pytest.approx(share)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"schedule.warmup": "500 steps"}, "schedule.warmup = '500 steps': the schedule is laid"),
+        ({"schedule.warmup": "1M tokens"}, "schedule.warmup = '1M tokens': .*tokens_per_sample"),
+        ({"schedule.cooldown": "2M"}, "schedule.cooldown = '2M' is longer than max_samples"),
+    ],
+)
+def test_a_schedule_length_the_run_cannot_lay_out_is_one_error_naming_the_key(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_run({"task": "mnist1d", **settings})
+
+
+def test_a_plan_is_read_only_planned_once_and_saved_as_a_plan(tmp_path):
+    from bigbatch.experiments.rundir import read_config
+
+    run = plan_run({"task": "digits"})
+    assert plan_run(run) is run
+    assert run["lr"] > 0 and "the digits task's" in run.origins["lr"]
+    with pytest.raises(TypeError):
+        run["lr"] = 1.0  # type: ignore[index]
+    (tmp_path / "config.toml").write_text(to_toml(run))
+    saved = read_config(tmp_path)
+    assert isinstance(saved, RunPlan) and saved == run and plan_run(saved) is saved
+
+
+def test_a_plans_typed_sections_read_its_keys():
+    from dataclasses import fields
+
+    from bigbatch.experiments.config import RUN_SECTIONS
+
+    run = plan_run({"task": "text", "optimizer": "adamw", "text.corpus": "sympy"})
+    sections = {type(getattr(run, name)): getattr(run, name) for name in vars(run)}
+    for cls in RUN_SECTIONS:
+        for f in fields(cls):
+            assert getattr(sections[cls], f.name) == run[f.metadata["key"]], f.metadata["key"]
+    assert run.optimizer.name == "adamw" and run.task.name == "text"
+    args = run.task_args
+    assert (args.width, args.depth, args.context) == (run.model.width, run.model.depth, 32)
+    assert args.options.corpus == "sympy" and plan_run({"task": "lm"}).task_args.options is None
+    assert run.facts == {"budget": run.run.max_samples, "tokens_per_sample": 32}
+
+
+def test_a_replaced_key_says_where_it_came_from_and_leaves_the_plan_as_it_was():
+    run = plan_run({"task": "digits"})
+    smaller = run.replace("batch.max", 1437, "the training set")
+    assert smaller["batch.max"] == 1437 and smaller.origins["batch.max"] == "the training set"
+    assert run["batch.max"] == 16384 and "batch.max" not in run.origins
+    assert smaller.task_args == run.task_args
+
+
+def test_a_batch_larger_than_the_training_set_is_lowered_to_it_with_its_origin():
+    from bigbatch.experiments.build import build
+
+    problem, loop, _ = build(plan_run({"task": "digits", "model.width": 8}))
+    assert loop.engine.controller.max == 1437
+    assert problem.info["batch_max_lowered_from"] == 16384
