@@ -99,6 +99,17 @@ CLI_CASES = [
     (["federated", "--threads", "-1"], "--threads must be a whole number >= 0, got -1"),
     (["federated", "--clients", "50000"], "clients = 50000 is more than the 40000 training"),
     (["compare", "--vary", "seed=0,0"], "--vary seed: '0' is given twice"),
+    # the bounds are checked when a run is planned: every command plans before it writes
+    (
+        ["compare", "--set", "batch.min=32", "--vary", "batch.initial=8,64", "--out", "c"],
+        "batch.initial (8) is outside",
+    ),
+    (
+        ["tune", "--set", "batch.min=32", "--search", "batch.initial=8:64", "--out", "t"],
+        "batch.initial (8) is outside",
+    ),
+    (["critical-batch", "--set", "batch.max=32", "--out", "k"], "batch.initial (64) is outside"),
+    (["train", "--nproc", "2", "--set", "batch.min=64", "--set", "batch.max=32"], "is larger"),
     (["compare", "--vary", "seed=0", "--lr-grid", "1,,2"], "--lr-grid takes comma-separated"),
     (
         [
@@ -122,6 +133,7 @@ def test_cli(args, message, capsys, tmp_path, monkeypatch, existing_run):
     assert err.startswith("bigbatch: error:") and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert snapshot(existing_run) == before
+    assert not list(tmp_path.iterdir())  # nothing written: no run, study or launcher folder
 
 
 def test_running_out_of_memory_is_one_line_and_exit_2(capsys):

@@ -259,6 +259,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _train(args: argparse.Namespace) -> int:
     from .experiments.launch import launch
+    from .experiments.plan import plan_run
     from .experiments.rundir import new_run_dir, read_config
     from .experiments.runner import train
 
@@ -283,8 +284,9 @@ def _train(args: argparse.Namespace) -> int:
 
         print(explain(config))
         return 0
+    config = plan_run(config)  # checked here, before a launcher starts processes
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        out = out or new_run_dir(task=config["task"])
+        out = out or new_run_dir(task=config.run.task)
         return launch(args.nproc, out, _rank_arguments(args, out), resume=bool(args.resume))
     summary = train(config, out, resume=bool(args.resume), quiet=args.quiet)
     if os.environ.get("RANK", "0") == "0":

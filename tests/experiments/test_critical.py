@@ -9,10 +9,10 @@ import torch
 from bigbatch import cli
 from bigbatch.batch.lr import lr_factor
 from bigbatch.experiments import critical
-from bigbatch.experiments.build import build, make_controller
+from bigbatch.experiments.build import build
 from bigbatch.experiments.config import ConfigError, resolve
 from bigbatch.experiments.options import CriticalSettings
-from bigbatch.experiments.plan import plan_run
+from bigbatch.experiments.plan import make_controller, plan_run
 
 from .test_cli import rows
 

@@ -4,7 +4,7 @@ controller's, the statistics' and the rate's), read as typed sections, planned o
 import pytest
 
 from bigbatch.experiments.config import ConfigError, _toml, flatten, resolve, to_toml
-from bigbatch.experiments.plan import RunPlan, plan_run
+from bigbatch.experiments.plan import RunPlan, make_controller, plan_run
 
 
 @pytest.mark.parametrize(
@@ -14,15 +14,12 @@ from bigbatch.experiments.plan import RunPlan, plan_run
 def test_a_config_left_at_its_defaults_builds_the_librarys_default_controller(name):
     """One default per knob: the command line's controller is the class's own default."""
     from bigbatch.batch.controllers import CONTROLLERS
-    from bigbatch.experiments.build import make_controller
 
     config = plan_run({"batch.controller": name})
     assert repr(make_controller(config)) == repr(CONTROLLERS[name]())
 
 
 def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_default():
-    from bigbatch.experiments.build import make_controller
-
     warmup = plan_run({"batch.controller": "batch_warmup"})
     ramp = plan_run({"batch.controller": "critical_ramp"})
     assert (warmup["batch.noise_multiple"], ramp["batch.noise_multiple"]) == (0.125, 6.0)
@@ -68,8 +65,6 @@ def test_a_budget_below_the_first_batch_is_refused():
 
 
 def test_a_ramp_in_the_users_units_from_config_keys():
-    from bigbatch.experiments.build import make_controller
-
     def ramp(**keys):
         layer = {"batch.controller": "ramp", "model.context": 0, **keys}
         return plan_run(layer)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from ..batch.controllers import CONTROLLERS, Controller
 from ..batch.lr import schedule_by_name
 from ..loop import AdaptiveBatch
 from ..optim import AGVM, VRGD, create_optimizer, get_optimizer_info, module_param_groups
@@ -17,7 +15,7 @@ from ..parallel.compression import CompressionState, compression_hook
 from ..parallel.world import World
 from .config import ConfigError
 from .device import Precision, resolve_device, to_device
-from .plan import RunPlan
+from .plan import RunPlan, declared, make_controller
 from .tasks import Problem
 
 
@@ -28,30 +26,6 @@ def run_device(plan: RunPlan) -> torch.device:
         return resolve_device(plan.machine.device)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-
-
-def make_controller(plan: RunPlan) -> Controller:
-    """The controller a plan names, built from the keys it declares (its ``CONFIG``) as
-    :func:`~.plan.plan_run` filled them in. The noise-following
-    controllers hold the batch while the rate warms up by watching the schedule
-    multiplier, so the sample budget is not theirs to know."""
-    cls = CONTROLLERS[plan.batch.controller]
-    # the run's facts a controller that reads durations (Ramp) takes
-    accepted = inspect.signature(cls).parameters
-    facts = {name: value for name, value in plan.facts.items() if name in accepted}
-    try:
-        return cls(**_declared(plan, "batch.", cls.CONFIG), **facts)
-    except ValueError as err:
-        # a rule the keys' own bounds do not hold (Seesaw's growth of 0 or >= 1): the error
-        # names the argument; say which key set it
-        named = str(err).split(maxsplit=1)[0]
-        key = next((f"batch.{k}" for k, knob in cls.CONFIG.items() if knob.param == named), None)
-        raise ConfigError(f"{key} = {plan[key]!r}: {err}" if key else str(err)) from None
-
-
-def _declared(plan: RunPlan, prefix: str, knobs: dict[str, Any]) -> dict[str, Any]:
-    """A component's arguments from the config keys it declares."""
-    return {knob.param: plan[f"{prefix}{key}"] for key, knob in knobs.items()}
 
 
 def make_schedule(plan: RunPlan):
@@ -120,7 +94,7 @@ def _loop(
     if "impl" in accepted:
         options["impl"] = opt.impl
     if "gamma" in accepted:  # the vr-* optimizers
-        options.update(_declared(plan, "vrgd.", VRGD.CONFIG))
+        options.update(declared(plan, "vrgd.", VRGD.CONFIG))
     sharded = world is not None and world.distributed and dist.strategy == "fsdp"
     if sharded:  # before the optimizer is built: fully_shard replaces the parameters
         if dist.compression != "none":
@@ -134,7 +108,7 @@ def _loop(
         params = module_param_groups(problem.model, opt.weight_decay, plan["agvm.rule"])
     optimizer = create_optimizer(params, opt.name, **options)
     if opt.agvm:
-        optimizer = AGVM(optimizer, **_declared(plan, "agvm.", AGVM.CONFIG))
+        optimizer = AGVM(optimizer, **declared(plan, "agvm.", AGVM.CONFIG))
     model: nn.Module = problem.model
     hook = None
     if world is not None and world.distributed and not sharded:
@@ -196,7 +170,7 @@ def _comm_hook(plan: RunPlan, model: nn.Module, world: World) -> tuple[Any, Any]
         method,
         eta=dist.sgdm_eta if method == "ef21-sgdm" else dist.eta,
         seed=plan.run.seed,
-        **_declared(plan, "dist.", CompressionState.CONFIG),
+        **declared(plan, "dist.", CompressionState.CONFIG),
     )
     return state, compression_hook
 

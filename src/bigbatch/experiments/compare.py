@@ -21,6 +21,7 @@ from typing import Any
 from .config import ConfigError, flatten, parse_assignment, resolve
 from .flags import settings_from
 from .options import Protocol, TuneSettings
+from .plan import plan_run
 from .report import comparison as comparison_report
 from .rundir import claim_plan, new_run_dir
 from .sweep import Arm, sweep
@@ -112,7 +113,7 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         grid = {k: v for point in combo for k, v in point.items()}
         if clash := sorted(overrides.keys() & grid.keys()):
             raise ConfigError(f"arm {name!r} sets {clash[0]!r}, which --vary also varies")
-        resolve(base, {**overrides, **grid})  # checked before any training
+        plan_run(resolve(base, {**overrides, **grid}))  # checked before any training
         label = ", ".join([name] * bool(name) + [f"{k}={v}" for k, v in grid.items()])
         label = label or ", ".join(f"{k}={v}" for k, v in overrides.items())
         arms.append(Arm(label, {**overrides, **grid}, f"run{i:02d}"))

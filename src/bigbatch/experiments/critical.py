@@ -87,6 +87,8 @@ def measure(
     branch_samples = settings.branch_samples
     if not branch_samples:
         branch_samples = math.ceil(0.05 * budget / batches[-1]) * batches[-1]
+    # every branch planned (and so checked) before the measurement's folder is claimed
+    branches = {batch: _config(config, batch, small, lr_rule) for batch in batches}
     plan = {"config": config, "batches": batches, "points": sorted(settings.points)}
     plan.update(branch_samples=branch_samples, tolerance=settings.tolerance, lr_rule=lr_rule)
     lock = claim_plan(out, PLAN, plan, "critical-batch measurement", config_at="config")
@@ -101,8 +103,7 @@ def measure(
         for index, (fraction, mark) in enumerate(zip(plan["points"], marks)):
             at = next(r["samples"] for r in rows if r["samples"] >= mark)  # the base's pause
             losses = {}
-            for batch in batches:
-                branch = _config(config, batch, small, lr_rule)
+            for batch, branch in branches.items():
                 where = out / f"branch-{index}-{batch}"
                 losses[batch] = _branch(branch, where, snapshots[index], at + branch_samples)
                 if not quiet:

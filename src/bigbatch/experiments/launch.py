@@ -78,7 +78,7 @@ def launch(nproc: int, out: Path, arguments: Sequence[str], *, resume: bool) -> 
     except ChildFailedError as err:
         code, line = _report(err, nproc, out)
         if not resume:
-            discard_if_unused(out)
+            discard_if_unused(out, lock.made)
         raise WorkerFailedError(line, code) from None
     finally:
         lock.release()

@@ -4,13 +4,14 @@ micro-batches the statistics need, the LR rule, the rate), read as typed section
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from .._checks import batch_bounds
 from ..assembly import fewest_sub_batches
-from ..batch.controllers import CONTROLLERS, contract_of, parse_points
+from ..batch.controllers import CONTROLLERS, Controller, contract_of, parse_points
 from ..batch.lr import lr_factor, lr_rule_with_reason
 from ..duration import Duration
 from ..optim import get_optimizer_info
@@ -136,7 +137,9 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     if not config["lr"]:
         _task_rate(config, task, origins)
     plan = RunPlan(config, origins)
-    intervals(plan)  # an interval this run cannot measure: one line, before anything runs
+    # what only the interval or the controller's own rules refuse: one line, before anything
+    intervals(plan)
+    make_controller(plan)
     return plan
 
 
@@ -387,3 +390,27 @@ def _move_default_bounds(
             own = origins.get("batch.initial", "the controller's default")
             origins["batch.initial"] = f"{own} {first}, moved into [batch.min, batch.max]"
         config["batch.initial"] = inside
+
+
+def make_controller(plan: RunPlan) -> Controller:
+    """The controller a plan names, built from the keys it declares (its ``CONFIG``) as
+    :func:`plan_run` filled them in. The noise-following
+    controllers hold the batch while the rate warms up by watching the schedule
+    multiplier, so the sample budget is not theirs to know."""
+    cls = CONTROLLERS[plan.batch.controller]
+    # the run's facts a controller that reads durations (Ramp) takes
+    accepted = inspect.signature(cls).parameters
+    facts = {name: value for name, value in plan.facts.items() if name in accepted}
+    try:
+        return cls(**declared(plan, "batch.", cls.CONFIG), **facts)
+    except ValueError as err:
+        # a rule the keys' own bounds do not hold (Seesaw's growth of 0 or >= 1): the error
+        # names the argument; say which key set it
+        named = str(err).split(maxsplit=1)[0]
+        key = next((f"batch.{k}" for k, knob in cls.CONFIG.items() if knob.param == named), None)
+        raise ConfigError(f"{key} = {plan[key]!r}: {err}" if key else str(err)) from None
+
+
+def declared(plan: RunPlan, prefix: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """A component's arguments from the config keys it declares."""
+    return {knob.param: plan[f"{prefix}{key}"] for key, knob in knobs.items()}

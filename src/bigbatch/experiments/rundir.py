@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -67,6 +68,8 @@ class RunLock:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._file: Any = None
+        #: the folders above ``path`` that claiming it created (:func:`discard_if_unused`)
+        self.made: tuple[Path, ...] = ()
 
     def acquire(self) -> RunLock:
         file = _open_for_writing(self.path / LOCK, "a+")
@@ -97,6 +100,7 @@ def claim_new_run_dir(path: Path) -> RunLock:
     """Create ``path`` (or take an empty one) and lock it, as one step: of two runs started
     on one ``--out`` at once, one gets it and the other a one-line error."""
     path = Path(path)
+    made = tuple(p for p in path.parents if not p.exists())
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # a file where the directory, or one of its parents, should be
@@ -106,6 +110,7 @@ def claim_new_run_dir(path: Path) -> RunLock:
     if not path.is_dir():
         raise ConfigError(f"--out {str(path)!r} is not a directory")
     lock = RunLock(path).acquire()
+    lock.made = made
     try:
         check_new_run_dir(path)  # under the lock: nobody else can be filling it now
     except ConfigError:
@@ -145,11 +150,15 @@ def claim_plan(
     return RunLock(out).acquire()
 
 
-def discard_if_unused(out: Path) -> None:
+def discard_if_unused(out: Path, made: tuple[Path, ...] = ()) -> None:
     """Remove a new run directory that a failure left holding only its bookkeeping (the
-    lock, a launcher's log), so the same ``--out`` works again at once."""
+    lock, a launcher's log), so the same ``--out`` works again at once, and the folders
+    above it that claiming it ``made`` (``runs/``), where they are left empty."""
     if out.is_dir() and not _holds_files(out):
         shutil.rmtree(out, ignore_errors=True)
+        for folder in made:  # nearest first
+            with contextlib.suppress(OSError):  # not empty: another run's, kept
+                folder.rmdir()
 
 
 def check_room(path: Path, need: int) -> None:

@@ -97,7 +97,7 @@ def train(
         agreed_stop = err.with_traceback(None)
     except BaseException:
         if lock is not None and not resume:
-            discard_if_unused(out)
+            discard_if_unused(out, lock.made)
         raise
     finally:
         if lock is not None:

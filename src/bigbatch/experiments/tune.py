@@ -84,8 +84,8 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
         resolve(base, {key: low})  # one error, with a suggestion
     if known[key].kind not in (int, float) or known[key].knob.choices:
         raise ConfigError(f"--search {key}: only number keys can be searched")
-    for end in (low, high):  # each end must be a value the key accepts
-        resolve(base, {key: known[key].kind(end)})
+    for end in (low, high):  # each end must be a value the key accepts, in this run
+        plan_run(resolve(base, {key: known[key].kind(end)}))
     if not low < high:
         raise ConfigError(f"--search {key}: LOW must be below HIGH, got {low:g}:{high:g}")
     if log and low <= 0:
