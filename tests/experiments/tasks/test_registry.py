@@ -1,4 +1,4 @@
-"""Each task's build: its training samples, its held-out files, its context."""
+"""Each task's build (tasks/registry.py): its training samples, its held-out files, its context."""
 
 from dataclasses import replace
 from pathlib import Path
