@@ -57,10 +57,10 @@ class RunPlan(Mapping[str, Any]):
         #: what the task's build reads: the model's size, the seed, the training set, the
         #: task's own keys
         own = self.task.options and section(self.task.options, values)
+        model, run = self.model, self.run
         self.task_args = TaskArgs(
-            self.model.width, self.model.depth, self.model.context, self.run.seed,
-            self.run.train_samples, own,
-        )  # fmt: skip
+            model.width, model.depth, model.context, run.seed, run.train_samples, options=own
+        )
         #: what converting a duration needs to know of the run (:func:`run_facts`)
         self.facts = run_facts(values)
 
@@ -83,11 +83,10 @@ class RunPlan(Mapping[str, Any]):
 
 def plan_run(config: Mapping[str, Any]) -> RunPlan:
     """The run ``config`` (a config layer, or resolved) describes, every automatic value
-    filled in one place:
-    the keys left at 0 ("the task's default") from the task, those left at ``"auto"`` from
-    the optimizer's recipe, the controller's own defaults and bounds, the micro-batches
-    the statistics need, the LR rule and the rate; each with its origin
-    (:attr:`RunPlan.origins`). A :class:`RunPlan` is returned as it is."""
+    filled in one place: the keys left at 0 ("the task's default") from the task, those
+    left at ``"auto"`` from the optimizer's recipe, the controller's own defaults and
+    bounds, the micro-batches the statistics need, the LR rule and the rate; each with its
+    origin (:attr:`RunPlan.origins`). A :class:`RunPlan` is returned as it is."""
     if isinstance(config, RunPlan):
         return config
     config = resolve(config)
