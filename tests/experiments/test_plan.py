@@ -198,3 +198,10 @@ def test_a_batch_larger_than_the_training_set_is_lowered_to_it_with_its_origin()
     problem, loop, _ = build(plan_run({"task": "digits", "model.width": 8}))
     assert loop.engine.controller.max == 1437
     assert problem.info["batch_max_lowered_from"] == 16384
+
+
+def test_the_tasks_rate_says_when_the_budget_is_longer_than_the_one_it_was_measured_at():
+    longer = plan_run({"task": "text", "max_samples": 600_000}).origins["lr"]
+    assert "measured at the task's budget of 150,000 samples; at 4x it" in longer
+    assert "budget" not in plan_run({"task": "text", "max_samples": 75_000}).origins["lr"]
+    assert "lr" not in plan_run({"task": "text", "lr": 0.004, "max_samples": 600_000}).origins

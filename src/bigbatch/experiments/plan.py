@@ -200,6 +200,14 @@ def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str]) -> No
             base_rate, why = _scaled_rate(task, optimizer, config["batch.base"], rule)
     except KeyError as err:
         raise ConfigError(err.args[0]) from None
+    if config["max_samples"] > task.max_samples:
+        # measured on text: at 4x the budget the best rate is half the budget's own
+        # (docs/results.md, "The default's start")
+        times = config["max_samples"] / task.max_samples
+        why += (
+            f", measured at the task's budget of {task.max_samples:,} samples; at {times:.3g}x "
+            "it a lower rate may train better (bigbatch tune)"
+        )
     config["lr"] = base_rate
     origins["lr"] = why
 
