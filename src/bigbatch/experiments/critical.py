@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .build import make_controller
 from .config import resolve
 from .options import CriticalSettings
-from .plan import plan_run
+from .plan import make_controller, plan_run
 from .report.critical_batch import render
 from .rundir import CHECKPOINT, claim_plan, copy_atomically, read_metrics
 from .signals import Stopped

@@ -32,31 +32,31 @@ def explain(config: dict[str, Any]) -> str:
     """The run ``config`` (resolved, not yet filled) describes: its rate, schedule, noise
     statistics and machine in one line each, then every value filled for it and where that
     value came from."""
-    run = plan_run(config)
+    plan = plan_run(config)
     # one process builds the run: what only the data and the model decide
-    built = build(run) if run.dist.compression == "none" else None
+    built = build(plan) if plan.dist.compression == "none" else None
     if built:
-        run = fit_batches_to_data(run, built[0])  # as build fitted its own
-    origins, opt, batch, schedule = run.origins, run.optimizer, run.batch, run.schedule
-    shape = f"{schedule.kind} over {run.run.max_samples:,} samples, {schedule.warmup:.0%} warm-up"
+        plan = fit_batches_to_data(plan, built[0])  # as build fitted its own
+    origins, opt, batch, schedule = plan.origins, plan.optimizer, plan.batch, plan.schedule
+    shape = f"{schedule.kind} over {plan.run.max_samples:,} samples, {schedule.warmup:.0%} warm-up"
     if schedule.kind == "wsd":
         shape += f", {schedule.cooldown:.0%} cool-down"
     lines = [
-        f"{run.run.task}: {opt.name}, {batch.controller} from batch "
-        f"{run['batch.initial']}{_start_why(run)}",
+        f"{plan.run.task}: {opt.name}, {batch.controller} from batch "
+        f"{plan['batch.initial']}{_start_why(plan)}",
         f"rate  {opt.lr:.4g} = {origins.get('lr', 'as set (lr)')}; then "
         + FOLLOWS[batch.lr_scaling].format(base=batch.base)
         + " and x the schedule"
         + (f", at most {opt.lr_max:.4g} a step" if opt.lr_max else ""),
         f"schedule  {shape}",
-        f"noise     {_noise(run, built[1].engine if built else None)}",
-        f"machine   {_machine(run)}",
+        f"noise     {_noise(plan, built[1].engine if built else None)}",
+        f"machine   {_machine(plan)}",
         "",
         "filled in (every other key is as set or its default; bigbatch train --help):",
     ]
     keys = [k for k in FIRST if k in origins] + sorted(origins.keys() - set(FIRST))
     width = max((len(k) for k in keys), default=0)
-    lines += [f"  {key:<{width}}  {run[key]!r:<10}  {origins[key]}" for key in keys]
+    lines += [f"  {key:<{width}}  {plan[key]!r:<10}  {origins[key]}" for key in keys]
     return "\n".join(lines)
 
 
