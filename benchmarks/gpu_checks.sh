@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, as one command for a machine lent for a few minutes (about 6 minutes on
-# an H200; docs/results.md, "Cost of a step", says what the numbers are compared with):
+# The GPU checks, as one command for a machine lent for a few minutes (about 7 minutes on
+# an H200, at most 10; docs/results.md, "Cost of a step", says what the numbers are compared with):
 #
 #   bash benchmarks/gpu_checks.sh [OUT]             # OUT: where the results go (default gpu-out)
 #
@@ -25,10 +25,10 @@ part() {  # part NAME SECONDS COMMAND...: run it with a limit, its output in OUT
     echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/parts.txt"
 }
 
-part machine 60 python -c "import torch, sys; print(sys.version); print(torch.__version__, \
+part machine 30 python -c "import torch, sys; print(sys.version); print(torch.__version__, \
 torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
 # the CUDA-only tests (skipped on a CPU machine)
-part cuda-tests 240 python -m pytest -q -p no:cacheprovider -m cuda tests
+part cuda-tests 200 python -m pytest -q -p no:cacheprovider -m cuda tests
 # a step's time against a plain step, per-step medians and steady blocks (issue: step cost)
 part step-cost 180 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
     --models text-gpu,gpt2 --batches "${BATCHES:-16,64,256,1024}" \
@@ -36,5 +36,12 @@ part step-cost 180 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
     --every auto
 # where the host waits: synchronisations per step and the statistics' buffers
 part step-details 90 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
-    --models text-gpu --batches "${DETAIL_BATCHES:-16,256}" --steps 5 --arms examples,off --details
+    --models text-gpu --batches "${DETAIL_BATCHES:-16,256}" --steps 5 \
+    --arms examples,off,examples-fused,async --details
+# the asynchronous step (each step's numbers read at the next) against the same step read
+# at once and a plain step, all with torch's fused AdamW (it skips a step on the device)
+part step-async 100 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
+    --models text-gpu,gpt2 --batches "${ASYNC_BATCHES:-16,64,256}" \
+    --gpt2-batches 16 --steps 15 --steady 10 \
+    --arms plain-fused,examples-fused,async
 cat "$out/parts.txt"

@@ -19,6 +19,10 @@ step by step in a rotating order, median step time (CUDA events on a GPU):
   micro-batch, the noise from the gradient norms of 8 to 15 units of its examples, taken
   in the same backward, the default); ``all examples``: every example its own unit;
 - ``off``: the same with ``statistics=False``;
+- ``plain-fused``, ``examples-fused``: ``plain`` and ``examples`` with torch's AdamW
+  (``fused=True``) for LAMB; ``async``: ``examples-fused`` with ``asynchronous=True``, each
+  step's numbers read at the next step (a non-finite step skipped by the fused optimizer
+  on the device), so the host never waits for the device inside a step;
 - with ``--every K``, ``sub-batches/K`` and ``examples/K``: the statistics measured at
   every K-th step only (``statistics_every=K``), the steps between unsplit; each timed
   unit is K steps (one measured), so the time is the mean step over the cycle; ``--every
@@ -86,8 +90,12 @@ from bigbatch.stats import MicroBatchStatistics
 from bigbatch.testing import count_ops, host_syncs
 
 ARMS = ("plain", "sub-batches", "examples", "all examples", "off")
-#: every arm there is (``--arms``): the default ones and the sub-batch statistics with GSNR
-KNOWN_ARMS = (*ARMS, "gsnr")
+#: arms with torch's AdamW (``fused=True``), which skips a step on the device: a plain
+#: step, the default statistics, and the same read one step late (``asynchronous=True``)
+FUSED_ARMS = ("plain-fused", "examples-fused", "async")
+#: every arm there is (``--arms``): the default ones, the sub-batch statistics with GSNR,
+#: the fused ones
+KNOWN_ARMS = (*ARMS, "gsnr", *FUSED_ARMS)
 
 
 def arms_of(names: tuple[str, ...], every: int | str) -> tuple[str, ...]:
@@ -178,11 +186,12 @@ class Arm:
 
     def __init__(self, name: str, model: nn.Module, data, batch: int, args, adamw=False) -> None:
         self.name, self.model, self.device = name, model, args.device
-        self.optimizer = (
-            torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-            if adamw
-            else bb.optim.LAMB(bb.optim.param_groups(model, 0.01), lr=1e-3)
-        )
+        if name in FUSED_ARMS:
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        elif adamw:
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        else:
+            self.optimizer = bb.optim.LAMB(bb.optim.param_groups(model, 0.01), lr=1e-3)
         self.autocast = (
             torch.autocast("cuda", torch.bfloat16)
             if args.device.type == "cuda"
@@ -195,7 +204,7 @@ class Arm:
         #: cycle at this batch)
         statistics_every = every if every == "auto" else int(every or 1)
         self.every = bb.StepOptions(statistics_every=statistics_every).every_at(batch)
-        if name != "plain":
+        if base not in ("plain", "plain-fused"):
             split = base in ("sub-batches", "gsnr")
             self.loop = bb.AdaptiveBatch(
                 model,
@@ -210,6 +219,7 @@ class Arm:
                 noise_units=None if name == "all examples" else bb.stats.per_example.UNITS,
                 statistics_every=statistics_every,
                 loader_options={"pin_memory": args.device.type == "cuda"},
+                asynchronous=name == "async",
             )
 
     def loss(self, x, y):
@@ -220,7 +230,7 @@ class Arm:
         return nn.functional.cross_entropy(logits.float().flatten(0, -2), y.flatten())
 
     def step(self) -> None:
-        if self.loop is None:
+        if self.loop is None:  # a plain step, on the host's next slice of the data
             start = self.position % (len(self.data) - self.batch)
             x, y = self.data[start : start + self.batch]
             self.position += self.batch

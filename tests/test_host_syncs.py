@@ -156,6 +156,34 @@ def test_the_counter_sees_a_read():
     assert reads == ["item"]
 
 
+def syncs_per_cuda_step(micro_batches=1, optimizer=None, **options):
+    """Host synchronisations of each of 4 steps on CUDA, after a first one that makes state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4)).to(DEVICE)
+    data = TensorDataset(torch.randn(8192, 32), torch.randint(0, 4, (8192,)))
+    loop = bb.AdaptiveBatch(
+        model,
+        (optimizer or bb.optim.LAMB)(model.parameters(), lr=1e-3),
+        data,
+        controller=bb.batch.contrib.CriticalBatchRamp(8.0, initial=32 * micro_batches, window=2),
+        max_micro_batch=32,
+        min_sub_batches=micro_batches,
+        loader_options={"pin_memory": True},
+        **options,
+    )
+    steps = loop.steps(max_steps=6)
+
+    def one_step():
+        step = next(steps)
+        for x, y in step.micro_batches():
+            x, y = x.to(DEVICE, non_blocking=True), y.to(DEVICE, non_blocking=True)
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        step.apply()
+
+    one_step()  # the first step creates state
+    return [count_syncs(one_step) for _ in range(4)], loop
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "micro_batches, gsnr, noise_from",
@@ -168,28 +196,22 @@ def test_the_counter_sees_a_read():
     ],
 )
 def test_one_host_sync_per_step_on_cuda(micro_batches, gsnr, noise_from):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4)).to(DEVICE)
-    data = TensorDataset(torch.randn(8192, 32), torch.randint(0, 4, (8192,)))
-    loop = bb.AdaptiveBatch(
-        model,
-        bb.optim.LAMB(model.parameters(), lr=1e-3),
-        data,
-        controller=bb.batch.contrib.CriticalBatchRamp(8.0, initial=32 * micro_batches, window=2),
-        max_micro_batch=32,
-        min_sub_batches=micro_batches,
-        gsnr=gsnr,
-        noise_from=noise_from,
-        loader_options={"pin_memory": True},
+    syncs, _ = syncs_per_cuda_step(micro_batches, gsnr=gsnr, noise_from=noise_from)
+    assert syncs == [1, 1, 1, 1]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("micro_batches, noise_from", [(2, "sub_batches"), (1, "examples")])
+def test_no_host_sync_in_an_asynchronous_step_on_cuda(micro_batches, noise_from):
+    """``asynchronous=True``: a step's numbers are read at the next step from pinned memory,
+    waiting on an event for the step before's copy only (which the sync debug mode does not
+    count), so a step makes no synchronisation."""
+
+    def fused_adamw(params, lr):
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+
+    syncs, loop = syncs_per_cuda_step(
+        micro_batches, fused_adamw, noise_from=noise_from, asynchronous=True
     )
-    steps = loop.steps(max_steps=6)
-
-    def one_step():
-        step = next(steps)
-        for x, y in step.micro_batches():
-            x, y = x.to(DEVICE, non_blocking=True), y.to(DEVICE, non_blocking=True)
-            step.backward(nn.functional.cross_entropy(model(x), y))
-        step.apply()
-
-    one_step()  # the first step creates state
-    assert [count_syncs(one_step) for _ in range(4)] == [1, 1, 1, 1]
+    assert syncs == [0, 0, 0, 0]
+    assert loop.flush()["step"] == 5

@@ -29,6 +29,7 @@ __all__ = [
     "FrameworkStep",
     "Parts",
     "assemble",
+    "check_asynchronous",
     "check_statistics",
     "describe",
     "describe_collector",
@@ -92,6 +93,11 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         weighted: the batch is counted in weight (tokens), not in examples.
     """
     options = options if options is not None else StepOptions()
+    if options.asynchronous and (framework is not None or not registers_hooks):
+        raise ValueError(
+            "asynchronous=True needs bigbatch.AdaptiveBatch's optimizer step, which skips a "
+            "non-finite step on the device; a framework's own step cannot: leave it False"
+        )
     if framework is not None:
         world = framework.world
     else:
@@ -316,6 +322,24 @@ def check_statistics(
                 f"{type(optimizer).__name__} needs {', '.join(sorted(missing))} collected "
                 "(MicroBatchStatistics(gsnr=True))"
             )
+
+
+def check_asynchronous(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+) -> None:
+    """One error where ``asynchronous`` could not skip a non-finite step on the device."""
+    if isinstance(optimizer, StatisticsWrapper):
+        raise ValueError(
+            f"asynchronous=True: {type(optimizer).__name__} reads each step's statistics "
+            "before its update, so they cannot be read one step late: leave it False"
+        )
+    skips = getattr(optimizer, "_step_supports_amp_scaling", False)
+    if not skips and (scaler is None or not scaler.is_enabled()):
+        raise ValueError(
+            f"asynchronous=True: {type(optimizer).__name__} cannot skip a non-finite step "
+            "on the device; use one that takes found_inf (torch's Adam, AdamW, SGD or "
+            "Adagrad with fused=True) or a GradScaler, or leave it False"
+        )
 
 
 def describe(engine: Any) -> dict[str, Any]:

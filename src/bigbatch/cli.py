@@ -1,21 +1,8 @@
-"""The ``bigbatch`` command: train, compare, report, tasks.
-
-    bigbatch train                          # the default task with adaptive batching
-    bigbatch train --set batch.controller=constant --set batch.initial=1024
-    bigbatch train --config run.toml --out runs/mine
-    bigbatch train --resume runs/mine       # continue a killed run
-    bigbatch train --nproc 2                # 2 local processes (DDP, gloo on CPU)
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m bigbatch.cli train --out runs/big
-    bigbatch compare --vary batch.target=0.2,0.5 --set max_samples=400000
-    bigbatch critical-batch --set task=text  # the critical batch along a run, by branching
-    bigbatch tune --task lm                 # the rate by a multi-fidelity search (Optuna)
-    bigbatch federated --split dirichlet    # Flower clients with adaptive local batches
-    bigbatch report runs/mine
-    bigbatch tasks
-
-Every failure is one line on stderr with an exit code (docs/cli.md): 2 a config or
-environment error, 3 training stopped on non-finite steps, 4 a training process or
-collective failed, 128 + N stopped by signal N after a checkpoint.
+"""The ``bigbatch`` command: ``train``, ``compare``, ``critical-batch``, ``tune``,
+``federated``, ``report``, ``tasks`` (docs/cli.md). Every failure is one line on stderr
+with an exit code: 2 a config or environment error, 3 training stopped on non-finite
+steps, 4 a training process or collective failed, 128 + N stopped by signal N after a
+checkpoint.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,14 @@ from torch import Tensor
 from ._checks import positive_int
 from ._tensors import norms, sq_norms
 from ._warn import warn_at_caller
-from .assembly import assemble, check_statistics, describe, fewest_sub_batches, measuring_every
+from .assembly import (
+    assemble,
+    check_asynchronous,
+    check_statistics,
+    describe,
+    fewest_sub_batches,
+    measuring_every,
+)
 from .batch.controllers import Controller, contract_of
 from .batch.lr import LRScaling, lr_factor, resolve_lr_rule
 from .batch.plan import StepPlan
@@ -25,7 +33,7 @@ from .parallel.fsdp import local
 from .parallel.world import World
 from .stats.collector import MicroBatchStatistics
 from .stats.estimators import inverse_size
-from .stats.result import GradientStats
+from .stats.result import GradientStats, PendingStats
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteError", "StepEngine", "StepOptions", "StepResult"]
 
@@ -44,6 +52,9 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
     #: the update must not happen (a non-finite step under ``nonfinite="skip"``)
     skip: bool = False
+    #: with ``asynchronous``: 1.0 on the device where this step is not finite, for the
+    #: optimizer to skip it by (its ``found_inf``); None otherwise
+    found_inf: Tensor | None = None
 
 
 class StepEngine:
@@ -91,6 +102,8 @@ class StepEngine:
         self.loss_reduction = self.options.loss_reduction
         self.scaler = scaler
         check_statistics(optimizer, controller, collector, self.lr_scaling)
+        if self.options.asynchronous:
+            check_asynchronous(optimizer, scaler)
         self.options = measuring_every(self.options, optimizer, controller, collector)
         #: the batch size of the next step
         self.batch_size = controller.initial
@@ -115,6 +128,8 @@ class StepEngine:
         self._plan: StepPlan | None = None
         self._weights: list[float] = []
         self._loss: Tensor | None = None
+        #: with ``asynchronous``, the last step, not yet read or decided on
+        self._pending: _Reading | _Read | None = None
 
     @classmethod
     def build(
@@ -176,39 +191,81 @@ class StepEngine:
     # ------------------------------------------------------------ the optimizer step
 
     def before_optimizer_step(self) -> StepResult:
-        """Measure, check finiteness, set the rates, choose the next size: one host sync.
+        """Measure, check finiteness, set the rates, choose the next size: one host sync
+        (with ``asynchronous``, none: the step before's numbers are read instead).
         A non-finite step with ``nonfinite="raise"`` raises :class:`NonFiniteError`."""
         if self._plan is None:
             raise RuntimeError("before_optimizer_step() without a step: call begin(plan) first")
         self._lr.restore(self.optimizer)  # a scaling a framework's skipped step left behind
-        batch = self._plan.batch_size
-        reported = self._loss is not None
-        loss = self._loss if self._loss is not None else torch.zeros(())
-        if self.measuring:
-            stats, metrics, finite = _statistics(self.collector, self.scaler, loss)
-        else:
-            stats = None
-            metrics, finite = _between_measurements(self, loss, batch)
-        if not reported:  # a loop that never gave its loss (add_loss) has none, not a loss of 0
-            del metrics["loss"]
+        if self._pending is not None and not self.options.asynchronous:
+            self.flush()  # a checkpoint of an asynchronous run, resumed synchronously
+        reading = _Reading.of(self)
         self._plan = None
-        if not finite and self.scaler is None:
-            if self.nonfinite == "raise":
-                raise NonFiniteError(
-                    f"step {self.steps_taken + 1}: the gradient or loss is not finite "
-                    f"(loss {metrics.get('loss', 'not given')}); nothing was updated"
-                )
-            self.skipped_steps += 1
-            self._count(batch, metrics)
-            metrics.update(skipped=1.0, lr_factor=0.0, lr=0.0, next_batch_size=self.batch_size)
-            return StepResult(stats, metrics, skip=True)
-        if finite and stats is not None:
-            if isinstance(self.optimizer, StatisticsWrapper):
-                self.optimizer.observe(stats)
-            # AdaScale's gain reads the averages: kept for the steps between measurements
-            self._averages = dict(
-                grad_sq_norm=metrics["grad_sq_norm_ema"], trace=metrics["trace_ema"]
+        if self.options.asynchronous:
+            return self._step_asynchronously(reading)
+        read = reading.resolve()
+        if not read.finite and self.scaler is None:
+            metrics = self._drop(read)
+            self._count(read.batch, metrics)
+            return StepResult(read.stats, metrics, skip=True)
+        self._learn_averages(read)
+        self._set_rate(read.batch, read.metrics)
+        self._decide(read)
+        return StepResult(read.stats, read.metrics)
+
+    def _step_asynchronously(self, reading: _Reading) -> StepResult:
+        """This step's numbers start to the host, the step before's are decided on; the result
+        holds the step before's metrics and this step's ``found_inf`` (``asynchronous``)."""
+        found_inf = reading.pending.nonfinite() if self.scaler is None else None
+        reading.pending.start()
+        earlier, self._pending = self._pending, reading
+        result = StepResult(None)
+        if earlier is not None:
+            read = earlier.resolve() if isinstance(earlier, _Reading) else earlier
+            result = StepResult(read.stats, self._settle(read))
+        self._set_rate(reading.batch, reading.rate_metrics)
+        result.found_inf = found_inf
+        return result
+
+    def flush(self) -> StepResult | None:
+        """With ``asynchronous``, decide on the last step now (a run's end); None if none."""
+        earlier, self._pending = self._pending, None
+        if earlier is None:
+            return None
+        read = earlier.resolve() if isinstance(earlier, _Reading) else earlier
+        return StepResult(read.stats, self._settle(read))
+
+    def _settle(self, read: _Read) -> dict[str, float]:
+        """An asynchronous step's numbers, read one step late: skipped or learned from."""
+        if not read.finite and self.scaler is None:
+            return self._drop(read)  # the optimizer skipped it on the device
+        self._learn_averages(read)
+        self._decide(read)
+        return read.metrics
+
+    def _drop(self, read: _Read) -> dict[str, float]:
+        """A non-finite step: raised, or counted as skipped (its update dropped)."""
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"step {read.step}: the gradient or loss is not finite "
+                f"(loss {read.metrics.get('loss', 'not given')}); nothing was updated"
             )
+        self.skipped_steps += 1
+        read.metrics.update(skipped=1.0, lr_factor=0.0, lr=0.0, next_batch_size=self.batch_size)
+        return read.metrics
+
+    def _learn_averages(self, read: _Read) -> None:
+        """A finite measured step: VRGD or AGVM observes it, AdaScale's averages take it."""
+        if not read.finite or not read.measured:
+            return
+        if isinstance(self.optimizer, StatisticsWrapper):
+            self.optimizer.observe(read.stats)
+        # AdaScale's gain reads the averages: kept for the steps between measurements
+        metrics = read.metrics
+        self._averages = dict(grad_sq_norm=metrics["grad_sq_norm_ema"], trace=metrics["trace_ema"])
+
+    def _set_rate(self, batch: int, metrics: dict[str, float]) -> None:
+        """The rate of a step of ``batch`` set on the optimizer; the step counted."""
         if self.schedule is not None:
             # controllers may hold the batch while the schedule still rises (a warm-up)
             metrics["schedule"] = _schedule_factor(self.schedule, self.samples)
@@ -222,15 +279,18 @@ class StepEngine:
             metrics["lr"] = float(lr) * factor
         self._lr.apply(self.optimizer, factor)
         self._count(batch, metrics)
+
+    def _decide(self, read: _Read) -> None:
+        """The controller chooses the next batch from a step's numbers."""
+        metrics = read.metrics
         # an overflowed GradScaler step teaches the controller nothing, and a step between
         # measurements only a controller that learns |G|² from the batch gradient alone
-        informs = stats is not None or "batch_grad_sq_norm" in metrics
-        if finite and (informs or not contract_of(self.controller).needs_statistics):
-            self.batch_size = int(self.controller.next(metrics, batch, self.samples))
-        if finite:
+        informs = read.measured or "batch_grad_sq_norm" in metrics
+        if read.finite and (informs or not contract_of(self.controller).needs_statistics):
+            self.batch_size = int(self.controller.next(metrics, read.batch, read.samples))
+        if read.finite:
             self._log_noise_scale(metrics)
         metrics["next_batch_size"] = self.batch_size
-        return StepResult(stats, metrics)
 
     def _log_noise_scale(self, metrics: dict[str, float]) -> None:
         """The ``noise_scale`` logged: the controller's, else a default smoothed one."""
@@ -255,6 +315,9 @@ class StepEngine:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
+        # asynchronous: the last step read now (its statistics join the averages, as they
+        # would at the next step) and decided on at the next step, as it would be
+        pending = self._read_pending().state_dict() if self._pending is not None else None
         return {
             "controller": self.controller.state_dict(),
             "statistics": self.collector.state_dict() if self.collector is not None else None,
@@ -264,7 +327,14 @@ class StepEngine:
             "skipped_steps": self.skipped_steps,
             "step": self.steps_taken,
             "samples": self.samples,
+            "pending": pending,
         }
+
+    def _read_pending(self) -> _Read:
+        """The pending step's numbers, read (waiting for them), kept pending."""
+        if isinstance(self._pending, _Reading):
+            self._pending = self._pending.resolve()
+        return self._pending
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.controller.load_state_dict(state["controller"])
@@ -275,6 +345,8 @@ class StepEngine:
         self.batch_size = _within_bounds(self.controller, int(state["batch_size"]))
         self.skipped_steps = int(state["skipped_steps"])
         self.steps_taken, self.samples = int(state["step"]), int(state["samples"])
+        pending = state.get("pending")
+        self._pending = _Read.from_state(pending) if pending is not None else None
 
 
 def _within_bounds(controller: Controller, saved: int) -> int:
@@ -317,14 +389,78 @@ def _loss_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> Te
     return scaler.scale(torch.ones((), device=device))
 
 
-def _statistics(
-    collector: MicroBatchStatistics, scaler: torch.amp.GradScaler | None, loss: Tensor
-) -> tuple[GradientStats, dict[str, float], bool]:
-    """The step's statistics (the loss among them) and its finiteness, in one host read."""
-    pending = collector.finish_pending(
-        loss_scale=_loss_scale(scaler, collector.layout.device), loss=loss
-    )
-    stats = pending.read()
+@dataclass
+class _Read:
+    """A step's numbers on the host, with what the engine decides them with."""
+
+    metrics: dict[str, float]
+    finite: bool
+    #: the statistics were measured (a step between measurements has its loss alone)
+    measured: bool
+    batch: int
+    #: the step's number and the samples trained on after it
+    step: int
+    samples: int
+    stats: GradientStats | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _READ_STATE}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _Read:
+        return cls(**{name: state[name] for name in _READ_STATE})
+
+
+_READ_STATE = ("metrics", "finite", "measured", "batch", "step", "samples")
+
+
+@dataclass
+class _Reading:
+    """A step's numbers still on the device, with what the host knows of the step."""
+
+    pending: PendingStats[Any]
+    #: the decoded numbers as (statistics or None, metrics, finite)
+    interpret: Callable[[Any], tuple[GradientStats | None, dict[str, float], bool]]
+    batch: int
+    step: int
+    samples: int
+    #: the loop gave the step's loss (``add_loss``): a loop that never did has none, not 0
+    reported: bool
+    #: the step's rate, set before its numbers are read (``asynchronous``)
+    rate_metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, engine: StepEngine) -> _Reading:
+        """The step under way's numbers, gathered on the device (no host read)."""
+        batch = engine._plan.batch_size
+        loss = engine._loss if engine._loss is not None else torch.zeros(())
+        if engine.measuring:
+            pending = engine.collector.finish_pending(
+                loss_scale=_loss_scale(engine.scaler, engine.collector.layout.device), loss=loss
+            )
+            interpret = _statistics
+        else:
+            pending, interpret = _between_measurements(engine, loss, batch), _loss_only
+        return cls(
+            pending,
+            interpret,
+            batch,
+            engine.steps_taken + 1,
+            engine.samples + batch,
+            reported=engine._loss is not None,
+        )
+
+    def resolve(self) -> _Read:
+        """The numbers read (waiting for them if they are not on the host yet)."""
+        stats, metrics, finite = self.interpret(self.pending.read())
+        if not self.reported:
+            del metrics["loss"]
+        metrics.update(self.rate_metrics)
+        return _Read(metrics, finite, stats is not None, self.batch, self.step, self.samples, stats)
+
+
+def _statistics(stats: GradientStats) -> tuple[GradientStats, dict[str, float], bool]:
+    """A measured step's statistics (the loss among them) and its finiteness."""
     metrics = stats.as_floats()
     # the collector's β-average ratio is not what any controller decides on: the logged
     # noise_scale is the deciding estimate (StepEngine._log_noise_scale)
@@ -332,9 +468,13 @@ def _statistics(
     return stats, metrics, math.isfinite(metrics["grad_sq_norm"] + metrics["loss"])
 
 
+def _loss_only(read: tuple[dict[str, float], bool]) -> tuple[None, dict[str, float], bool]:
+    return None, *read
+
+
 def _between_measurements(
     engine: StepEngine, loss: Tensor, batch: int
-) -> tuple[dict[str, float], bool]:
+) -> PendingStats[tuple[dict[str, float], bool]]:
     """A step that does not measure: its loss, finiteness and batch gradient's ``|g_B|²``."""
     collector = engine.collector
     wanted = (
@@ -348,33 +488,44 @@ def _between_measurements(
     scale = _loss_scale(engine.scaler, device)
     if scale is None:
         scale = torch.ones((), device=device)
-    metrics, finite = _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, scale)
-    metrics["batch_inverse_size"] = inverse_size(batch, collector.dataset_size)
-    return metrics, finite
+    inverse = inverse_size(batch, collector.dataset_size)
+    return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, scale, inverse)
 
 
 def _mean_loss_and_finiteness(
-    optimizer: torch.optim.Optimizer, world: World, loss: Tensor, scale: Tensor | None = None
-) -> tuple[dict[str, float], bool]:
-    """The mean loss and finiteness on every rank: one all-reduce, one host read."""
+    optimizer: torch.optim.Optimizer,
+    world: World,
+    loss: Tensor,
+    scale: Tensor | None = None,
+    batch_inverse_size: float = 0.0,
+) -> PendingStats[tuple[dict[str, float], bool]]:
+    """The mean loss and finiteness on every rank (and ``|g_B|²``): one all-reduce, one read."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
     present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
     with torch.no_grad():
         if not world.distributed and scale is None:
             # one process: the norms and the loss in one read (a NaN or an infinity in a
             # gradient makes its norm so); two operators beside the read
-            read = torch.stack([loss, *norms(present)]).tolist()
-            return {"loss": read[0]}, math.isfinite(math.fsum(read))
+            return PendingStats(torch.stack([loss, *norms(present)]), _loss_and_norms)
         # squared norms: a NaN or an infinity survives the sum, and no square root is needed
         total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
         parts = [loss.double().reshape(()), total.to(loss.device)]
         if scale is not None:
             parts.append(scale.double().reshape(()).to(loss.device))
-        read = world.all_reduce_sum(torch.stack(parts) / world.size).tolist()
-    value, total_sq = read[0], read[1]
-    metrics = {"loss": value}
-    if scale is not None:
-        # a replicated gradient (DDP) is summed once per rank; a sharded one's shards add up
-        full_sq = total_sq * world.size if world.sharded else total_sq
-        metrics["batch_grad_sq_norm"] = full_sq / read[2] ** 2
-    return metrics, math.isfinite(value + total_sq)
+        values = world.all_reduce_sum(torch.stack(parts) / world.size)
+
+    def decode(read: list[float]) -> tuple[dict[str, float], bool]:
+        value, total_sq = read[0], read[1]
+        metrics = {"loss": value}
+        if scale is not None:
+            # a replicated gradient (DDP) is summed once per rank; a sharded one's shards add up
+            full_sq = total_sq * world.size if world.sharded else total_sq
+            metrics["batch_grad_sq_norm"] = full_sq / read[2] ** 2
+            metrics["batch_inverse_size"] = batch_inverse_size
+        return metrics, math.isfinite(value + total_sq)
+
+    return PendingStats(values, decode)
+
+
+def _loss_and_norms(read: list[float]) -> tuple[dict[str, float], bool]:
+    return {"loss": read[0]}, math.isfinite(math.fsum(read))

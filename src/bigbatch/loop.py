@@ -96,7 +96,8 @@ class Step:
 
     def apply(self, max_grad_norm: float | None = None) -> None:
         """Optimizer step at the batch's rate; then choose the next batch size.
-        ``max_grad_norm`` clips after the statistics have read the gradient."""
+        ``max_grad_norm`` clips after the statistics have read the gradient. With
+        ``asynchronous=True`` the metrics are the step before's (:meth:`AdaptiveBatch.flush`)."""
         if max_grad_norm is not None:
             check_number("max_grad_norm", max_grad_norm, low_open=True)
         if self._applied:
@@ -265,11 +266,19 @@ class AdaptiveBatch:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
+            elif result.found_inf is not None:
+                _step_unless_found_inf(self.optimizer, result.found_inf)
             else:
                 self.optimizer.step()
         self.engine.after_optimizer_step(result)
         self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def flush(self) -> dict[str, float]:
+        """With ``asynchronous=True``, the last step's metrics, read now (at the training's
+        end: they are otherwise read at the next step); ``{}`` when none is pending."""
+        result = self.engine.flush()
+        return result.metrics if result is not None else {}
 
     def _clip(self, max_norm: float) -> None:
         """Clip the gradient's total norm, unscaled first under a ``GradScaler`` (no read)."""
@@ -314,6 +323,15 @@ class AdaptiveBatch:
         saved = state["rng"]
         set_rng_state(saved[self.world.rank % len(saved)])
         ddp.load_hook_state_dict(self.comm_hook, state.get("comm_hook"), self.world)
+
+
+def _step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor) -> None:
+    """The step, skipped on the device where ``found_inf`` is 1 (as a ``GradScaler`` asks)."""
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
 
 
 def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

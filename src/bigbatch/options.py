@@ -97,6 +97,15 @@ class StepOptions:
     #: raises :class:`bigbatch.NonFiniteError` (``"raise"``) before anything learns from
     #: it; with a ``GradScaler`` an overflow is the scaler's to skip
     nonfinite: str = "skip"
+    #: read each step's numbers (statistics, loss, finiteness) one step late, so that the
+    #: host never waits for the device: a non-finite step is skipped by the optimizer on
+    #: the device (``found_inf``: torch's optimizers with ``fused=True``, or a
+    #: ``GradScaler``), the controller decides from the step before the last (its batch
+    #: follows the noise one step later) and a step's metrics come with the next step's
+    #: (``Step.metrics["step"]`` says whose; ``AdaptiveBatch.flush`` reads the last).
+    #: Not with an optimizer that reads this step's statistics (VRGD, AGVM).
+    #: docs/adaptive_batching.md, "An asynchronous step"
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         choice("lr_scaling", self.lr_scaling, (*LR_RULES, "auto"))
@@ -130,6 +139,7 @@ class StepOptions:
         check_flag("finite_correction", self.finite_correction)
         choice("loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_flag("asynchronous", self.asynchronous)
 
     def every_at(self, batch_size: int) -> int:
         """Steps from one measured step to the next at ``batch_size``."""

@@ -52,6 +52,7 @@ def make_loop(
     noise_from: str = "sub_batches",
     statistics_every: int = 1,
     statistics: bool | None = True,  # measured under a constant batch too
+    asynchronous: bool = False,
 ) -> AdaptiveBatch:
     model = make_model()
     if fsdp:
@@ -63,6 +64,8 @@ def make_loop(
         optimizer_ = torch.optim.SGD(groups, lr=lr)
     elif optimizer == "adamw":
         optimizer_ = torch.optim.AdamW(groups, lr=lr)
+    elif optimizer == "adamw-fused":
+        optimizer_ = torch.optim.AdamW(groups, lr=lr, fused=True)
     elif optimizer in ("lamb", "lars", "merit"):
         optimizer_ = create_optimizer(groups, optimizer, lr=lr)
     elif optimizer == "vr-sgd":
@@ -84,6 +87,7 @@ def make_loop(
         noise_from=noise_from,
         statistics_every=statistics_every,
         statistics=statistics,
+        asynchronous=asynchronous,
     )
 
 
@@ -148,6 +152,21 @@ def adaptive_run(
     record = train(loop, steps)
     record["params"] = flat_params(loop)
     return record
+
+
+def asynchronous_run(steps: int) -> dict:
+    """``asynchronous=True`` under DDP: each step's numbers read at the next step."""
+    world = dist.get_world_size()
+    controller = SimiGrad(target=0.5, initial=16 * world, min=2 * world, max=512, window=5)
+    loop = make_loop(controller, optimizer="adamw-fused", lr=0.01, asynchronous=True)
+    metrics = []
+    for step in loop.steps(max_steps=steps):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(loop.model(x), y))
+        step.apply()
+        metrics.append(dict(step.metrics))
+    metrics.append(loop.flush())
+    return {"metrics": metrics, "params": flat_params(loop)}
 
 
 def norm_between_measurements(fsdp: bool = False) -> list[tuple[float | None, float]]:

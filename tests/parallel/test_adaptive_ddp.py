@@ -51,6 +51,17 @@ def test_every_rank_makes_the_same_batch_decisions_for_200_steps(cluster):
     assert results[0]["loss"][-1] < 0.5 * results[0]["loss"][0]
 
 
+def test_an_asynchronous_run_decides_the_same_on_every_rank(cluster2):
+    """Each step's numbers, reduced over the ranks, are read at the next step on every
+    rank: the same late decisions, skips and parameters everywhere."""
+    results = cluster2.run(programs.asynchronous_run, 60)
+    first = results[0]["metrics"]
+    assert first[0] == {} and [m["step"] for m in first[1:]] == list(range(1, 61))
+    assert len({m["batch_size"] for m in first[1:]}) > 2  # the batch really adapts
+    assert results[1]["metrics"] == first
+    assert torch.equal(results[1]["params"], results[0]["params"])
+
+
 def test_statistics_every_third_step_decides_the_same_on_every_rank(cluster2):
     """The ranks agree on which steps measure (the step counter decides): one micro-batch
     per rank between measurements, the same batches and parameters on every rank."""

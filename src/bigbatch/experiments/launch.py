@@ -1,17 +1,10 @@
 """``bigbatch train --nproc N``: N local training processes under torch's elastic agent,
-run inside the command's own process.
-
-What this buys over starting ``torchrun`` as a child:
-
-- a SIGTERM or Ctrl-C reaches the agent itself, which forwards it once to every rank and
-  waits for them (each finishes its optimizer step and the ranks write one checkpoint
-  together: ``experiments/signals.py``), so no process outlives the command; a rank whose
-  launcher is killed outright notices (it watches its parent) and stops the same way;
-- the launcher takes the run directory's lock and holds it for its ranks;
-- the agent's own log goes to ``<run>/launcher.log``, and a failed run is one
-  line naming the ranks that failed and the ones that stopped answering.
-
-Exit codes: those of ``bigbatch`` (:mod:`bigbatch.cli`).
+run inside the command's own process (docs/cli.md). Over ``torchrun`` as a child: a
+SIGTERM or Ctrl-C reaches the agent, which forwards it once to every rank and waits for
+their checkpoint (``experiments/signals.py``), so no process outlives the command; the
+launcher holds the run directory's lock for its ranks; the agent's log goes to
+``<run>/launcher.log``, and a failure is one line naming the ranks. Exit codes: those of
+:mod:`bigbatch.cli`.
 """
 
 from __future__ import annotations

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
+
+#: what a :class:`PendingStats` decodes its numbers to
+Decoded = TypeVar("Decoded")
 
 #: the scalar fields :meth:`GradientStats.as_floats` gives, in order
 SCALARS = ("similarity", "grad_sq_norm", "trace", "noise_scale", "grad_sq_norm_ema", "trace_ema")
@@ -92,16 +96,24 @@ class GradientStats:
         return [list(row) for row in self.group_halves or []]
 
 
-class PendingStats:
-    """A step's statistics still on the device: :meth:`read` brings them to the host in one
-    transfer; :meth:`start` begins it without waiting (pinned memory on a GPU)."""
+class PendingStats(Generic[Decoded]):
+    """A step's numbers on the device: :meth:`read` brings them to the host in one transfer
+    and decodes them; :meth:`start` begins it without waiting (pinned memory on a GPU)."""
 
-    def __init__(self, values: Tensor, decode: Callable[[list[float]], GradientStats]) -> None:
+    def __init__(self, values: Tensor, decode: Callable[[list[float]], Decoded]) -> None:
         self._values: Tensor | None = values
         self._decode = decode
         self._copy: Tensor | None = None
         self._event = None
-        self._stats: GradientStats | None = None
+        self._stats: Decoded | None = None
+
+    def nonfinite(self) -> Tensor:
+        """1.0 where a number is NaN or infinite, else 0.0, on the device: a ``found_inf``."""
+        if self._values is None:
+            raise RuntimeError("the numbers were already read")
+        # x * 0 is 0 for a finite x and NaN for a NaN or an infinity: four operators, where
+        # isfinite is four on its own
+        return self._values.sum().mul(0).to(torch.float32).nan_to_num_(1.0)
 
     def start(self) -> None:
         """Begin copying the numbers to the host (on a GPU: pinned memory, no wait)."""
@@ -113,8 +125,8 @@ class PendingStats:
         self._event = torch.cuda.Event()
         self._event.record()
 
-    def read(self) -> GradientStats:
-        """The statistics (the first call waits for the numbers and computes them)."""
+    def read(self) -> Decoded:
+        """The decoded numbers (the first call waits for them and decodes them)."""
         if self._stats is None:
             if self._copy is not None:
                 self._event.synchronize()
