@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks, as one command for a machine lent for a few minutes (about 7 minutes on
-# an H200, at most 10; docs/results.md, "Cost of a step", says what the numbers are compared with):
+# The GPU checks, as one command for a machine lent for a few minutes (about 8 minutes on
+# an H200; docs/results.md, "Cost of a step", says what the numbers are compared with):
 #
 #   bash benchmarks/gpu_checks.sh [OUT]             # OUT: where the results go (default gpu-out)
+#   PARTS="machine cuda-tests step-cost" bash benchmarks/gpu_checks.sh OUT   # some parts only
+#
+# The parts' limits add up to more than one 10-minute call: where a call is limited so,
+# run the first three parts in one call and the rest in a second.
 #
 # bigbatch is imported from src (no install). A machine without network takes wheels from
 # WHEELS (a folder made here with `pip download mnist1d -d WHEELS --no-deps`), so the
@@ -20,6 +24,7 @@ fi
 part() {  # part NAME SECONDS COMMAND...: run it with a limit, its output in OUT/NAME.txt
     local name=$1 limit=$2
     shift 2
+    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then return; fi
     local start=$SECONDS
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/parts.txt"
@@ -44,4 +49,12 @@ part step-async 100 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
     --models text-gpu,gpt2 --batches "${ASYNC_BATCHES:-16,64,256}" \
     --gpt2-batches 16 --steps 15 --steady 10 \
     --arms plain-fused,examples-fused,async
+# bigbatch train end to end, each step read at once and at the next step (AdamW, fused in
+# both), on the text task at GPU scale: samples per second of the whole run
+for asynchronous in false true; do
+    part "train-asynchronous-$asynchronous" 100 python benchmarks/step_cost.py --part throughput \
+        --device "${DEVICE:-cuda}" --task text --train-samples 30000 --set optimizer=adamw --set optimizer_impl=fused \
+        --set asynchronous=$asynchronous --set model.width=256 --set model.depth=4 \
+        --set model.context=256
+done
 cat "$out/parts.txt"

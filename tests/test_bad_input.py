@@ -57,6 +57,7 @@ CLI_CASES = [
     (["train", "--set", "threads=-2"], "threads must be a whole number >= 0, got -2"),
     (["train", "--set", "seed=1.5"], "seed must be a whole number, got 1.5"),
     (["train", "--set", "agvm.enabled=maybe"], "maybe"),
+    (["train", "--set", "asynchronous=true"], "which lamb cannot: use optimizer = 'adamw'"),
     (["train", "--set", "dist.ratio=0"], "dist.ratio must be in (0, 1], got 0"),
     (["train", "--set", "dist.compression=zip"], "'zip'"),
     (["train", "--set", "nonfinite=ignore"], "'ignore'"),

@@ -214,8 +214,7 @@ class StepEngine:
         return StepResult(read.stats, read.metrics)
 
     def _step_asynchronously(self, reading: _Reading) -> StepResult:
-        """This step's numbers start to the host, the step before's are decided on; the result
-        holds the step before's metrics and this step's ``found_inf`` (``asynchronous``)."""
+        """This step's numbers start to the host, the step before's are decided on."""
         found_inf = reading.pending.nonfinite() if self.scaler is None else None
         reading.pending.start()
         earlier, self._pending = self._pending, reading

@@ -69,3 +69,33 @@ def test_a_run_is_planned_once_then_checked_and_trained_with_that_plan(
     assert isinstance(trained[0], RunPlan) and trained[0]["lr"] > 0
     runner.train_or_reuse(resolve(CONFIG), tmp_path / "run")  # finished: checked, reused
     assert len(trained) == 1
+
+
+#: ``asynchronous``: each step's row written at the next step, its evaluation held till then
+ASYNC = {**CONFIG, "optimizer": "adamw", "asynchronous": True}
+
+
+def test_an_asynchronous_run_logs_every_step_once_with_its_own_evaluation(tmp_path):
+    """Each row is its own step's: against the same run read at once (torch's fused AdamW
+    in both), a constant batch trains alike, so the rows are the same."""
+    late = runner.train(resolve(ASYNC), tmp_path / "async", quiet=True)
+    sync = {**ASYNC, "asynchronous": False, "optimizer_impl": "fused"}
+    once = runner.train(resolve(sync), tmp_path / "sync", quiet=True)
+    assert [r["step"] for r in rows(tmp_path / "async")] == list(range(1, late["steps"] + 1))
+    assert rows(tmp_path / "async") == rows(tmp_path / "sync")
+    assert late["final_accuracy"] == once["final_accuracy"]
+
+
+def test_an_asynchronous_run_paused_and_resumed_ends_like_one_never_paused(tmp_path):
+    config = {**ASYNC, "batch.controller": "batch_warmup"}
+    straight = runner.train(resolve(config), tmp_path / "straight", quiet=True)
+    run = tmp_path / "paused"
+    first = runner.train(resolve(config), run, quiet=True, until=2000)
+    assert first["paused"]
+    done = runner.train(resolve(config), run, resume=True, quiet=True)
+    assert (
+        done["steps"] == straight["steps"] and done["final_accuracy"] == straight["final_accuracy"]
+    )
+    assert _without_evaluation(run) == _without_evaluation(tmp_path / "straight")
+    batches = {r["batch_size"] for r in rows(run)}
+    assert len(batches) > 1, "the batch must have grown"

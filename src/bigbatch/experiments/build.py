@@ -93,6 +93,8 @@ def _loop(
     accepted = get_optimizer_info(opt.name).signature().parameters
     if "impl" in accepted:
         options["impl"] = opt.impl
+    elif "fused" in accepted and (opt.impl == "fused" or machine.asynchronous):
+        options["fused"] = True  # torch's; its step skips a non-finite one on the device
     if "gamma" in accepted:  # the vr-* optimizers
         options.update(declared(plan, "vrgd.", VRGD.CONFIG))
     sharded = world is not None and world.distributed and dist.strategy == "fsdp"
@@ -142,6 +144,7 @@ def _loop(
         similarity=None if batch.similarity == "auto" else batch.similarity,
         comm_hook=hook,
         nonfinite=machine.nonfinite,
+        asynchronous=machine.asynchronous,
         seed=plan.run.seed,
         scaler=precision.scaler(),
         # batches reach a GPU from pinned memory, without blocking the host

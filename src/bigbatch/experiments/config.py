@@ -240,7 +240,8 @@ class OptimizerKeys:
     impl: str = run_key(
         "optimizer_impl",
         "foreach",
-        "impl of bigbatch optimizers (fused: Triton kernels, CUDA only)",
+        "impl of bigbatch optimizers (fused: Triton kernels, CUDA only); torch's adamw and "
+        "sgd take fused (fused=True) and foreach",
         choices=IMPLS,
     )
     lr: float = run_key(
@@ -329,6 +330,14 @@ class MachineKeys:
         "skip",
         "a step with a NaN/Inf gradient or loss: skip its update (counted) or stop the run",
         choices=NONFINITE_POLICIES,
+    )
+    asynchronous: bool = run_key(
+        "asynchronous",
+        False,
+        "read each step's numbers at the next step, so the host never waits for the GPU "
+        "(the loop's asynchronous step): the batch follows the noise one step later; a "
+        "non-finite step is skipped on the device, so the optimizer is adamw or sgd, "
+        "built fused",
     )
     skip_limit: float = run_key(
         "skip_limit",

@@ -120,4 +120,7 @@ def _machine(run: RunPlan) -> str:
         threads = machine.threads or torch.get_num_threads()
         text += f", {threads} thread{'s' if threads > 1 else ''}"
         text += "" if machine.threads else " (torch's default)"
-    return f"{text}; forward passes in {machine.precision}"
+    text += f"; forward passes in {machine.precision}"
+    if machine.asynchronous:
+        text += "; each step's numbers read at the next step (asynchronous)"
+    return text

@@ -94,6 +94,8 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     origins: dict[str, str] = {}
     config = with_recipe(config, origins)
     _check_task_keys(config, task)
+    if config["asynchronous"]:
+        _check_asynchronous(config)
     for key, value in (
         ("model.width", task.width),
         ("model.depth", task.depth),
@@ -294,6 +296,19 @@ def with_recipe(config: dict[str, Any], origins: dict[str, str] | None = None) -
             if origins is not None and value != AUTO:
                 origins[key] = f"the {config['optimizer']} recipe"
     return config
+
+
+def _check_asynchronous(config: Mapping[str, Any]) -> None:
+    """``ConfigError`` unless the run's optimizer can skip a step on the device (fused)."""
+    name = config["optimizer"]
+    accepted = get_optimizer_info(name).signature().parameters
+    # torch's fused optimizers take found_inf; a vr-* one (its gamma) reads each step first
+    if "fused" not in accepted or "gamma" in accepted or config["agvm.enabled"]:
+        raise ConfigError(
+            f"asynchronous = true skips a non-finite step on the device, which {name}"
+            f"{' under AGVM' if config['agvm.enabled'] else ''} cannot: use optimizer = 'adamw' or "
+            "'sgd' (built fused), or asynchronous = false"
+        )
 
 
 def run_facts(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -175,6 +175,7 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
                         return paused(out, loop, run.evaluation)
                     if end:  # the budget is spent (the loop ends by itself) or the target met
                         break
+                run.record(loop.flush(), {})  # asynchronous: the last step's row
     except (Exception, KeyboardInterrupt) as err:
         run.bar.close()
         if writer:
@@ -213,7 +214,9 @@ class _Run:
         # evaluates
         self.evaluates = self.writer or self.loop.world.sharded
         self.pause_at = until if until is not None and until < self.keys.max_samples else None
-        self.state: dict[str, Any] = {"metrics_lines": 0, "wall_seconds": 0.0}
+        #: the log's rows so far, the training's time, a step's evaluation and time held
+        #: until its metrics come (``asynchronous``)
+        self.state: dict[str, Any] = {"metrics_lines": 0, "wall_seconds": 0.0, "held": {}}
         self.keep_previous = True
         self.evaluation: dict[str, float] = {}
         self.ended = "budget"
@@ -257,22 +260,19 @@ class _Run:
         """Record the step; "last" or "pause" when the run ends or pauses after it (raises
         the reason when a signal or the skip limit stops it)."""
         keys, loop = self.keys, self.loop
-        row = dict(step.metrics)
+        own: dict[str, float] = {}  # what this step adds to its row: evaluation and time
         last = loop.samples >= keys.max_samples
         pause = self.pause_at is not None and loop.samples >= self.pause_at
         before = (loop.samples - step.batch_size, loop.steps_taken - 1)
         due = self._tick(self.eval_every, before) or loop.steps_taken == 1 or pause
         if self.evaluates and (due or last):
             self.evaluation = self.problem.evaluate(self.problem.model)
-            row.update(self.evaluation)
+            own.update(self.evaluation)
         if not last and keys.stop_at_target and due:  # rank 0's evaluation, on every rank
             last = self.world.broadcast_object(self.writer and self.task.reached(self.evaluation))
             self.ended = "target" if last else self.ended
-        self.state["wall_seconds"] = row["wall_seconds"] = time.perf_counter() - self.start
-        self.state["metrics_lines"] += 1
-        if self.log is not None:
-            self.log.write(json.dumps(row) + "\n")
-        self.sinks.record(row)
+        self.state["wall_seconds"] = own["wall_seconds"] = time.perf_counter() - self.start
+        row = self.record(step.metrics, own)
         halt = self._halt()
         if self._tick(self.checkpoint_every, before) or last or halt or pause:
             self.checkpoint()
@@ -282,7 +282,7 @@ class _Run:
             step=loop.steps_taken,
             batch=step.batch_size,
             sim=f"{row.get('similarity', math.nan):+.2f}",
-            loss=f"{row['loss']:.3f}",
+            loss=f"{row.get('loss', math.nan):.3f}",
             lr=f"{row.get('lr', math.nan):.2e}",
             acc=f"{self.evaluation.get('eval_accuracy', math.nan):.3f}",
             refresh=False,
@@ -290,6 +290,21 @@ class _Run:
         if halt is not None:
             raise halt
         return "last" if last else "pause" if pause else None
+
+    def record(self, metrics: dict[str, float], own: dict[str, float]) -> dict[str, float]:
+        """Log a step's row: its metrics, evaluation and time (``asynchronous``: the metrics
+        are the step before's; this step's part is held, checkpointed, until its come)."""
+        if self.machine.asynchronous:
+            row = {**metrics, **self.state["held"]} if metrics else {}
+            self.state["held"] = own
+        else:
+            row = {**metrics, **own}
+        if row:
+            self.state["metrics_lines"] += 1
+            if self.log is not None:
+                self.log.write(json.dumps(row) + "\n")
+            self.sinks.record(row)
+        return row
 
     def _tick(self, every: int | Duration, before: tuple[int, int]) -> bool:
         """Whether the step just taken ends an interval: every ``every`` optimizer steps, or
