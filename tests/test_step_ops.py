@@ -114,3 +114,36 @@ def test_a_small_layer_takes_its_units_gradients_not_the_gram_form(monkeypatch):
     monkeypatch.setattr(per_example, "_ghost_is_cheaper", lambda rows, p, q: True)
     gram = default_ops()
     assert chosen <= gram - 2 * 8, (chosen, gram)
+
+
+def test_a_step_between_measurements_dispatches_what_a_step_without_statistics_does():
+    """The default controller learns |G|² from the batch gradient between measurements: its
+    norms ride in the loss's one read, squared and added up on the host (before: 10
+    operators more, the sum of squares and the loss scale's on the device)."""
+    got, metrics = {}, []
+    for arm in ("off", "between"):
+        torch.manual_seed(0)
+        model = TinyTransformer(256, 32, 64, 2, heads=4)
+        tokens = torch.randint(0, 256, (64, 33), generator=torch.Generator().manual_seed(0))
+        data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        controller = bb.batch.Constant(16) if arm == "off" else bb.batch.BatchWarmup(initial=16)
+        loop = bb.AdaptiveBatch(
+            model, optimizer, data, controller=controller, statistics=arm == "between",
+            statistics_every=4,
+        )  # fmt: skip
+        steps = loop.steps(max_steps=3)
+
+        def step(steps=steps, model=model):
+            s = next(steps)
+            for x, y in s.micro_batches():
+                s.backward(nn.functional.cross_entropy(model(x).flatten(0, -2), y.flatten()))
+            s.apply()
+            metrics.append(s.metrics)
+
+        step()  # measures (the first of every 4)
+        step()
+        got[arm] = count_ops(step)  # the third: between measurements
+    assert "batch_grad_sq_norm" in metrics[-1] and "trace" not in metrics[-1]
+    launched = {op: n for op, n in (got["between"] - got["off"]).items() if op != "view"}
+    assert not launched, launched

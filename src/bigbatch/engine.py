@@ -483,48 +483,47 @@ def _between_measurements(
     )
     if not wanted:
         return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss)
-    device = collector.layout.device
-    scale = _loss_scale(engine.scaler, device)
-    if scale is None:
-        scale = torch.ones((), device=device)
+    scale = _loss_scale(engine.scaler, collector.layout.device)
     inverse = inverse_size(batch, collector.dataset_size)
-    return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, scale, inverse)
+    return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, inverse, scale)
 
 
 def _mean_loss_and_finiteness(
     optimizer: torch.optim.Optimizer,
     world: World,
     loss: Tensor,
+    batch_inverse_size: float | None = None,
     scale: Tensor | None = None,
-    batch_inverse_size: float = 0.0,
 ) -> PendingStats[tuple[dict[str, float], bool]]:
-    """The mean loss and finiteness on every rank (and ``|g_B|²``): one all-reduce, one read."""
+    """The mean loss and finiteness on every rank (with ``batch_inverse_size``, ``|g_B|²``
+    too, unscaled by ``scale``): one all-reduce, one read."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
     present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
-    with torch.no_grad():
-        if not world.distributed and scale is None:
-            # one process: the norms and the loss in one read (a NaN or an infinity in a
-            # gradient makes its norm so); two operators beside the read
-            return PendingStats(torch.stack([loss, *norms(present)]), _loss_and_norms)
-        # squared norms: a NaN or an infinity survives the sum, and no square root is needed
-        total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
-        parts = [loss.double().reshape(()), total.to(loss.device)]
-        if scale is not None:
-            parts.append(scale.double().reshape(()).to(loss.device))
-        values = world.all_reduce_sum(torch.stack(parts) / world.size)
+    scaled = scale is not None
 
     def decode(read: list[float]) -> tuple[dict[str, float], bool]:
-        value, total_sq = read[0], read[1]
+        if world.distributed:  # the loss, |g|² (this rank's share), the scale, reduced
+            value, total_sq, rest = read[0], read[1], read[2:]
+        else:  # the loss, the scale, each gradient's norm: squared and added up here
+            value, rest = read[0], read[1:]
+            total_sq = math.fsum(n * n for n in (rest[1:] if scaled else rest))
         metrics = {"loss": value}
-        if scale is not None:
+        if batch_inverse_size is not None:
             # a replicated gradient (DDP) is summed once per rank; a sharded one's shards add up
             full_sq = total_sq * world.size if world.sharded else total_sq
-            metrics["batch_grad_sq_norm"] = full_sq / read[2] ** 2
+            metrics["batch_grad_sq_norm"] = full_sq / (rest[0] ** 2 if scaled else 1.0)
             metrics["batch_inverse_size"] = batch_inverse_size
         return metrics, math.isfinite(value + total_sq)
 
-    return PendingStats(values, decode)
-
-
-def _loss_and_norms(read: list[float]) -> tuple[dict[str, float], bool]:
-    return {"loss": read[0]}, math.isfinite(math.fsum(read))
+    with torch.no_grad():
+        if not world.distributed:
+            # one process: the loss, the scale and the norms in one read (a NaN or an infinity
+            # in a gradient makes its norm so); two operators beside the read
+            head = [loss, scale.reshape(()).to(loss)] if scaled else [loss]
+            return PendingStats(torch.stack([*head, *norms(present)]), decode)
+        # squared norms: a NaN or an infinity survives the sum, and no square root is needed
+        total = sq_norms(present).sum() if present else torch.zeros((), dtype=torch.float64)
+        parts = [loss.double().reshape(()), total.to(loss.device)]
+        if scaled:
+            parts.append(scale.double().reshape(()).to(loss.device))
+        return PendingStats(world.all_reduce_sum(torch.stack(parts) / world.size), decode)
