@@ -495,8 +495,7 @@ def _mean_loss_and_finiteness(
     batch_inverse_size: float | None = None,
     scale: Tensor | None = None,
 ) -> PendingStats[tuple[dict[str, float], bool]]:
-    """The mean loss and finiteness on every rank (with ``batch_inverse_size``, ``|g_B|²``
-    too, unscaled by ``scale``): one all-reduce, one read."""
+    """The mean loss and finiteness on every rank (and ``|g_B|²``): one all-reduce, one read."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
     present = [local(g) for g in grads if g is not None]  # under FSDP2, this rank's shards
     scaled = scale is not None
