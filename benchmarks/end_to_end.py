@@ -4,12 +4,15 @@
     python benchmarks/end_to_end.py --seeds 0,1,2 --batches 8,16,32,64
     python benchmarks/end_to_end.py --device cuda --set model.width=256 \\
         --set model.depth=4 --set model.context=256 --set precision=bf16   # GPU scale
+    python benchmarks/end_to_end.py --device cuda --bf16 --set precision=bf16 ... \\
+        --set optimizer=adamw --set optimizer_impl=fused --set asynchronous=true  # read late
 
 The plain arm is the loop a user writes by hand, nanoGPT style, with no bigbatch in it
 but the optimizer: the task's data and model built as ``bigbatch train`` builds them
 (same seed, same initial weights), a fresh permutation of the training windows each
-epoch, a static batch, the same optimizer (LAMB, its parameter groups and weight decay)
-at the rate ``bigbatch train`` gives a constant batch of that size, the same warm-up and
+epoch, a static batch, the same optimizer built the same way (the task's, LAMB by default,
+or ``--set optimizer=...``: its parameter groups, weight decay and impl) at the rate
+``bigbatch train`` gives a constant batch of that size, the same warm-up and
 cosine schedule in samples, and an evaluation on the same held-out windows at the same
 sample points. The bigbatch arm is ``bigbatch train`` with the task's defaults (the
 default controller), evaluated at those sample points. Every run is its own process, run
@@ -59,7 +62,7 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
     from bigbatch.batch.lr import schedule_by_name
     from bigbatch.experiments.device import keep_freed_memory
     from bigbatch.experiments.tasks import TASKS
-    from bigbatch.optim import LAMB, param_groups
+    from bigbatch.optim import create_optimizer, get_optimizer_info
 
     keep_freed_memory()
     config = config_for(
@@ -76,7 +79,10 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
     device = torch.device(args.device)
     problem = TASKS[args.task].build(config.task_args)
     model = problem.model.to(device)
-    optimizer = LAMB(param_groups(model, config["weight_decay"]), lr=lr)
+    optimizer = create_optimizer(
+        model, config["optimizer"], lr=lr, weight_decay=config["weight_decay"],
+        **_impl(get_optimizer_info(config["optimizer"]), config["optimizer_impl"]),
+    )  # fmt: skip
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
     tensors = problem.train.tensors
     rows_count = len(tensors[0])
@@ -104,6 +110,15 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
             rows.append([samples, time.perf_counter() - start, _evaluate(problem, model), step])
             next_eval = samples - samples % args.eval_samples + args.eval_samples
     return rows
+
+
+def _impl(info, impl: str) -> dict:
+    """The optimizer's impl as ``bigbatch train`` builds it: bigbatch's take ``impl``; torch's
+    AdamW and SGD are built fused where ``impl`` is ``fused``."""
+    accepted = info.signature().parameters
+    if "impl" in accepted:
+        return {"impl": impl}
+    return {"fused": True} if "fused" in accepted and impl == "fused" else {}
 
 
 def _evaluate(problem, model) -> float:
