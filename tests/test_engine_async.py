@@ -199,3 +199,26 @@ def test_a_grad_scaler_skips_for_an_optimizer_that_cannot():
     )  # fmt: skip
     rows = [*train(model, loop, 3), loop.flush()]
     assert [r["step"] for r in rows[1:]] == [1, 2, 3]
+
+
+def test_a_skipped_first_step_leaves_fused_sgds_momentum_as_a_step_never_taken():
+    """torch's fused SGD makes its momentum buffers with ``empty_like`` at its first step and
+    keeps them so where that step is skipped; the loop starts them at zeros, the same first
+    step without dampening: the run goes on exactly as the synchronous loop's."""
+    runs = {}
+    for asynchronous in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        gen = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(256, 6, generator=gen), torch.randint(0, 3, (256,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        loop = bb.AdaptiveBatch(
+            model, opt, data, controller=bb.batch.Constant(8), asynchronous=asynchronous
+        )
+        train(model, loop, 4, poison_at=1)
+        runs[asynchronous] = params(model), loop
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0], strict=True))
+    model = nn.Linear(4, 2)
+    dampened = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1, fused=True)
+    with pytest.raises(ValueError, match="with dampening they do not"):
+        bb.AdaptiveBatch(model, dampened, TensorDataset(torch.randn(64, 4)), asynchronous=True)

@@ -333,6 +333,15 @@ def check_asynchronous(
             f"asynchronous=True: {type(optimizer).__name__} reads each step's statistics "
             "before its update, so they cannot be read one step late: leave it False"
         )
+    dampened = isinstance(optimizer, torch.optim.SGD) and any(
+        g["momentum"] and g["dampening"] for g in optimizer.param_groups
+    )
+    if dampened:
+        raise ValueError(
+            "asynchronous=True: torch's fused SGD leaves its momentum unset where its first "
+            "step is skipped, which only zeros repair, and with dampening they do not: "
+            "use dampening=0 or leave it False"
+        )
     skips = getattr(optimizer, "_step_supports_amp_scaling", False)
     if not skips and (scaler is None or not scaler.is_enabled()):
         raise ValueError(

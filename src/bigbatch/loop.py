@@ -327,6 +327,14 @@ class AdaptiveBatch:
 
 def _step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor) -> None:
     """The step, skipped on the device where ``found_inf`` is 1 (as a ``GradScaler`` asks)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        # torch's fused SGD starts its momentum uninitialised (empty_like) and, where that
+        # first step is skipped, keeps it so: zeros give the same first step (no dampening)
+        for group in optimizer.param_groups:
+            if group["momentum"]:
+                for p in group["params"]:
+                    if optimizer.state[p].get("momentum_buffer") is None:
+                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     optimizer.grad_scale, optimizer.found_inf = None, found_inf
     try:
         optimizer.step()
