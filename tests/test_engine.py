@@ -357,3 +357,21 @@ def test_a_saved_batch_outside_the_new_bounds_resumes_at_the_nearest_bound():
         warnings.simplefilter("error")  # within its bounds: no warning
         same.load_state_dict(engine.state_dict())
     assert same.batch_size == 64
+
+
+def test_a_large_finite_float64_gradient_is_finite_between_measurements():
+    """Each tensor's norm is read; their squares (1.4e308 here) may overflow when added up,
+    which makes ``|g_B|²`` infinite but the step no less finite."""
+    from bigbatch.engine import _mean_loss_and_finiteness
+    from bigbatch.parallel.world import World
+
+    params = [nn.Parameter(torch.zeros(1, dtype=torch.float64)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full((1,), 1.2e154, dtype=torch.float64)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    loss = torch.ones((), dtype=torch.float64)
+    assert _mean_loss_and_finiteness(optimizer, World(), loss).read()[1]
+    metrics, finite = _mean_loss_and_finiteness(optimizer, World(), loss, 0.0).read()
+    assert finite and metrics["batch_grad_sq_norm"] == math.inf
+    params[0].grad[0] = math.nan
+    assert not _mean_loss_and_finiteness(optimizer, World(), loss, 0.0).read()[1]

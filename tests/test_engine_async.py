@@ -191,14 +191,31 @@ def test_refused_where_a_step_cannot_be_skipped_on_the_device():
         assemble(opt, options=options, model=model, registers_hooks=False)
 
 
-def test_a_grad_scaler_skips_for_an_optimizer_that_cannot():
-    """With a GradScaler the scaler skips an overflowed step itself (reading its flag)."""
+def test_under_a_grad_scaler_the_scaler_skips_and_the_optimizer_must_take_found_inf():
+    """fp16's GradScaler hands a fused optimizer its own ``found_inf`` (no host read); for
+    one that cannot take it, it would read its overflow flag on the host: refused."""
     model, loop = make_loop(
-        True, optimizer="foreach", controller=bb.batch.Constant(8),
-        scaler=torch.amp.GradScaler("cpu"),
-    )  # fmt: skip
-    rows = [*train(model, loop, 3), loop.flush()]
+        True, controller=bb.batch.Constant(8), scaler=torch.amp.GradScaler("cpu")
+    )
+    rows = [*train(model, loop, 3, poison_at=2), loop.flush()]
     assert [r["step"] for r in rows[1:]] == [1, 2, 3]
+    assert loop.scaler.get_scale() < 2.0**16, "the overflowed step lowered the scale"
+    with pytest.raises(ValueError, match="AdamW cannot skip a non-finite step"):
+        make_loop(True, optimizer="foreach", scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_disabled_grad_scaler_still_skips_a_non_finite_step(asynchronous):
+    """``GradScaler(enabled=use_amp)`` with amp off steps as the optimizer would: the
+    engine, not the scaler, must skip a non-finite step."""
+    model, loop = make_loop(
+        asynchronous, controller=bb.batch.Constant(8),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+    )  # fmt: skip
+    train(model, loop, 4, poison_at=2)
+    loop.flush()
+    assert loop.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_a_skipped_first_step_leaves_fused_sgds_momentum_as_a_step_never_taken():

@@ -324,9 +324,7 @@ def check_statistics(
             )
 
 
-def check_asynchronous(
-    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
-) -> None:
+def check_asynchronous(optimizer: torch.optim.Optimizer) -> None:
     """One error where ``asynchronous`` could not skip a non-finite step on the device."""
     if isinstance(optimizer, StatisticsWrapper):
         raise ValueError(
@@ -342,12 +340,12 @@ def check_asynchronous(
             "step is skipped, which only zeros repair, and with dampening they do not: "
             "use dampening=0 or leave it False"
         )
-    skips = getattr(optimizer, "_step_supports_amp_scaling", False)
-    if not skips and (scaler is None or not scaler.is_enabled()):
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        # (a GradScaler would read its overflow flag on the host for such an optimizer)
         raise ValueError(
             f"asynchronous=True: {type(optimizer).__name__} cannot skip a non-finite step "
             "on the device; use one that takes found_inf (torch's Adam, AdamW, SGD or "
-            "Adagrad with fused=True) or a GradScaler, or leave it False"
+            "Adagrad with fused=True), or leave it False"
         )
 
 

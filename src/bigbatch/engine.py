@@ -100,10 +100,11 @@ class StepEngine:
         self.schedule = self.options.schedule
         self.nonfinite = self.options.nonfinite
         self.loss_reduction = self.options.loss_reduction
-        self.scaler = scaler
+        # a disabled GradScaler (``enabled=use_amp``) skips nothing: the engine must
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         check_statistics(optimizer, controller, collector, self.lr_scaling)
         if self.options.asynchronous:
-            check_asynchronous(optimizer, scaler)
+            check_asynchronous(optimizer)
         self.options = measuring_every(self.options, optimizer, controller, collector)
         #: the batch size of the next step
         self.batch_size = controller.initial
@@ -205,9 +206,9 @@ class StepEngine:
             return self._step_asynchronously(reading)
         read = reading.resolve()
         if not read.finite and self.scaler is None:
-            metrics = self._drop(read)
-            self._count(read.batch, metrics)
-            return StepResult(read.stats, metrics, skip=True)
+            self._refuse(read)
+            self._count(read.batch, read.metrics)
+            return StepResult(read.stats, self._drop(read), skip=True)
         self._learn_averages(read)
         self._set_rate(read.batch, read.metrics)
         self._decide(read)
@@ -217,38 +218,40 @@ class StepEngine:
         """This step's numbers start to the host, the step before's are decided on."""
         found_inf = reading.pending.nonfinite() if self.scaler is None else None
         reading.pending.start()
-        earlier, self._pending = self._pending, reading
         result = StepResult(None)
-        if earlier is not None:
-            read = earlier.resolve() if isinstance(earlier, _Reading) else earlier
+        if self._pending is not None:  # taken first: a step that raises leaves none pending
+            read, self._pending = self._resolved_pending(), None
             result = StepResult(read.stats, self._settle(read))
+        self._pending = reading
         self._set_rate(reading.batch, reading.rate_metrics)
         result.found_inf = found_inf
         return result
 
     def flush(self) -> StepResult | None:
         """With ``asynchronous``, decide on the last step now (a run's end); None if none."""
-        earlier, self._pending = self._pending, None
-        if earlier is None:
+        if self._pending is None:
             return None
-        read = earlier.resolve() if isinstance(earlier, _Reading) else earlier
+        read, self._pending = self._resolved_pending(), None
         return StepResult(read.stats, self._settle(read))
 
     def _settle(self, read: _Read) -> dict[str, float]:
         """An asynchronous step's numbers, read one step late: skipped or learned from."""
         if not read.finite and self.scaler is None:
+            self._refuse(read)
             return self._drop(read)  # the optimizer skipped it on the device
         self._learn_averages(read)
         self._decide(read)
         return read.metrics
 
-    def _drop(self, read: _Read) -> dict[str, float]:
-        """A non-finite step: raised, or counted as skipped (its update dropped)."""
+    def _refuse(self, read: _Read) -> None:
         if self.nonfinite == "raise":
             raise NonFiniteError(
                 f"step {read.step}: the gradient or loss is not finite "
                 f"(loss {read.metrics.get('loss', 'not given')}); nothing was updated"
             )
+
+    def _drop(self, read: _Read) -> dict[str, float]:
+        """A non-finite step counted as skipped (its update dropped)."""
         self.skipped_steps += 1
         read.metrics.update(skipped=1.0, lr_factor=0.0, lr=0.0, next_batch_size=self.batch_size)
         return read.metrics
@@ -316,7 +319,7 @@ class StepEngine:
     def state_dict(self) -> dict[str, Any]:
         # asynchronous: the last step read now (its statistics join the averages, as they
         # would at the next step) and decided on at the next step, as it would be
-        pending = self._read_pending().state_dict() if self._pending is not None else None
+        pending = self._resolved_pending().state_dict() if self._pending is not None else None
         return {
             "controller": self.controller.state_dict(),
             "statistics": self.collector.state_dict() if self.collector is not None else None,
@@ -329,10 +332,10 @@ class StepEngine:
             "pending": pending,
         }
 
-    def _read_pending(self) -> _Read:
+    def _resolved_pending(self) -> _Read:
         """The pending step's numbers, read (waiting for them), kept pending."""
         if isinstance(self._pending, _Reading):
-            self._pending = self._pending.resolve()
+            self._pending = self._pending.resolve(self.scaler is None)
         return self._pending
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -403,7 +406,7 @@ class _Read:
     stats: GradientStats | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _READ_STATE}
+        return {name: getattr(self, name) for name in _READ_STATE} | {"metrics": dict(self.metrics)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> _Read:
@@ -449,9 +452,11 @@ class _Reading:
             reported=engine._loss is not None,
         )
 
-    def resolve(self) -> _Read:
-        """The numbers read (waiting for them if they are not on the host yet)."""
+    def resolve(self, skipped_on_device: bool = False) -> _Read:
+        """The numbers read, waited for (``skipped_on_device``: finite as ``found_inf`` says)."""
         stats, metrics, finite = self.interpret(self.pending.read())
+        if skipped_on_device:
+            finite = self.pending.finite
         if not self.reported:
             del metrics["loss"]
         metrics.update(self.rate_metrics)
@@ -503,16 +508,18 @@ def _mean_loss_and_finiteness(
     def decode(read: list[float]) -> tuple[dict[str, float], bool]:
         if world.distributed:  # the loss, |g|² (this rank's share), the scale, reduced
             value, total_sq, rest = read[0], read[1], read[2:]
+            finite = math.isfinite(value + total_sq)
         else:  # the loss, the scale, each gradient's norm: squared and added up here
             value, rest = read[0], read[1:]
-            total_sq = math.fsum(n * n for n in (rest[1:] if scaled else rest))
+            finite = all(map(math.isfinite, read))  # (a sum of squares may overflow)
+            total_sq = sum(n * n for n in (rest[1:] if scaled else rest)) if finite else math.nan
         metrics = {"loss": value}
         if batch_inverse_size is not None:
             # a replicated gradient (DDP) is summed once per rank; a sharded one's shards add up
             full_sq = total_sq * world.size if world.sharded else total_sq
             metrics["batch_grad_sq_norm"] = full_sq / (rest[0] ** 2 if scaled else 1.0)
             metrics["batch_inverse_size"] = batch_inverse_size
-        return metrics, math.isfinite(value + total_sq)
+        return metrics, finite
 
     with torch.no_grad():
         if not world.distributed:

@@ -263,7 +263,7 @@ class AdaptiveBatch:
         if not result.skip:
             if max_grad_norm is not None:
                 self._clip(max_grad_norm)
-            if self.scaler is not None:
+            if self.scaler is not None and self.scaler.is_enabled():
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
             elif result.found_inf is not None:

@@ -85,3 +85,22 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, capsys
     assert "log.tensorboard needs the tensorboard extra" in err
     assert "pip install 'bigbatch[tensorboard]'" in err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("asynchronous, purged_from", [(False, 6), (True, 5)])
+def test_a_resumed_run_hides_what_the_killed_one_wrote_after_its_checkpoint(
+    tmp_path, monkeypatch, asynchronous, purged_from
+):
+    """An asynchronous run writes the row of its checkpoint's own step a step later, so a
+    resume from step 5 hides step 5's TensorBoard points as well (else logged twice)."""
+    from bigbatch.experiments import run_sinks
+    from bigbatch.experiments.plan import plan_run
+
+    opened = []
+    monkeypatch.setattr(
+        run_sinks, "TensorBoardSink", lambda path, purge_step: opened.append(purge_step)
+    )
+    config = {"task": "digits", "log.tensorboard": True, "optimizer": "adamw"}
+    plan = plan_run(resolve({**config, "asynchronous": asynchronous}))
+    run_sinks.open_sinks(plan, tmp_path, resume=True, first_step=5)
+    assert opened == [purged_from]

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from bigbatch.experiments import runner
@@ -99,3 +100,31 @@ def test_an_asynchronous_run_paused_and_resumed_ends_like_one_never_paused(tmp_p
     assert _without_evaluation(run) == _without_evaluation(tmp_path / "straight")
     batches = {r["batch_size"] for r in rows(run)}
     assert len(batches) > 1, "the batch must have grown"
+
+
+def test_a_branch_of_an_asynchronous_run_starts_at_its_own_first_step(tmp_path):
+    """The base run's last step, read but not decided on, is the base run's: a branch
+    (``critical-batch``'s) drops it and logs its own steps only."""
+    config = {**ASYNC, "batch.controller": "batch_warmup"}
+    base = runner.train(resolve(config), tmp_path / "base", quiet=True, until=1000)
+    branch = {**ASYNC, "batch.initial": 64}
+    runner.train(
+        resolve(branch), tmp_path / "branch", quiet=True, until=2000,
+        start_from=tmp_path / "base" / "checkpoint.pt",
+    )  # fmt: skip
+    logged = rows(tmp_path / "branch")
+    assert [r["step"] for r in logged] == list(
+        range(base["steps"] + 1, base["steps"] + 1 + len(logged))
+    )
+    assert {r["batch_size"] for r in logged} == {64}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_run_the_skip_limit_stops_logs_every_step_it_took(tmp_path, asynchronous):
+    config = {**ASYNC, "asynchronous": asynchronous, "optimizer_impl": "fused", "lr": 1e30}
+    with pytest.raises(runner.TooManySkippedError):
+        runner.train(resolve(config), tmp_path / "r", quiet=True)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["ended"] == "skip_limit"
+    assert [r["step"] for r in rows(tmp_path / "r")] == list(range(1, summary["steps"] + 1))
+    assert summary["skipped_steps"] == summary["steps"] - 1  # all but the first

@@ -35,8 +35,10 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
     log = plan.log
     sinks: list[Any] = []
     if log.tensorboard:
-        # a resumed run hides what the killed one wrote after its checkpoint
-        purge = first_step + 1 if resume else None
+        # a resumed run hides what the killed one wrote after its checkpoint (an asynchronous
+        # run's row of the checkpoint's own step among it: it is written a step later)
+        late = plan.machine.asynchronous
+        purge = first_step + (0 if late else 1) if resume else None
         sinks.append(TensorBoardSink(out / "tensorboard", purge_step=purge))
     if log.mlflow:
         local = log.mlflow == "local"

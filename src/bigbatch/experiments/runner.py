@@ -167,14 +167,20 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
         with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
             run.log, run.sinks = log, sinks
             with sinks:
-                for step in loop.steps(max_samples=plan.run.max_samples):
-                    train_step(step, problem, loop, run.precision)
-                    end = run.after_step(step)
-                    if end == "pause":
-                        run.bar.close()
-                        return paused(out, loop, run.evaluation)
-                    if end:  # the budget is spent (the loop ends by itself) or the target met
-                        break
+                end = None
+                try:
+                    for step in loop.steps(max_samples=plan.run.max_samples):
+                        train_step(step, problem, loop, run.precision)
+                        end = run.after_step(step)
+                        if end:  # paused, the budget spent or the target met
+                            break
+                except BaseException:
+                    with contextlib.suppress(Exception):  # asynchronous: the step read last
+                        run.record(loop.flush(), {})
+                    raise
+                if end == "pause":  # an asynchronous run's last step stays in the checkpoint
+                    run.bar.close()
+                    return paused(out, loop, run.evaluation)
                 run.record(loop.flush(), {})  # asynchronous: the last step's row
     except (Exception, KeyboardInterrupt) as err:
         run.bar.close()
@@ -247,6 +253,8 @@ class _Run:
             if start_from is not None:  # a branch of another run, at its own first batch
                 branched = load_checkpoint(Path(start_from))[0]["loop"]
                 branched["engine"]["batch_size"] = loop.engine.controller.initial
+                # the base run's last step, read but not decided on (asynchronous), is its own
+                branched["engine"]["pending"] = None
                 loop.load_state_dict(branched)
             if self.writer:  # the directory was made and locked by _claim (or the launcher)
                 (out / "config.toml").write_text(to_toml(self.plan))
