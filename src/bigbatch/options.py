@@ -99,8 +99,8 @@ class StepOptions:
     nonfinite: str = "skip"
     #: read each step's numbers (statistics, loss, finiteness) one step late, so that the
     #: host never waits for the device: a non-finite step is skipped by the optimizer on
-    #: the device (``found_inf``: torch's optimizers with ``fused=True``, or a
-    #: ``GradScaler``), the controller decides from the step before the last (its batch
+    #: the device (``found_inf``, which torch's optimizers take with ``fused=True``, as
+    #: under a ``GradScaler``), the controller decides from the step before the last (its batch
     #: follows the noise one step later) and a step's metrics come with the next step's
     #: (``Step.metrics["step"]`` says whose; ``AdaptiveBatch.flush`` reads the last).
     #: Not with an optimizer that reads this step's statistics (VRGD, AGVM).
