@@ -275,8 +275,7 @@ class AdaptiveBatch:
         return result
 
     def flush(self) -> dict[str, float]:
-        """With ``asynchronous=True``, the last step's metrics, read now (at the training's
-        end: they are otherwise read at the next step); ``{}`` when none is pending."""
+        """With ``asynchronous=True``, the last step's metrics, read now (``{}``: none)."""
         result = self.engine.flush()
         return result.metrics if result is not None else {}
 

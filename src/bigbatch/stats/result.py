@@ -107,8 +107,12 @@ class PendingStats(Generic[Decoded]):
         self._copy: Tensor | None = None
         self._event = None
         self._stats: Decoded | None = None
-        #: after :meth:`read`: every number read was finite
-        self.finite = True
+        self._floats: list[float] = []  # as read (for :attr:`finite`)
+
+    @property
+    def finite(self) -> bool:
+        """After :meth:`read`: every number read was finite (as :meth:`nonfinite` says)."""
+        return all(map(math.isfinite, self._floats))
 
     def nonfinite(self) -> Tensor:
         """1.0 where a number is NaN or infinite, else 0.0, on the device: a ``found_inf``."""
@@ -137,6 +141,6 @@ class PendingStats(Generic[Decoded]):
             else:
                 floats = self._values.tolist()  # the one host synchronisation
             self._values = self._copy = self._event = None
-            self.finite = all(map(math.isfinite, floats))
+            self._floats = floats
             self._stats = self._decode(floats)
         return self._stats
