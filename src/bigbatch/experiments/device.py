@@ -1,14 +1,9 @@
-"""Where a run computes and in what precision: the ``device``, ``precision`` and ``tf32`` keys.
+"""Where a run computes and in what precision: the machine keys (help in docs/cli.md).
 
-``device = "auto"`` is the GPU when there is one (under ``torchrun`` the
-process's ``LOCAL_RANK``-th), else the CPU. Where a node runs more processes
-than it has GPUs (``--nproc 2`` on one GPU), every process takes the CPU: NCCL
-needs a GPU of its own per rank, and all ranks must choose alike. ``precision`` is ``fp32``,
-``bf16`` (autocast to bfloat16; parameters and optimizer state stay
-float32) or ``fp16`` (autocast to float16 with a ``GradScaler``). Batches
-move to the device from pinned memory with non-blocking copies.
-``keep_freed_memory`` keeps glibc's malloc from handing large blocks back to
-the system between steps (:func:`keep_freed_memory`).
+``device = "auto"`` is the GPU when there is one (under ``torchrun`` the process's
+``LOCAL_RANK``-th), else the CPU; where a node runs more processes than it has GPUs,
+every process takes the CPU (NCCL needs a GPU of its own per rank, and all ranks must
+choose alike). Batches move to the device from pinned memory with non-blocking copies.
 """
 
 from __future__ import annotations
@@ -24,6 +19,8 @@ from typing import Any
 import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: the ``compile`` key: none, or a mode of ``torch.compile`` ("reduce-overhead": CUDA graphs)
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -2,7 +2,8 @@
 2024, arXiv:2411.00999; the ghost norm of Li et al. 2022): every covered layer
 (:data:`RULES`) forms its weight gradient unit by unit. A model is covered when every
 trainable parameter is the ``weight`` or ``bias`` of exactly one such module run once
-per forward, batch first (:func:`uncovered`). Nothing is read to the host.
+per forward, batch first (:func:`uncovered`). Nothing is read to the host; ``torch.compile``
+traces the layers with the model (their norms then leave as gradients of "sinks").
 docs/algorithms.md, "Gradient statistics" ("Noise from units of examples")."""
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ _GHOST_OPERATORS = 8 << 17
 _TABLE_ROWS = 1
 _GRAM_NUMBERS = 64
 
-#: ``torch.compiler.disable`` that imports Dynamo when first called (torch >= 2.1 has it)
-_eager_under_compile = getattr(torch, "_disable_dynamo", torch.compiler.disable)
+#: each collector's unit size as a shape, ``(m, 0)``: traced, a shape turns dynamic at its
+#: second size where a number would be traced anew at each (and torch.compile holds a
+#: module's tensors' shapes static, so it is kept here, not on the measured layers)
+_UNIT_SHAPES: dict[int, Tensor] = {}
 
 
 def unit_size(smallest: int, units: int | None = UNITS) -> int:
@@ -73,20 +76,31 @@ class _Step:
     groups: list[int] = field(default_factory=list)
     #: LayerNorms' (input, mean, rstd, output gradient, units, groups), taken at the end
     held: list[tuple] = field(default_factory=list)
-    #: the layers that ran in the current micro-batch's forward
-    ran: set[int] = field(default_factory=set)
 
 
 class _Layer:
-    """What a covered layer's function needs of the collector: its step and its groups."""
+    """A covered layer as its function sees it: its step, groups and (traced) sinks."""
 
-    def __init__(self, probe: PerExampleNorms, name: str, groups: dict[str, int]) -> None:
-        self.probe, self.name, self.groups = probe, name, groups
+    def __init__(self, probe: PerExampleNorms, name: str, module: nn.Module,
+                 groups: dict[str, int]) -> None:  # fmt: skip
+        self.probe, self.name, self.module, self.groups = probe, name, module, groups
+        #: this micro-batch's forwards through the layer (one is measured)
+        self.uses = 0
+        # a traced backward cannot record: there each norm is the gradient of a scalar
+        # leaf of its own, read (and cleared) by the collector after the backward
+        self.sinks = {
+            n: torch.zeros((), dtype=norm_dtype(p), device=p.device, requires_grad=True)
+            for n, p in module.named_parameters(recurse=False)
+            if n in groups
+        }
 
-    def units(self, n: int) -> tuple[int, int]:
-        """``(k, m)``: the units of a micro-batch of ``n`` examples and their size."""
-        m = self.probe.step.m
-        return n // m, m
+    def inputs(self) -> tuple[int, Tensor | None, Tensor | None]:
+        """The function's last inputs: the unit size and, traced, the weight's and bias's sinks."""
+        probe = self.probe
+        if torch.compiler.is_compiling():
+            probe.traced = True
+            return _UNIT_SHAPES[probe.key], self.sinks.get("weight"), self.sinks.get("bias")
+        return probe.m, None, None
 
     def record(self, names: Sequence[str], norms: Sequence[Tensor]) -> None:
         """The norms of this layer's parameters ``names`` (a frozen one's are not kept)."""
@@ -96,15 +110,55 @@ class _Layer:
                 step.norms.append(norm)
                 step.groups.append(self.groups[name])
 
-    def offsets(self, n: int, k: int, m: int, rows: int, dims: int, device) -> Tensor:
-        """Per example of a micro-batch of ``n``, where its unit's table starts (cached)."""
+    def refuse_second_use(self) -> None:
+        raise RuntimeError(
+            f"per-example statistics: layer {self.name!r} ran twice in one "
+            "micro-batch's forward (shared, or re-run by activation checkpointing); "
+            "use the sub-batch statistics (noise_from='sub_batches') for such a model"
+        )
+
+    def take_sinks(self) -> None:
+        """The norms a traced backward left as the sinks' gradients, recorded and cleared."""
+        if self.uses > 1:
+            self.refuse_second_use()
+        for name, sink in self.sinks.items():
+            if sink.grad is not None:
+                self.record((name,), (sink.grad,))
+                sink.grad = None
+
+    def offsets(self, n: int, k: int, m: int, rows: int, dims: int, device,
+                cache: bool = True) -> Tensor:  # fmt: skip
+        """Per example of a micro-batch of ``n``, where its unit's table starts (``cache``d)."""
         key = (n, k, m, rows, dims, device)
-        cached = self.probe.offsets.get(key)
+        cached = self.probe.offsets.get(key) if cache else None
         if cached is None:
             unit = torch.arange(n, device=device).div_(m, rounding_mode="floor").clamp_(max=k)
             cached = unit.mul_(rows).reshape(n, *([1] * (dims - 1)))  # (past the units: k)
-            self.probe.offsets[key] = cached
+            if cache:
+                self.probe.offsets[key] = cached
         return cached
+
+
+def _begin(ctx, layer: _Layer, m: int, sink_w: Tensor | None, sink_b: Tensor | None) -> None:
+    # what every function's backward needs of its forward's last inputs (a traced
+    # backward must not cache tensors, so the embeddings' offsets are made afresh there)
+    ctx.layer, ctx.traced = layer, sink_w is not None or sink_b is not None
+    ctx.m = m if isinstance(m, int) else m.shape[0]
+
+
+def _units(n: int, m: int) -> tuple[int, int]:
+    """``(k, m)``: the units of ``m`` examples in a micro-batch of ``n`` and their size."""
+    return n // m, m
+
+
+def _delivered(ctx, names: Sequence[str], norms: Sequence[Tensor]) -> tuple:
+    """The sinks' gradients: the norms where the layer was traced; else None (recorded)."""
+    if not ctx.traced:
+        ctx.layer.record(names, norms)
+        return None, None
+    got = dict(zip(names, norms))
+    need_w, need_b = ctx.needs_input_grad[-2:]
+    return got.get("weight") if need_w else None, got.get("bias") if need_b else None
 
 
 # ---------------------------------------------------------------- Linear (and convolutions)
@@ -123,11 +177,11 @@ def _ghost_is_cheaper(rows: int, p: int, q: int) -> bool:
 
 
 def _matrix_gradients(
-    layer: _Layer, a: Tensor, d: Tensor, bias: bool
-) -> tuple[Tensor, Tensor | None]:
-    """The weight and bias gradients of ``dᵀ a`` over the examples, each unit's norms recorded."""
+    a: Tensor, d: Tensor, bias: bool, m: int
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """The weight and bias gradients of ``dᵀ a`` over the examples, and their units' norms."""
     n, p, q = len(a), a.shape[-1], d.shape[-1]
-    k, m = layer.units(n)
+    k, m = _units(n, m)
     rows = (a.numel() // n) // p * m
     if rows == 1:  # one row an example, each its own unit: |g_i(W)|² = |a_i|² |δ_i|²
         a, d = a.reshape(n, p), d.reshape(n, q)
@@ -137,11 +191,9 @@ def _matrix_gradients(
             d, dim=1, dtype=wide
         )
         if not bias:
-            layer.record(("weight",), (torch.linalg.vector_norm(rows_w),))
-            return grad_w, None
+            return grad_w, None, (torch.linalg.vector_norm(rows_w),)
         norm_w, norm_b = torch.linalg.vector_norm(rows_w), torch.linalg.vector_norm(d, dtype=wide)
-        layer.record(("weight", "bias"), (norm_w, norm_b))
-        return grad_w, d.sum(0)
+        return grad_w, d.sum(0), (norm_w, norm_b)
     au, du = _by_units(a, k, m), _by_units(d, k, m)
     if _ghost_is_cheaper(rows, p, q):
         grad_w = d.reshape(-1, q).t().mm(a.reshape(-1, p))
@@ -164,22 +216,21 @@ def _matrix_gradients(
             norm_w, norm_b = torch._foreach_norm([units, unit_b], 2, dtype=norm_dtype(units))
         else:
             norm_b = torch.linalg.vector_norm(unit_b, dtype=norm_dtype(unit_b))
-        layer.record(("weight", "bias"), (norm_w, norm_b))
-    else:
-        if norm_w is None:
-            norm_w = torch.linalg.vector_norm(units, dtype=norm_dtype(units))
-        layer.record(("weight",), (norm_w,))
-    return grad_w, grad_b
+        return grad_w, grad_b, (norm_w, norm_b)
+    if norm_w is None:
+        norm_w = torch.linalg.vector_norm(units, dtype=norm_dtype(units))
+    return grad_w, grad_b, (norm_w,)
 
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, layer: _Layer) -> Tensor:
+    def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
         dtype = _autocast_dtype(x.device)
         if dtype is not None:  # as autocast would: the product in its dtype
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
-        ctx.layer, ctx.has_bias = layer, bias is not None
+        _begin(ctx, layer, m, sink_w, sink_b)
+        ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         return functional.linear(x, weight, bias)
 
@@ -188,12 +239,13 @@ class _LinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad = grad.to(x.dtype)
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = _matrix_gradients(ctx.layer, x, grad, ctx.has_bias)
-        return grad_x, grad_w, grad_b, None
+        grad_w, grad_b, norms = _matrix_gradients(x, grad, ctx.has_bias, ctx.m)
+        names = ("weight", "bias")[: len(norms)]
+        return grad_x, grad_w, grad_b, None, None, *_delivered(ctx, names, norms)
 
 
 def _linear(module: nn.Linear, layer: _Layer, x: Tensor) -> Tensor:
-    return _LinearFunction.apply(x, module.weight, module.bias, layer)
+    return _LinearFunction.apply(x, module.weight, module.bias, layer, *layer.inputs())
 
 
 def _conv_geometry(module: nn.Module) -> tuple:
@@ -210,27 +262,30 @@ def _conv_geometry(module: nn.Module) -> tuple:
 
 class _ConvFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, layer):
+    def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
         dtype = _autocast_dtype(x.device)
         if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
-        ctx.module, ctx.layer, ctx.has_bias = module, layer, bias is not None
+        _begin(ctx, layer, m, sink_w, sink_b)
+        module, ctx.has_bias = layer.module, bias is not None
         ctx.save_for_backward(x, weight)
         return module._conv_forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        module, layer, grad = ctx.module, ctx.layer, grad.to(x.dtype)
+        module, grad = ctx.layer.module, grad.to(x.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = _conv_backward(module, grad, x, weight, 1, [True, False, False])[0]
         n, q = len(x), weight.shape[0]
-        k, m = layer.units(n)
+        k, m = _units(n, ctx.m)
         if not _groups_units(x, m):
-            grad_w, grad_b = _conv_by_columns(module, layer, x, grad, ctx.has_bias)
-            return grad_x, grad_w.reshape(weight.shape), grad_b, None, None
+            grad_w, grad_b, norms = _conv_by_columns(module, x, grad, ctx.has_bias, m)
+            names = ("weight", "bias")[: len(norms)]
+            grads = grad_x, grad_w.reshape(weight.shape), grad_b, None, None
+            return (*grads, *_delivered(ctx, names, norms))
         # the units as the groups of one grouped convolution, whose weight gradient is
         # theirs, unit by unit (Rochette et al. 2019): no unfolded copy of the input
         used = k * m
@@ -247,8 +302,8 @@ class _ConvFunction(torch.autograd.Function):
             per_example = grad.reshape(n, q, -1).sum(2)
             parts.append(per_example[:used].view(k, m, q).sum(1))
             names, grad_b = ("weight", "bias"), per_example.sum(0)
-        layer.record(names, torch._foreach_norm(parts, 2, dtype=norm_dtype(units)))
-        return grad_x, grad_w, grad_b, None, None
+        norms = torch._foreach_norm(parts, 2, dtype=norm_dtype(units))
+        return grad_x, grad_w, grad_b, None, None, *_delivered(ctx, names, norms)
 
 
 #: on a CPU a 2-D convolution's units, and a 1-D one's of at least this many examples, are
@@ -277,8 +332,8 @@ def _units_as_channels(t: Tensor, k: int, m: int) -> Tensor:
 
 
 def _conv_by_columns(
-    module: nn.Module, layer: _Layer, x: Tensor, grad: Tensor, bias: bool
-) -> tuple[Tensor, Tensor | None]:
+    module: nn.Module, x: Tensor, grad: Tensor, bias: bool, m: int
+) -> tuple[Tensor, Tensor | None, tuple[Tensor, ...]]:
     """The weight and bias gradients from the unfolded input (a GPU's; a CPU's small 1-D units)."""
     one_d = isinstance(module, nn.Conv1d)
     x2, g2 = (x.unsqueeze(2), grad.unsqueeze(2)) if one_d else (x, grad)
@@ -287,11 +342,11 @@ def _conv_by_columns(
     n = len(x)
     a = columns.transpose(1, 2)  # (N, positions, C_in · kernel)
     d = g2.reshape(n, g2.shape[1], -1).transpose(1, 2)  # (N, positions, C_out)
-    return _matrix_gradients(layer, a, d, bias)
+    return _matrix_gradients(a, d, bias, m)
 
 
 def _conv(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
-    return _ConvFunction.apply(x, module.weight, module.bias, module, layer)
+    return _ConvFunction.apply(x, module.weight, module.bias, layer, *layer.inputs())
 
 
 def _conv_qualifies(module: nn.Module) -> bool:
@@ -305,10 +360,10 @@ def _conv_qualifies(module: nn.Module) -> bool:
 # ---------------------------------------------------------------- Embedding
 
 
-def _unit_keys(layer: _Layer, ids: Tensor, rows: int, padding: int | None) -> Tensor:
+def _unit_keys(ctx, ids: Tensor, rows: int, padding: int | None) -> Tensor:
     """Each id moved into its unit's own table of ``rows`` rows (dropped ids: row ``k rows``)."""
-    k, m = layer.units(len(ids))
-    keys = ids + layer.offsets(len(ids), k, m, rows, ids.dim(), ids.device)
+    k, m = _units(len(ids), ctx.m)
+    keys = ids + ctx.layer.offsets(len(ids), k, m, rows, ids.dim(), ids.device, not ctx.traced)
     if k * m != len(ids):
         keys[k * m :] = k * rows
     if padding is not None:
@@ -318,8 +373,9 @@ def _unit_keys(layer: _Layer, ids: Tensor, rows: int, padding: int | None) -> Te
 
 class _EmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids: Tensor, weight: Tensor, module: nn.Embedding, layer: _Layer) -> Tensor:
-        ctx.module, ctx.layer = module, layer
+    def forward(ctx, ids, weight, layer, m, sink_w, sink_b):
+        _begin(ctx, layer, m, sink_w, sink_b)
+        module = layer.module
         ctx.save_for_backward(ids)
         ctx.rows = weight.shape[0]
         return functional.embedding(ids, weight, module.padding_idx)
@@ -327,13 +383,13 @@ class _EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (ids,) = ctx.saved_tensors
-        module, layer, rows = ctx.module, ctx.layer, ctx.rows
+        module, rows = ctx.layer.module, ctx.rows
         padding = -1 if module.padding_idx is None else module.padding_idx
         grad_w = torch.ops.aten.embedding_dense_backward(grad, ids, rows, padding, False)
-        k, m = layer.units(len(ids))
+        k, m = _units(len(ids), ctx.m)
         tokens = ids.numel() // len(ids) * m  # a unit's
         if k * rows <= _TABLE_ROWS * ids.numel():  # the units' tables hold no more rows
-            keys = _unit_keys(layer, ids, rows, module.padding_idx)
+            keys = _unit_keys(ctx, ids, rows, module.padding_idx)
             tables = torch.ops.aten.embedding_dense_backward(
                 grad, keys, k * rows + 1, k * rows, False
             )
@@ -341,11 +397,10 @@ class _EmbeddingFunction(torch.autograd.Function):
         elif k * tokens * tokens <= _GRAM_NUMBERS * ids.numel():
             norm = _gram_norm(ids, grad, k, m, module.padding_idx)
         else:  # each unit's rows summed by sorted key: memory of the micro-batch's rows
-            keys = _unit_keys(layer, ids, rows, module.padding_idx)
+            keys = _unit_keys(ctx, ids, rows, module.padding_idx)
             tables = _summed_by_key(grad.reshape(-1, grad.shape[-1]), keys.reshape(-1), k * rows)
             norm = torch.linalg.vector_norm(tables, dtype=norm_dtype(tables))
-        layer.record(("weight",), (norm,))
-        return None, grad_w, None, None
+        return None, grad_w, None, None, *_delivered(ctx, ("weight",), (norm,))
 
 
 def _gram_norm(ids: Tensor, grad: Tensor, k: int, m: int, padding: int | None) -> Tensor:
@@ -372,7 +427,7 @@ def _summed_by_key(rows: Tensor, keys: Tensor, dropped: int) -> Tensor:
 
 
 def _embedding(module: nn.Embedding, layer: _Layer, ids: Tensor) -> Tensor:
-    return _EmbeddingFunction.apply(ids, module.weight, module, layer)
+    return _EmbeddingFunction.apply(ids, module.weight, layer, *layer.inputs())
 
 
 def _embedding_qualifies(module: nn.Module) -> bool:
@@ -385,25 +440,27 @@ def _embedding_qualifies(module: nn.Module) -> bool:
 
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, layer):
+    def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
+        module = layer.module
         if _autocast_dtype(x.device) is not None:  # autocast runs layer_norm in float32
             x = x.float()
             weight = weight.float() if weight is not None else None
             bias = bias.float() if bias is not None else None
         out, mean, rstd = torch.native_layer_norm(x, module.normalized_shape, weight, bias,
                                                   module.eps)  # fmt: skip
-        ctx.module, ctx.layer = module, layer
+        _begin(ctx, layer, m, sink_w, sink_b)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        module, layer = ctx.module, ctx.layer
+        layer = ctx.layer
+        module = layer.module
         shape = module.normalized_shape
         names = tuple(n for n, t in (("weight", weight), ("bias", bias)) if t is not None)
-        k, m = layer.units(len(x))
-        if _batches_layer_norms(x):
+        k, m = _units(len(x), ctx.m)
+        if _batches_layer_norms(x) and not ctx.traced:
             # the per-unit sums wait for the step's end, where every LayerNorm of this shape
             # takes them together (a handful of operators for all, instead of eight each)
             grads = torch.ops.aten.native_layer_norm_backward(
@@ -411,9 +468,9 @@ class _LayerNormFunction(torch.autograd.Function):
                 [ctx.needs_input_grad[0], weight is not None, bias is not None],
             )  # fmt: skip
             layer.probe.step.held.append((x, mean, rstd, grad, k, m, len(shape), layer, names))
-            return (*grads, None, None)
-        # on a CPU the parameters' gradients are the units' sums added up: one pass over
-        # the activations fewer than torch's whole backward
+            return (*grads, None, None, None, None)
+        # on a CPU (and traced) the parameters' gradients are the units' sums added up: one
+        # pass over the activations fewer than torch's whole backward
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.native_layer_norm_backward(
@@ -423,7 +480,7 @@ class _LayerNormFunction(torch.autograd.Function):
         if used != len(x):
             units = tuple(t[:used] for t in units)
         sums = _layer_norm_unit_sums(units, k, len(shape), weight is not None, bias is not None)
-        layer.record(names, torch._foreach_norm(sums, 2, dtype=norm_dtype(sums[0])))
+        norms = torch._foreach_norm(sums, 2, dtype=norm_dtype(sums[0]))
         totals = [unit.sum(0) for unit in sums]
         if used != len(x):  # the examples past the units
             rest = torch.ops.aten.native_layer_norm_backward(
@@ -433,7 +490,7 @@ class _LayerNormFunction(torch.autograd.Function):
             totals = [t + r for t, r in zip(totals, (r for r in rest if r is not None))]
         grad_w = totals[0] if weight is not None else None
         grad_b = totals[-1] if bias is not None else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, *_delivered(ctx, names, norms)
 
 
 def _batches_layer_norms(x: Tensor) -> bool:
@@ -454,7 +511,7 @@ def _layer_norm_unit_sums(
 
 
 def _layer_norm(module: nn.LayerNorm, layer: _Layer, x: Tensor) -> Tensor:
-    return _LayerNormFunction.apply(x, module.weight, module.bias, module, layer)
+    return _LayerNormFunction.apply(x, module.weight, module.bias, layer, *layer.inputs())
 
 
 def _layer_norm_sums(step: _Step) -> None:
@@ -494,21 +551,22 @@ def _layer_norm_units(entries: list[tuple]) -> None:
 
 class _GroupNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, layer):
+    def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
+        module = layer.module
         if _autocast_dtype(x.device) is not None:  # autocast runs group_norm in float32
             x, weight, bias = x.float(), weight.float(), bias.float()
         n, c = x.shape[:2]
         out, mean, rstd = torch.native_group_norm(
             x, weight, bias, n, c, x[0, 0].numel(), module.num_groups, module.eps
         )
-        ctx.module, ctx.layer = module, layer
+        _begin(ctx, layer, m, sink_w, sink_b)
         ctx.save_for_backward(x, weight, mean, rstd)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight, mean, rstd = ctx.saved_tensors
-        module, layer = ctx.module, ctx.layer
+        module = ctx.layer.module
         n, c, groups = len(x), x.shape[1], module.num_groups
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -519,15 +577,15 @@ class _GroupNormFunction(torch.autograd.Function):
         normed = (x.reshape(n, groups, -1) - mean[..., None]).mul_(rstd[..., None])
         d = grad.reshape(n, c, -1)
         per_example = [normed.reshape(n, c, -1).mul_(d).sum(2), d.sum(2)]
-        k, m = layer.units(n)
+        k, m = _units(n, ctx.m)
         units = [e[: k * m].reshape(k, m, c).sum(1) for e in per_example]
-        layer.record(("weight", "bias"), torch._foreach_norm(units, 2, dtype=norm_dtype(units[0])))
+        norms = torch._foreach_norm(units, 2, dtype=norm_dtype(units[0]))
         grad_w, grad_b = (e.sum(0) for e in per_example)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, *_delivered(ctx, ("weight", "bias"), norms)
 
 
 def _group_norm(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
-    return _GroupNormFunction.apply(x, module.weight, module.bias, module, layer)
+    return _GroupNormFunction.apply(x, module.weight, module.bias, layer, *layer.inputs())
 
 
 # ---------------------------------------------------------------- RMSNorm
@@ -535,37 +593,39 @@ def _group_norm(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, module: nn.Module, layer: _Layer) -> Tensor:
+    def forward(ctx, x, weight, layer, m, sink_w, sink_b):
+        module = layer.module
         dims = tuple(range(-len(module.normalized_shape), 0))
         wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         eps = module.eps if module.eps is not None else torch.finfo(wide.dtype).eps
         rms = torch.rsqrt(wide.square().mean(dims, keepdim=True).add_(eps))
         normed = wide * rms
-        ctx.layer, ctx.dims = layer, dims
+        _begin(ctx, layer, m, sink_w, sink_b)
+        ctx.dims = dims
         ctx.save_for_backward(normed, weight, rms)
         return (normed * weight).to(x.dtype)  # as F.rms_norm: the input's dtype
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         normed, weight, rms = ctx.saved_tensors
-        layer, dims = ctx.layer, ctx.dims
+        dims = ctx.dims
         grad = grad.to(normed.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:  # d/dx of x̂ ⊙ w, x̂ = x / rms(x)
             g = grad * weight
             grad_x = (g - normed * (g * normed).mean(dims, keepdim=True)).mul_(rms)
-        k, m = layer.units(len(normed))
+        k, m = _units(len(normed), ctx.m)
         products = normed * grad
         units = products[: k * m].reshape(k, -1, *weight.shape).sum(1)
-        layer.record(("weight",), (torch.linalg.vector_norm(units, dtype=norm_dtype(units)),))
+        norm = torch.linalg.vector_norm(units, dtype=norm_dtype(units))
         grad_w = units.sum(0)
         if k * m != len(normed):  # the examples past the units
             grad_w = grad_w + products[k * m :].reshape(-1, *weight.shape).sum(0)
-        return grad_x, grad_w.to(weight.dtype), None, None
+        return grad_x, grad_w.to(weight.dtype), None, None, *_delivered(ctx, ("weight",), (norm,))
 
 
 def _rms_norm(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
-    return _RMSNormFunction.apply(x, module.weight, module, layer)
+    return _RMSNormFunction.apply(x, module.weight, layer, *layer.inputs())
 
 
 # ---------------------------------------------------------------- the registry
@@ -633,30 +693,23 @@ class _MeasuredForward:
     def __init__(self, module: nn.Module, rule: Rule, layer: _Layer) -> None:
         self.module, self.rule, self.layer = module, rule, layer
 
-    def _call(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         module, layer = self.module, self.layer
-        step = layer.probe.step
-        if step is None or not torch.is_grad_enabled():
+        # (a flag, not the step: torch.compile guards on what is read here, and a step is
+        # a new object, the unit size a new number)
+        if not layer.probe.measuring or not torch.is_grad_enabled():
             return type(module).forward(module, *args, **kwargs)
         if not args or kwargs or not isinstance(args[0], Tensor):
             raise RuntimeError(
                 f"per-example statistics: layer {layer.name!r} was called without a "
                 "positional input tensor, which its measurement reads; call it with one"
             )
-        key = id(layer)
-        if key in step.ran:  # the sum of two uses' gradients is not the sum of their norms
-            raise RuntimeError(
-                f"per-example statistics: layer {layer.name!r} ran twice in one "
-                "micro-batch's forward (shared, or re-run by activation checkpointing); "
-                "use the sub-batch statistics (noise_from='sub_batches') for such a model"
-            )
-        step.ran.add(key)
+        # the sum of two uses' gradients is not the sum of their norms; traced, the uses
+        # are counted here and checked after the backward (PerExampleNorms.next_micro_batch)
+        if layer.uses and not torch.compiler.is_compiling():
+            layer.refuse_second_use()
+        layer.uses += 1
         return self.rule(module, layer, args[0])
-
-    # under torch.compile the layer runs eagerly, between the compiled graphs around it (its
-    # function's backward records into the collector); torch's lazy form imports Dynamo at
-    # the first call, not with bigbatch
-    __call__ = _eager_under_compile(_call)
 
 
 class _Restore:
@@ -704,8 +757,13 @@ class PerExampleNorms:
         #: the most units per micro-batch (None: every example its own)
         self.units = units
         self.dataset_size = dataset_size
-        #: the step under way (None outside one)
+        #: the step under way and its examples per unit (None outside one)
         self.step: _Step | None = None
+        self.m: int | None = None
+        self.measuring = False
+        self.key = id(self)
+        #: whether torch.compile traced a measured layer (its norms are the sinks' gradients)
+        self.traced = False
         #: the embeddings' unit offsets, by micro-batch shape
         self.offsets: dict[tuple, Tensor] = {}
         self.handles = []
@@ -716,30 +774,48 @@ class PerExampleNorms:
                 f"layer {taken[0]!r} is measured by another collector already: one at a time "
                 "(close() the other first)"
             )
+        self.layers: list[_Layer] = []
         for module, rule in chosen:
             groups = {
                 n: group[id(p)] for n, p in module.named_parameters(recurse=False) if id(p) in group
             }
-            layer = _Layer(self, names.get(id(module), type(module).__name__), groups)
+            layer = _Layer(self, names.get(id(module), type(module).__name__), module, groups)
             module.forward = _MeasuredForward(module, rule, layer)
+            self.layers.append(layer)
             self.handles.append(_Restore(module))
 
     def begin(self, batches: SubBatches) -> None:
         """Start a step: its unit size from the smallest micro-batch of any rank."""
         self.step = _Step(unit_size(min(batches.all_sizes), self.units))
+        self.m, self.measuring = self.step.m, True
+        unit = _UNIT_SHAPES.get(self.key)
+        if unit is None or len(unit) != self.m:
+            unit = _UNIT_SHAPES[self.key] = torch.empty(self.m, 0, device=self.device)
+        for layer in self.layers:  # nothing of a step left unfinished (an error) counts
+            layer.uses = 0
+            for sink in layer.sinks.values():
+                sink.grad = None
 
     def next_micro_batch(self) -> None:
         """The next forward is another micro-batch's: each layer may run once in it."""
         if self.step is not None:
-            self.step.ran.clear()
+            self._end_micro_batch()
+
+    def _end_micro_batch(self) -> None:
+        """The traced backward's norms taken from the sinks; each layer's uses counted afresh."""
+        for layer in self.layers:
+            if self.traced:
+                layer.take_sinks()
+            layer.uses = 0
 
     def finish(self, batches: SubBatches) -> SmallNorms:
         """The step's norms (device scalars), their groups and units, over every rank."""
         step = self.step
         if step is None:
             raise RuntimeError("per-example norms: finish() without begin()")
+        self._end_micro_batch()
         _layer_norm_sums(step)
-        self.step = None
+        self.step, self.m, self.measuring = None, None, False
         m = step.m
         count = sum(b // m for b in batches.all_sizes)
         if count < 2:
@@ -758,3 +834,4 @@ class PerExampleNorms:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+        _UNIT_SHAPES.pop(self.key, None)
