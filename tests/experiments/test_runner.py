@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from bigbatch.experiments import runner
 from bigbatch.experiments.config import resolve
@@ -128,3 +129,26 @@ def test_a_run_the_skip_limit_stops_logs_every_step_it_took(tmp_path, asynchrono
     assert summary["ended"] == "skip_limit"
     assert [r["step"] for r in rows(tmp_path / "r")] == list(range(1, summary["steps"] + 1))
     assert summary["skipped_steps"] == summary["steps"] - 1  # all but the first
+
+
+@pytest.mark.compile
+def test_a_compiled_run_trains_as_the_eager_one_in_a_few_graphs(tmp_path):
+    """``compile``: the training steps through torch.compile, the measured layers traced
+    with the model; the batch grows through several sizes, each without a graph of its own."""
+    torch._dynamo.reset()
+    counters.clear()
+    config = {
+        **CONFIG,
+        "batch.controller": "batch_warmup",
+        "statistics_every": 1,
+        "max_samples": 20000,
+    }
+    eager = runner.train(resolve(config), tmp_path / "eager", quiet=True)
+    compiled = runner.train(resolve({**config, "compile": "default"}), tmp_path / "c", quiet=True)
+    assert {r["batch_size"] for r in rows(tmp_path / "c")} == {
+        r["batch_size"] for r in rows(tmp_path / "eager")
+    }
+    assert len({r["batch_size"] for r in rows(tmp_path / "c")}) >= 3
+    assert compiled["steps"] == eager["steps"]
+    assert compiled["final_accuracy"] == pytest.approx(eager["final_accuracy"], abs=0.02)
+    assert counters["stats"]["unique_graphs"] <= 4

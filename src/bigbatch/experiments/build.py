@@ -75,14 +75,23 @@ def fit_batches_to_data(plan: RunPlan, problem: Problem) -> RunPlan:
     return plan.replace("batch.max", size, why)
 
 
-def train_step(step: Any, problem: Problem, loop: AdaptiveBatch, precision: Precision) -> None:
-    """One optimizer step of ``problem``: every micro-batch's loss on ``precision``'s device
-    under its autocast, backward through ``step`` (which scales and measures), the update."""
+def train_step(step: Any, problem: Problem, model: nn.Module, precision: Precision) -> None:
+    """One optimizer step of ``problem``: every micro-batch's loss through ``model`` (the
+    loop's, or its :func:`training_model`) on ``precision``'s device under its autocast,
+    backward through ``step`` (which scales and measures), the update."""
     for batch in step.micro_batches():
         with precision.autocast():
-            loss = problem.loss(loop.model, to_device(batch, precision.device))
+            loss = problem.loss(model, to_device(batch, precision.device))
         step.backward(loss)
     step.apply()
+
+
+def training_model(loop: AdaptiveBatch, mode: str) -> nn.Module:
+    """What the training steps call: the loop's model, compiled in ``mode`` (the ``compile``
+    key) unless it is ``"none"``; evaluation calls the model itself."""
+    if mode == "none":
+        return loop.model
+    return torch.compile(loop.model, mode=None if mode == "default" else mode)
 
 
 def _loop(

@@ -40,7 +40,7 @@ from ..optim.agvm import GROUPS_CONFIG
 from ..options import AUTO_EXAMPLES, AUTO_MOST, NOISE_SOURCES, NONFINITE_POLICIES, StepOptions
 from ..parallel.compression import DEFAULT_ETA, METHODS, CompressionState
 from ..stats import SIMILARITY_MODES
-from .device import PRECISIONS
+from .device import COMPILE_MODES, PRECISIONS
 from .tasks import SEQUENCE_TASKS, TASKS
 
 
@@ -325,6 +325,14 @@ class MachineKeys:
         choices=PRECISIONS,
     )
     tf32: bool = run_key("tf32", True, "TF32 tensor cores for fp32 matrix products on CUDA")
+    compile: str = run_key(
+        "compile",
+        "none",
+        "torch.compile the model's training forward and backward in this mode (the "
+        "measured layers traced with it; reduce-overhead: CUDA graphs as well); each new "
+        "batch shape's first step compiles",
+        choices=COMPILE_MODES,
+    )
     nonfinite: str = run_key(
         "nonfinite",
         "skip",

@@ -121,6 +121,8 @@ def _machine(run: RunPlan) -> str:
         text += f", {threads} thread{'s' if threads > 1 else ''}"
         text += "" if machine.threads else " (torch's default)"
     text += f"; forward passes in {machine.precision}"
+    if machine.compile != "none":
+        text += f"; training steps compiled (torch.compile, mode {machine.compile})"
     if machine.asynchronous:
         text += "; each step's numbers read at the next step (asynchronous)"
     return text

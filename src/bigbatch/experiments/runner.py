@@ -24,7 +24,7 @@ from ..duration import Duration
 from ..loop import AdaptiveBatch
 from ..parallel.world import World, init_from_env
 from ..sinks import Sinks
-from .build import build, run_device, train_step
+from .build import build, run_device, train_step, training_model
 from .config import ConfigError, to_toml
 from .device import keep_freed_memory, set_tf32, set_threads
 from .plan import RunPlan, intervals, plan_run
@@ -170,7 +170,7 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
                 end = None
                 try:
                     for step in loop.steps(max_samples=plan.run.max_samples):
-                        train_step(step, problem, loop, run.precision)
+                        train_step(step, problem, run.model, run.precision)
                         end = run.after_step(step)
                         if end:  # paused, the budget spent or the target met
                             break
@@ -214,6 +214,8 @@ class _Run:
     ) -> None:
         self.plan, self.out, self.world, self.stop = plan, out, world, stop
         self.problem, self.loop, self.precision = build(plan, world, device)
+        #: what the training steps call (compiled where ``compile`` says)
+        self.model = training_model(self.loop, plan.machine.compile)
         self.keys, self.machine, self.task = plan.run, plan.machine, plan.task
         self.writer = world.rank == 0
         # under FSDP2 a forward is a collective (it gathers the parameters): every rank
