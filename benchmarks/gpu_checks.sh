@@ -6,7 +6,8 @@
 #   PARTS="machine cuda-tests step-cost" bash benchmarks/gpu_checks.sh OUT   # some parts only
 #
 # The parts' limits add up to more than one 10-minute call: where a call is limited so,
-# run the first three parts in one call and the rest in a second.
+# run the first three parts in one call, the next four in a second and the compiled ones
+# in a third.
 #
 # bigbatch is imported from src (no install). A machine without network takes wheels from
 # WHEELS (a folder made here with `pip download mnist1d -d WHEELS --no-deps`), so the
@@ -56,5 +57,13 @@ for asynchronous in false true; do
         --device "${DEVICE:-cuda}" --task text --train-samples 30000 --set optimizer=adamw --set optimizer_impl=fused \
         --set asynchronous=$asynchronous --set model.width=256 --set model.depth=4 \
         --set model.context=256
+done
+# torch.compile of every arm's model (the measured layers traced with it), and in the
+# reduce-overhead mode (CUDA graphs as well): a compiled bigbatch step against a compiled
+# plain one (each arm compiles first: the limit allows for it)
+for mode in default reduce-overhead; do
+    part "step-compiled-$mode" 240 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
+        --compile --compile-mode "$mode" --models text-gpu --batches "${COMPILE_BATCHES:-16,64,256}" \
+        --steps 15 --steady 10 --arms plain,examples,off
 done
 cat "$out/parts.txt"

@@ -198,6 +198,10 @@ class Arm:
             else contextlib.nullcontext()
         )
         self.data, self.batch, self.position = data, batch, 0
+        # --compile: torch.compile of the model in every arm (the measured layers traced)
+        compiled = getattr(args, "compile", False)
+        mode = getattr(args, "compile_mode", "default")
+        self.forward = torch.compile(model, mode=mode) if compiled else model
         self.loop = None
         base, _, every = name.partition("/")
         #: optimizer steps per timed unit: a whole cycle of statistics_every ("auto": the
@@ -226,7 +230,7 @@ class Arm:
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         with self.autocast:
-            logits = self.model(x)
+            logits = self.forward(x)
         return nn.functional.cross_entropy(logits.float().flatten(0, -2), y.flatten())
 
     def step(self) -> None:
@@ -254,6 +258,9 @@ class Arm:
 
 
 def cost(model_name: str, batch: int, context: int, steps: int, args) -> None:
+    if args.compile:  # the arms' models share their class's code: each arm's graphs apart
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = 64
     data = make_data(model_name, context, max(4 * batch, 256))
     model = make_model(model_name, context).to(args.device)
     names = arms_of(args.arms, args.every)
@@ -441,6 +448,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument(
         "--keep-freed-memory", action="store_true", help="as bigbatch train does on a CPU"
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile each arm's model (cost part)"
+    )
+    parser.add_argument(
+        "--compile-mode", default="default", help="torch.compile's mode (reduce-overhead: graphs)"
     )
     parser.add_argument(
         "--every",
