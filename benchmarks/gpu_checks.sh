@@ -59,8 +59,9 @@ for asynchronous in false true; do
         --set model.context=256
 done
 # torch.compile of every arm's model (the measured layers traced with it), and in the
-# reduce-overhead mode (CUDA graphs as well): a compiled bigbatch step against a compiled
-# plain one (each arm compiles first: the limit allows for it)
+# reduce-overhead mode (CUDA graphs as well; one micro-batch a step, so that no output is
+# kept past the next replay): a compiled bigbatch step against a compiled plain one (each
+# arm compiles first: the limit allows for it)
 for mode in default reduce-overhead; do
     part "step-compiled-$mode" 240 python benchmarks/step_cost.py --device "${DEVICE:-cuda}" \
         --compile --compile-mode "$mode" --models text-gpu --batches "${COMPILE_BATCHES:-16,64,256}" \

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 from torch.utils.data import TensorDataset
 
 from bigbatch import AdaptiveBatch
-from bigbatch.batch import BatchWarmup, Constant, SimiGrad
+from bigbatch.batch import BatchWarmup, Constant, Ramp, SimiGrad
 from bigbatch.batch.contrib import CriticalBatchRamp
 from bigbatch.optim import AGVM, VRGD, create_optimizer
 from bigbatch.stats import noise_components, scalar_similarity
@@ -749,3 +749,24 @@ def auto_noise_source(fsdp: bool = False) -> dict:
         "why": loop.engine.noise_why,
         "trace": step.metrics["trace"],
     }
+
+
+def compiled_per_example_run(steps: int) -> dict:
+    """The per-example statistics of a growing batch under DDP, eager and through
+    ``torch.compile`` (the measured layers traced inside DDP's compiled graph)."""
+    world = dist.get_world_size()
+    out = {}
+    for name in ("eager", "compiled"):
+        points = [(0, 8 * world), (64 * world, 16 * world), (192 * world, 48 * world)]
+        controller = Ramp(points=points)
+        loop = make_loop(controller, noise_from="examples", min_sub_batches=None,
+                         max_micro_batch=32)  # fmt: skip
+        forward = torch.compile(loop.model) if name == "compiled" else loop.model
+        rows = []
+        for step in loop.steps(max_steps=steps):
+            for x, y in step.micro_batches():
+                step.backward(nn.functional.mse_loss(forward(x), y))
+            step.apply()
+            rows.append([step.batch_size, step.metrics["grad_sq_norm"], step.metrics["trace"]])
+        out[name] = rows
+    return out

@@ -244,3 +244,15 @@ def test_auto_takes_the_ranks_gradients_from_four_ranks_and_the_examples_below(c
         assert "4 ranks: each rank's own gradient is a small batch's" in result["why"]
     else:
         assert result["per_example"] and "every trained parameter" in result["why"]
+
+
+@pytest.mark.compile
+def test_a_compiled_ddp_model_gives_the_eager_statistics_on_every_rank(cluster2):
+    results = cluster2.run(programs.compiled_per_example_run, 30)
+    for result in results:
+        eager, compiled = (
+            torch.tensor(result[k], dtype=torch.float64) for k in ("eager", "compiled")
+        )
+        assert len(eager[:, 0].unique()) > 2  # the batch grows (48 a rank: two micro-batches)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-9)
+    assert results[0] == results[1]

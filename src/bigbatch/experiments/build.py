@@ -76,9 +76,8 @@ def fit_batches_to_data(plan: RunPlan, problem: Problem) -> RunPlan:
 
 
 def train_step(step: Any, problem: Problem, model: nn.Module, precision: Precision) -> None:
-    """One optimizer step of ``problem``: every micro-batch's loss through ``model`` (the
-    loop's, or its :func:`training_model`) on ``precision``'s device under its autocast,
-    backward through ``step`` (which scales and measures), the update."""
+    """One optimizer step of ``problem``: every micro-batch's loss through ``model`` on
+    ``precision``'s device under its autocast, backward through ``step``, the update."""
     for batch in step.micro_batches():
         with precision.autocast():
             loss = problem.loss(model, to_device(batch, precision.device))
@@ -87,8 +86,7 @@ def train_step(step: Any, problem: Problem, model: nn.Module, precision: Precisi
 
 
 def training_model(loop: AdaptiveBatch, mode: str) -> nn.Module:
-    """What the training steps call: the loop's model, compiled in ``mode`` (the ``compile``
-    key) unless it is ``"none"``; evaluation calls the model itself."""
+    """The loop's model, compiled in ``mode`` (the ``compile`` key) unless it is ``"none"``."""
     if mode == "none":
         return loop.model
     return torch.compile(loop.model, mode=None if mode == "default" else mode)

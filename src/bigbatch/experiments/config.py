@@ -329,8 +329,7 @@ class MachineKeys:
         "compile",
         "none",
         "torch.compile the model's training forward and backward in this mode (the "
-        "measured layers traced with it; reduce-overhead: CUDA graphs as well); each new "
-        "batch shape's first step compiles",
+        "measured layers traced with it); each new batch shape's first step compiles",
         choices=COMPILE_MODES,
     )
     nonfinite: str = run_key(

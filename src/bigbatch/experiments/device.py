@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-#: the ``compile`` key: none, or a mode of ``torch.compile`` ("reduce-overhead": CUDA graphs)
-COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+#: the ``compile`` key: none, or a mode of ``torch.compile`` (those without CUDA graphs: a
+#: step's micro-batches keep the backward's outputs past the next replay)
+COMPILE_MODES = ("none", "default", "max-autotune-no-cudagraphs")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

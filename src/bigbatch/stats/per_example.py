@@ -1,13 +1,14 @@
-"""Gradient norms of units of examples, from the step's one backward pass (Gray et al.
-2024, arXiv:2411.00999; the ghost norm of Li et al. 2022): every covered layer
-(:data:`RULES`) forms its weight gradient unit by unit. A model is covered when every
-trainable parameter is the ``weight`` or ``bias`` of exactly one such module run once
-per forward, batch first (:func:`uncovered`). Nothing is read to the host; ``torch.compile``
-traces the layers with the model (their norms then leave as gradients of "sinks").
+"""Gradient norms of units of examples, from the step's one backward pass (Gray et al. 2024,
+arXiv:2411.00999; the ghost norm of Li et al. 2022): every covered layer (:data:`RULES`)
+forms its weight gradient unit by unit. A model is covered when every trainable parameter
+is the ``weight`` or ``bias`` of exactly one such module run once per forward, batch first
+(:func:`uncovered`). Nothing is read to the host; ``torch.compile`` traces the layers.
 docs/algorithms.md, "Gradient statistics" ("Noise from units of examples")."""
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,14 @@ _GRAM_NUMBERS = 64
 #: second size where a number would be traced anew at each (and torch.compile holds a
 #: module's tensors' shapes static, so it is kept here, not on the measured layers)
 _UNIT_SHAPES: dict[int, Tensor] = {}
+_KEYS = itertools.count()
+
+
+def _unit_shape_key(probe: PerExampleNorms) -> int:
+    # a new key for the probe's unit shape, given up when the probe is collected
+    key = next(_KEYS)
+    weakref.finalize(probe, _UNIT_SHAPES.pop, key, None)
+    return key
 
 
 def unit_size(smallest: int, units: int | None = UNITS) -> int:
@@ -86,12 +95,15 @@ class _Layer:
         self.probe, self.name, self.module, self.groups = probe, name, module, groups
         #: this micro-batch's forwards through the layer (one is measured)
         self.uses = 0
+        self.make_sinks()
+
+    def make_sinks(self) -> None:
         # a traced backward cannot record: there each norm is the gradient of a scalar
         # leaf of its own, read (and cleared) by the collector after the backward
         self.sinks = {
             n: torch.zeros((), dtype=norm_dtype(p), device=p.device, requires_grad=True)
-            for n, p in module.named_parameters(recurse=False)
-            if n in groups
+            for n, p in self.module.named_parameters(recurse=False)
+            if n in self.groups
         }
 
     def inputs(self) -> tuple[int, Tensor | None, Tensor | None]:
@@ -761,7 +773,7 @@ class PerExampleNorms:
         self.step: _Step | None = None
         self.m: int | None = None
         self.measuring = False
-        self.key = id(self)
+        self.key = _unit_shape_key(self)
         #: whether torch.compile traced a measured layer (its norms are the sinks' gradients)
         self.traced = False
         #: the embeddings' unit offsets, by micro-batch shape
@@ -788,13 +800,29 @@ class PerExampleNorms:
         """Start a step: its unit size from the smallest micro-batch of any rank."""
         self.step = _Step(unit_size(min(batches.all_sizes), self.units))
         self.m, self.measuring = self.step.m, True
+        self._follow_the_model()
         unit = _UNIT_SHAPES.get(self.key)
-        if unit is None or len(unit) != self.m:
-            unit = _UNIT_SHAPES[self.key] = torch.empty(self.m, 0, device=self.device)
+        if unit is None or len(unit) != self.m or unit.device != self.device:
+            _UNIT_SHAPES[self.key] = torch.empty(self.m, 0, device=self.device)
         for layer in self.layers:  # nothing of a step left unfinished (an error) counts
             layer.uses = 0
             for sink in layer.sinks.values():
                 sink.grad = None
+
+    def _follow_the_model(self) -> None:
+        # the sinks made again on the parameters' device if the model moved since
+        first = self.layers[0] if self.layers else None
+        sink = next(iter(first.sinks.values()), None) if first is not None else None
+        device = first.module.weight.device if first is not None else None
+        if sink is not None and sink.device != device:
+            self.device = device
+            for layer in self.layers:
+                layer.make_sinks()
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (of a copied model) measures with a unit shape of its own
+        self.__dict__.update(state)
+        self.key = _unit_shape_key(self)
 
     def next_micro_batch(self) -> None:
         """The next forward is another micro-batch's: each layer may run once in it."""
