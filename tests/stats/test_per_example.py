@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.func import functional_call, grad, vmap
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import TensorDataset
 
 import bigbatch as bb
@@ -318,6 +319,67 @@ def test_a_collectors_unit_shape_goes_with_it_and_its_sinks_follow_the_model():
     del norms, model  # (the measured layers hold the collector)
     gc.collect()
     assert key not in per_example._UNIT_SHAPES
+
+
+class Checkpointed(nn.Module):
+    """Two residual blocks, each recomputed in the backward by activation checkpointing."""
+
+    def __init__(self, use_reentrant: bool | None):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(13, 8), nn.Linear(8, 13)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+            for _ in range(2)
+        )
+        self.use_reentrant = use_reentrant
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            if self.use_reentrant is None:
+                h = h + block(h)
+            else:
+                h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return self.head(h).logsumexp(-1).mean(1)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_exact_norms(use_reentrant):
+    # the recomputation in the backward is not a second use: it only gives the saved tensors
+    torch.manual_seed(0)
+    model, inputs = Checkpointed(use_reentrant).double(), torch.randint(0, 13, (12, 5))
+    plain = copy.deepcopy(model)
+    plain.use_reentrant = None  # (torch.func does not take a checkpointed model)
+    expected = unit_sq_norms(plain, inputs, 3, 0.25 / 12)
+    (plain(inputs).mean() * 0.25).backward()
+    total, grads, _ = measured(model, inputs, 4)
+    torch.testing.assert_close(total, expected, rtol=1e-10, atol=0)
+    for got, want in zip(grads, (p.grad for p in plain.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_checkpointed_model_steps_as_the_plain_one_over_micro_batches():
+    # the loop counts each micro-batch's uses afresh: a recomputation in one backward is
+    # not a use in the next forward
+    torch.manual_seed(0)
+    ids = torch.randint(0, 13, (256, 6), generator=torch.Generator().manual_seed(2))
+    data, out = TensorDataset(ids, ids.roll(1, 1)), []
+    for use_reentrant in (None, False):
+        torch.manual_seed(0)
+        model = Checkpointed(use_reentrant)
+        loop = bb.AdaptiveBatch(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+            controller=bb.batch.Constant(48), noise_from="examples", statistics=True,
+            statistics_every=1, max_micro_batch=16, shuffle=False,
+        )  # fmt: skip
+        rows = []
+        for step in loop.steps(max_steps=3):
+            for x, _ in step.micro_batches():
+                step.backward(model(x).mean())
+            step.apply()
+            rows.append([step.metrics["grad_sq_norm"], step.metrics["trace"]])
+        out.append(torch.tensor(rows))
+    torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-8)
 
 
 def test_a_layer_run_twice_in_one_forward_is_refused():

@@ -57,6 +57,10 @@ def _unit_shape_key(probe: PerExampleNorms) -> int:
     return key
 
 
+#: the autograd graph task running on this thread, -1 outside a backward pass
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def unit_size(smallest: int, units: int | None = UNITS) -> int:
     """``⌊smallest / units⌋`` examples per unit, at least one (``units`` None: one)."""
     if units is None:
@@ -125,7 +129,7 @@ class _Layer:
     def refuse_second_use(self) -> None:
         raise RuntimeError(
             f"per-example statistics: layer {self.name!r} ran twice in one "
-            "micro-batch's forward (shared, or re-run by activation checkpointing); "
+            "micro-batch's forward (a shared layer, or one called twice); "
             "use the sub-batch statistics (noise_from='sub_batches') for such a model"
         )
 
@@ -717,10 +721,13 @@ class _MeasuredForward:
                 "positional input tensor, which its measurement reads; call it with one"
             )
         # the sum of two uses' gradients is not the sum of their norms; traced, the uses
-        # are counted here and checked after the backward (PerExampleNorms.next_micro_batch)
-        if layer.uses and not torch.compiler.is_compiling():
-            layer.refuse_second_use()
-        layer.uses += 1
+        # are counted here and checked after the backward (PerExampleNorms.next_micro_batch).
+        # Inside a backward pass the forward is activation checkpointing's recomputation
+        # (non-reentrant): its function only gives the saved tensors of the one that ran
+        if _graph_task_id() == -1:
+            if layer.uses and not torch.compiler.is_compiling():
+                layer.refuse_second_use()
+            layer.uses += 1
         return self.rule(module, layer, args[0])
 
 
