@@ -724,8 +724,10 @@ class _MeasuredForward:
         # are counted here and checked after the backward (PerExampleNorms.next_micro_batch).
         # Inside a backward pass the forward is activation checkpointing's recomputation
         # (non-reentrant): its function only gives the saved tensors of the one that ran
-        if _graph_task_id() == -1:
-            if layer.uses and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            layer.uses += 1
+        elif _graph_task_id() == -1:
+            if layer.uses:
                 layer.refuse_second_use()
             layer.uses += 1
         return self.rule(module, layer, args[0])
