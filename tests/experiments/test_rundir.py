@@ -10,6 +10,7 @@ from bigbatch.experiments.rundir import (
     CHECKPOINT,
     claim_plan,
     copy_atomically,
+    cut_lines,
     first_difference,
     resumable,
     save_atomically,
@@ -24,6 +25,21 @@ def test_a_copy_keeps_the_content_it_was_made_from(tmp_path):
     assert target.read_bytes() == (tmp_path / "checkpoint.prev.pt").read_bytes()
     assert target.read_bytes() != source.read_bytes()
     assert not list(tmp_path.glob(".*.tmp"))  # nothing staged is left behind
+
+
+def test_a_resumed_runs_metrics_are_cut_back_in_place(tmp_path):
+    # in place (one truncate): a kill while a resume cuts them cannot lose the kept rows,
+    # as rewriting the file could (it was emptied first)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(f'{{"step": {i}}}\n' for i in range(1, 6)))
+    inode = metrics.stat().st_ino
+    cut_lines(metrics, 3)
+    assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    assert metrics.stat().st_ino == inode
+    cut_lines(metrics, 10)  # fewer lines than kept: as they are
+    assert metrics.read_text().count("\n") == 3
+    cut_lines(tmp_path / "missing.jsonl", 2)
+    assert (tmp_path / "missing.jsonl").read_text() == ""
 
 
 def test_a_run_resumes_from_its_checkpoint_and_a_run_killed_before_one_starts_again(tmp_path):

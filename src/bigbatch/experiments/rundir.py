@@ -303,12 +303,24 @@ def first_line(err: BaseException, width: int = 120) -> str:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file bigbatch wrote; one that does not parse is a :class:`ConfigError`
-    naming it."""
+    """A JSON file bigbatch wrote; one that does not parse is a :class:`ConfigError` naming it."""
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{str(path)!r} is not valid JSON ({err}): damaged?") from None
+
+
+def cut_lines(path: Path, keep: int) -> None:
+    """``path`` cut back in place to its first ``keep`` lines (made empty if missing)."""
+    # one truncate, not a rewrite: a kill midway cannot leave fewer lines than were kept
+    size = 0
+    with _open_for_writing(path, "ab+") as file:
+        file.seek(0)
+        for number, line in enumerate(file):
+            if number == keep:
+                break
+            size += len(line)
+        file.truncate(size)
 
 
 def read_metrics(out: Path) -> list[dict[str, Any]]:

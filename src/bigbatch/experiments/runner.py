@@ -38,6 +38,7 @@ from .rundir import (
     check_new_run_dir,
     check_room,
     claim_new_run_dir,
+    cut_lines,
     discard_if_unused,
     disk_error,
     load_checkpoint,
@@ -249,8 +250,7 @@ class _Run:
             loop.load_state_dict(checkpoint["loop"])
             self.state.update(checkpoint["run"])
             if self.writer:
-                lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
-                metrics.write_text("".join(lines[: self.state["metrics_lines"]]))
+                cut_lines(metrics, self.state["metrics_lines"])
         else:
             if start_from is not None:  # a branch of another run, at its own first batch
                 branched = load_checkpoint(Path(start_from))[0]["loop"]
