@@ -14,6 +14,7 @@ from bigbatch.experiments.rundir import (
     first_difference,
     resumable,
     save_atomically,
+    write_atomically,
 )
 
 
@@ -25,6 +26,21 @@ def test_a_copy_keeps_the_content_it_was_made_from(tmp_path):
     assert target.read_bytes() == (tmp_path / "checkpoint.prev.pt").read_bytes()
     assert target.read_bytes() != source.read_bytes()
     assert not list(tmp_path.glob(".*.tmp"))  # nothing staged is left behind
+
+
+def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    write_atomically(path, "new")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+    def killed(*args):
+        raise KeyboardInterrupt  # the process dies between writing and renaming
+
+    monkeypatch.setattr("os.replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, "half")
+    assert path.read_text() == "new"
 
 
 def test_a_resumed_runs_metrics_are_cut_back_in_place(tmp_path):

@@ -223,12 +223,9 @@ def previous(path: Path) -> Path:
 
 
 def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
-    """torch.save to a temporary file, flushed to disk, then renamed over ``path``.
-
-    With ``keep_previous`` the file it replaces is kept as ``<name>.prev<suffix>``,
-    so a checkpoint damaged later (a full disk, a bad copy) still has a good
-    predecessor.
-    """
+    """torch.save to a temporary file, flushed to disk, then renamed over ``path``; with
+    ``keep_previous`` the file it replaces is kept as ``<name>.prev<suffix>``, so a checkpoint
+    damaged later (a full disk, a bad copy) still has a good predecessor."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -243,6 +240,13 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
     if keep_previous and path.exists():
         copy_atomically(path, previous(path))  # checkpoint.pt exists at every moment
     os.replace(tmp, path)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text``, written beside it and renamed over it: never half written."""
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(text)
+    os.replace(staged, path)
 
 
 def copy_atomically(source: Path, target: Path) -> None:

@@ -47,6 +47,7 @@ from .rundir import (
     read_metrics,
     resumable,
     save_atomically,
+    write_atomically,
 )
 from .signals import Stopped, StopRequest, watch_launcher
 from .summary import ENDS, batch_path_ratio, finished_summary, target_summary, traffic_per_step
@@ -451,7 +452,8 @@ def _write_summary(
         summary.update(dict.fromkeys(SCORES), diverged=summary["why"])
         summary.update(target_reached=False, steps_to_target=None, samples_to_target=None)
     strict = strict_json(summary)
-    (out / "summary.json").write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
+    # (a kill while it is written must not leave a summary that reads as damaged)
+    write_atomically(out / "summary.json", json.dumps(strict, indent=2, allow_nan=False) + "\n")
     if ended != "error":  # the report of a run that failed could fail the same way
         run_report.render(out)
     return summary
