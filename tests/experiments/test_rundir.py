@@ -43,6 +43,14 @@ def test_a_file_written_atomically_is_the_old_or_the_new_one(tmp_path, monkeypat
     assert path.read_text() == "new"
 
 
+def test_a_folder_whose_plan_a_kill_left_staged_is_claimed_again(tmp_path):
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / ".compare.json.tmp").write_text('{"pla')  # killed before the rename
+    claim_plan(out, "compare.json", {"plan": 1}, "comparison", config_at="base").release()
+    assert json.loads((out / "compare.json").read_text()) == {"plan": 1}
+
+
 def test_a_resumed_runs_metrics_are_cut_back_in_place(tmp_path):
     # in place (one truncate): a kill while a resume cuts them cannot lose the kept rows,
     # as rewriting the file could (it was emptied first)

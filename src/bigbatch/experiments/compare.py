@@ -23,7 +23,7 @@ from .flags import settings_from
 from .options import Protocol, TuneSettings
 from .plan import plan_run
 from .report import comparison as comparison_report
-from .rundir import claim_plan, new_run_dir
+from .rundir import claim_plan, new_run_dir, write_atomically
 from .sweep import Arm, sweep
 
 #: the [compare] table's names that give the arms rather than how each is tuned
@@ -157,7 +157,7 @@ def run_comparison(
             comparison.base, comparison.arms, root, p, quiet=quiet or p.jobs > 1, tune=tune
         )
         index = {"plan": planned, "arms": [r.to_dict() for r in results]}
-        index_path.write_text(json.dumps(index, indent=2) + "\n")
+        write_atomically(index_path, json.dumps(index, indent=2) + "\n")
     finally:
         lock.release()
     return comparison_report.render(root)

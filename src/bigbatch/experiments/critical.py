@@ -23,7 +23,7 @@ from .config import resolve
 from .options import CriticalSettings
 from .plan import make_controller, plan_run
 from .report.critical_batch import render
-from .rundir import CHECKPOINT, claim_plan, copy_atomically, read_metrics
+from .rundir import CHECKPOINT, claim_plan, copy_atomically, read_metrics, write_atomically
 from .signals import Stopped
 
 #: the rows of the base run averaged for the noise scale beside a point
@@ -109,7 +109,7 @@ def measure(
                     print(f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}")
             measured.append(_point(fraction, at, losses, settings.tolerance, rows))
             data = {**plan, "points": [asdict(p) for p in measured]}
-            (out / "critical_batch.json").write_text(json.dumps(data, indent=2) + "\n")
+            write_atomically(out / "critical_batch.json", json.dumps(data, indent=2) + "\n")
     except Stopped as err:  # a signal stopped a run inside: the measurement goes on as a whole
         again = f"run the same command again (--out {out}) to continue"
         raise Stopped(err.signum, err.step, str(out), again) from None

@@ -10,6 +10,7 @@ from typing import Any
 from ..sinks import MLflowSink, Sinks, TensorBoardSink, WandbSink, require
 from .config import LogKeys
 from .plan import RunPlan
+from .rundir import write_atomically
 
 __all__ = ["check_sinks", "open_sinks"]
 
@@ -50,7 +51,7 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
             params=dict(plan),
             artifact_location=(out / "mlflow-artifacts").resolve().as_uri() if local else None,
         )
-        (out / MLFLOW_RUN).write_text(sink.run_id)
+        write_atomically(out / MLFLOW_RUN, sink.run_id)
         sinks.append(sink)
     if log.wandb:
         sink = WandbSink(
@@ -60,7 +61,7 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
             run_id=_saved(out, WANDB_RUN) if resume else None,
             config=dict(plan),
         )
-        (out / WANDB_RUN).write_text(sink.run_id)
+        write_atomically(out / WANDB_RUN, sink.run_id)
         sinks.append(sink)
     return Sinks(*sinks)
 

@@ -54,7 +54,12 @@ def check_new_run_dir(path: Path) -> None:
 def _holds_files(folder: Path) -> bool:
     """Whether ``folder`` holds anything beside a new run's bookkeeping (its lock, a
     launcher's log)."""
-    return any(p.name not in BOOKKEEPING for p in folder.iterdir())
+    # (a staged write a kill kept from landing, ``.<name>.tmp``, is not the folder's)
+    return any(p.name not in BOOKKEEPING and not _staged(p.name) for p in folder.iterdir())
+
+
+def _staged(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 class RunLock:
@@ -138,7 +143,7 @@ def claim_plan(
         if out.is_dir() and _holds_files(out):
             raise ConfigError(f"--out {str(out)!r} holds no {what}: choose a new folder")
         lock = claim_new_run_dir(out)
-        path.write_text(json.dumps(plan, indent=2) + "\n")
+        write_atomically(path, json.dumps(plan, indent=2) + "\n")
         return lock
     saved, wanted = compared(read_json(path)), json.loads(json.dumps(compared(plan)))
     difference = plan_difference(saved, wanted, config_at)
