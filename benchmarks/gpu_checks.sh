@@ -5,9 +5,11 @@
 #   bash benchmarks/gpu_checks.sh [OUT]             # OUT: where the results go (default gpu-out)
 #   PARTS="machine cuda-tests step-cost" bash benchmarks/gpu_checks.sh OUT   # some parts only
 #
-# The parts' limits add up to more than one 10-minute call: where a call is limited so,
-# run the first three parts in one call, the next four in a second and the compiled ones
-# in a third.
+# The parts' limits add up to more than one 10-minute call. Where a lease is short, in this
+# order (each line one call, its limits under 10 minutes):
+#   PARTS="machine cuda-tests step-cost"
+#   PARTS="step-compiled-default step-async step-details"
+#   PARTS="step-compiled-reduce-overhead train-asynchronous-false train-asynchronous-true"
 #
 # bigbatch is imported from src (no install). A machine without network takes wheels from
 # WHEELS (a folder made here with `pip download mnist1d -d WHEELS --no-deps`), so the
