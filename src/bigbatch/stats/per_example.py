@@ -815,8 +815,9 @@ class PerExampleNorms:
             _UNIT_SHAPES[self.key] = torch.empty(self.m, 0, device=self.device)
         for layer in self.layers:  # nothing of a step left unfinished (an error) counts
             layer.uses = 0
-            for sink in layer.sinks.values():
-                sink.grad = None
+            if self.traced:
+                for sink in layer.sinks.values():
+                    sink.grad = None
 
     def _follow_the_model(self) -> None:
         # the sinks made again on the parameters' device if the model moved since
