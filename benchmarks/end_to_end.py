@@ -6,6 +6,7 @@
         --set model.depth=4 --set model.context=256 --set precision=bf16   # GPU scale
     python benchmarks/end_to_end.py --device cuda --bf16 --set precision=bf16 ... \\
         --set optimizer=adamw --set optimizer_impl=fused --set asynchronous=true  # read late
+    python benchmarks/end_to_end.py --device cuda ... --set compile=default  # both compiled
 
 The plain arm is the loop a user writes by hand, nanoGPT style, with no bigbatch in it
 but the optimizer: the task's data and model built as ``bigbatch train`` builds them
@@ -14,8 +15,9 @@ epoch, a static batch, the same optimizer built the same way (the task's, LAMB b
 or ``--set optimizer=...``: its parameter groups, weight decay and impl) at the rate
 ``bigbatch train`` gives a constant batch of that size, the same warm-up and
 cosine schedule in samples, and an evaluation on the same held-out windows at the same
-sample points. The bigbatch arm is ``bigbatch train`` with the task's defaults (the
-default controller), evaluated at those sample points. Every run is its own process, run
+sample points, its model compiled as ``bigbatch train``'s is where ``--set compile=MODE``
+says. The bigbatch arm is ``bigbatch train`` with the task's defaults (the default
+controller), evaluated at those sample points. Every run is its own process, run
 one after another (one thread by default), and, as ``bigbatch train`` does on a CPU,
 keeps glibc's freed memory in both arms.
 
@@ -60,6 +62,7 @@ def config_for(task: str, sets: list[str], **overrides) -> dict:
 def plain_run(args: argparse.Namespace) -> list[list[float]]:
     """The plain loop at a static batch: [samples, seconds, eval loss, step] at each evaluation."""
     from bigbatch.batch.lr import schedule_by_name
+    from bigbatch.experiments.build import training_model
     from bigbatch.experiments.device import keep_freed_memory
     from bigbatch.experiments.tasks import TASKS
     from bigbatch.optim import create_optimizer, get_optimizer_info
@@ -84,6 +87,7 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
         **_impl(get_optimizer_info(config["optimizer"]), config["optimizer_impl"]),
     )  # fmt: skip
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
+    forward = training_model(model, config["compile"])  # compiled alike; evaluation eager
     tensors = problem.train.tensors
     rows_count = len(tensors[0])
     generator = torch.Generator().manual_seed(args.seed)
@@ -100,7 +104,7 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
         for group in optimizer.param_groups:
             group["lr"] = lr * schedule(samples)
         with autocast:
-            loss = problem.loss(model, batch)
+            loss = problem.loss(forward, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -85,11 +85,11 @@ def train_step(step: Any, problem: Problem, model: nn.Module, precision: Precisi
     step.apply()
 
 
-def training_model(loop: AdaptiveBatch, mode: str) -> nn.Module:
-    """The loop's model, compiled in ``mode`` (the ``compile`` key) unless it is ``"none"``."""
+def training_model(model: nn.Module, mode: str) -> nn.Module:
+    """``model`` compiled in ``mode`` (the ``compile`` key) unless it is ``"none"``."""
     if mode == "none":
-        return loop.model
-    return torch.compile(loop.model, mode=None if mode == "default" else mode)
+        return model
+    return torch.compile(model, mode=None if mode == "default" else mode)
 
 
 def _loop(

@@ -217,7 +217,7 @@ class _Run:
         self.plan, self.out, self.world, self.stop = plan, out, world, stop
         self.problem, self.loop, self.precision = build(plan, world, device)
         #: what the training steps call (compiled where ``compile`` says)
-        self.model = training_model(self.loop, plan.machine.compile)
+        self.model = training_model(self.loop.model, plan.machine.compile)
         self.keys, self.machine, self.task = plan.run, plan.machine, plan.task
         self.writer = world.rank == 0
         # under FSDP2 a forward is a collective (it gathers the parameters): every rank
