@@ -751,16 +751,16 @@ def auto_noise_source(fsdp: bool = False) -> dict:
     }
 
 
-def compiled_per_example_run(steps: int) -> dict:
-    """The per-example statistics of a growing batch under DDP, eager and through
-    ``torch.compile`` (the measured layers traced inside DDP's compiled graph)."""
+def compiled_per_example_run(steps: int, fsdp: bool = False) -> dict:
+    """The per-example statistics of a growing batch under DDP (or FSDP2), eager and
+    through ``torch.compile`` (the measured layers traced inside the compiled graph)."""
     world = dist.get_world_size()
     out = {}
     for name in ("eager", "compiled"):
         points = [(0, 8 * world), (64 * world, 16 * world), (192 * world, 48 * world)]
         controller = Ramp(points=points)
         loop = make_loop(controller, noise_from="examples", min_sub_batches=None,
-                         max_micro_batch=32)  # fmt: skip
+                         max_micro_batch=32, fsdp=fsdp)  # fmt: skip
         forward = torch.compile(loop.model) if name == "compiled" else loop.model
         rows = []
         for step in loop.steps(max_steps=steps):

@@ -247,8 +247,9 @@ def test_auto_takes_the_ranks_gradients_from_four_ranks_and_the_examples_below(c
 
 
 @pytest.mark.compile
-def test_a_compiled_ddp_model_gives_the_eager_statistics_on_every_rank(cluster2):
-    results = cluster2.run(programs.compiled_per_example_run, 30)
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_a_compiled_model_gives_the_eager_statistics_on_every_rank(cluster2, fsdp):
+    results = cluster2.run(programs.compiled_per_example_run, 30, fsdp)
     for result in results:
         eager, compiled = (
             torch.tensor(result[k], dtype=torch.float64) for k in ("eager", "compiled")
