@@ -116,7 +116,7 @@ class _Layer:
         if torch.compiler.is_compiling():
             probe.traced = True
             return _UNIT_SHAPES[probe.key], self.sinks.get("weight"), self.sinks.get("bias")
-        return probe.m, None, None
+        return probe.step.m, None, None
 
     def record(self, names: Sequence[str], norms: Sequence[Tensor]) -> None:
         """The norms of this layer's parameters ``names`` (a frozen one's are not kept)."""
@@ -778,9 +778,9 @@ class PerExampleNorms:
         #: the most units per micro-batch (None: every example its own)
         self.units = units
         self.dataset_size = dataset_size
-        #: the step under way and its examples per unit (None outside one)
+        #: the step under way (None outside one), and whether there is one (a flag for
+        #: torch.compile to guard on: a step is a new object each time)
         self.step: _Step | None = None
-        self.m: int | None = None
         self.measuring = False
         self.key = _unit_shape_key(self)
         #: whether torch.compile traced a measured layer (its norms are the sinks' gradients)
@@ -808,11 +808,11 @@ class PerExampleNorms:
     def begin(self, batches: SubBatches) -> None:
         """Start a step: its unit size from the smallest micro-batch of any rank."""
         self.step = _Step(unit_size(min(batches.all_sizes), self.units))
-        self.m, self.measuring = self.step.m, True
+        self.measuring, m = True, self.step.m
         self._follow_the_model()
         unit = _UNIT_SHAPES.get(self.key)
-        if unit is None or len(unit) != self.m or unit.device != self.device:
-            _UNIT_SHAPES[self.key] = torch.empty(self.m, 0, device=self.device)
+        if unit is None or len(unit) != m or unit.device != self.device:
+            _UNIT_SHAPES[self.key] = torch.empty(m, 0, device=self.device)
         for layer in self.layers:  # nothing of a step left unfinished (an error) counts
             layer.uses = 0
             if self.traced:
@@ -853,7 +853,7 @@ class PerExampleNorms:
             raise RuntimeError("per-example norms: finish() without begin()")
         self._end_micro_batch()
         _layer_norm_sums(step)
-        self.step, self.m, self.measuring = None, None, False
+        self.step, self.measuring = None, False
         m = step.m
         count = sum(b // m for b in batches.all_sizes)
         if count < 2:
