@@ -54,11 +54,16 @@ def check_new_run_dir(path: Path) -> None:
 def _holds_files(folder: Path) -> bool:
     """Whether ``folder`` holds anything beside a new run's bookkeeping (its lock, a
     launcher's log)."""
-    # (a staged write a kill kept from landing, ``.<name>.tmp``, is not the folder's)
-    return any(p.name not in BOOKKEEPING and not _staged(p.name) for p in folder.iterdir())
+    # (a staged write a kill kept from landing is not the folder's)
+    return any(p.name not in BOOKKEEPING and not _is_staged(p.name) for p in folder.iterdir())
 
 
-def _staged(name: str) -> bool:
+def _staged(path: Path) -> Path:
+    # where a file is written before it is renamed over ``path`` (_is_staged knows the name)
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _is_staged(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
@@ -231,7 +236,7 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
     """torch.save to a temporary file, flushed to disk, then renamed over ``path``; with
     ``keep_previous`` the file it replaces is kept as ``<name>.prev<suffix>``, so a checkpoint
     damaged later (a full disk, a bad copy) still has a good predecessor."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _staged(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -249,7 +254,7 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
 
 def write_atomically(path: Path, text: str) -> None:
     """``path`` holds ``text``, written beside it and renamed over it: never half written."""
-    staged = path.with_name(f".{path.name}.tmp")
+    staged = _staged(path)
     staged.write_text(text)
     os.replace(staged, path)
 
@@ -258,7 +263,7 @@ def copy_atomically(source: Path, target: Path) -> None:
     """``target`` becomes a copy of ``source`` in one rename: a hard link where the file
     system has them (``source`` is later replaced by a rename, never written in place, so
     the link keeps today's content), else a copy; a half-made copy is never ``target``."""
-    staged = target.with_name(f".{target.name}.tmp")
+    staged = _staged(target)
     staged.unlink(missing_ok=True)
     try:
         os.link(source, staged)
