@@ -62,10 +62,10 @@ def config_for(task: str, sets: list[str], **overrides) -> dict:
 def plain_run(args: argparse.Namespace) -> list[list[float]]:
     """The plain loop at a static batch: [samples, seconds, eval loss, step] at each evaluation."""
     from bigbatch.batch.lr import schedule_by_name
-    from bigbatch.experiments.build import training_model
+    from bigbatch.experiments.build import implementation, training_model
     from bigbatch.experiments.device import keep_freed_memory
     from bigbatch.experiments.tasks import TASKS
-    from bigbatch.optim import create_optimizer, get_optimizer_info
+    from bigbatch.optim import create_optimizer
 
     keep_freed_memory()
     config = config_for(
@@ -84,7 +84,7 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
     model = problem.model.to(device)
     optimizer = create_optimizer(
         model, config["optimizer"], lr=lr, weight_decay=config["weight_decay"],
-        **_impl(get_optimizer_info(config["optimizer"]), config["optimizer_impl"]),
+        **implementation(config["optimizer"], config["optimizer_impl"], config["asynchronous"]),
     )  # fmt: skip
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
     forward = training_model(model, config["compile"])  # compiled alike; evaluation eager
@@ -114,15 +114,6 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
             rows.append([samples, time.perf_counter() - start, _evaluate(problem, model), step])
             next_eval = samples - samples % args.eval_samples + args.eval_samples
     return rows
-
-
-def _impl(info, impl: str) -> dict:
-    """The optimizer's impl as ``bigbatch train`` builds it: bigbatch's take ``impl``; torch's
-    AdamW and SGD are built fused where ``impl`` is ``fused``."""
-    accepted = info.signature().parameters
-    if "impl" in accepted:
-        return {"impl": impl}
-    return {"fused": True} if "fused" in accepted and impl == "fused" else {}
 
 
 def _evaluate(problem, model) -> float:

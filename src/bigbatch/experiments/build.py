@@ -85,6 +85,15 @@ def train_step(step: Any, problem: Problem, model: nn.Module, precision: Precisi
     step.apply()
 
 
+def implementation(name: str, impl: str, asynchronous: bool = False) -> dict[str, Any]:
+    """How optimizer ``name`` is built for ``impl``: bigbatch's take it; torch's AdamW and SGD
+    fused for ``fused`` or ``asynchronous`` (a fused step skips a non-finite one on the device)."""
+    accepted = get_optimizer_info(name).signature().parameters
+    if "impl" in accepted:
+        return {"impl": impl}
+    return {"fused": True} if "fused" in accepted and (impl == "fused" or asynchronous) else {}
+
+
 def training_model(model: nn.Module, mode: str) -> nn.Module:
     """``model`` compiled in ``mode`` (the ``compile`` key) unless it is ``"none"``."""
     if mode == "none":
@@ -97,11 +106,8 @@ def _loop(
 ) -> AdaptiveBatch:
     opt, machine, batch, dist = plan.optimizer, plan.machine, plan.batch, plan.dist
     options: dict[str, Any] = {"lr": opt.lr, "weight_decay": opt.weight_decay}
+    options.update(implementation(opt.name, opt.impl, machine.asynchronous))
     accepted = get_optimizer_info(opt.name).signature().parameters
-    if "impl" in accepted:
-        options["impl"] = opt.impl
-    elif "fused" in accepted and (opt.impl == "fused" or machine.asynchronous):
-        options["fused"] = True  # torch's; its step skips a non-finite one on the device
     if "gamma" in accepted:  # the vr-* optimizers
         options.update(declared(plan, "vrgd.", VRGD.CONFIG))
     sharded = world is not None and world.distributed and dist.strategy == "fsdp"
