@@ -26,6 +26,16 @@ def test_weighted_split_covers_every_sample_in_order(weights, micro):
     counts = split_by_weight(weights, max_micro_batch=micro, min_sub_batches=4)
     assert sum(counts) == len(weights)
     assert len(counts) >= 4 and min(counts) >= 1
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    parts = [weights[s : s + c] for s, c in zip(starts, counts)]
+    # the cap holds, but for a sample heavier than it alone (equal-weight goals alone
+    # put two samples of 2 over a cap of 3)
+    assert all(sum(part) <= micro or len(part) == 1 for part in parts)
+
+
+def test_weighted_split_keeps_the_cap_where_the_weights_do_not_divide_evenly():
+    assert split_by_weight([2] * 5, max_micro_batch=3, min_sub_batches=1) == [1] * 5
+    assert split_by_weight([2] * 6, max_micro_batch=4, min_sub_batches=1) == [2, 2, 2]
 
 
 def test_weighted_split_balances_tokens():

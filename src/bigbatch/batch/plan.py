@@ -3,6 +3,7 @@ into the same number of nearly equal micro-batches; and how their losses are wei
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -157,18 +158,32 @@ def micro_batch_sizes(
 def split_by_weight(
     weights: Sequence[int], *, max_micro_batch: int, min_sub_batches: int = 4
 ) -> list[int]:
-    """Counts of consecutive samples per micro-batch of nearly equal weight (at most
-    ``max_micro_batch`` unless one sample is heavier)."""
+    """Counts of consecutive samples per micro-batch of nearly equal weight, each at most
+    ``max_micro_batch`` unless it is one sample heavier than that."""
     positive_int("max_micro_batch", max_micro_batch)
     n, total = len(weights), sum(weights)
     if n < min_sub_batches:
         raise ValueError(f"{n} samples cannot make {min_sub_batches} sub-batches (min_sub_batches)")
+    cumulative = list(itertools.accumulate(weights))
+    # the fewest parts of nearly equal weight that keep under the cap: equal-weight goals
+    # can put two samples over it where their weights do not divide evenly
     count = min(n, max(min_sub_batches, math.ceil(total / max_micro_batch)))
-    counts, start, running = [], 0, 0
-    cumulative = []
-    for w in weights:
-        running += w
-        cumulative.append(running)
+    while True:
+        counts = _equal_weight_counts(cumulative, count)
+        ends = list(itertools.accumulate(counts))
+        heavy = any(
+            c > 1 and cumulative[e - 1] - (cumulative[e - c - 1] if e > c else 0) > max_micro_batch
+            for c, e in zip(counts, ends)
+        )
+        if not heavy or count == n:
+            return counts
+        count += 1
+
+
+def _equal_weight_counts(cumulative: Sequence[int], count: int) -> list[int]:
+    # `count` runs of consecutive samples, each boundary nearest its equal-weight goal
+    n, total = len(cumulative), cumulative[-1]
+    counts, start = [], 0
     for j in range(1, count):
         goal = total * j / count
         # the boundary after sample `end - 1`; leave at least one sample per remaining part
