@@ -2,6 +2,7 @@
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -227,6 +228,86 @@ def test_a_nan_step_can_stop_the_run_before_any_update():
     assert loop.steps_taken == 3 and all(torch.isfinite(p).all() for p in model.parameters())
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         make_run(nonfinite="ignore")
+
+
+def roundtrip(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_loop_rolled_back_to_a_checkpoint_goes_on_as_a_fresh_one_would(asynchronous):
+    """After a NonFiniteError (the step's gradient left over, a step read one step late
+    pending) or past the checkpoint, load_state_dict abandons the step under way."""
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+        loop = bb.AdaptiveBatch(
+            model, optimizer, make_data(), controller=bb.batch.Constant(16), statistics=True,
+            nonfinite="raise", lr_scaling="adascale", base_batch_size=4,
+            asynchronous=asynchronous,
+        )  # fmt: skip
+        return model, loop
+
+    def finish(loop, model, steps):
+        return [*train(loop, model, max_steps=steps), loop.flush()]
+
+    model, loop = make()
+    train(loop, model, max_steps=5)
+    checkpoint = roundtrip(loop.state_dict())
+    with pytest.raises(bb.NonFiniteError):
+        train_with_nan_at(loop, model, bad_step=8, steps=12)
+    assert all(p.grad is None for p in model.parameters())  # nothing left to add to
+    loop.load_state_dict(roundtrip(checkpoint))
+    rolled = finish(loop, model, 10)
+    train(loop, model, max_steps=14)  # past the checkpoint, then back to it
+    loop.load_state_dict(roundtrip(checkpoint))
+    again = finish(loop, model, 10)
+    fresh_model, fresh = make()
+    fresh.load_state_dict(roundtrip(checkpoint))
+    expected = finish(fresh, fresh_model, 10)
+    assert rolled == expected and again == expected
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+
+
+def test_a_skipped_step_never_reaches_the_noise_averages():
+    # an infinite loss with a finite gradient too: the loop skips the step, the averages
+    model, loop = make_run(controller=bb.batch.Constant(32), statistics=True)
+    train(loop, model, max_steps=2)
+    before = loop.collector.state_dict()
+    for step in loop.steps(max_steps=3):
+        for x, y in step.micro_batches():
+            loss = nn.functional.cross_entropy(model(x), y)
+            step.backward(loss + (loss.detach() * float("inf")))
+        step.apply()
+    assert step.metrics["skipped"] == 1.0 and loop.collector.state_dict() == before
+
+
+def test_a_batch_larger_than_the_dataset_is_measured_without_the_population_correction():
+    # sub-batches each as large as the dataset: drawn across epochs, the correction for
+    # drawing without replacement no longer applies (with it they carried no noise at all)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 4))
+    data = TensorDataset(*make_data(10).tensors)
+    for noise_from, batch in (("sub_batches", 40), ("examples", 80)):
+        loop = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                                controller=bb.batch.Constant(batch), statistics=True,
+                                noise_from=noise_from)  # fmt: skip
+        with pytest.warns(UserWarning, match="holds some samples twice"):
+            history = train(loop, model, max_steps=2)
+        assert all(math.isfinite(m["trace"]) for m in history)
+
+
+def test_a_loss_of_more_than_one_number_is_refused_with_its_shape():
+    model, loop = make_run()
+    step = next(loop.steps(max_steps=1))
+    x, y = next(step.micro_batches())
+    loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(ValueError, match=r"one number .* shape \(\d+,\)"):
+        step.backward(loss)
 
 
 def test_per_example_statistics_need_no_split_of_the_step():

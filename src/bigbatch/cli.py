@@ -520,8 +520,7 @@ def _error(message: object, prefix: str = "error") -> None:
 
 
 def _out_of_memory(err: BaseException) -> bool:
-    """An allocation the machine refused: a GPU's, or the CPU's (torch reports it as a
-    RuntimeError)."""
+    """An allocation the machine refused: a GPU's, or the CPU's (a RuntimeError)."""
     import torch
 
     return isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)) or (

@@ -32,7 +32,7 @@ from .options import NONFINITE_POLICIES, StepOptions
 from .parallel.fsdp import local
 from .parallel.world import World
 from .stats.collector import MicroBatchStatistics
-from .stats.estimators import inverse_size
+from .stats.estimators import inverse_size, population
 from .stats.result import GradientStats, PendingStats
 
 __all__ = ["NONFINITE_POLICIES", "NonFiniteError", "StepEngine", "StepOptions", "StepResult"]
@@ -339,6 +339,9 @@ class StepEngine:
         return self._pending
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a step under way is abandoned: its plan, and the rates it scaled (the optimizer's
+        # loaded rates are the unscaled ones)
+        self._plan, self._lr = None, LRScaling()
         self.controller.load_state_dict(state["controller"])
         if self.collector is not None and state.get("statistics") is not None:
             self.collector.load_state_dict(state["statistics"])
@@ -489,7 +492,7 @@ def _between_measurements(
     if not wanted:
         return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss)
     scale = _loss_scale(engine.scaler, collector.layout.device)
-    inverse = inverse_size(batch, collector.dataset_size)
+    inverse = inverse_size(batch, population(collector.dataset_size, batch))
     return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, inverse, scale)
 
 

@@ -80,6 +80,11 @@ class Step:
         """Backward of the micro-batch's mean (or summed) loss, weighted for the batch mean."""
         if not isinstance(loss, Tensor):
             raise TypeError(f"backward takes the micro-batch's loss tensor, got {loss!r}")
+        if loss.numel() != 1:
+            raise ValueError(
+                f"backward takes the micro-batch's loss as one number (its mean or sum), got "
+                f"a tensor of shape {tuple(loss.shape)} (a loss with reduction='none'?)"
+            )
         count = len(self.plan.sizes)
         if self._backwards >= count:
             raise RuntimeError(
@@ -259,19 +264,22 @@ class AdaptiveBatch:
         )
 
     def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:
-        result = self.engine.before_optimizer_step()
-        if not result.skip:
-            if max_grad_norm is not None:
-                self._clip(max_grad_norm)
-            if self.scaler is not None and self.scaler.is_enabled():
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            elif result.found_inf is not None:
-                _step_unless_found_inf(self.optimizer, result.found_inf)
-            else:
-                self.optimizer.step()
-        self.engine.after_optimizer_step(result)
-        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            result = self.engine.before_optimizer_step()
+            if not result.skip:
+                if max_grad_norm is not None:
+                    self._clip(max_grad_norm)
+                if self.scaler is not None and self.scaler.is_enabled():
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                elif result.found_inf is not None:
+                    _step_unless_found_inf(self.optimizer, result.found_inf)
+                else:
+                    self.optimizer.step()
+            self.engine.after_optimizer_step(result)
+        finally:
+            # a step that raised (NonFiniteError) leaves no gradient for the next to add to
+            self.optimizer.zero_grad(set_to_none=True)
         return result
 
     def flush(self) -> dict[str, float]:
@@ -310,6 +318,8 @@ class AdaptiveBatch:
         """Restore a :meth:`state_dict`, exactly with the same number of processes, else
         re-sharded (not bitwise)."""
         _check_loadable(state, self.engine.controller)
+        # a step under way (one that raised, say) is abandoned: its gradient goes with it
+        self.optimizer.zero_grad(set_to_none=True)
         if self.world.sharded:
             fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         else:

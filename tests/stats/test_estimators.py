@@ -78,8 +78,15 @@ def test_finite_population_correction():
     assert inverse_size(40_000, 40_000) == 0.0
     with pytest.raises(ValueError, match="at least 2 sub-batches"):
         noise_components(torch.ones(1), [4], torch.ones(()))
-    with pytest.raises(ValueError, match="no noise information"):
-        noise_components(torch.ones(2), [5, 5], torch.ones(()), dataset_size=5)
+    # a batch larger than the dataset is drawn across epochs, with repeats: no correction
+    # (with it, sub-batches each as large as the dataset would carry no noise at all)
+    norms, full = torch.tensor([3.0, 2.0]), torch.tensor(1.5)
+    assert noise_components(norms, [5, 5], full, dataset_size=5) == pytest.approx(
+        noise_components(norms, [5, 5], full)
+    )
+    assert noise_components(norms, [5, 5], full, dataset_size=10) != pytest.approx(
+        noise_components(norms, [5, 5], full)
+    )
 
 
 def test_ema_skips_non_finite_values():

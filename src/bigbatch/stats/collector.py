@@ -45,8 +45,7 @@ class MicroBatchStatistics:
         param_groups: lists of parameters (or param-group dicts).
         ema_beta: smoothing of |G|² and tr Σ for the noise scale.
         gsnr: also collect the element-wise gradient signal-to-noise ratio.
-        dataset_size: samples drawn without replacement, for the finite-population
-            correction (None: none).
+        dataset_size: samples drawn without replacement (the finite-population correction).
         similarity: ``"split"`` (measured; under DDP through ``two_groups``, which the
             caller registers) or ``"scalar"``; default ``"split"`` on one process.
         world: the data-parallel world (``bigbatch.parallel.World.of(ddp_model)``).
@@ -236,6 +235,8 @@ class MicroBatchStatistics:
         return self.averages.state_dict()
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        # a step under way, or one not yet read, is abandoned: it must not join the averages
+        self._batches = self._unread = None
         self.averages.load_state_dict(state)
 
 
@@ -250,7 +251,11 @@ def _estimate(
     signal_g, trace_g, loss, sq_full = collector.noise.estimate(read, small, batches, scale_sq)
     signal, trace = math.fsum(signal_g), math.fsum(trace_g)
     sq_a, sq_b, dot_ab = collector.halves.read(read, sq_full, signal_g, trace_g, batches)
-    signal_ema, trace_ema = collector.averages.update(signal, trace)
+    # a step the loop skips as non-finite (|G|² or the loss) never reaches the averages
+    if math.isfinite(signal + loss):
+        signal_ema, trace_ema = collector.averages.update(signal, trace)
+    else:
+        signal_ema, trace_ema = collector.averages.current()
     return GradientStats(
         similarity=half_split_cosine(math.fsum(sq_a), math.fsum(sq_b), math.fsum(dot_ab)),
         group_similarity=[half_split_cosine(*t) for t in zip(sq_a, sq_b, dot_ab)],

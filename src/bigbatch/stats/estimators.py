@@ -21,6 +21,11 @@ def inverse_size(b: float, dataset_size: float | None = None) -> float:
     return max(0.0, (n - b) / (b * (n - 1)))
 
 
+def population(dataset_size: float | None, batch: float) -> float | None:
+    """``dataset_size``, or None (no correction) where ``batch`` exceeds it (across epochs)."""
+    return dataset_size if dataset_size is not None and batch <= dataset_size else None
+
+
 def noise_components(
     sub_sq_norms: Tensor,
     sizes: Sequence[float],
@@ -49,6 +54,7 @@ def noise_from_mean(
     if len(sizes) < 2:
         raise ValueError(f"noise estimates need at least 2 sub-batches, got {len(sizes)}")
     total = float(sum(sizes))
+    dataset_size = population(dataset_size, total)
     h = sum(inverse_size(b, dataset_size) for b in sizes) / len(sizes)
     phi = inverse_size(total, dataset_size)
     if h - phi <= 0:
@@ -68,6 +74,7 @@ def noise_from_examples(
     """:func:`noise_from_mean` with every sub-batch one example, of ``examples`` in all."""
     if examples < 2:
         raise ValueError(f"noise estimates need at least 2 examples, got {examples}")
+    dataset_size = population(dataset_size, examples)
     h, phi = inverse_size(1, dataset_size), inverse_size(examples, dataset_size)
     if h - phi <= 0:
         raise ValueError(
@@ -104,6 +111,7 @@ def scalar_halves(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Expected ``(|g_A|², |g_B|², <g_A, g_B>)`` of two halves, from ``|G|²`` and ``tr Σ``."""
     cross = signal
+    dataset_size = population(dataset_size, size_a + size_b)
     if dataset_size is not None and not math.isinf(dataset_size) and dataset_size > 1:
         cross = signal - trace / (float(dataset_size) - 1)
     sq_a = signal + trace * inverse_size(size_a, dataset_size)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import norms
-from .estimators import inverse_size
+from .estimators import inverse_size, population
 from .layout import ParamLayout, SubBatches
 from .noise import SmallNorms
 
@@ -49,7 +49,8 @@ class MicroBatchNorms:
         if sub_sq is None:
             raise RuntimeError("micro-batch norms: finish() without begin()")
         sizes = batches.all_sizes
-        h = sum(inverse_size(b, self.dataset_size) for b in sizes) / len(sizes)
+        drawn_from = population(self.dataset_size, batches.total)
+        h = sum(inverse_size(b, drawn_from) for b in sizes) / len(sizes)
         return SmallNorms(count=len(sizes), h=h, sums=sub_sq.sum(0))
 
     def _on_gradients(self, grads: Sequence[Tensor | None]) -> None:

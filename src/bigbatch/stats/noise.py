@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .._tensors import norms
 from ..parallel.world import World
-from .estimators import inverse_size, noise_from_mean, unbiased
+from .estimators import inverse_size, noise_from_mean, population, unbiased
 from .layout import ParamLayout, SubBatches
 from .result import Gather
 
@@ -105,7 +105,7 @@ class ReducedNoise:
                 sums = read["small"]
             else:
                 sums = _group_sums([v * v for v in read["small"]], small.groups, groups)
-        phi = inverse_size(batches.total, self.dataset_size)
+        phi = inverse_size(batches.total, population(self.dataset_size, batches.total))
         if small.h - phi <= 0:
             raise ValueError(
                 f"small batches of mean inverse size {small.h:.4g} in a batch of "
@@ -230,7 +230,13 @@ class NoiseAverages:
         if math.isfinite(trace):
             self._trace = self.beta * self._trace + (1 - self.beta) * trace
         self._steps += 1
+        return self.current()
+
+    def current(self) -> tuple[float, float]:
+        """The corrected averages ``(|G|², tr Σ)`` as they stand (0 before any step)."""
         correction = 1 - self.beta**self._steps
+        if correction == 0:
+            return 0.0, 0.0
         return self._signal / correction, self._trace / correction
 
     def state_dict(self) -> dict[str, object]:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn import functional
 
 from .._tensors import norm_dtype
-from .estimators import inverse_size
+from .estimators import inverse_size, population
 from .layout import ParamLayout, SubBatches
 from .noise import SmallNorms
 
@@ -863,7 +863,7 @@ class PerExampleNorms:
         factor = (batches.total / (batches.world.size * m)) ** 2
         return SmallNorms(
             count=count,
-            h=inverse_size(m, self.dataset_size),
+            h=inverse_size(m, population(self.dataset_size, batches.total)),
             factor=factor,
             norms=step.norms,
             groups=step.groups,
