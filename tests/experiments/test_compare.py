@@ -278,3 +278,28 @@ def test_the_report_adds_the_largest_attention_logit_on_a_transformer_task(train
     header = next(line for line in lines if "lr (grid)" in line)
     assert header.endswith("| wall s | largest attention logit |")
     assert next(line for line in lines if line.startswith("| a |")).endswith("| 1.77 |")
+
+
+def test_a_stop_inside_one_run_asks_for_the_comparison_again(
+    trained, tmp_path, monkeypatch, capsys
+):
+    # the one run's own resume would train it alone, not continue the comparison
+    from bigbatch.experiments import runner
+    from bigbatch.experiments.signals import Stopped
+
+    recipe = tmp_path / "arms.toml"
+    recipe.write_text(ARMS_RECIPE)
+    train = runner.train
+
+    def stopped_at_the_third_run(config, out, **options):
+        if len(trained) == 2:
+            raise Stopped(15, 7, str(out))
+        return train(config, out, **options)
+
+    monkeypatch.setattr(runner, "train", stopped_at_the_third_run)
+    out = tmp_path / "cmp"
+    assert run_cli("compare", "--config", recipe, "--out", out, "--quiet") == 143
+    assert f"run the same command again (--out {out}) to continue" in capsys.readouterr().err
+    monkeypatch.setattr(runner, "train", train)
+    assert run_cli("compare", "--config", recipe, "--out", out, "--quiet") == 0
+    assert len(trained) == 4 * 4  # the two runs before the stop were not trained again

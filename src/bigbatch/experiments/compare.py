@@ -24,6 +24,7 @@ from .options import Protocol, TuneSettings
 from .plan import plan_run
 from .report import comparison as comparison_report
 from .rundir import claim_plan, new_run_dir, write_atomically
+from .signals import stops_as_a_whole
 from .sweep import Arm, sweep
 
 #: the [compare] table's names that give the arms rather than how each is tuned
@@ -153,9 +154,10 @@ def run_comparison(
     p = comparison.protocol
     try:
         tune = tune if p.tune else None  # a [tune] table's settings reach only a tuned sweep
-        results = sweep(
-            comparison.base, comparison.arms, root, p, quiet=quiet or p.jobs > 1, tune=tune
-        )
+        with stops_as_a_whole(root):
+            results = sweep(
+                comparison.base, comparison.arms, root, p, quiet=quiet or p.jobs > 1, tune=tune
+            )
         index = {"plan": planned, "arms": [r.to_dict() for r in results]}
         write_atomically(index_path, json.dumps(index, indent=2) + "\n")
     finally:

@@ -24,7 +24,7 @@ from .options import CriticalSettings
 from .plan import make_controller, plan_run
 from .report.critical_batch import render
 from .rundir import CHECKPOINT, claim_plan, copy_atomically, read_metrics, write_atomically
-from .signals import Stopped
+from .signals import stops_as_a_whole
 
 #: the rows of the base run averaged for the noise scale beside a point
 NOISE_ROWS = 20
@@ -97,22 +97,22 @@ def measure(
     shadow, measured = make_controller(planned), []
     plan["controller"] = repr(shadow)  # as it starts
     try:
-        snapshots = _train_base(base, out, marks, quiet)
-        rows = _with_estimates(read_metrics(out / BASE), shadow)
-        for index, (fraction, mark) in enumerate(zip(plan["points"], marks)):
-            at = next(r["samples"] for r in rows if r["samples"] >= mark)  # the base's pause
-            losses = {}
-            for batch, branch in branches.items():
-                where = out / f"branch-{index}-{batch}"
-                losses[batch] = _branch(branch, where, snapshots[index], at + branch_samples)
-                if not quiet:
-                    print(f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}")
-            measured.append(_point(fraction, at, losses, settings.tolerance, rows))
-            data = {**plan, "points": [asdict(p) for p in measured]}
-            write_atomically(out / "critical_batch.json", json.dumps(data, indent=2) + "\n")
-    except Stopped as err:  # a signal stopped a run inside: the measurement goes on as a whole
-        again = f"run the same command again (--out {out}) to continue"
-        raise Stopped(err.signum, err.step, str(out), again) from None
+        with stops_as_a_whole(out):  # a run inside stopped: the measurement goes on as a whole
+            snapshots = _train_base(base, out, marks, quiet)
+            rows = _with_estimates(read_metrics(out / BASE), shadow)
+            for index, (fraction, mark) in enumerate(zip(plan["points"], marks)):
+                at = next(r["samples"] for r in rows if r["samples"] >= mark)  # the base's pause
+                losses = {}
+                for batch, branch in branches.items():
+                    where = out / f"branch-{index}-{batch}"
+                    losses[batch] = _branch(branch, where, snapshots[index], at + branch_samples)
+                    if not quiet:
+                        print(
+                            f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}"
+                        )
+                measured.append(_point(fraction, at, losses, settings.tolerance, rows))
+                data = {**plan, "points": [asdict(p) for p in measured]}
+                write_atomically(out / "critical_batch.json", json.dumps(data, indent=2) + "\n")
     finally:
         lock.release()
     render(out)

@@ -11,11 +11,14 @@ for a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +26,14 @@ import torch.distributed as dist
 
 from ..parallel.world import World
 
-__all__ = ["LAUNCHER_PID", "STOP_SIGNALS", "StopRequest", "Stopped", "watch_launcher"]
+__all__ = [
+    "LAUNCHER_PID",
+    "STOP_SIGNALS",
+    "StopRequest",
+    "Stopped",
+    "stops_as_a_whole",
+    "watch_launcher",
+]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: set by ``bigbatch train --nproc N`` for its ranks: the launcher's pid, watched by each rank
@@ -42,6 +52,16 @@ class Stopped(Exception):  # noqa: N818 - a stop on request, not an error
     def __reduce__(self) -> tuple:
         # a worker of a sweep or a study hands it to the parent, which stops with its code
         return type(self), (self.signum, self.step, self.out, self.again)
+
+
+@contextlib.contextmanager
+def stops_as_a_whole(out: Path | str) -> Iterator[None]:
+    """A stop in one run of a command of many: its advice, the command again (``--out``)."""
+    try:
+        yield
+    except Stopped as err:
+        again = f"run the same command again (--out {out}) to continue"
+        raise Stopped(err.signum, err.step, str(out), again) from None
 
 
 class StopRequest:
