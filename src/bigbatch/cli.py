@@ -234,8 +234,7 @@ def _settings(args: argparse.Namespace, name: str) -> Any:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    """The run's config: the ``--config`` file's keys (less the commands' tables), --task,
-    --set."""
+    """The run's config: ``--config``'s keys (less the commands' tables), --task, --set."""
     commands = tuple(f"{name}." for name in SECTIONS)
     layers = [{k: v for k, v in _file(args).items() if not k.startswith(commands)}]
     if args.task:
@@ -331,10 +330,10 @@ def _critical_batch(args: argparse.Namespace) -> None:
 
 def _tune(args: argparse.Namespace) -> None:
     from .experiments.rundir import new_run_dir
-    from .experiments.tune import parse_dimension, tune
+    from .experiments.tune import parse_space, tune
 
     config, settings = _config(args), _settings(args, "tune")  # checked before a folder
-    space = [parse_dimension(text, config) for text in args.search] or None
+    space = parse_space(args.search, config) or None
     out = Path(args.out) if args.out else new_run_dir(task=f"tune-{config['task']}")
     tune(config, out, space, settings, quiet=args.quiet)
     print((out / "tune.md").read_text())

@@ -30,7 +30,7 @@ from bigbatch.experiments.tune import (
     TuneSettings,
     default_space,
     latin_hypercube,
-    parse_dimension,
+    parse_space,
     trial_config,
     tune,
 )
@@ -107,6 +107,34 @@ def test_successive_halving_keeps_the_best_and_continues_them_from_their_pause(f
     bracket = TuneSettings(trials=9).bracket_runs(warmup=0.05)
     assert result.samples == pytest.approx(bracket * 27_000, abs=2)
     assert result.grid_samples == 7 * 27_000 and result.cost == pytest.approx(7 / 21, abs=1e-3)
+
+
+def test_a_stop_inside_a_trial_asks_for_the_command_again_and_a_trial_finished_by_hand_counts(
+    fake, monkeypatch, tmp_path
+):
+    """A signal in one trial's run stops the study, whose advice is the command again (the
+    trial's own resume trains it past its pause); a trial's run that a user resumed to its
+    end anyway then reports its end, not a KeyError."""
+    from bigbatch.experiments.signals import Stopped
+
+    straight = tune(BASE, tmp_path / "straight", SPACE, TuneSettings(trials=3))
+    trained = []
+
+    def stopped_at_the_second_run(config, out, **options):
+        if len(trained) == 1:
+            raise Stopped(15, 7, str(out))
+        trained.append((config, out))
+        return fake(config, out, **options)
+
+    monkeypatch.setattr(runner, "train", stopped_at_the_second_run)
+    out = tmp_path / "stopped"
+    with pytest.raises(Stopped, match=rf"run the same command again \(--out {out}\)"):
+        tune(BASE, out, SPACE, TuneSettings(trials=3))
+    fake(*trained[0], resume=True)  # the paused trial resumed by hand, to its end
+    monkeypatch.setattr(runner, "train", fake)
+    result = tune(BASE, out, SPACE, TuneSettings(trials=3))
+    assert [t["state"] for t in result.trials] == [t["state"] for t in straight.trials]
+    assert result.best["lr"] == straight.best["lr"]
 
 
 def test_the_best_config_report_and_plot_are_written(fake, tmp_path):
@@ -304,11 +332,16 @@ def test_the_default_space_spans_the_tasks_rate_by_eight_each_way():
         ("optimizer=1:2", "only number keys can be searched"),
         ("lr=a:b", "the range must be two numbers"),
         ("lr", "KEY=LOW:HIGH or KEY=LOW:HIGH:log"),
+        # digits trains on 1,437 samples: an end the data cannot give, before any trial
+        ("batch.initial=64:3000", r"batch.initial = 3000 is larger than the training set"),
+        # BASE's constant batch reads no target: every trial would train one run
+        ("batch.target=0.1:0.5", "the constant controller does not read it"),
+        ("lr=0.001:0.01, lr=0.002:0.004", "lr: a key is searched twice"),
     ],
 )
 def test_a_bad_range_or_key_gets_one_error_naming_it(text, message):
     with pytest.raises(ConfigError, match=message):
-        parse_dimension(text, BASE)
+        parse_space(text.split(", "), BASE)
 
 
 @pytest.mark.parametrize(

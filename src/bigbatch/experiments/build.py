@@ -40,16 +40,21 @@ def build(
     """The task's problem on ``device``, the loop that trains it (its model in DDP on 2+
     ranks) and the precision its forward passes run in."""
     device = device if device is not None else torch.device("cpu")
-    try:
-        problem = plan.task.build(plan.task_args)
-    except ValueError as err:  # a setting the task cannot meet (train_samples)
-        raise ConfigError(str(err)) from None
+    problem = build_problem(plan)
     problem.model.to(device)
     plan = fit_batches_to_data(plan, problem)
     try:
         precision = Precision(plan.machine.precision, device)
         return problem, _loop(plan, problem, world, precision), precision
     except ValueError as err:  # settings the loop or an optimizer refuses
+        raise ConfigError(str(err)) from None
+
+
+def build_problem(plan: RunPlan) -> Problem:
+    """The task's data and model for ``plan`` (a :class:`ConfigError` where it cannot)."""
+    try:
+        return plan.task.build(plan.task_args)
+    except ValueError as err:  # a setting the task cannot meet (train_samples)
         raise ConfigError(str(err)) from None
 
 

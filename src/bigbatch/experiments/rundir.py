@@ -52,8 +52,7 @@ def check_new_run_dir(path: Path) -> None:
 
 
 def _holds_files(folder: Path) -> bool:
-    """Whether ``folder`` holds anything beside a new run's bookkeeping (its lock, a
-    launcher's log)."""
+    """Whether ``folder`` holds more than a new run's bookkeeping (its lock, a launcher's log)."""
     # (a staged write a kill kept from landing is not the folder's)
     return any(p.name not in BOOKKEEPING and not _is_staged(p.name) for p in folder.iterdir())
 
@@ -354,6 +353,5 @@ def read_metrics(out: Path) -> list[dict[str, Any]]:
 
 
 def read_config(out: Path) -> RunPlan:
-    """The config a run saved: planned when it started (its filled values' origins are
-    not saved)."""
+    """The config a run saved, planned when it started (without its values' origins)."""
     return RunPlan(resolve(load_toml(Path(out) / "config.toml")))

@@ -24,14 +24,17 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from ..batch.controllers import CONTROLLERS
 from . import runner
 from .arms import metric
+from .build import build_problem, fit_batches_to_data
 from .config import ConfigError, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
 from .plan import RunPlan, at_rate, plan_run
 from .pool import in_processes
 from .rundir import claim_plan, read_json
+from .signals import stops_as_a_whole
 from .tasks import TASKS
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "default_space",
     "latin_hypercube",
     "parse_dimension",
+    "parse_space",
     "tune",
 ]
 
@@ -84,13 +88,31 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
         resolve(base, {key: low})  # one error, with a suggestion
     if known[key].kind not in (int, float) or known[key].knob.choices:
         raise ConfigError(f"--search {key}: only number keys can be searched")
-    for end in (low, high):  # each end must be a value the key accepts, in this run
-        plan_run(resolve(base, {key: known[key].kind(end)}))
+    for end in (low, high):  # each end must be a value the key accepts, in this run, on its data
+        planned = plan_run(resolve(base, {key: known[key].kind(end)}))
+        fit_batches_to_data(planned, build_problem(planned))
+    controller, own = planned.batch.controller, key.removeprefix("batch.")
+    readers = [name for name, cls in CONTROLLERS.items() if own in cls.CONFIG]
+    if key.startswith("batch.") and readers and controller not in readers:
+        raise ConfigError(
+            f"--search {key}: the {controller} controller does not read it "
+            f"({', '.join(readers)} do): every trial would train the same run"
+        )
     if not low < high:
         raise ConfigError(f"--search {key}: LOW must be below HIGH, got {low:g}:{high:g}")
     if log and low <= 0:
         raise ConfigError(f"--search {key}: a log range needs LOW > 0, got {low:g}")
     return Dimension(key, low, high, bool(log))
+
+
+def parse_space(texts: Sequence[str], base: dict[str, Any]) -> list[Dimension]:
+    """Every ``--search`` range (:func:`parse_dimension`), each key once."""
+    space = [parse_dimension(text, base) for text in texts]
+    keys = [d.key for d in space]
+    repeated = next((k for k in keys if keys.count(k) > 1), None)
+    if repeated is not None:
+        raise ConfigError(f"--search {repeated}: a key is searched twice")
+    return space
 
 
 def default_space(config: dict[str, Any]) -> list[Dimension]:
@@ -148,8 +170,9 @@ def tune(
     try:
         study = _study(out, config)
         _fail_orphans(study)
-        for bracket in range(brackets):
-            _Bracket(study, out, planned, config, space, settings, bracket, quiet).run()
+        with stops_as_a_whole(out):
+            for bracket in range(brackets):
+                _Bracket(study, out, planned, config, space, settings, bracket, quiet).run()
         result = _result(study, planned, space, out)
         _write_outputs(out, config, result, space)
         return result
@@ -301,7 +324,9 @@ class _Bracket:
                 trial.set_user_attr("diverged", record["diverged"])
                 self.study.tell(t.number, state=TrialState.FAIL)
             elif until is not None:
-                trial.report(record[self.target], self._mark(fidelity))
+                # a trial's run that went on to its end (resumed by hand) reports that end
+                value = record[self.target] if record.get("paused") else metric(record, "final")
+                trial.report(value, self._mark(fidelity))
             else:
                 trial.report(metric(record, "final"), self.budget)
                 self.study.tell(t.number, metric(record, "final"))
