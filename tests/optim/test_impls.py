@@ -132,6 +132,37 @@ def test_sparse_gradients_get_a_clear_error(name):
 
 
 @parametrize_optimizers
+def test_complex_params_get_a_clear_error_before_any_step(name):
+    weight = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"complex parameters \(one of shape \(3, 3\)\)"):
+        FACTORIES[name]([weight])
+    optimizer = FACTORIES[name]([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="complex parameters"):
+        optimizer.add_param_group({"params": [weight]})
+    assert len(optimizer.param_groups) == 1
+
+
+@pytest.mark.compile
+@parametrize_optimizers
+def test_the_compiled_impl_updates_a_float64_scalar_param(name):
+    # torch.compile drops in-place updates of a 0-dim float64 CPU input: such a parameter
+    # stayed where it was (the eager impls' edge cases did not see it)
+    got = {}
+    for impl in ("reference", "compiled"):
+        scalar = torch.nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+        weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+        optimizer = FACTORIES[name]([scalar, weight], impl=impl)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            scalar.grad = torch.randn((), generator=generator, dtype=torch.float64)
+            weight.grad = torch.randn(3, generator=generator, dtype=torch.float64)
+            optimizer.step()
+        got[impl] = [scalar.detach().clone(), weight.detach().clone()]
+    assert got["compiled"][0] != 0.5
+    torch.testing.assert_close(got["compiled"], got["reference"], rtol=1e-6, atol=1e-9)
+
+
+@parametrize_optimizers
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params_train_with_float32_state(name, dtype, eager_impl):
     make = FACTORIES[name]

@@ -51,3 +51,40 @@ def test_the_closure_runs_before_the_statistics_are_taken():
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     with pytest.raises(RuntimeError, match="gradient statistics"):
         wrapper.step()  # gradients but nothing observed: a clear error
+
+
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")  # VRGD at 4: on purpose
+@pytest.mark.parametrize("wrapper_of", [bb.optim.VRGD, bb.optim.AGVM])
+def test_a_group_added_after_a_load_is_the_bases_once_and_steps(wrapper_of):
+    """After load_state_dict the wrapper shares the base's list of groups: a group added
+    went in twice (refused, half added); and what a wrapper keeps per parameter or module
+    group (VRGD's parameters, AGVM's groups) did not follow it to the next step."""
+    torch.manual_seed(0)
+    body, head, extra = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+    groups = [
+        {"params": list(body.parameters()), "agvm_group": "body"},
+        {"params": list(head.parameters()), "agvm_group": "head"},
+    ]
+    base = torch.optim.SGD(groups, lr=0.1)
+    wrapper = wrapper_of(base, start=0, interval=1) if wrapper_of is bb.optim.AGVM else (
+        wrapper_of(base)
+    )  # fmt: skip
+    wrapper.load_state_dict(wrapper.state_dict())
+    wrapper.add_param_group({"params": list(extra.parameters()), "agvm_group": "extra"})
+    assert wrapper.param_groups is base.param_groups and len(base.param_groups) == 3
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        wrapper.add_param_group({"params": list(extra.parameters())})
+    assert len(base.param_groups) == 3  # a rejected group is not added
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    collector = bb.stats.MicroBatchStatistics(
+        wrapper.param_groups, gsnr=wrapper_of is bb.optim.VRGD
+    )
+    collector.begin([4, 4, 4, 4])
+    for i in range(4):
+        collector.before_backward(i)
+        h = body(x[4 * i : 4 * i + 4])
+        (nn.functional.mse_loss(head(h) + extra(h), y[4 * i : 4 * i + 4]) / 4).backward()
+    wrapper.observe(collector.finish())
+    before = extra.weight.detach().clone()
+    wrapper.step()
+    assert not torch.equal(extra.weight.detach(), before)

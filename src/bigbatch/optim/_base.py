@@ -234,6 +234,14 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
+            complex_shape = next(
+                (tuple(p.shape) for p in self.param_groups[-1]["params"] if p.is_complex()), None
+            )
+            if complex_shape is not None:  # a norm of a complex tensor is no trust ratio's
+                raise ValueError(
+                    f"{type(self).__name__} does not support complex parameters (one of shape "
+                    f"{complex_shape}); hold it as a real tensor (torch.view_as_real) instead"
+                )
         except ValueError:
             self.param_groups.pop()
             raise
@@ -349,7 +357,17 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         if self.impl == "reference":
             reference(work, grads, *state, **kwargs)
         elif self.impl == "compiled":
-            run_compiled(reference, foreach, self.compile_options, work, grads, *state, **kwargs)
+            # torch.compile drops in-place updates of a 0-dim float64 CPU input: a scalar
+            # parameter (cheap) and its state take the foreach update
+            lists = (work, grads, *state)
+            rest = [i for i, p in enumerate(work) if p.dim() > 0]
+            scalars = [i for i, p in enumerate(work) if p.dim() == 0]
+            if rest:
+                run_compiled(
+                    reference, foreach, self.compile_options, *_pick(lists, rest), **kwargs
+                )
+            if scalars:
+                foreach(*_pick(lists, scalars), **kwargs)
         else:
             foreach(work, grads, *state, **kwargs)
         if low_precision:
@@ -367,7 +385,7 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         for indices, run in ((take, getattr(_fused, self.fused_update)), (rest, None)):
             if not indices:
                 continue
-            part = [[lst[i] for i in indices] if lst else [] for lst in lists]
+            part = _pick(lists, indices)
             if run is not None:
                 run(*part, **kwargs)
             else:
@@ -385,3 +403,8 @@ class BigBatchOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def _pick(lists: Sequence[list[Tensor]], indices: list[int]) -> list[list[Tensor]]:
+    # the tensors at `indices` of each parallel list (an empty list stays empty)
+    return [[lst[i] for i in indices] if lst else [] for lst in lists]

@@ -205,22 +205,26 @@ class AGVM(StatisticsWrapper):
             (low, high),
         )
         super().__init__(base)
-        names: list[str] = []
+        self.group_names: list[str] = []
+        #: μ per module group, the reference first
+        self.multipliers: list[float] = []
+        self._groups_changed()
+        if len(self.group_names) < 2:
+            raise ValueError(
+                "AGVM needs at least 2 module groups: build the param groups with "
+                "module_param_groups(model, weight_decay, rule)"
+            )
+        self._steps = 0
+
+    def _groups_changed(self) -> None:
+        names = self.group_names
         self._group_of_param_group = []
         for i, group in enumerate(self.param_groups):
             name = str(group.get("agvm_group", f"group{i}"))
             if name not in names:
                 names.append(name)
             self._group_of_param_group.append(names.index(name))
-        if len(names) < 2:
-            raise ValueError(
-                "AGVM needs at least 2 module groups: build the param groups with "
-                "module_param_groups(model, weight_decay, rule)"
-            )
-        self.group_names = names
-        #: μ per module group, the reference first
-        self.multipliers = [1.0] * len(names)
-        self._steps = 0
+        self.multipliers += [1.0] * (len(names) - len(self.multipliers))  # a new group's: 1
 
     def update(self, group_halves: Sequence[Sequence[float]]) -> None:
         """One μ update from the ``(3, param groups)`` half statistics of a step (floats)."""

@@ -80,10 +80,16 @@ class VRGD(StatisticsWrapper):
         self.normalizer = choice("normalizer", normalizer, NORMALIZERS)
         self.gsnr_momentum = gsnr_momentum
         super().__init__(base)
-        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._params: list[Tensor] = []
         self._ratio_avg: list[Tensor] | None = None
+        self._groups_changed()
         self._steps = 0
         self._warned_of: set[int] = set()
+
+    def _groups_changed(self) -> None:
+        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if self._ratio_avg is not None:  # a new parameter's average starts at zero
+            self._ratio_avg += [torch.zeros_like(p) for p in self._params[len(self._ratio_avg) :]]
 
     def check_sub_batches(self, count: int) -> None:
         """Refuse fewer than 4 sub-batches per step; warn below 8."""

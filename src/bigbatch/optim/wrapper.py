@@ -25,8 +25,9 @@ class StatisticsWrapper(torch.optim.Optimizer):
         if not isinstance(base, torch.optim.Optimizer):
             raise TypeError(f"base must be a torch.optim.Optimizer, got {type(base).__name__}")
         self.base = base
-        # Optimizer.__init__ keeps the group dicts it is given: they stay shared
         super().__init__(base.param_groups, base.defaults)
+        # one list of groups with the base, so a group added to either is in both
+        self.param_groups = base.param_groups
         self.state = base.state
         self._stats: GradientStats | None = None
 
@@ -86,8 +87,12 @@ class StatisticsWrapper(torch.optim.Optimizer):
         if any(param_group is g for g in self.base.param_groups):
             super().add_param_group(param_group)  # during __init__: the base's own groups
             return
-        self.base.add_param_group(param_group)
-        super().add_param_group(self.base.param_groups[-1])
+        self.base.add_param_group(param_group)  # checked there; the list is this one's too
+        self._groups_changed()
+
+    def _groups_changed(self) -> None:
+        # a group was added: what a subclass keeps per parameter or group follows (none here)
+        pass
 
     # --- state: the base's, plus the wrapper's own under its name
 
