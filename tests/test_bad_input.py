@@ -222,6 +222,13 @@ API_CASES = [
     ),
     (lambda: loop(controller=bb.batch.BatchWarmup), TypeError, "controller must be a controller"),
     (lambda: loop(controller="simigrad"), TypeError, "got 'simigrad'"),
+    (
+        lambda: (lambda net: bb.AdaptiveBatch(net, torch.optim.SGD(net.parameters()), None))(
+            model()
+        ),
+        TypeError,
+        "dataset must be a map-style dataset (with __getitem__ and __len__) or an Iterable",
+    ),
     (lambda: loop(weight_fn=3), TypeError, "weight_fn must be a function"),
     (lambda: loop(seed="0"), ValueError, "seed must be a whole number, got '0'"),
     (lambda: loop(seed=2**40), ValueError, "seed must be a whole number in [0, 4294967295]"),
@@ -344,11 +351,15 @@ def test_a_bad_value_of_a_users_function_stops_the_first_step(options, message):
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
 
 
-def test_a_state_of_another_controller_is_refused_before_anything_is_loaded():
+@pytest.mark.parametrize(
+    "controller", [SimiGrad(), bb.batch.Constant(16), bb.batch.Ramp(16, 32, over=1000)]
+)
+def test_a_state_of_another_controller_is_refused_before_anything_is_loaded(controller):
+    # Constant and Ramp keep no state: they took any controller's silently
     saved = loop(controller=bb.batch.BatchWarmup()).state_dict()
-    other = loop(controller=SimiGrad())
+    other = loop(controller=controller)
     before = {k: v.clone() for k, v in other.model.state_dict().items()}
-    with pytest.raises(ValueError, match="saved controller state does not fit SimiGrad"):
+    with pytest.raises(ValueError, match=r"saved controller state .*does not fit"):
         other.load_state_dict(saved)
     assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
     with pytest.raises(ValueError, match="it lacks model, optimizer, source, engine, rng"):

@@ -378,9 +378,15 @@ def _check_loadable(state: Any, controller: Controller) -> None:
         missing = [f"engine.{k}" for k in parts if k not in engine]
     if missing:
         raise ValueError(f"not a state_dict of AdaptiveBatch: it lacks {', '.join(missing)}")
+    saved, own = state["engine"]["controller"], controller.state_dict()
+    if isinstance(saved, dict) and set(saved) != set(own):  # a controller that ignores it
+        raise ValueError(
+            f"the saved controller state (keys {sorted(saved)}) does not fit {controller!r} "
+            f"(keys {sorted(own)}): was it saved with another controller?"
+        )
     trial = copy.deepcopy(controller)  # its own load may fail half-way
     try:
-        trial.load_state_dict(state["engine"]["controller"])
+        trial.load_state_dict(saved)
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise ValueError(
             f"the saved controller state does not fit {controller!r} "

@@ -193,6 +193,11 @@ def make_source(
                 stacklevel=3,
             )
         return IterableSource(dataset, loader_options.get("collate_fn"))
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(
+            f"dataset must be a map-style dataset (with __getitem__ and __len__) or an "
+            f"IterableDataset, got {type(dataset).__name__}"
+        )
     return MapSource(
         dataset, shuffle=shuffle, seed=seed, weight_fn=weight_fn, loader_options=loader_options
     )
