@@ -36,6 +36,7 @@ def test_the_critical_batch_is_the_largest_within_the_tolerance():
         ((0, 64), (0.5,), "batches must be a whole number >= 1, got 0"),
         ((32, 64), (1.5,), r"points must be in \(0, 1\), got 1.5"),
         ((32, 64), (), "points takes one fraction"),
+        ((32, 64), (0.5, 0.5), r"points needs distinct fractions, got \[0.5, 0.5\]"),
     ],
 )
 def test_bad_options_are_named(batches, points, message):

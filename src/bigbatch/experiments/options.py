@@ -180,6 +180,8 @@ class CriticalSettings:
             raise ConfigError(f"batches needs two or more distinct sizes, got {list(self.batches)}")
         if not self.points:
             raise ConfigError("points takes one fraction of the budget or more, got none")
+        if len(set(self.points)) < len(self.points):  # each would train its branches twice
+            raise ConfigError(f"points needs distinct fractions, got {list(self.points)}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,11 @@ from bigbatch.experiments.report import render
             r"metrics.jsonl' line 2 is not valid JSON",
         ),
         ({"notes.txt": "hello"}, "is not the folder of a run, a comparison"),
+        (
+            {"config.toml": "", "metrics.jsonl": '{"step": 1}\n'},  # killed: no summary yet
+            r"holds a run that has not ended \(no summary.json\): finish it with bigbatch "
+            r"train --resume",
+        ),
     ],
 )
 def test_a_damaged_folder_is_one_error_naming_the_file(tmp_path, files, message):

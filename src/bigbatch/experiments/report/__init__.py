@@ -48,6 +48,11 @@ def _render(folder: Path) -> Path:
     ):
         if (folder / marker).is_file():
             return kind.render(folder)
+    if (folder / "config.toml").is_file() and (folder / "metrics.jsonl").is_file():
+        raise ConfigError(  # a run killed outright (SIGKILL, a lost machine) has no summary
+            f"{str(folder)!r} holds a run that has not ended (no summary.json): finish it "
+            f"with bigbatch train --resume {folder}, which writes its report"
+        )
     raise ConfigError(
         f"{str(folder)!r} is not the folder of a run, a comparison, a tuning study, "
         "a critical-batch measurement or a federated run"
