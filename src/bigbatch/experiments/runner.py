@@ -255,6 +255,8 @@ class _Run:
         else:
             if start_from is not None:  # a branch of another run, at its own first batch
                 branched = load_checkpoint(Path(start_from))[0]["loop"]
+                # its own controller, fresh (the base run's may be another kind)
+                branched["engine"]["controller"] = loop.engine.controller.state_dict()
                 branched["engine"]["batch_size"] = loop.engine.controller.initial
                 # the base run's last step, read but not decided on (asynchronous), is its own
                 branched["engine"]["pending"] = None
