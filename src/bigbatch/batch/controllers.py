@@ -106,7 +106,8 @@ def register(name: str):
 
 
 class Controller(Protocol):
-    """``next(measured, batch_size, samples) -> batch_size``, with plain-data state.
+    """``next(measured, batch_size, samples) -> batch_size``, with plain-data state (the
+    same keys at every step: a loop tells another controller's state by them).
 
     ``measured`` holds the step's statistics as floats (``similarity``, ``grad_sq_norm``,
     ``trace``, ``lr_factor``, ``schedule``, ``loss``). A controller deciding on the noise

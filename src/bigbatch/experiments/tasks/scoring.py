@@ -48,8 +48,7 @@ EVAL_CHUNKS = {
 
 
 def _chunk(device: torch.device, unit: str) -> int:
-    """The chunk, in ``unit`` (examples or tokens), for ``device`` (another than a CPU: a
-    GPU's)."""
+    """The chunk in ``unit`` (examples or tokens) for ``device`` (not a CPU: a GPU's)."""
     return EVAL_CHUNKS.get(device.type, EVAL_CHUNKS["cuda"])[unit]
 
 
