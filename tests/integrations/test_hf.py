@@ -138,3 +138,56 @@ def test_every_number_of_a_step_goes_to_the_trainers_logs_under_one_prefix(tmp_p
     assert {"bigbatch/noise_scale", "bigbatch/next_batch_size", "bigbatch/samples"} <= set(
         logged[-1]
     )
+
+
+class PaddedTokens(torch.utils.data.Dataset):
+    """Token sequences whose labels end in padding (-100) of random length."""
+
+    def __init__(self, n=128, length=12):
+        generator = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, 32, (n, length), generator=generator)
+        self.lengths = torch.randint(2, length + 1, (n,), generator=generator)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        labels = self.tokens[i].clone()
+        labels[self.lengths[i] :] = -100
+        return {"input_ids": self.tokens[i], "labels": labels}
+
+
+def test_a_causal_lms_micro_batches_weigh_the_labels_the_trainer_counts(tmp_path):
+    """A Llama-type loss predicts labels[..., 1:] and the Trainer divides each micro-batch's
+    sum by their count over the window: the engine's weights were all labels' share
+    (summing to 1.11-1.14 with padding; the noise scale off up to 10x)."""
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    sampler = bb.batch.GlobalBatchSampler(128, 16, micro_batches=4, max_samples=48)
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), gradient_accumulation_steps=4, learning_rate=1e-3,
+        max_grad_norm=0.0, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    trainer = AdaptiveBatchTrainer(
+        model=transformers.LlamaForCausalLM(config), args=arguments,
+        train_dataset=PaddedTokens(), sampler=sampler, controller=bb.batch.Constant(16),
+        statistics=True,
+    )  # fmt: skip
+    seen, draw = [], trainer.get_batch_samples
+
+    def recorded(*args):
+        batches, count = draw(*args)
+        if batches:
+            seen.append((batches, count, list(trainer.bigbatch.loss_weights)))
+        return batches, count
+
+    trainer.get_batch_samples = recorded
+    train(trainer)
+    assert len(seen) == 3
+    for batches, count, weights in seen:
+        shifted = [float((b["labels"][..., 1:] != -100).sum()) / float(count) for b in batches]
+        assert weights == pytest.approx(shifted) and sum(weights) == pytest.approx(1.0)

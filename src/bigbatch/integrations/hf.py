@@ -118,9 +118,10 @@ class AdaptiveBatchTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if batches and num_items is not None and self.model_accepts_loss_kwargs:
-            # the model divides each micro-batch's summed loss by the window's label count
-            counts = [float((b["labels"] != -100).sum()) for b in batches]
+        if batches and num_items is not None and self._loss_scaled_for_accumulation():
+            # the loss divides each micro-batch's summed loss by the window's label count,
+            # the labels counted as the Trainer counts them (a causal LM's shifted ones)
+            counts = [float(_counted_labels(self, b).ne(-100).sum()) for b in batches]
             self.bigbatch.loss_weights = [c / float(num_items) for c in counts]
         elif batches:  # training_step divides each micro-batch's mean loss by their number
             self.bigbatch.loss_weights = [1 / len(batches)] * len(batches)
@@ -132,6 +133,14 @@ class AdaptiveBatchTrainer(Trainer):
             inner = getattr(self.optimizer, "optimizer", self.optimizer)
             self.bigbatch.driver.attach(inner, ddp)
         return batches, num_items
+
+    def _loss_scaled_for_accumulation(self) -> bool:
+        # transformers' training_step: the loss came normalised over the whole window (by
+        # the model or compute_loss_func) unless the user says otherwise
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        return bool(scaled)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         # every number of the last step, named as bigbatch.sinks names it, into the logs
@@ -160,3 +169,13 @@ class AdaptiveBatchTrainer(Trainer):
         if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
             state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
             self.bigbatch.driver.load_state_dict(state)
+
+
+def _counted_labels(trainer: Any, batch: dict[str, Any]) -> torch.Tensor:
+    # the labels transformers' Trainer counts for num_items_in_batch (its
+    # _get_num_items_in_batch): a collator's shift_labels, else a causal LM's shifted labels
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return batch["labels"][..., 1:]
+    return batch["labels"]

@@ -1,6 +1,6 @@
 """Adaptive batching for PyTorch Lightning: :class:`AdaptiveBatchCallback` with a
 :class:`~bigbatch.batch.GlobalBatchSampler` as the loader's ``batch_sampler``. A new
-batch size takes effect one step late (docs/lightning.md)."""
+batch size takes effect at the next step (with loader workers later: docs/lightning.md)."""
 
 from __future__ import annotations
 
