@@ -138,6 +138,9 @@ def test_every_number_of_a_step_goes_to_the_trainers_logs_under_one_prefix(tmp_p
     assert {"bigbatch/noise_scale", "bigbatch/next_batch_size", "bigbatch/samples"} <= set(
         logged[-1]
     )
+    # the end-of-training summary does not repeat the last step's (a logger got it twice)
+    (summary,) = [h for h in trainer.state.log_history if "train_runtime" in h]
+    assert not any(k.startswith("bigbatch/") for k in summary)
 
 
 class PaddedTokens(torch.utils.data.Dataset):

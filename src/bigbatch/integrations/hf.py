@@ -146,7 +146,9 @@ class AdaptiveBatchTrainer(Trainer):
         # every number of the last step, named as bigbatch.sinks names it, into the logs
         # before the Trainer stores them and hands them to every reporting callback (a
         # callback's on_log comes after both)
-        if self.bigbatch.history and not any(k.startswith("eval_") for k in logs):
+        # (not an evaluation's, nor the end-of-training summary, which would log it again)
+        summary = any(k.startswith("eval_") or k == "train_runtime" for k in logs)
+        if self.bigbatch.history and not summary:
             logs = {**logs, **tagged(self.bigbatch.history[-1])}
         super().log(logs, *args, **kwargs)
 
