@@ -239,3 +239,22 @@ def test_a_skipped_first_step_leaves_fused_sgds_momentum_as_a_step_never_taken()
     dampened = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1, fused=True)
     with pytest.raises(ValueError, match="with dampening they do not"):
         bb.AdaptiveBatch(model, dampened, TensorDataset(torch.randn(64, 4)), asynchronous=True)
+
+
+@pytest.mark.parametrize(
+    "controller",
+    [
+        bb.batch.BatchWarmup(multiple=1, initial=8, window=5),
+        bb.batch.Seesaw(initial=8, min=8, window=5, growth=8),
+    ],
+    ids=["batch_warmup", "seesaw"],
+)
+def test_a_rule_that_reads_the_statistics_never_decides_on_a_step_of_an_older_batch(controller):
+    """The step read after a change measured the batch before it: told that older batch,
+    BatchWarmup's "no change yet" undid its growth and the batch see-sawed (8, 16, 8, 16)."""
+    decay = lambda samples: max(0.05, 1 - samples / 1500)  # noqa: E731 - Seesaw grows by it
+    controller.max = 512  # the data's 1,024 samples, at most once in a batch
+    model, loop = make_loop(True, controller=controller, schedule=decay)
+    rows = [r for r in train(model, loop, 120) if r]
+    sizes = [r["batch_size"] for r in rows]
+    assert sizes == sorted(sizes) and len(set(sizes)) >= 3  # it grew, and never shrank

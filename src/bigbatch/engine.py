@@ -288,7 +288,12 @@ class StepEngine:
         # an overflowed GradScaler step teaches the controller nothing, and a step between
         # measurements only a controller that learns |G|² from the batch gradient alone
         informs = read.measured or "batch_grad_sq_norm" in metrics
-        if read.finite and (informs or not contract_of(self.controller).needs_statistics):
+        reads = contract_of(self.controller).needs_statistics
+        # asynchronous: a step read after the batch changed measured the batch before it; a
+        # rule that reads the statistics decides at its current batch (told the older one,
+        # BatchWarmup's "no change yet" undid its growth, and the batch see-sawed)
+        stale = reads and read.batch != self.batch_size
+        if read.finite and (informs or not reads) and not stale:
             self.batch_size = int(self.controller.next(metrics, read.batch, read.samples))
         if read.finite:
             self._log_noise_scale(metrics)
