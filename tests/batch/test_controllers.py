@@ -278,6 +278,20 @@ def test_warmup_doubles_once_kappa_times_the_noise_scale_clears_the_next_size():
     assert all(b - a >= 5 for a, b in itertools.pairwise(changes))
 
 
+def test_warmup_logs_at_a_change_the_estimate_it_changed_on():
+    # the average restarts at a change: the change's step logged the empty one (noise
+    # scale nan [0, inf], critical batch 0) in every report's list of batch changes
+    c = BatchWarmup(multiple=2.0, initial=64, min=16, max=4096, window=10)
+    batch = 64
+    for m in noisy_steps(300.0, 40):
+        new = c.next(m, batch, 0)
+        if new != batch:
+            logged = c.estimate()
+            assert math.isfinite(logged["noise_scale"]) and logged["critical_batch"] >= new
+        batch = new
+    assert batch > 64
+
+
 def test_warmup_discounts_the_noise_scale_a_small_rate_raises():
     # B_simple rises as the rate decays, in proportion (the iterate settles): 100 / rate.
     # With decay_power 1 the estimate stays at 2 x 100 and the batch at 128; without the

@@ -195,6 +195,7 @@ class BatchWarmup:
         self._schedule = 1.0  # the last step's rate multiplier
         self._warming = _WarmUp(0)
         self._warmed = False  # the rate's warm-up is over: the loss's slope means something
+        self._decided_on: dict[str, float] | None = None  # a change's estimate, for its log
 
     def current_multiple(self) -> float:
         """κ now: ``multiple``, raised to ``expm1(loss_lag / (|slope| + confidence · error))``,
@@ -214,6 +215,7 @@ class BatchWarmup:
         return self.current_multiple() * lower * self._schedule**self.decay_power
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
+        self._decided_on = None
         self._noise.observe(measured, self.clip)
         schedule = measured.get("schedule", math.nan)
         # while the rate warms up the loss is flat because the rate is small, not because
@@ -227,12 +229,15 @@ class BatchWarmup:
             return batch_size
         bigger = _grown(self, batch_size)
         if bigger > batch_size and self.critical_batch() >= bigger:
+            self._decided_on = self.estimate()  # what the change's step logs, not the restart
             self._noise.reset()
             return bigger
         return _clamp(self, batch_size)
 
     def estimate(self) -> dict[str, float]:
         """What decides, for logging: ``B_simple`` with its bounds, and the critical batch."""
+        if self._decided_on is not None:
+            return dict(self._decided_on)
         out = {**self._noise.estimate(self.confidence), "critical_batch": self.critical_batch()}
         if self.loss_lag > 0:
             out.update(loss_slope=self._slope.slope(), noise_multiple=self.current_multiple())
@@ -253,6 +258,7 @@ class BatchWarmup:
         self._slope.load_state_dict(state["slope"])
         self._warming.last = float(state["warming"])
         self._warmed = bool(state["warmed"])
+        self._decided_on = None
 
 
 @register("seesaw")
