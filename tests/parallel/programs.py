@@ -510,7 +510,7 @@ def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> floa
     return float((model.module.weight.detach().flatten() - optimum).norm() / optimum.norm())
 
 
-def compressed_resume(method: str, steps: int, at: int) -> dict:
+def compressed_resume(method: str, steps: int, at: int, compressor: str = "topk") -> dict:
     from bigbatch.parallel import CompressionState, compression_hook
 
     def build():
@@ -523,7 +523,10 @@ def compressed_resume(method: str, steps: int, at: int) -> dict:
             max_micro_batch=8,
             min_sub_batches=2,
             lr_scaling="none",
-            comm_hook=(CompressionState(model, method, "topk", 0.2, warmup=3), compression_hook),
+            comm_hook=(
+                CompressionState(model, method, compressor, 0.2, warmup=3),
+                compression_hook,
+            ),
         )
         return loop
 

@@ -4,6 +4,7 @@ in gradient units; state per parameter, the first ``warmup`` steps uncompressed
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, ClassVar
 
@@ -152,7 +153,7 @@ class CompressionState:
 
         state = self._gather(keys, sizes, x)
         values, indices, new = error_control.local_step(
-            self.method, x, state, self.eta, lambda m: self._select(m, bucket.index(), iteration)
+            self.method, x, state, self.eta, lambda m: self._select(m, keys, sizes, iteration)
         )
         self._scatter(keys, sizes, new)
 
@@ -184,14 +185,23 @@ class CompressionState:
 
         return work.get_future().then(finish)
 
-    def _select(self, message: Tensor, bucket_index: int, iteration: int) -> tuple[Tensor, Tensor]:
+    def _select(
+        self, message: Tensor, keys: list[int], sizes: list[int], iteration: int
+    ) -> tuple[Tensor, Tensor]:
         if self.compressor == "topk":
             return top_k(message, self.ratio)
-        # Rand-K: the same indices on every rank, from a generator seeded by step and bucket
+        # Rand-K: the same indices on every rank, from a generator seeded by the step and the
+        # bucket's first parameter, drawn over its parameters in their own order: DDP lays a
+        # bucket out one way in its first iteration (a resumed one's too) and another after
         generator = torch.Generator(device=message.device).manual_seed(
-            (self.seed * 1_000_003 + iteration) * 4099 + bucket_index
+            (self.seed * 1_000_003 + iteration) * 4099 + min(keys)
         )
-        return rand_k(message, self.ratio, generator)
+        ordered = sorted(range(len(keys)), key=keys.__getitem__)
+        starts = [0, *itertools.accumulate(sizes)]
+        layout = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in ordered])
+        layout = layout.to(message.device)
+        indices = layout[rand_k(message[layout], self.ratio, generator)[1]]
+        return message[indices], indices
 
     def _reduce(self, values: Tensor, indices: Tensor, d: int) -> torch.futures.Future:
         """The sum over ranks of the sparse messages, as a dense tensor (a future)."""
