@@ -47,6 +47,9 @@ def test_keys_joined_by_plus_vary_together():
         ({"arms": [["seed=0"]]}, "arms takes text such as 'NAME:KEY=V,...', got \\['seed=0'\\]"),
         ({"vary": ["seed=0,1,0"]}, "--vary seed: '0' is given twice"),
         ({"vary": ["batch.initial=64"], "lr_grid": "1,,2"}, "lr_grid takes comma-separated"),
+        # its ends are the grid's widening ends: out of order, it widened inside the grid
+        ({"vary": ["batch.initial=64"], "lr_grid": [1, 0.5, 2]}, r"increasing .* \[1.0, 0.5"),
+        ({"vary": ["batch.initial=64"], "lr_grid": [1, 2, 2]}, "needs increasing multipliers"),
     ],
 )
 def test_a_bad_plan_is_one_error(options, message):

@@ -32,7 +32,8 @@ class Protocol:
 
     lr_grid: tuple[float, ...] = setting(
         (1.0,),
-        "train each arm at its rate times each multiplier (first seed) and keep the best",
+        "train each arm at its rate times each multiplier, increasing (first seed), and keep "
+        "the best",
         low=0,
         low_open=True,
     )
@@ -71,6 +72,8 @@ class Protocol:
         checked(self)
         if not self.lr_grid:
             raise ConfigError("lr_grid takes one multiplier or more, got none")
+        if list(self.lr_grid) != sorted(set(self.lr_grid)):  # its ends are the rates' ends
+            raise ConfigError(f"lr_grid needs increasing multipliers, got {list(self.lr_grid)}")
         if self.tune and len(set(self.lr_grid)) < 2:
             raise ConfigError("a tuned sweep searches the grid's range: give two multipliers")
 

@@ -130,3 +130,28 @@ def test_each_arm_written_out_is_its_own_curve_against_the_batch(tmp_path):
     rows = {r.split(" | ")[0].strip("| "): r.split(" | ") for r in text.splitlines()}
     assert "all" not in rows
     assert float(rows["static"][2]) == 64 and float(rows["seesaw"][2].replace(",", "")) == 1024
+
+
+def test_a_diverged_seed_or_arm_is_counted_not_hidden(tmp_path):
+    """A diverged seed left the mean of two printed as of every seed, and a "± 0" of one;
+    a diverged arm's first evaluation (1e18) set where the looser targets start; arms that
+    all diverged could not draw the Pareto plot's log axis."""
+    import math
+
+    from bigbatch.experiments.report.comparison import _plot_pareto
+
+    static = _arm(tmp_path, "static", [[(100, 2.0), (1000, 1.50)]] * 3, "Constant(64)")
+    static.runs[1]["final_eval_loss"] = math.nan  # seed 1 diverged
+    diverged = _arm(tmp_path, "diverged", [[(1, 1e18), (10, math.nan)]], "Constant(64)")
+    lines = _near_best(tmp_path, [static, diverged], loss=True)
+    split = next(i for i, line in enumerate(lines) if line.startswith("Steps to targets"))
+    rows = {r.split(" | ")[0].strip("| "): r for r in lines[:split] if r.startswith("| ")}
+    assert "| 1.5000 ± 0.0000 (2 of 3 seeds) |" in rows["static"]
+    assert "| — |" in rows["diverged"]  # no gap to the best: nothing finite to take it from
+    assert any("from the first evaluation (2) to T" in line for line in lines)
+    for arm in (static, diverged):
+        for run in arm.runs:
+            run["final_eval_loss"] = run["best_eval_loss"] = math.nan
+            run["avg_batch_size"] = 64
+    _plot_pareto(tmp_path, [static, diverged], loss=True)
+    assert (tmp_path / "pareto.png").is_file()

@@ -51,7 +51,10 @@ def _mean_std_text(values: list[Any], digits: int) -> str:
     mean, std = mean_std(values)
     if math.isnan(mean):
         return "—"
-    return f"{mean:,.{digits}f}" if len(values) == 1 else f"{mean:,.{digits}f} ± {std:,.{digits}f}"
+    counted = sum(v is not None and math.isfinite(v) for v in values)
+    text = f"{mean:,.{digits}f}" if counted == 1 else f"{mean:,.{digits}f} ± {std:,.{digits}f}"
+    # a seed that diverged (or missed) is not in the mean: say how many are
+    return text if counted == len(values) else f"{text} ({counted} of {len(values)} seeds)"
 
 
 def _every_mean(values: list[Any]) -> float | None:
@@ -194,7 +197,7 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool) -> list[str]:
             [
                 arm.name,
                 _mean_std_text(arm.values(final), 4),
-                f"{means[arm.name] - best:+.4f}",
+                f"{means[arm.name] - best:+.4f}" if math.isfinite(means[arm.name]) else "—",
                 f"{_mean_std_text(got, 0)} ({len(got)}/{len(reached[arm.name])})",
                 f"{mean / fewest:.2f}" if mean is not None and fewest > 0 else "—",
                 _mean_std_text([t for t in seconds[arm.name] if t is not None], 0),
@@ -317,7 +320,14 @@ def _at_targets(
     seed means): each arm's mean steps and, where every seed got there, the ratio to the
     fewest steps of a static batch (of any arm, where no arm is static) that got there on
     every seed; the claim that a schedule saves steps at every loss, not only at the end."""
-    firsts = [runs[0][0][key] for runs in evals.values() if runs and runs[0]]
+    # from the arms that trained (a diverged arm's first evaluation can be 1e18 or NaN)
+    final = _names(loss)[3]
+    trained = {a.name for a in arms if math.isfinite(mean_std(a.values(final))[0])}
+    firsts = [
+        runs[0][0][key]
+        for name, runs in evals.items()
+        if name in trained and runs and runs[0] and math.isfinite(runs[0][0][key])
+    ]
     if not firsts:
         return []
     start = statistics.fmean(firsts)
@@ -389,13 +399,16 @@ def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool) -> None:
     score, _, best, _ = _names(loss)
     fig, ax = plt.subplots(figsize=(6, 4))
     points = [(mean_std(a.values("avg_batch_size"))[0], mean_std(a.values(best))[0]) for a in arms]
+    named = [(arm, p) for arm, p in zip(arms, points) if all(map(math.isfinite, p))]
+    arms, points = [arm for arm, _ in named], [p for _, p in named]  # a diverged arm: no point
     for arm, (b, a) in zip(arms, points):
         ax.scatter([b], [a])
         ax.annotate(arm.name, (b, a), fontsize=7)
     signed = [(b, -a if loss else a) for b, a in points]
     front = [(b, -a if loss else a) for b, a in pareto_front(signed)]
     ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=0.8, label="Pareto front")
-    ax.set_xscale("log")
+    if points:  # a log axis with no data cannot be drawn
+        ax.set_xscale("log")
     ax.set_xlabel("average batch size (samples / steps)")
     ax.set_ylabel(f"best test {score} (seed mean)")
     ax.legend()
