@@ -155,3 +155,22 @@ def test_a_diverged_seed_or_arm_is_counted_not_hidden(tmp_path):
             run["avg_batch_size"] = 64
     _plot_pareto(tmp_path, [static, diverged], loss=True)
     assert (tmp_path / "pareto.png").is_file()
+
+
+def test_keys_varied_together_are_one_curve_against_either(tmp_path, monkeypatch):
+    """`--vary model.width+model.depth=16+1,32+2,64+3`: one curve of three shapes (it drew
+    three curves of one point each, one per width)."""
+    arms = []
+    for width, depth in ((16, 1), (32, 2), (64, 3)):
+        runs = [{"steps_to_target": 1000 + width, "best_eval_loss": 1.5}]
+        overrides = {"model.width": width, "model.depth": depth}
+        name = f"model.width={width}, model.depth={depth}"
+        arms.append(ArmResult(name, overrides, [0.01], 0, runs, ["d"]))
+    import bigbatch.experiments.report.comparison as comparison
+
+    drawn = {}
+    monkeypatch.setattr(
+        comparison, "_plot_by_axis", lambda root, curves, *rest: drawn.update(curves) or "p.png"
+    )
+    _by_axis(tmp_path, arms, "model.depth", loss=True)
+    assert list(drawn) == ["all"] and len(drawn["all"]) == 3

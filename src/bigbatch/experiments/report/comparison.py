@@ -415,15 +415,26 @@ def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool) -> None:
     save(fig, root / "pareto.png")
 
 
+def _joined_with(arms: list[ArmResult], axis: str) -> set[str]:
+    """``axis`` and the keys whose values go one to one with its values over the arms."""
+    joined = {axis}
+    for key in {k for a in arms for k in a.overrides} - joined:
+        pairs = {(a.overrides[axis], a.overrides.get(key)) for a in arms}
+        if len({x for x, _ in pairs}) == len(pairs) == len({y for _, y in pairs}) > 1:
+            joined.add(key)
+    return joined
+
+
 def _by_axis(root: Path, arms: list[ArmResult], axis: str, loss: bool) -> list[str]:
     """The score and the steps to the target against ``axis``, one curve per other setting;
     against the batch, each curve's critical batch."""
     curves: dict[str, list[ArmResult]] = {}
+    along = _joined_with(arms, axis)
     for arm in sorted(arms, key=lambda a: a.overrides[axis]):
-        # the arm's name less the axis's value: an arm written out (--arm) and the other
-        # varied keys each make their own curve
-        point = f"{axis}={arm.overrides[axis]}"
-        label = ", ".join(p for p in arm.name.split(", ") if p != point) or "all"
+        # the arm's name less the axis's value and the keys varied with it (a `+` axis):
+        # an arm written out (--arm) and the other varied keys each make their own curve
+        point = {f"{k}={arm.overrides[k]}" for k in along}
+        label = ", ".join(p for p in arm.name.split(", ") if p not in point) or "all"
         curves.setdefault(label, []).append(arm)
     fits = _critical_batches(curves, axis) if axis == "batch.initial" else {}
     score = _names(loss)[0]
