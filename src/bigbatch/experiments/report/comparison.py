@@ -416,7 +416,7 @@ def _plot_pareto(root: Path, arms: list[ArmResult], loss: bool) -> None:
 
 
 def _joined_with(arms: list[ArmResult], axis: str) -> set[str]:
-    """``axis`` and the keys whose values go one to one with its values over the arms."""
+    # `axis` and the keys whose values go one to one with its values over the arms
     joined = {axis}
     for key in {k for a in arms for k in a.overrides} - joined:
         pairs = {(a.overrides[axis], a.overrides.get(key)) for a in arms}
