@@ -50,6 +50,8 @@ def test_keys_joined_by_plus_vary_together():
         # its ends are the grid's widening ends: out of order, it widened inside the grid
         ({"vary": ["batch.initial=64"], "lr_grid": [1, 0.5, 2]}, r"increasing .* \[1.0, 0.5"),
         ({"vary": ["batch.initial=64"], "lr_grid": [1, 2, 2]}, "needs increasing multipliers"),
+        ({"vary": ["batch.initial=64"], "widen": 2}, "widen needs an lr_grid of two"),
+        ({"arms": ["a:seed=1", "b:seed=1"]}, "arm 'a' has another arm's settings"),
     ],
 )
 def test_a_bad_plan_is_one_error(options, message):

@@ -104,6 +104,9 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
         raise ConfigError("compare needs at least one --vary KEY=V1,V2,... or --arm NAME:KEY=V")
     if len({name for name, _ in explicit}) < len(explicit):
         raise ConfigError(f"two arms share a name: {[name for name, _ in explicit]}")
+    settings = [overrides for _, overrides in explicit]
+    if twin := next((n for n, o in explicit if settings.count(o) > 1), None):
+        raise ConfigError(f"arm {twin!r} has another arm's settings: the same runs twice")
     varied = [k for keys, _ in axes for k in keys]
     if len(set(varied)) < len(varied):
         raise ConfigError(f"a key is varied twice: {varied}")

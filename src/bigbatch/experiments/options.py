@@ -74,6 +74,8 @@ class Protocol:
             raise ConfigError("lr_grid takes one multiplier or more, got none")
         if list(self.lr_grid) != sorted(set(self.lr_grid)):  # its ends are the rates' ends
             raise ConfigError(f"lr_grid needs increasing multipliers, got {list(self.lr_grid)}")
+        if self.widen and len(self.lr_grid) < 2:  # it widens by the grid's own step
+            raise ConfigError("widen needs an lr_grid of two multipliers or more to step by")
         if self.tune and len(set(self.lr_grid)) < 2:
             raise ConfigError("a tuned sweep searches the grid's range: give two multipliers")
 
