@@ -173,7 +173,12 @@ class StepEngine:
         self._loss = None
         self.measuring = self.measures()
         if self.measuring:
-            self.collector.begin(plan.sizes, plan.rank_sizes, loss_weights=self._weights)
+            # the statistics take each micro-batch's mean gradient: a summed loss's factor
+            # W/B is W b_i/B of its mean (given as W/B, its norms came b_i² too large)
+            weights = self._weights
+            if loss_weights is None and self.loss_reduction == "sum":
+                weights = [w * b for w, b in zip(weights, plan.sizes, strict=True)]
+            self.collector.begin(plan.sizes, plan.rank_sizes, loss_weights=weights)
 
     def loss_weight(self, index: int) -> float:
         """What micro-batch ``index``'s loss is multiplied by before backward."""

@@ -591,3 +591,41 @@ def test_a_compiled_model_gives_the_same_statistics_on_cuda():
     torch._dynamo.reset()
     compiled = _growing("default", "cuda")
     torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-6)
+
+
+class TransposedGroupNorm(nn.Module):
+    """A GroupNorm after a convolution whose output gradient comes back in another layout
+    than its input: used transposed (1-D), or flattened from channels-last memory (2-D)."""
+
+    def __init__(self, dims):
+        super().__init__()
+        self.dims = dims
+        conv = nn.Conv2d if dims == 2 else nn.Conv1d
+        self.conv, self.norm = conv(2, 4, 3), nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4 * 5 * 5 if dims == 2 else 4, 3)
+
+    def forward(self, x):
+        h = self.norm(self.conv(x))
+        if self.dims == 2:
+            return self.head(h.flatten(1))
+        return self.head(h.transpose(1, 2)).mean(1)
+
+
+@pytest.mark.parametrize(
+    "dims, layout", [(1, torch.contiguous_format), (2, torch.channels_last)], ids=["1d", "2d-cl"]
+)
+def test_a_group_norm_whose_gradient_comes_in_another_layout_passes_the_right_one_back(
+    dims, layout
+):
+    # torch's group-norm kernel reads the gradient in its input's layout: given another, the
+    # input gradient (so every layer below) was wrong by O(1) (the norms were right)
+    torch.manual_seed(0)
+    model = TransposedGroupNorm(dims).double().to(memory_format=layout)
+    shape = (6, 2, 7, 7) if dims == 2 else (6, 2, 9)  # 7x7 -> 5x5 after the convolution
+    inputs = torch.randn(*shape, dtype=torch.float64).to(memory_format=layout)
+    plain = copy.deepcopy(model)
+    (plain(inputs).sum(1).mean() * 0.25).backward()
+    total, grads, _ = measured(model, inputs, None)
+    for got, expected in zip(grads, [p.grad for p in plain.parameters()], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(total, unit_sq_norms(plain, inputs, 1, 0.25 / 6), rtol=1e-10, atol=0)

@@ -571,6 +571,7 @@ class _GroupNormFunction(torch.autograd.Function):
         module = layer.module
         if _autocast_dtype(x.device) is not None:  # autocast runs group_norm in float32
             x, weight, bias = x.float(), weight.float(), bias.float()
+        x = x.contiguous(memory_format=_memory_format(x))  # as torch's own kernel takes it
         n, c = x.shape[:2]
         out, mean, rstd = torch.native_group_norm(
             x, weight, bias, n, c, x[0, 0].numel(), module.num_groups, module.eps
@@ -584,6 +585,9 @@ class _GroupNormFunction(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         module = ctx.layer.module
         n, c, groups = len(x), x.shape[1], module.num_groups
+        # the kernel reads grad in x's layout (torch's autograd makes it so): a transposed or
+        # channels-last output's gradient gave a wrong input gradient
+        grad = grad.contiguous(memory_format=_memory_format(x))
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.native_group_norm_backward(
@@ -598,6 +602,15 @@ class _GroupNormFunction(torch.autograd.Function):
         norms = torch._foreach_norm(units, 2, dtype=norm_dtype(units[0]))
         grad_w, grad_b = (e.sum(0) for e in per_example)
         return grad_x, grad_w, grad_b, None, None, *_delivered(ctx, ("weight", "bias"), norms)
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    # the layout torch's C++ `suggest_memory_format` gives (channels-last where x is so)
+    if not x.is_contiguous():
+        for layout, dims in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+            if x.dim() == dims and x.is_contiguous(memory_format=layout):
+                return layout
+    return torch.contiguous_format
 
 
 def _group_norm(module: nn.Module, layer: _Layer, x: Tensor) -> Tensor:
