@@ -251,8 +251,9 @@ def _estimate(
     signal_g, trace_g, loss, sq_full = collector.noise.estimate(read, small, batches, scale_sq)
     signal, trace = math.fsum(signal_g), math.fsum(trace_g)
     sq_a, sq_b, dot_ab = collector.halves.read(read, sq_full, signal_g, trace_g, batches)
-    # a step the loop skips as non-finite (|G|² or the loss) never reaches the averages
-    if math.isfinite(signal + loss):
+    # a step the loop skips as non-finite (|G|² or the loss) never reaches the averages, nor
+    # one whose tr Σ is not finite (the two averages share one count for their corrections)
+    if math.isfinite(signal + trace + loss):
         signal_ema, trace_ema = collector.averages.update(signal, trace)
     else:
         signal_ema, trace_ema = collector.averages.current()
