@@ -6,6 +6,7 @@ from torch import nn
 
 import bigbatch as bb
 from bigbatch.stats import MicroBatchStatistics, noise_components
+from bigbatch.stats.estimators import unbiased
 
 from .common import collect, make_problem, micro_batches, slow_gradients
 
@@ -127,7 +128,9 @@ def test_equal_loss_weights_as_framework_loops_use():
         (nn.functional.cross_entropy(model(xb), yb) / k).backward()
     got = stats.finish()
     full = per_batch.mean(0)  # what .grad holds: the mean of the micro-batch means
-    signal, trace = noise_components(per_batch.square().sum(1), sizes, full.square().sum())
+    # whose variance is Σ (1/k)² trΣ / b_i, not the batch mean's trΣ / B
+    h, phi = sum(1 / b for b in sizes) / k, sum(1 / (k * k * b) for b in sizes)
+    signal, trace = unbiased(per_batch.square().sum(1).mean(), full.square().sum(), h, phi)
     assert got.grad_sq_norm == pytest.approx(signal.item(), rel=1e-4)
     assert got.trace == pytest.approx(trace.item(), rel=1e-4)
     g_a, g_b = per_batch[:2].mean(0), per_batch[2:].mean(0)

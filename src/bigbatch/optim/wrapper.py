@@ -55,8 +55,7 @@ class StatisticsWrapper(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Run ``closure`` first, then the modulated step; nothing when no parameter has a
-        gradient."""
+        """Run ``closure``, then the modulated step (nothing where no parameter has a grad)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import norms
+from ..batch.plan import loss_weights as default_loss_weights
 from ..parallel.world import World
 from .estimators import inverse_size, noise_from_mean, population, unbiased
 from .layout import ParamLayout, SubBatches
@@ -105,7 +106,7 @@ class ReducedNoise:
                 sums = read["small"]
             else:
                 sums = _group_sums([v * v for v in read["small"]], small.groups, groups)
-        phi = inverse_size(batches.total, population(self.dataset_size, batches.total))
+        phi, weighing = _weighed(batches, population(self.dataset_size, batches.total))
         if small.h - phi <= 0:
             raise ValueError(
                 f"small batches of mean inverse size {small.h:.4g} in a batch of "
@@ -114,13 +115,27 @@ class ReducedNoise:
         signal, trace = [], []
         for s, full in zip(sums, sq_full):
             mean_small = s * small.factor / small.count / scale_sq
-            g, t = unbiased(mean_small, full / scale_sq, small.h, phi)
+            g, t = unbiased(mean_small, full / scale_sq / weighing, small.h, phi)
             signal.append(g)
             trace.append(t)
         return signal, trace, loss, list(sq_full)
 
     def traffic(self) -> int:
         return self.bytes
+
+
+def _weighed(batches: SubBatches, drawn_from: int | None) -> tuple[float, float]:
+    """``φ`` of the reduced gradient and ``(Σ w)²`` (docs/algorithms.md, "Gradient statistics")."""
+    sizes, weights = batches.sizes, batches.loss_weights
+    if batches.world.size > 1 or weights == default_loss_weights(sizes, batches.total):
+        return inverse_size(batches.total, drawn_from), 1.0
+    total = sum(weights)
+    shares = [w / total for w in weights]
+    squared = sum(a * a for a in shares)
+    phi = sum(a * a * inverse_size(b, drawn_from) for a, b in zip(shares, sizes, strict=True))
+    if drawn_from is not None and drawn_from > 1:  # disjoint parts of one draw covary
+        phi -= (1 - squared) / (drawn_from - 1)
+    return phi, total * total
 
 
 class PerRankNoise:
