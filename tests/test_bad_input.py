@@ -45,6 +45,10 @@ CLI_CASES = [
     (["train", "--set", "batch.initial=-1"], "batch.initial must be a whole number >= 0, got -1"),
     (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
     (
+        ["train", "--set", "batch.initial=1", "--set", "batch.min=1"],
+        "batch.min (1) is below 2: the noise statistics need two examples a step",
+    ),
+    (
         ["train", "--set", "batch.initial=8", "--set", "batch.min=32"],
         "batch.initial (8) is outside",
     ),

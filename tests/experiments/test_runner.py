@@ -152,3 +152,19 @@ def test_a_compiled_run_trains_as_the_eager_one_in_a_few_graphs(tmp_path):
     assert compiled["steps"] == eager["steps"]
     assert compiled["final_accuracy"] == pytest.approx(eager["final_accuracy"], abs=0.02)
     assert counters["stats"]["unique_graphs"] <= 4
+
+
+def test_a_run_that_met_its_target_trains_no_further_when_resumed(tmp_path):
+    # its end was not in the checkpoint: a resume trained on toward the budget (250 -> 300
+    # steps), after a stop at the target's step as after a finished run
+    config = resolve(
+        {"task": "digits", "max_samples": 8000, "optimizer": "adamw", "lr": 0.01,
+         "stop_at_target": True, "threads": 1, "device": "cpu"}
+    )  # fmt: skip
+    ended = runner.train(config, tmp_path / "run", quiet=True)
+    assert ended["ended"] == "target" and ended["samples"] < 8000
+    again = runner.train(config, tmp_path / "run", quiet=True, resume=True)
+    assert (again["steps"], again["samples"], again["ended"]) == (
+        ended["steps"], ended["samples"], "target"
+    )  # fmt: skip
+    assert len(rows(tmp_path / "run")) == ended["steps"]

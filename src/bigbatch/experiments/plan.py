@@ -352,6 +352,12 @@ def _check_bounds(config: Mapping[str, Any]) -> None:
             f"batch.min ({config['batch.min']}) is below min_sub_batches "
             f"({fewest}): every sub-batch needs a sample"
         )
+    reads = contract_of(CONTROLLERS[config["batch.controller"]]).needs_statistics
+    if config["batch.min"] < 2 and (reads or config["log_statistics"]):
+        raise ConfigError(
+            f"batch.min ({config['batch.min']}) is below 2: the noise statistics need two "
+            "examples a step"
+        )
 
 
 def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:

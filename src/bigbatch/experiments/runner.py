@@ -171,7 +171,8 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
             with sinks:
                 end = None
                 try:
-                    for step in loop.steps(max_samples=plan.run.max_samples):
+                    done = run.ended == "target"  # a resumed run that met its target
+                    for step in () if done else loop.steps(max_samples=plan.run.max_samples):
                         train_step(step, problem, run.model, run.precision)
                         end = run.after_step(step)
                         if end:  # paused, the budget spent or the target met
@@ -250,6 +251,7 @@ class _Run:
             self.keep_previous = source == out / CHECKPOINT
             loop.load_state_dict(checkpoint["loop"])
             self.state.update(checkpoint["run"])
+            self.ended = self.state.get("ended", self.ended)
             if self.writer:
                 cut_lines(metrics, self.state["metrics_lines"])
         else:
@@ -283,7 +285,8 @@ class _Run:
             own.update(self.evaluation)
         if not last and keys.stop_at_target and due:  # rank 0's evaluation, on every rank
             last = self.world.broadcast_object(self.writer and self.task.reached(self.evaluation))
-            self.ended = "target" if last else self.ended
+            if last:  # kept in the checkpoint: a resumed run that ended here trains no further
+                self.ended = self.state["ended"] = "target"
         self.state["wall_seconds"] = own["wall_seconds"] = time.perf_counter() - self.start
         row = self.record(step.metrics, own)
         halt = self._halt()
