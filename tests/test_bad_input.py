@@ -44,6 +44,18 @@ CLI_CASES = [
     ),
     (["train", "--set", "batch.initial=-1"], "batch.initial must be a whole number >= 0, got -1"),
     (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
+    (  # the cool-down started where the warm-up ended: shorter than --explain said
+        [
+            "train",
+            "--set",
+            "schedule.kind=wsd",
+            "--set",
+            "schedule.warmup=0.5",
+            "--set",
+            "schedule.cooldown=0.6",
+        ],
+        "and a cool-down of 0.6 of 1,200,000 are longer than the run together",
+    ),
     (
         ["train", "--set", "batch.initial=1", "--set", "batch.min=1"],
         "batch.min (1) is below 2: the noise statistics need two examples a step",

@@ -193,7 +193,12 @@ def warmup_stable_decay(
     check_number("cooldown", cooldown, high=1.0)
     final = check_number("final", final)
     whole_number("total", total)
-    start = max(warmup, total - round(cooldown * total))
+    if warmup + round(cooldown * total) > total:  # the cool-down would start in the warm-up
+        raise ValueError(
+            f"a warm-up of {warmup:,} samples and a cool-down of {cooldown:g} of {total:,} "
+            "are longer than the run together"
+        )
+    start = total - round(cooldown * total)
     length = total - start
 
     def decay(samples: int) -> float:

@@ -484,7 +484,7 @@ class ScheduleKeys:
         "schedule.cooldown",
         0.2,
         "wsd: the linear cool-down at the end: a fraction of max_samples, or a length as "
-        "schedule.warmup takes",
+        "schedule.warmup takes (with the warm-up, at most the run)",
         low=0,
         high=1,
         parse=share_of_budget,
