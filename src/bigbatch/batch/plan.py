@@ -170,11 +170,8 @@ def split_by_weight(
     count = min(n, max(min_sub_batches, math.ceil(total / max_micro_batch)))
     while True:
         counts = _equal_weight_counts(cumulative, count)
-        ends = list(itertools.accumulate(counts))
-        heavy = any(
-            c > 1 and cumulative[e - 1] - (cumulative[e - c - 1] if e > c else 0) > max_micro_batch
-            for c, e in zip(counts, ends)
-        )
+        parts = _cut(weights, counts)
+        heavy = any(len(part) > 1 and sum(part) > max_micro_batch for part in parts)
         if not heavy or count == n:
             return counts
         count += 1
