@@ -84,7 +84,7 @@ def plain_run(args: argparse.Namespace) -> list[list[float]]:
     model = problem.model.to(device)
     optimizer = create_optimizer(
         model, config["optimizer"], lr=lr, weight_decay=config["weight_decay"],
-        **implementation(config["optimizer"], config["optimizer_impl"], config["asynchronous"]),
+        **implementation(config["optimizer"], config["optimizer_impl"]),
     )  # fmt: skip
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
     forward = training_model(model, config["compile"])  # compiled alike; evaluation eager

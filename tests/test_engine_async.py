@@ -133,6 +133,9 @@ def test_a_non_finite_step_raises_at_the_next_step_with_nothing_updated():
         train(model, loop, 6, poison_at=3, on_apply=lambda s: kept.append(params(model)))
     assert len(kept) == 3, "raised in step 4's apply"
     assert all(torch.equal(a, b) for a, b in zip(kept[1], params(model), strict=True))
+    # counted as the synchronous loop counts a refused step: not at all (a run's summary
+    # counted a step its metrics never logged)
+    assert (loop.steps_taken, loop.samples, loop.flush()) == (2, 16, {})
 
 
 def test_a_checkpoint_between_two_steps_resumes_to_the_same_run():

@@ -491,3 +491,61 @@ def test_a_summed_loss_is_measured_as_the_mean_one():
             history.append(step.metrics)
         runs[reduction] = [m[key] for m in history for key in ("grad_sq_norm", "trace")]
     assert runs["sum"] == pytest.approx(runs["mean"], rel=1e-5)
+
+
+# ---------------------------------------------------------------- fp16's GradScaler
+
+
+def train_with_losses(loop, model, times):
+    """One step per factor in ``times``, its loss multiplied by it; the metrics of each."""
+    history = []
+    steps = loop.steps(max_steps=loop.steps_taken + len(times))
+    for step, factor in zip(steps, times, strict=True):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model(x), y) * factor)
+        step.apply()
+        history.append(step.metrics)
+    return history
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_grad_scalers_overflow_is_counted_skipped_and_the_scaler_lowers_its_scale(nonfinite):
+    """A loss finite but too large once scaled (an fp16 overflow): the scaler's routine, so
+    never raised; the engine counts it as skipped and the scaler skips it and halves."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    model, loop = make_run(controller=bb.batch.Constant(16), scaler=scaler, nonfinite=nonfinite)
+    train_with_losses(loop, model, [1.0])
+    before = [p.detach().clone() for p in model.parameters()]
+    rows = train_with_losses(loop, model, [1e36])  # x 2^16: infinite in float32
+    assert rows[0]["skipped"] == 1.0 and rows[0]["lr"] == 0.0 and math.isfinite(rows[0]["loss"])
+    assert loop.skipped_steps == 1 and loop.steps_taken == 2
+    assert scaler.get_scale() == 2.0**15, "the scaler saw the overflow and halved its scale"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    rows = train_with_losses(loop, model, [1.0])
+    assert "skipped" not in rows[0] and loop.skipped_steps == 1
+
+
+def test_under_a_grad_scaler_a_non_finite_loss_is_refused_as_without_one():
+    scaler = torch.amp.GradScaler("cpu")
+    model, loop = make_run(controller=bb.batch.Constant(16), scaler=scaler, nonfinite="raise")
+    with pytest.raises(bb.NonFiniteError, match="step 1"):
+        train_with_losses(loop, model, [math.nan])
+    model, loop = make_run(controller=bb.batch.Constant(16), scaler=scaler)
+    rows = train_with_losses(loop, model, [math.nan])
+    assert rows[0]["skipped"] == 1.0 and loop.skipped_steps == 1
+
+
+@pytest.mark.parametrize("controller", ["measured", "between measurements"])
+def test_a_scale_fallen_to_zero_is_a_skipped_step_not_a_division_by_zero(controller):
+    """Overflow after overflow halves the scale to 0, where no gradient measures anything."""
+    if controller == "measured":
+        chosen, options = bb.batch.Constant(16), {}
+    else:  # BatchWarmup learns |G|^2 from the batch gradient between measurements
+        chosen, options = bb.batch.BatchWarmup(initial=16, min=16), {"statistics_every": 4}
+    scaler = torch.amp.GradScaler("cpu", init_scale=0.0)
+    model, loop = make_run(controller=chosen, scaler=scaler, **options)
+    rows = train_with_losses(loop, model, [1.0, 1.0])
+    assert [r.get("skipped") for r in rows] == [1.0, 1.0] and loop.skipped_steps == 2
+    model, loop = make_run(controller=chosen, scaler=scaler, nonfinite="raise", **options)
+    with pytest.raises(bb.NonFiniteError, match="the GradScaler scale fell to 0"):
+        train_with_losses(loop, model, [1.0])

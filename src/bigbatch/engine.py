@@ -210,10 +210,11 @@ class StepEngine:
         if self.options.asynchronous:
             return self._step_asynchronously(reading)
         read = reading.resolve()
-        if not read.finite and self.scaler is None:
-            self._refuse(read)
+        if not read.finite:
+            overflowed = self._refuse(read)
             self._count(read.batch, read.metrics)
-            return StepResult(read.stats, self._drop(read), skip=True)
+            # an overflow is the scaler's to skip: its step records it and lowers the scale
+            return StepResult(read.stats, self._drop(read), skip=not overflowed)
         self._learn_averages(read)
         self._set_rate(read.batch, read.metrics)
         self._decide(read)
@@ -241,19 +242,36 @@ class StepEngine:
 
     def _settle(self, read: _Read) -> dict[str, float]:
         """An asynchronous step's numbers, read one step late: skipped or learned from."""
-        if not read.finite and self.scaler is None:
-            self._refuse(read)
-            return self._drop(read)  # the optimizer skipped it on the device
+        if not read.finite:
+            try:
+                self._refuse(read)
+            except NonFiniteError:
+                # counted when its rate was set: uncounted, as a refused synchronous step is
+                self.steps_taken, self.samples = read.step - 1, read.samples - read.batch
+                raise
+            return self._drop(read)  # the optimizer (or the scaler) skipped it on the device
         self._learn_averages(read)
         self._decide(read)
         return read.metrics
 
-    def _refuse(self, read: _Read) -> None:
-        if self.nonfinite == "raise":
+    def _refuse(self, read: _Read) -> bool:
+        """Raise under ``nonfinite="raise"`` unless it is a ``GradScaler``'s overflow; which."""
+        # an overflow (the loss finite, the scaled gradient not) is the scaler's routine: it
+        # skips the step and lowers its scale. A scale halved to 0 (overflow after overflow)
+        # measures nothing and is refused. The scale is read only here, on a rare step.
+        collapsed = self.scaler is not None and self.scaler.get_scale() == 0
+        overflowed = (
+            self.scaler is not None
+            and not collapsed
+            and math.isfinite(read.metrics.get("loss", 0.0))
+        )
+        if self.nonfinite == "raise" and not overflowed:
             raise NonFiniteError(
                 f"step {read.step}: the gradient or loss is not finite "
-                f"(loss {read.metrics.get('loss', 'not given')}); nothing was updated"
+                f"(loss {read.metrics.get('loss', 'not given')}"
+                f"{'; the GradScaler scale fell to 0' if collapsed else ''}); nothing was updated"
             )
+        return overflowed
 
     def _drop(self, read: _Read) -> dict[str, float]:
         """A non-finite step counted as skipped (its update dropped)."""
@@ -499,9 +517,13 @@ def _between_measurements(
         and not collector.lossy_reduction
         and contract_of(engine.controller).learns_between_measurements
     )
+    # the scale read with the rest: a scale halved to 0 makes torch's GradScaler step on NaN
+    # (0 times its inverse), so such a step must be skipped here
+    scale = _loss_scale(
+        engine.scaler, loss.device if collector is None else collector.layout.device
+    )
     if not wanted:
-        return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss)
-    scale = _loss_scale(engine.scaler, collector.layout.device)
+        return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, scale=scale)
     inverse = inverse_size(batch, population(collector.dataset_size, batch))
     return _mean_loss_and_finiteness(engine.optimizer, engine.world, loss, inverse, scale)
 
@@ -526,11 +548,13 @@ def _mean_loss_and_finiteness(
             value, rest = read[0], read[1:]
             finite = all(map(math.isfinite, read))  # (a sum of squares may overflow)
             total_sq = sum(n * n for n in (rest[1:] if scaled else rest)) if finite else math.nan
+        if scaled and rest[0] <= 0:  # a scale halved to 0 by overflow after overflow
+            finite, total_sq = False, math.nan
         metrics = {"loss": value}
         if batch_inverse_size is not None:
             # a replicated gradient (DDP) is summed once per rank; a sharded one's shards add up
             full_sq = total_sq * world.size if world.sharded else total_sq
-            metrics["batch_grad_sq_norm"] = full_sq / (rest[0] ** 2 if scaled else 1.0)
+            metrics["batch_grad_sq_norm"] = full_sq / (rest[0] ** 2 if finite and scaled else 1.0)
             metrics["batch_inverse_size"] = batch_inverse_size
         return metrics, finite
 

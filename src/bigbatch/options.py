@@ -95,7 +95,8 @@ class StepOptions:
     loss_reduction: str = "mean"
     #: a step with a NaN/Inf gradient or loss is dropped and counted (``"skip"``) or
     #: raises :class:`bigbatch.NonFiniteError` (``"raise"``) before anything learns from
-    #: it; with a ``GradScaler`` an overflow is the scaler's to skip
+    #: it; with a ``GradScaler`` an overflow (the loss finite) is counted but never raised:
+    #: the scaler skips it and lowers its scale
     nonfinite: str = "skip"
     #: read each step's numbers (statistics, loss, finiteness) one step late, so that the
     #: host never waits for the device: a non-finite step is skipped by the optimizer on

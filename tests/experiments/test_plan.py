@@ -205,3 +205,14 @@ def test_the_tasks_rate_says_when_the_budget_is_longer_than_the_one_it_was_measu
     assert "measured at the task's budget of 150,000 samples; at 4x it" in longer
     assert "budget" not in plan_run({"task": "text", "max_samples": 75_000}).origins["lr"]
     assert "lr" not in plan_run({"task": "text", "lr": 0.004, "max_samples": 600_000}).origins
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_an_asynchronous_run_builds_its_optimizer_fused_and_says_so(optimizer):
+    """The plan, not the builder, chooses the fused step (it skips a non-finite step on the
+    device): ``--explain`` and the saved config show what trains."""
+    plan = plan_run({"optimizer": optimizer, "asynchronous": True})
+    assert plan["optimizer_impl"] == "fused"
+    assert "asynchronous" in plan.origins["optimizer_impl"]
+    with pytest.raises(ConfigError, match="lamb cannot"):
+        plan_run({"optimizer": "lamb", "asynchronous": True})

@@ -129,6 +129,21 @@ def test_a_run_the_skip_limit_stops_logs_every_step_it_took(tmp_path, asynchrono
     assert summary["ended"] == "skip_limit"
     assert [r["step"] for r in rows(tmp_path / "r")] == list(range(1, summary["steps"] + 1))
     assert summary["skipped_steps"] == summary["steps"] - 1  # all but the first
+    # judged on every step taken: asynchronous, the last one's late reading first
+    assert summary["why"].startswith(f"{summary['skipped_steps']} of {summary['steps']} ")
+
+
+def test_an_fp16_run_whose_scaled_gradients_overflow_step_after_step_meets_the_skip_limit(
+    tmp_path,
+):
+    """Each overflow the GradScaler skips is a skipped step: a diverging fp16 run stops at the
+    skip limit (uncounted, its scale halved to 0 and a division by it raised)."""
+    config = {**CONFIG, "precision": "fp16", "lr": 1e6, "batch.controller": "batch_warmup"}
+    with pytest.raises(runner.TooManySkippedError):
+        runner.train(resolve(config), tmp_path / "r", quiet=True)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["ended"] == "skip_limit" and summary["skipped_steps"] > 5
+    assert sum(r.get("skipped", 0) for r in rows(tmp_path / "r")) == summary["skipped_steps"]
 
 
 @pytest.mark.compile

@@ -90,13 +90,12 @@ def train_step(step: Any, problem: Problem, model: nn.Module, precision: Precisi
     step.apply()
 
 
-def implementation(name: str, impl: str, asynchronous: bool = False) -> dict[str, Any]:
-    """How optimizer ``name`` is built for ``impl``: bigbatch's take it; torch's AdamW and SGD
-    fused for ``fused`` or ``asynchronous`` (a fused step skips a non-finite one on the device)."""
+def implementation(name: str, impl: str) -> dict[str, Any]:
+    """How optimizer ``name`` is built for ``impl`` (torch's AdamW, SGD: ``fused=True``)."""
     accepted = get_optimizer_info(name).signature().parameters
     if "impl" in accepted:
         return {"impl": impl}
-    return {"fused": True} if "fused" in accepted and (impl == "fused" or asynchronous) else {}
+    return {"fused": True} if "fused" in accepted and impl == "fused" else {}
 
 
 def training_model(model: nn.Module, mode: str) -> nn.Module:
@@ -111,7 +110,7 @@ def _loop(
 ) -> AdaptiveBatch:
     opt, machine, batch, dist = plan.optimizer, plan.machine, plan.batch, plan.dist
     options: dict[str, Any] = {"lr": opt.lr, "weight_decay": opt.weight_decay}
-    options.update(implementation(opt.name, opt.impl, machine.asynchronous))
+    options.update(implementation(opt.name, opt.impl))
     accepted = get_optimizer_info(opt.name).signature().parameters
     if "gamma" in accepted:  # the vr-* optimizers
         options.update(declared(plan, "vrgd.", VRGD.CONFIG))

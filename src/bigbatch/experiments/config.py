@@ -350,8 +350,8 @@ class MachineKeys:
         "skip_limit",
         0.25,
         "the largest share of optimizer steps a run may skip for a non-finite gradient "
-        "or loss; past it (after 20 steps) the run checkpoints and stops with exit code 3 "
-        "(1: never)",
+        "or loss (under fp16, the GradScaler's overflows too); past it (after 20 steps) "
+        "the run checkpoints and stops with exit code 3 (1: never)",
         low=0,
         high=1,
     )

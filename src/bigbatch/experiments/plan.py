@@ -95,7 +95,7 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     config = with_recipe(config, origins)
     _check_task_keys(config, task)
     if config["asynchronous"]:
-        _check_asynchronous(config)
+        _asynchronous_impl(config, origins)
     for key, value in (
         ("model.width", task.width),
         ("model.depth", task.depth),
@@ -298,8 +298,8 @@ def with_recipe(config: dict[str, Any], origins: dict[str, str] | None = None) -
     return config
 
 
-def _check_asynchronous(config: Mapping[str, Any]) -> None:
-    """``ConfigError`` unless the run's optimizer can skip a step on the device (fused)."""
+def _asynchronous_impl(config: dict[str, Any], origins: dict[str, str]) -> None:
+    """``ConfigError`` unless the optimizer can skip a step on the device; then built fused."""
     name = config["optimizer"]
     accepted = get_optimizer_info(name).signature().parameters
     # torch's fused optimizers take found_inf; a vr-* one (its gamma) reads each step first
@@ -309,6 +309,9 @@ def _check_asynchronous(config: Mapping[str, Any]) -> None:
             f"{' under AGVM' if config['agvm.enabled'] else ''} cannot: use optimizer = 'adamw' or "
             "'sgd' (built fused), or asynchronous = false"
         )
+    if config["optimizer_impl"] != "fused":
+        config["optimizer_impl"] = "fused"
+        origins["optimizer_impl"] = "asynchronous = true: a fused step skips a non-finite one"
 
 
 def run_facts(config: Mapping[str, Any]) -> dict[str, Any]:

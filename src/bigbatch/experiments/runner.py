@@ -338,7 +338,8 @@ class _Run:
             return Stopped(signum, loop.steps_taken, str(self.out))
         steps, skipped = loop.steps_taken, loop.skipped_steps  # identical on every rank
         if limit < 1 and steps >= SKIP_GRACE_STEPS and skipped > limit * steps:
-            return TooManySkippedError(skipped, steps, limit)
+            self.record(loop.flush(), {})  # asynchronous: the last step's late reading too
+            return TooManySkippedError(loop.skipped_steps, loop.steps_taken, limit)
         return None
 
     def checkpoint(self) -> None:

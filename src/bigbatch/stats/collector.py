@@ -203,6 +203,8 @@ class MicroBatchStatistics:
             self._unread = None
             read = into.split(floats)
             scale_sq = read["scale"][0] ** 2 if "scale" in read else host_scale**2
+            # a scaler that overflowed every step halves its scale to 0: nothing is measured
+            scale_sq = scale_sq or math.nan
             stats = _estimate(self, read, scale_sq, small, batches)
             stats.gsnr, stats.loss = gsnr, stats.loss if loss is not None else None
             return stats
