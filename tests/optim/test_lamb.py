@@ -64,3 +64,26 @@ def test_no_adaptation_without_weight_decay_is_adam():
         lamb.step()
         adam.step()
     assert rel_err(a.detach(), b.detach()) < 1e-5
+
+
+def test_float64_parameters_are_clipped_by_a_float64_norm():
+    """The global norm is accumulated in float64 for float64 parameters, as the per-tensor
+    norms are: timm's Lamb in float64 to float64's tolerance, the clip acting."""
+    timm_lamb = load("lamb").Lamb
+    reference_model = make_model().double()
+    options = {"lr": 0.02}
+    expected = train(
+        reference_model,
+        for_loop(timm_lamb, split_groups(reference_model, 0.05), **options),
+        loss_scale=30.0,
+    )
+    model = make_model().double()
+    norms = []
+    got = train(
+        model,
+        LAMB(split_groups(model, 0.05), impl="foreach", **options),
+        loss_scale=30.0,
+        before_step=lambda i: norms.append(global_grad_norm([p.grad for p in model.parameters()])),
+    )
+    assert min(norms) > 1.0
+    assert rel_err(got, expected) < 1e-13

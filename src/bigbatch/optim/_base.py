@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .._checks import check_number, choice
-from .._tensors import norms
+from .._tensors import norm_dtype, norms
 from .._warn import warn_at_caller
 from ._shards import local, shards_of
 
@@ -65,18 +65,19 @@ def check_adam_group(group: dict[str, Any]) -> None:
 
 
 def global_grad_norm(grads: Sequence[Tensor]) -> Tensor:
-    """The L2 norm of all ``grads``, a float32 tensor on the first grad's device, with no
-    host sync; on FSDP2 shards summed over the ranks."""
+    """The L2 norm of all ``grads`` in float32 (float64 if any is), on the first grad's
+    device, with no host sync; on FSDP2 shards summed over the ranks."""
     shards = shards_of(grads)
     if shards is not None:
         (norm,) = shards.norms(global_grad_norm([local(g) for g in grads]).reshape(1))
         return norm[0]
     first = grads[0].device
+    wide = max((norm_dtype(g) for g in grads), key=lambda d: d.itemsize)
     by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
     for g in grads:
         by_device[g.device].append(g)
     per_device = [
-        torch.linalg.vector_norm(torch.stack([n.float() for n in norms(gs)])).to(first)
+        torch.linalg.vector_norm(torch.stack([n.to(wide) for n in norms(gs)])).to(first)
         for gs in by_device.values()
     ]
     return torch.linalg.vector_norm(torch.stack(per_device))
