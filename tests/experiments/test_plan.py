@@ -30,6 +30,10 @@ def test_a_shared_key_whose_owners_differ_takes_the_chosen_controllers_own_defau
     constant = plan_run({"batch.controller": "constant"})
     assert constant["batch.initial"] == constant["batch.base"] == 8
     assert constant["batch.min"] == 8  # a key it does not take: held to the default's
+    assert constant.origins["batch.noise_multiple"] == (
+        "the batch_warmup controller's default (constant does not read it)"
+    )
+    assert warmup.origins["batch.noise_multiple"] == "the batch_warmup controller's default"
     chosen = plan_run({"batch.controller": "critical_ramp", "batch.noise_multiple": 3})
     assert make_controller(chosen).multiple == 3.0
 

@@ -390,9 +390,11 @@ def fill_controller_defaults(config: dict[str, Any], origins: dict[str, str] | N
         if key.owners is not None and config[key.name] == key.default:
             # a controller that takes no such key (a constant batch has no minimum) gets
             # the first owner's value, as component_keys gives one without a default
-            config[key.name] = key.owners.get(kind, next(iter(key.owners.values())))
+            owner = kind if kind in key.owners else next(iter(key.owners))
+            config[key.name] = key.owners[owner]
             if config[key.name] != key.default:
-                origins[key.name] = f"the {kind} controller's default"
+                unread = "" if owner == kind else f" ({kind} does not read it)"
+                origins[key.name] = f"the {owner} controller's default{unread}"
     _move_default_bounds(config, origins, own_first, left)
 
 
