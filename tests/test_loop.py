@@ -549,3 +549,16 @@ def test_a_scale_fallen_to_zero_is_a_skipped_step_not_a_division_by_zero(control
     model, loop = make_run(controller=chosen, scaler=scaler, nonfinite="raise", **options)
     with pytest.raises(bb.NonFiniteError, match="the GradScaler scale fell to 0"):
         train_with_losses(loop, model, [1.0])
+
+
+def test_a_scaled_gradient_too_large_for_a_float32_norm_is_skipped_and_the_scale_lowered():
+    """Finite elements whose norm overflows float32 (a scale grown for long, e.g. under bf16):
+    the statistics cannot be taken, so the step is skipped as an overflow, and the scale is
+    lowered as the scaler would (it would find no infinite element and step at the base rate)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**80, growth_interval=3)
+    model, loop = make_run(controller=bb.batch.Constant(16), scaler=scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+    rows = train_with_losses(loop, model, [1.0])
+    assert rows[0]["skipped"] == 1.0 and loop.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.state_dict()["scale"] == 2.0**79 and scaler.state_dict()["_growth_tracker"] == 0

@@ -211,10 +211,10 @@ class StepEngine:
             return self._step_asynchronously(reading)
         read = reading.resolve()
         if not read.finite:
-            overflowed = self._refuse(read)
+            if self._refuse(read):
+                _back_off(self.scaler)
             self._count(read.batch, read.metrics)
-            # an overflow is the scaler's to skip: its step records it and lowers the scale
-            return StepResult(read.stats, self._drop(read), skip=not overflowed)
+            return StepResult(read.stats, self._drop(read), skip=True)
         self._learn_averages(read)
         self._set_rate(read.batch, read.metrics)
         self._decide(read)
@@ -256,9 +256,9 @@ class StepEngine:
 
     def _refuse(self, read: _Read) -> bool:
         """Raise under ``nonfinite="raise"`` unless it is a ``GradScaler``'s overflow; which."""
-        # an overflow (the loss finite, the scaled gradient not) is the scaler's routine: it
-        # skips the step and lowers its scale. A scale halved to 0 (overflow after overflow)
-        # measures nothing and is refused. The scale is read only here, on a rare step.
+        # an overflow (the loss finite, the scaled gradient's norm not) is the scaler's
+        # routine: the step skipped, the scale lowered. A scale halved to 0 (overflow after
+        # overflow) measures nothing and is refused. The scale is read only here (rare).
         collapsed = self.scaler is not None and self.scaler.get_scale() == 0
         overflowed = (
             self.scaler is not None
@@ -392,6 +392,15 @@ def _within_bounds(controller: Controller, saved: int) -> int:
             f"[{low}, {high}]: resuming at {batch}"
         )
     return batch
+
+
+def _back_off(scaler: torch.amp.GradScaler) -> None:
+    """What a ``GradScaler`` does at an overflow, its step skipped here: the scale times its
+    back-off factor, the count towards growth restarted. Here, not by its step: a scaled
+    gradient whose float32 norm overflows may have no infinite element for it to find."""
+    state = scaler.state_dict()
+    state.update(scale=state["scale"] * state["backoff_factor"], _growth_tracker=0)
+    scaler.load_state_dict(state)
 
 
 def _schedule_factor(schedule: Any, samples: int) -> float:
