@@ -395,9 +395,9 @@ def _within_bounds(controller: Controller, saved: int) -> int:
 
 
 def _back_off(scaler: torch.amp.GradScaler) -> None:
-    """What a ``GradScaler`` does at an overflow, its step skipped here: the scale times its
-    back-off factor, the count towards growth restarted. Here, not by its step: a scaled
-    gradient whose float32 norm overflows may have no infinite element for it to find."""
+    """What a ``GradScaler``'s step does at an overflow: the scale backed off, growth reset."""
+    # here, not by its step: a scaled gradient whose float32 norm overflows may have no
+    # infinite element for the scaler to find (it would step, at the base rate)
     state = scaler.state_dict()
     state.update(scale=state["scale"] * state["backoff_factor"], _growth_tracker=0)
     scaler.load_state_dict(state)

@@ -25,6 +25,21 @@ def test_trainable_parameters_keep_their_groups():
     assert layout.hooked == layout.params
 
 
+def test_a_parameter_that_starts_to_train_later_is_refused_not_left_out():
+    """Unfreezing, or ``add_param_group``: the statistics, and a measured step's finiteness
+    check, would leave the new parameters out (a NaN in them reached the model)."""
+    layout, (_, _, frozen, _) = make_layout()
+    layout.check_unchanged()
+    frozen.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"1 frozen parameter\(s\) now require grad"):
+        layout.check_unchanged()
+    optimizer = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    layout = ParamLayout(optimizer.param_groups)
+    optimizer.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+    with pytest.raises(RuntimeError, match="a param group was added to the optimizer"):
+        layout.check_unchanged()
+
+
 def test_per_group_sums_in_float64():
     layout, _ = make_layout()
     values = [torch.tensor(1.5), torch.tensor(2.0), torch.tensor(-3.0)]

@@ -20,14 +20,10 @@ def mean_std(values: Iterable[float | None]) -> tuple[float, float]:
 def fit_critical_batch(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """``(S_min, B_crit)`` of ``steps ≈ S_min · (1 + B_crit / B)`` through ``(batch, steps)``.
 
-    The steps–batch trade-off of McCandlish et al. 2018 ("An Empirical Model of
-    Large-Batch Training", eq. 2.11): below the critical batch ``B_crit``
-    doubling the batch nearly halves the steps to a target; above it the steps
-    approach their floor ``S_min``, and at ``B_crit`` they are twice the floor.
-    The model is linear in ``1/B``; the fit minimises relative errors (steps
-    span orders of magnitude), so each batch weighs alike. ``B_crit`` is
-    ``inf`` when the steps still halve across the whole range (no floor seen)
-    and 0 when they do not fall with the batch at all.
+    McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", eq. 2.11): at
+    ``B_crit`` the steps to a target are twice their floor ``S_min``. Linear in ``1/B``,
+    fitted on relative errors (each batch weighs alike); ``B_crit`` is ``inf`` where the
+    steps halve across the whole range, 0 where they do not fall with the batch.
     """
     if len(points) < 2:
         raise ValueError(f"a critical batch needs steps at two batch sizes at least, got {points}")

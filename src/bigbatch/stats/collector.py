@@ -146,6 +146,7 @@ class MicroBatchStatistics:
     ) -> None:
         """Start a step of micro-batches of these sizes (``rank_sizes``: every rank's);
         ``loss_weights``: this rank's loss factors (default ``W b_i / B``)."""
+        self.layout.check_unchanged()
         batches = _sub_batches(
             sizes, rank_sizes, loss_weights, self.world, self.per_example is not None
         )

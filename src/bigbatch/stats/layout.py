@@ -25,6 +25,7 @@ class ParamLayout:
         param_groups: Sequence[Sequence[Tensor] | dict],
         sources: dict[int, Tensor] | None = None,
     ) -> None:
+        given = param_groups  # an optimizer's own list grows with ``add_param_group``
         param_groups = [param_groups] if isinstance(param_groups, Tensor) else list(param_groups)
         if any(isinstance(g, Tensor) for g in param_groups):
             # a flat list of parameters: each would be read as a group of its rows, views
@@ -35,6 +36,10 @@ class ParamLayout:
             )
         groups = [list(g["params"]) if isinstance(g, dict) else list(g) for g in param_groups]
         self.params = [p for g in groups for p in g if p.requires_grad]
+        # what may start to train later, unwatched: a frozen parameter, a group added to the
+        # optimizer's live list (``add_param_group``)
+        self._frozen = [p for g in groups for p in g if not p.requires_grad]
+        self._live = given if isinstance(given, list) else None
         #: the tensors whose gradients are each backward's increments (hooks go here)
         self.hooked = [sources.get(id(p), p) for p in self.params] if sources else self.params
         if not self.params:
@@ -45,6 +50,22 @@ class ParamLayout:
         self._owner_list = [i for i, g in enumerate(groups) for p in g if p.requires_grad]
         self.owner = torch.tensor(self._owner_list, device=self.device)
         self._subsets: dict[tuple[int, ...], Tensor] = {}
+
+    def check_unchanged(self) -> None:
+        """``RuntimeError`` where a parameter not watched now trains (the statistics and a
+        measured step's finiteness check would leave it out)."""
+        thawed = [p for p in self._frozen if p.requires_grad]
+        if thawed or (self._live is not None and len(self._live) != self.num_groups):
+            what = (
+                f"{len(thawed)} frozen parameter(s) now require grad"
+                if thawed
+                else "a param group was added to the optimizer"
+            )
+            raise RuntimeError(
+                f"the trainable parameters changed after the statistics were built ({what}): "
+                "they would leave the new ones out; build a new loop after changing what "
+                "trains (or statistics=False)"
+            )
 
     @property
     def owner_list(self) -> list[int]:
