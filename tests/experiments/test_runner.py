@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from bigbatch.experiments import runner
-from bigbatch.experiments.config import resolve
+from bigbatch.experiments.config import ConfigError, resolve
 
 from .test_cli import rows
 
@@ -21,9 +21,10 @@ CONFIG = {
 }
 
 
-def _without_evaluation(run):
-    """The rows without their evaluation (a pause evaluates where the plain run need not)."""
-    return [{k: v for k, v in r.items() if not k.startswith("eval_")} for r in rows(run)]
+def _summary(run):
+    """A run's summary without what differs between two runs of one config."""
+    summary = json.loads((run / "summary.json").read_text())
+    return {k: v for k, v in summary.items() if k not in ("wall_seconds", "run_dir")}
 
 
 def test_a_run_paused_twice_and_resumed_ends_like_one_never_paused(tmp_path):
@@ -40,11 +41,37 @@ def test_a_run_paused_twice_and_resumed_ends_like_one_never_paused(tmp_path):
     done = runner.train(resolve(CONFIG), run, resume=True, quiet=True, until=None)
     assert done["final_accuracy"] == straight["final_accuracy"]
     assert done["steps"] == straight["steps"]
-    assert _without_evaluation(run) == _without_evaluation(tmp_path / "straight")
+    # a pause evaluates for its own return, not into the rows: they and the summary are
+    # the run's never paused
+    assert rows(run) == rows(tmp_path / "straight")
+    assert _summary(run) == _summary(tmp_path / "straight")
     a = torch.load(run / "checkpoint.pt", weights_only=True)["loop"]["model"]
     b = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["loop"]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((run / "summary.json").read_text())["samples"] == straight["samples"]
+
+
+def test_a_pause_never_ends_a_run_at_its_target(tmp_path):
+    """``stop_at_target`` checks the evaluations the run schedules, not a pause's own."""
+    config = {
+        **CONFIG, "stop_at_target": True, "eval_every": 50, "max_samples": 60000,
+        "batch.initial": 32,
+    }  # fmt: skip
+    straight = runner.train(resolve(config), tmp_path / "straight", quiet=True)
+    paused = runner.train(resolve(config), tmp_path / "paused", quiet=True, until=19584)
+    assert paused["paused"] and paused["samples"] < straight["samples"]
+    done = runner.train(resolve(config), tmp_path / "paused", resume=True, quiet=True)
+    assert (done["steps"], done["steps_to_target"]) == (
+        straight["steps"],
+        straight["steps_to_target"],
+    )
+
+
+def test_a_resume_under_another_config_is_refused_in_one_line(tmp_path):
+    runner.train(resolve(CONFIG), tmp_path / "r", quiet=True, until=1000)
+    with pytest.raises(ConfigError, match=r"trained lr = .*, the config to resume it with"):
+        runner.train(resolve({**CONFIG, "lr": 0.5}), tmp_path / "r", resume=True, quiet=True)
+    runner.train(resolve({**CONFIG, "threads": 2}), tmp_path / "r", resume=True, quiet=True)
 
 
 def test_until_at_or_past_the_budget_trains_the_whole_run(tmp_path):
@@ -98,7 +125,7 @@ def test_an_asynchronous_run_paused_and_resumed_ends_like_one_never_paused(tmp_p
     assert (
         done["steps"] == straight["steps"] and done["final_accuracy"] == straight["final_accuracy"]
     )
-    assert _without_evaluation(run) == _without_evaluation(tmp_path / "straight")
+    assert rows(run) == rows(tmp_path / "straight")
     batches = {r["batch_size"] for r in rows(run)}
     assert len(batches) > 1, "the batch must have grown"
 

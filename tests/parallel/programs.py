@@ -303,6 +303,7 @@ def resume_same_world(steps: int, at: int, fsdp: bool = False, optimizer: str = 
         "again": again,
         "straight": straight,
         "resumed": flat_params(resumed),
+        "traffic": [loop.collector.traffic(), resumed.collector.traffic()],
     }
 
 
@@ -542,6 +543,7 @@ def compressed_resume(method: str, steps: int, at: int, compressor: str = "topk"
         "again": again["loss"],
         "straight": flat_params(loop),
         "resumed": flat_params(resumed),
+        "traffic": [loop.comm_hook[0].traffic(), resumed.comm_hook[0].traffic()],
     }
 
 

@@ -91,3 +91,5 @@ def test_a_resumed_compressed_run_continues_exactly(cluster2):
         result = cluster2.run(programs.compressed_resume, method, 20, 8, compressor)[0]
         assert result["again"] == result["rest"]
         assert torch.equal(result["resumed"], result["straight"])
+        # the bytes per step over the whole run (its counters resumed with it)
+        assert result["traffic"][0] == result["traffic"][1]

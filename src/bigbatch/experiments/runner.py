@@ -195,7 +195,7 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
     if run.evaluates and problem.evaluate_train is not None:
         train_evaluation = problem.evaluate_train(problem.model)
     if writer:
-        traffic = traffic_per_step(loop, loop.steps_taken - first_step)
+        traffic = traffic_per_step(loop)
         summary = _write_summary(run, traffic, train_evaluation, ended=run.ended)
     # the other ranks wait for the summary so no rank returns before the run is complete
     return world.broadcast_object(summary if writer else None)
@@ -248,6 +248,7 @@ class _Run:
             check_room(out, CHECKPOINTS_OF_ROOM * checkpoint_bytes(loop))
         if resume:
             checkpoint, source = load_checkpoint(out / CHECKPOINT)
+            _check_trained_config(checkpoint, self.plan, source)
             self.keep_previous = source == out / CHECKPOINT
             loop.load_state_dict(checkpoint["loop"])
             self.state.update(checkpoint["run"])
@@ -263,12 +264,13 @@ class _Run:
                 # the base run's last step, read but not decided on (asynchronous), is its own
                 branched["engine"]["pending"] = None
                 loop.load_state_dict(branched)
+            # a run is resumable from its first moment: a kill before the first periodic
+            # checkpoint must not leave a directory that neither resumes nor can be reused
+            # (one killed while its first checkpoint is written holds a staged file alone)
+            self.checkpoint()
             if self.writer:  # the directory was made and locked by _claim (or the launcher)
                 (out / "config.toml").write_text(to_toml(self.plan))
                 metrics.write_text("")
-            # a run is resumable from its first moment: a kill before the first periodic
-            # checkpoint must not leave a directory that neither resumes nor can be reused
-            self.checkpoint()
         self.start = time.perf_counter() - self.state["wall_seconds"]
 
     def after_step(self, step: Any) -> str | None:
@@ -279,10 +281,11 @@ class _Run:
         last = loop.samples >= keys.max_samples
         pause = self.pause_at is not None and loop.samples >= self.pause_at
         before = (loop.samples - step.batch_size, loop.steps_taken - 1)
-        due = self._tick(self.eval_every, before) or loop.steps_taken == 1 or pause
-        if self.evaluates and (due or last):
+        due = self._tick(self.eval_every, before) or loop.steps_taken == 1
+        if self.evaluates and (due or last or pause):
             self.evaluation = self.problem.evaluate(self.problem.model)
-            own.update(self.evaluation)
+            if due or last:  # a pause's own evaluation is returned, not logged: the run's
+                own.update(self.evaluation)  # rows and summary are a run's never paused
         if not last and keys.stop_at_target and due:  # rank 0's evaluation, on every rank
             last = self.world.broadcast_object(self.writer and self.task.reached(self.evaluation))
             if last:  # kept in the checkpoint: a resumed run that ended here trains no further
@@ -347,8 +350,22 @@ class _Run:
         if self.writer:
             if self.log is not None:
                 self.log.flush()  # the metrics the checkpoint counts are on disk before it
-            run = {"loop": loop_state, "run": dict(self.state)}
+            run = {"loop": loop_state, "run": dict(self.state), "config": dict(self.plan)}
             save_atomically(run, self.out / CHECKPOINT, self.keep_previous)
+
+
+def _check_trained_config(checkpoint: dict[str, Any], plan: RunPlan, source: Path) -> None:
+    """A one-line :class:`ConfigError` unless ``plan`` is the config ``checkpoint`` trained:
+    a resume under another (an edited config.toml, another config given) trains neither."""
+    trained = checkpoint.get("config")
+    if not isinstance(trained, dict):
+        raise ConfigError(f"{str(source)!r} was written by an earlier bigbatch: train it anew")
+    for key in sorted(plan.keys() - REUSE_IGNORES):
+        if trained.get(key) != plan[key]:
+            raise ConfigError(
+                f"{str(source)!r} trained {key} = {trained.get(key)!r}, the config to resume "
+                f"it with says {plan[key]!r}: a resumed run keeps its config"
+            )
 
 
 def _leave_summary(run: _Run, err: BaseException) -> None:

@@ -76,7 +76,7 @@ def target_summary(task: Task, evals: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def traffic_per_step(loop: AdaptiveBatch, steps: int) -> dict[str, float]:
+def traffic_per_step(loop: AdaptiveBatch) -> dict[str, float]:
     """Bytes each rank put into all-reduces per step: gradients, and what statistics added."""
     if not loop.world.distributed:
         return {}
@@ -86,5 +86,5 @@ def traffic_per_step(loop: AdaptiveBatch, steps: int) -> dict[str, float]:
     if isinstance(hook_state, CompressionState):
         out.update(hook_state.traffic())
     if loop.collector is not None:
-        out["statistics_bytes_per_step"] = loop.collector.traffic() / max(1, steps)
+        out["statistics_bytes_per_step"] = loop.collector.traffic() / max(1, loop.steps_taken)
     return out

@@ -121,7 +121,7 @@ class CompressionState:
         #: bytes this rank put into collectives, and what plain all-reduce would have
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
-        self._steps_counted = 0  # steps behind the byte counters (this process only)
+        self._steps_counted = 0  # steps behind the byte counters (saved with them)
 
     @property
     def lossless(self) -> bool:
@@ -283,6 +283,7 @@ class CompressionState:
             "iteration": self.iteration,
             "state": {k: {n: t.cpu() for n, t in v.items()} for k, v in self._state.items()},
             "shared": {k: t.cpu() for k, t in self._shared.items()},
+            "traffic": [self.bytes_sent, self.bytes_uncompressed, self._steps_counted],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -293,6 +294,7 @@ class CompressionState:
             int(k): {n: t.to(device) for n, t in v.items()} for k, v in state["state"].items()
         }
         self._shared = {int(k): t.to(device) for k, t in state["shared"].items()}
+        self.bytes_sent, self.bytes_uncompressed, self._steps_counted = map(int, state["traffic"])
 
 
 # unannotated: DDP checks a hook's annotations by identity, which string annotations fail

@@ -103,6 +103,7 @@ class MicroBatchStatistics:
         )
         self.gsnr_part = _gsnr_part(self.layout, current, self.world) if gsnr else None
         self.averages = NoiseAverages(ema_beta)
+        self._traffic_before = 0  # bytes counted before a resume (the parts count since)
         #: the per-example norms, where they replace the micro-batches'
         self.per_example = (
             PerExampleNorms(per_example, self.layout, per_example_units, dataset_size)
@@ -220,7 +221,7 @@ class MicroBatchStatistics:
     def traffic(self) -> int:
         """Bytes the statistics added to the ranks' collectives so far (0 on one process)."""
         parts = (self.noise, self.halves, self.gsnr_part)
-        return sum(p.traffic() for p in parts if p is not None)
+        return self._traffic_before + sum(p.traffic() for p in parts if p is not None)
 
     def memory(self) -> int:
         """Bytes of the gradient-sized buffers the statistics keep (0 in scalar mode)."""
@@ -235,12 +236,16 @@ class MicroBatchStatistics:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, object]:
-        return self.averages.state_dict()
+        return {**self.averages.state_dict(), "traffic": self.traffic()}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         # a step under way, or one not yet read, is abandoned: it must not join the averages
         self._batches = self._unread = None
         self.averages.load_state_dict(state)
+        parts = (self.noise, self.halves, self.gsnr_part)
+        self._traffic_before = int(state["traffic"]) - sum(  # type: ignore[call-overload]
+            p.traffic() for p in parts if p is not None
+        )
 
 
 def _estimate(
