@@ -246,6 +246,13 @@ API_CASES = [
         "dataset must be a map-style dataset (with __getitem__ and __len__) or an Iterable",
     ),
     (lambda: loop(weight_fn=3), TypeError, "weight_fn must be a function"),
+    (  # a torch error from deep in a norm at the first step (review, 2026-11-30)
+        lambda: (lambda net: bb.AdaptiveBatch(net, torch.optim.SGD(net.parameters()), data()))(
+            nn.Sequential(nn.Embedding(4, 3, sparse=True))
+        ),
+        ValueError,
+        "module '0' (Embedding) makes sparse gradients",
+    ),
     (lambda: loop(seed="0"), ValueError, "seed must be a whole number, got '0'"),
     (lambda: loop(seed=2**40), ValueError, "seed must be a whole number in [0, 4294967295]"),
     (lambda: loop(shuffle="no"), ValueError, "shuffle must be true or false, got 'no'"),

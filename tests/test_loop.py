@@ -562,3 +562,26 @@ def test_a_scaled_gradient_too_large_for_a_float32_norm_is_skipped_and_the_scale
     assert rows[0]["skipped"] == 1.0 and loop.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert scaler.state_dict()["scale"] == 2.0**79 and scaler.state_dict()["_growth_tracker"] == 0
+
+
+def test_a_step_left_before_apply_adds_nothing_to_the_next():
+    """A ``break`` between backward and apply (a time limit, say): the next ``steps()``
+    starts from no gradient, as a plain loop's ``zero_grad`` would."""
+    model, loop = make_run(controller=bb.batch.Constant(16))
+    for step in loop.steps(max_steps=5):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        break
+    reference = copy.deepcopy(model)
+    steps = loop.steps(max_steps=1)
+    step = next(steps)
+    for x, y in step.micro_batches():
+        step.backward(nn.functional.cross_entropy(model(x), y))
+    grads = [p.grad.clone() for p in model.parameters()]
+    x, y = make_data().tensors
+    rows = [i for part in step.indices for i in part]
+    nn.functional.cross_entropy(reference(x[rows]), y[rows]).backward()
+    expected = [p.grad for p in reference.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, expected, strict=True))
+    step.apply()
+    assert next(steps, None) is None and loop.steps_taken == 1

@@ -102,6 +102,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         world = framework.world
     else:
         world = World.of(model) if model is not None else World()
+    _refuse_sparse_gradients(model)
     controller = resolve_controller(controller, first_batch)
     wrapped = isinstance(optimizer, StatisticsWrapper)
     gsnr = options.gsnr or (wrapped and "gsnr" in optimizer.requirements())
@@ -428,3 +429,13 @@ def _check_sub_batches(
             f"min_sub_batches × ranks ({sub_batches} × {world.size}): "
             "every sub-batch needs a sample"
         )
+
+
+def _refuse_sparse_gradients(model: nn.Module | None) -> None:
+    """A ``ValueError`` naming a module of sparse gradients (the checks take dense norms)."""
+    for name, module in model.named_modules() if model is not None else ():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"module {name or 'the model'!r} ({type(module).__name__}) makes sparse gradients, "
+                "which the loop cannot check or measure: build it with sparse=False"
+            )

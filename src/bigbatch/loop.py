@@ -189,6 +189,7 @@ class AdaptiveBatch:
         )
         self.world = self.engine.world
         self.min_sub_batches = self.engine.sub_batches
+        self._left: Step | None = None  # the last step yielded
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
 
@@ -246,7 +247,11 @@ class AdaptiveBatch:
         while (max_samples is None or self.samples < max_samples) and (
             max_steps is None or self.steps_taken < max_steps
         ):
-            step = Step(self, self._plan(self.batch_size))
+            if self._left is not None and not self._left._applied:
+                # a step left unapplied (a break before apply()): its gradient is dropped,
+                # or the next step would add to it
+                self.optimizer.zero_grad(set_to_none=True)
+            step = self._left = Step(self, self._plan(self.batch_size))
             self.engine.begin(step.plan)
             yield step
             if not step._applied:

@@ -74,3 +74,13 @@ def test_a_fixed_count_with_weights_places_boundaries_by_weight():
 
     plan = plan_step(list(range(6)), count=2, weight_fn=lambda i: 10 if i == 0 else 1)
     assert plan.rank_sizes == ((10, 5),) and plan.micro_batches == ((0,), (1, 2, 3, 4, 5))
+
+
+def test_a_heavy_draw_of_fewer_samples_than_sub_batches_is_split_as_far_as_it_goes():
+    """A batch counted in weight may draw fewer samples than ``min_sub_batches``: each
+    sample its own micro-batch (it raised, naming an option the user never set)."""
+    from bigbatch.batch import plan_step
+
+    plan = plan_step([0, 1, 2], min_sub_batches=4, weight_fn=lambda i: 11)
+    assert plan.rank_sizes == ((11, 11, 11),) and plan.micro_batches == ((0,), (1,), (2,))
+    assert plan_step([7], min_sub_batches=4, weight_fn=lambda i: 50).rank_sizes == ((50,),)

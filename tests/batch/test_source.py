@@ -39,6 +39,17 @@ def test_iterable_source_restarts_a_finite_stream_and_skips_on_resume():
     assert [b.tolist() for b in resumed.load([[0, 1]])] == [[2.0, 3.0]]
 
 
+def test_an_iterable_that_yields_nothing_is_one_error_naming_it():
+    import pytest
+
+    class Empty(IterableDataset):
+        def __iter__(self):
+            return iter([])
+
+    with pytest.raises(ValueError, match="the iterable dataset Empty yielded no samples"):
+        IterableSource(Empty()).draw(4)
+
+
 def test_make_source_picks_by_kind_and_refuses_weights_on_a_stream():
     import pytest
 

@@ -100,8 +100,10 @@ def plan_step(
                 )
             )
             if weights is None
-            else len(
-                split_by_weight(w, max_micro_batch=max_micro_batch, min_sub_batches=min_sub_batches)
+            else len(  # a heavy draw may hold fewer samples than sub-batches wanted
+                split_by_weight(
+                    w, max_micro_batch=max_micro_batch, min_sub_batches=min(min_sub_batches, len(w))
+                )
             )
             for s, w in zip(shards, weights or shards)
         )

@@ -17,6 +17,9 @@ from .sampler import VariableBatchSampler
 
 __all__ = ["IterableSource", "MapSource", "make_source"]
 
+#: what ``next`` gives an iterable that yields nothing
+_NOTHING = object()
+
 
 class MapSource:
     """A map-style dataset: every sample once per epoch, exact resume.
@@ -155,7 +158,13 @@ class IterableSource:
             except StopIteration:  # a finite iterable: start it again
                 self._iterator = iter(self.dataset)
                 self._consumed = 0
-                samples.append(next(self._iterator))
+                first = next(self._iterator, _NOTHING)
+                if first is _NOTHING:
+                    raise ValueError(
+                        f"the iterable dataset {type(self.dataset).__name__} yielded no "
+                        "samples (started again after it ran out): nothing to train on"
+                    ) from None
+                samples.append(first)
             self._consumed += 1  # since the iterable (last) started
         self._drawn = samples
         return list(range(len(samples)))

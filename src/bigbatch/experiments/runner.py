@@ -355,8 +355,8 @@ class _Run:
 
 
 def _check_trained_config(checkpoint: dict[str, Any], plan: RunPlan, source: Path) -> None:
-    """A one-line :class:`ConfigError` unless ``plan`` is the config ``checkpoint`` trained:
-    a resume under another (an edited config.toml, another config given) trains neither."""
+    """A one-line :class:`ConfigError` unless ``plan`` is the config ``checkpoint`` trained."""
+    # a resume under another (an edited config.toml, another config given) trains neither
     trained = checkpoint.get("config")
     if not isinstance(trained, dict):
         raise ConfigError(f"{str(source)!r} was written by an earlier bigbatch: train it anew")

@@ -41,11 +41,8 @@ def finished_summary(run_dir: Path) -> dict[str, Any] | None:
 
 
 def batch_path_ratio(batches: list[int]) -> float | None:
-    """``Σ |Δ log B| / |log(B_last / B_first)|``: 1.0 for a monotone path (or a constant batch).
-
-    The sawtooth of a cycling controller makes it large; None when the batch
-    moved but ended where it began (no monotone path to compare with).
-    """
+    """``Σ |Δ log B| / |log(B_last / B_first)|``: 1.0 for a monotone path (or a constant
+    batch), large for a sawtooth; None when the batch moved but ended where it began."""
     travelled = sum(abs(math.log(b / a)) for a, b in itertools.pairwise(batches))
     if travelled == 0:
         return 1.0

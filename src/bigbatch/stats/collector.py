@@ -348,7 +348,8 @@ def _sub_batches(
     elif sum(len(r) for r in every) < 2:
         raise ValueError(
             f"statistics need at least 2 sub-batches (at least 2 micro-batches on one "
-            f"process), got sizes {every}"
+            f"process), got sizes {every} (a batch counted in weight holds one sample "
+            "where that sample outweighs it)"
         )
     total = sum(sum(r) for r in every)
     if loss_weights is None:
