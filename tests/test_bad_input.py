@@ -246,6 +246,7 @@ API_CASES = [
         "dataset must be a map-style dataset (with __getitem__ and __len__) or an Iterable",
     ),
     (lambda: loop(weight_fn=3), TypeError, "weight_fn must be a function"),
+    (lambda: loop(scaler="x"), TypeError, "scaler must be a torch.amp.GradScaler or None, got"),
     (  # a torch error from deep in a norm at the first step (review, 2026-11-30)
         lambda: (lambda net: bb.AdaptiveBatch(net, torch.optim.SGD(net.parameters()), data()))(
             nn.Sequential(nn.Embedding(4, 3, sparse=True))

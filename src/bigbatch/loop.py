@@ -167,6 +167,8 @@ class AdaptiveBatch:
             raise TypeError(f"model must be a torch.nn.Module, got {model!r}")
         if self.checks_optimizer:
             _check_optimizer_trains(model, optimizer)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.max_micro_batch = positive_int("max_micro_batch", max_micro_batch)
         self.min_sub_batches = (
