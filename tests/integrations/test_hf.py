@@ -16,17 +16,19 @@ from ._data import Teacher  # noqa: E402
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, dropout=0.0):
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.net = nn.Sequential(
+            nn.Linear(16, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, 4)
+        )
 
     def forward(self, x, labels=None):
         logits = self.net(x)
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
-def make_trainer(tmp_path, sampler, controller, statistics=None, **args):
+def make_trainer(tmp_path, sampler, controller, statistics=None, dropout=0.0, **args):
     settings = dict(
         output_dir=str(tmp_path),
         gradient_accumulation_steps=sampler.micro_batches,
@@ -44,7 +46,7 @@ def make_trainer(tmp_path, sampler, controller, statistics=None, **args):
     )
     arguments = transformers.TrainingArguments(**{**settings, **args})
     return AdaptiveBatchTrainer(
-        model=Net(),
+        model=Net(dropout),
         args=arguments,
         train_dataset=Teacher(),
         sampler=sampler,
@@ -103,7 +105,9 @@ def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
     def run(resume=None):
         sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=4, max_samples=8000)
         controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=512, window=3)
-        trainer = make_trainer(tmp_path, sampler, controller, save_strategy="steps", save_steps=10)
+        trainer = make_trainer(
+            tmp_path, sampler, controller, save_strategy="steps", save_steps=10, dropout=0.2
+        )  # dropout: the random state resumes too
         return train(trainer, resume_from_checkpoint=resume)
 
     straight = run()

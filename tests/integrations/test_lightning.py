@@ -20,15 +20,15 @@ def teacher_data(n=4096, seed=0):
     return TensorDataset(x, (x @ torch.randn(16, 4, generator=gen)).argmax(1))
 
 
-def make_model():
+def make_model(dropout=0.0):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, 4))
 
 
 class Module(pl.LightningModule):
-    def __init__(self, lr=0.2):
+    def __init__(self, lr=0.2, dropout=0.0):
         super().__init__()
-        self.net = make_model()
+        self.net = make_model(dropout)
         self.lr = lr
 
     def training_step(self, batch, batch_idx):
@@ -39,7 +39,10 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.net.parameters(), lr=self.lr)
 
 
-def fit(callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None, logger=False):
+def fit(
+    callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None, logger=False, dropout=0.0,
+    plugins=(),
+):  # fmt: skip
     trainer = pl.Trainer(
         accumulate_grad_batches=sampler.micro_batches,
         use_distributed_sampler=False,
@@ -53,8 +56,9 @@ def fit(callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None, log
         enable_model_summary=False,
         callbacks=[callback, *callbacks],
         default_root_dir=root,
+        plugins=list(plugins) or None,
     )
-    module = Module()
+    module = Module(dropout=dropout)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended.*")
@@ -119,7 +123,11 @@ def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
                     dirpath=tmp_path, every_n_train_steps=10, save_top_k=-1, filename="{step}"
                 )
             ]
-        module = fit(callback, sampler, data, ckpt_path=ckpt_path, callbacks=saver, root=tmp_path)
+        # dropout: the random state resumes too (Lightning restores none)
+        module = fit(
+            callback, sampler, data, ckpt_path=ckpt_path, callbacks=saver, root=tmp_path,
+            dropout=0.2,
+        )  # fmt: skip
         return module, callback
 
     straight, straight_cb = run(save=True)
@@ -187,6 +195,30 @@ def test_every_number_of_a_step_goes_to_the_hosts_logger_under_one_prefix(tmp_pa
     assert {"bigbatch/noise_scale", "bigbatch/next_batch_size", "bigbatch/lr_factor"} <= set(
         columns
     )
+    # each step's numbers at Lightning's own (0-based) step for it, as its training_step's
+    import csv
+
+    logged = [r for r in csv.DictReader(metrics.open()) if r.get("bigbatch/step")]
+    assert all(float(r["bigbatch/step"]) == int(r["step"]) + 1 for r in logged)
+
+
+def test_under_16_mixed_the_statistics_are_those_of_the_unscaled_gradient():
+    """The engine reads the gradients before the AMP plugin unscales them, with its scale
+    (read with the per-example norms, scaled, beside an unscaled sum: |G|^2 -1.4e7)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    data = teacher_data(512)
+    runs = {}
+    for name in ("32-true", "16-mixed"):
+        sampler = bb.batch.GlobalBatchSampler(len(data), 32, micro_batches=2, max_samples=96)
+        callback = AdaptiveBatchCallback(sampler, bb.batch.BatchWarmup(initial=32), log=False)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if name != "32-true" else []
+        fit(callback, sampler, data, plugins=plugins)
+        runs[name] = [(h["grad_sq_norm"], h["trace"]) for h in callback.history]
+    # (CPU autocast in float16 rounds the products: a few parts in a thousand)
+    for (g32, t32), (g16, t16) in zip(runs["32-true"], runs["16-mixed"], strict=True):
+        assert g16 == pytest.approx(g32, rel=0.02) and t16 == pytest.approx(t32, rel=0.02)
 
 
 def test_a_loss_scaled_by_16_mixed_reaches_the_engine_unscaled():

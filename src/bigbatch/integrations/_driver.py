@@ -46,12 +46,19 @@ class StepDriver:
         self._result: StepResult | None = None
         self._pending: dict[str, Any] | None = None
 
-    def attach(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
-        """Build the engine over ``optimizer`` (``model``: the module, or its DDP wrapper)."""
+    def attach(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        """Build the engine over ``optimizer`` (``model``: the module, or its DDP wrapper;
+        ``scaler``: the framework's fp16 one, its gradients read scaled)."""
         self.engine = StepEngine.build(
             optimizer,
             self.controller,
             self.options,
+            scaler=scaler,
             model=model,
             sub_batches=self.sampler.micro_batches,
             dataset_size=self.sampler.dataset_size,

@@ -107,6 +107,10 @@ class AdaptiveBatchTrainer(Trainer):
             collate_fn=self.data_collator,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
+            # its own generator: the loader's seed draw, made as the iterator starts, would
+            # come from the global state the Trainer restores on a resume just before, and
+            # shift every draw after it (dropout's) by one against the run never stopped
+            generator=torch.Generator().manual_seed(self.args.seed),
         )
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -131,7 +135,9 @@ class AdaptiveBatchTrainer(Trainer):
             # accelerate wraps the optimizer; the engine needs the one it wraps (a VRGD or
             # AGVM must be seen as one, and it shares its param groups with the wrapper)
             inner = getattr(self.optimizer, "optimizer", self.optimizer)
-            self.bigbatch.driver.attach(inner, ddp)
+            # fp16: the gradients are read scaled (before clipping unscales them), and an
+            # overflow the engine skips must lower the scale
+            self.bigbatch.driver.attach(inner, ddp, getattr(self.accelerator, "scaler", None))
         return batches, num_items
 
     def _loss_scaled_for_accumulation(self) -> bool:

@@ -13,6 +13,7 @@ from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
 from ..options import StepOptions
 from ..sinks import tagged
+from ..state import rng_state, set_rng_state
 from ._driver import DriverView, StepDriver
 
 __all__ = ["AdaptiveBatchCallback"]
@@ -42,6 +43,8 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         self.driver = StepDriver(sampler, controller, options, **step_options)
         self.sampler = sampler
         self.log = log
+        self._rng: dict[str, Any] | None = None  # a checkpoint's random state, to restore
+        self._last = False  # the micro-batch under way is its step's last
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -58,14 +61,21 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
             raise ValueError("AdaptiveBatchCallback supports exactly one optimizer")
         optimizer = trainer.optimizers[0]
         # the model: its world, and the layers the per-example statistics hook
+        # 16-mixed: the gradients are read scaled (the decision comes before its unscale),
+        # and an overflow the engine skips must lower the scale
         self.driver.attach(
-            optimizer, trainer.strategy.model if trainer.world_size > 1 else pl_module
+            optimizer,
+            trainer.strategy.model if trainer.world_size > 1 else pl_module,
+            _scaler(trainer),
         )
         # restored right after the step: Lightning steps its schedulers before
         # on_train_batch_end
         optimizer.register_step_post_hook(
             lambda opt, args, kwargs: self.driver.after_optimizer_step()
         )
+        if self._rng is not None:  # Lightning restores none: dropout's draws would differ
+            set_rng_state(self._rng)
+            self._rng = None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -73,6 +83,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         k = self.sampler.micro_batches
         if batch_idx % k == 0:
             self.driver.begin(loss_weights=[1 / k] * k)  # Lightning divides losses by k
+        self._last = batch_idx % k == k - 1
         self.driver.before_backward(batch_idx % k)
 
     def on_before_backward(
@@ -80,21 +91,32 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
     ) -> None:
         # under 16-mixed Lightning hands over the loss already multiplied by the GradScaler's
         # scale: the logged loss (and BatchWarmup's loss slope) needs the loss itself
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
+        scaler = _scaler(trainer)
+        if scaler is not None:
             loss = loss.detach() / scaler.scale(torch.ones((), device=loss.device))
         self.driver.add_loss(loss)
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        # the gradients are accumulated (and reduced under DDP), not yet clipped
-        metrics = self.driver.decide()
-        if self.log:  # every number, under the names the CLI's sinks use
-            pl_module.log_dict(tagged(metrics), on_step=True, on_epoch=False)
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._last:  # the gradients accumulated (reduced under DDP), not yet unscaled
+            self.driver.decide()  # (16-mixed) nor clipped: the engine reads them as measured
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if self._last and self.log:  # after the step: logged at its own (1-based) step
+            pl_module.log_dict(tagged(self.driver.history[-1]), on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.driver.state_dict()
+        # this rank's random state (Lightning saves rank 0's callback state)
+        return {**self.driver.state_dict(), "rng": rng_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.driver.load_state_dict(state_dict)
+        self._rng = state_dict["rng"]
+
+
+def _scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+    """The precision plugin's enabled ``GradScaler`` (16-mixed), else None."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
