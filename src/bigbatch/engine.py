@@ -35,7 +35,14 @@ from .stats.collector import MicroBatchStatistics
 from .stats.estimators import inverse_size, population
 from .stats.result import GradientStats, PendingStats
 
-__all__ = ["NONFINITE_POLICIES", "NonFiniteError", "StepEngine", "StepOptions", "StepResult"]
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonFiniteError",
+    "StepEngine",
+    "StepOptions",
+    "StepResult",
+    "back_off",
+]
 
 
 class NonFiniteError(FloatingPointError):
@@ -55,6 +62,8 @@ class StepResult:
     #: with ``asynchronous``: 1.0 on the device where this step is not finite, for the
     #: optimizer to skip it by (its ``found_inf``); None otherwise
     found_inf: Tensor | None = None
+    #: a ``GradScaler``'s overflow, skipped: whoever steps the scaler lowers its scale
+    overflowed: bool = False
 
 
 class StepEngine:
@@ -211,10 +220,9 @@ class StepEngine:
             return self._step_asynchronously(reading)
         read = reading.resolve()
         if not read.finite:
-            if self._refuse(read):
-                _back_off(self.scaler)
+            overflowed = self._refuse(read)
             self._count(read.batch, read.metrics)
-            return StepResult(read.stats, self._drop(read), skip=True)
+            return StepResult(read.stats, self._drop(read), skip=True, overflowed=overflowed)
         self._learn_averages(read)
         self._set_rate(read.batch, read.metrics)
         self._decide(read)
@@ -394,7 +402,7 @@ def _within_bounds(controller: Controller, saved: int) -> int:
     return batch
 
 
-def _back_off(scaler: torch.amp.GradScaler) -> None:
+def back_off(scaler: torch.amp.GradScaler) -> None:
     """What a ``GradScaler``'s step does at an overflow: the scale backed off, growth reset."""
     # here, not by its step: a scaled gradient whose float32 norm overflows may have no
     # infinite element for the scaler to find (it would step, at the base rate)

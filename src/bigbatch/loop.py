@@ -23,7 +23,7 @@ from ._checks import check_number, positive_int, whole_number
 from .batch.controllers import Controller
 from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
-from .engine import NonFiniteError, StepEngine, StepResult
+from .engine import NonFiniteError, StepEngine, StepResult, back_off
 from .options import StepOptions
 from .parallel import ddp, fsdp
 from .parallel.hooks import CommHook
@@ -273,6 +273,8 @@ class AdaptiveBatch:
     def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:
         try:
             result = self.engine.before_optimizer_step()
+            if result.overflowed:  # skipped here, not by the scaler's step: lowered here
+                back_off(self.scaler)
             if not result.skip:
                 if max_grad_norm is not None:
                     self._clip(max_grad_norm)

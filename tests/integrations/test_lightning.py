@@ -235,3 +235,17 @@ def test_a_loss_scaled_by_16_mixed_reaches_the_engine_unscaled():
     assert given[0].item() == pytest.approx(0.75)
     callback.on_before_backward(SimpleNamespace(precision_plugin=object()), None, torch.tensor(2.0))
     assert given[1].item() == 2.0  # no scaler: the loss as given
+
+
+def test_under_16_mixed_an_overflow_is_skipped_and_the_scale_lowered():
+    """The engine skips an overflowed step by dropping its gradients, so the scaler never
+    sees the inf: the engine lowers the scale itself (it stayed, and every step overflowed)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    data = teacher_data(512)
+    sampler = bb.batch.GlobalBatchSampler(len(data), 32, micro_batches=2, max_samples=64)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.BatchWarmup(initial=32), log=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    fit(callback, sampler, data, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert callback.history[0]["skipped"] == 1.0
+    assert scaler.get_scale() < 2.0**100

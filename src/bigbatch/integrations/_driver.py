@@ -3,6 +3,7 @@ the :class:`~bigbatch.engine.StepEngine` and set the next batch on the sampler."
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -52,8 +53,8 @@ class StepDriver:
         model: nn.Module | None = None,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        """Build the engine over ``optimizer`` (``model``: the module, or its DDP wrapper;
-        ``scaler``: the framework's fp16 one, its gradients read scaled)."""
+        """Build the engine over ``optimizer`` (``model``: the module or its DDP wrapper)."""
+        # scaler: the framework's fp16 one (the gradients are read scaled, its scale divided out)
         self.engine = StepEngine.build(
             optimizer,
             self.controller,
@@ -105,7 +106,7 @@ class StepDriver:
             engine = self.attached
             self._result = engine.before_optimizer_step()
             if self._result.skip:
-                engine.optimizer.zero_grad(set_to_none=True)
+                _drop_gradients(engine)
             self.sampler.batch_size = engine.batch_size
             self.history.append(self._result.metrics)
         return self._result.metrics
@@ -145,3 +146,16 @@ class DriverView:
     def samples(self) -> int:
         """Samples trained on so far (all ranks)."""
         return self.driver.samples
+
+
+def _drop_gradients(engine: StepEngine) -> None:
+    """A skipped step's gradients dropped before the framework steps (NaN under a scaler)."""
+    # under the framework's fp16 GradScaler made NaN: the scaler skips the step and lowers
+    # its scale as for any overflow (with no gradient at all its step would assert)
+    if engine.scaler is None:
+        engine.optimizer.zero_grad(set_to_none=True)
+        return
+    for group in engine.optimizer.param_groups:  # (a rare step: one fill a tensor)
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.fill_(math.nan)
