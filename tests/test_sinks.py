@@ -111,6 +111,14 @@ def test_mlflow_holds_every_metric_the_changes_and_continues_a_run(tmp_path):
     changes = client.get_metric_history(sink.run_id, "bigbatch/batch_change")
     assert [(m.step, m.value) for m in changes] == [(3, 128)]
     assert run.data.tags["bigbatch/batch_changes"].startswith("step 3: batch 64 -> 128")
+    # killed after step 4 with its checkpoint at step 2: the resumed process logs 3-6 again,
+    # and the list names the change at step 3 once
+    replay = MLflowSink(uri, "bigbatch-test", run_id=sink.run_id)
+    with Sinks(replay) as sinks:
+        for row in rows()[2:]:
+            sinks.record(row)
+    listed = client.get_run(sink.run_id).data.tags["bigbatch/batch_changes"].splitlines()
+    assert len(listed) == 1 and listed[0].startswith("step 3:")
 
 
 def wandb_records(run_file):

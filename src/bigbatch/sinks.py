@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -151,6 +151,7 @@ class MLflowSink:
         run_id: str | None = None,
         params: Mapping[str, Any] | None = None,
         artifact_location: str | None = None,
+        changes: Sequence[tuple[int, int, str]] | None = None,
     ) -> None:
         mlflow = require("mlflow", "mlflow")
         entities = require("mlflow.entities", "mlflow")
@@ -168,8 +169,11 @@ class MLflowSink:
             for start in range(0, len(values), 100):  # log_batch takes 100 params at most
                 self.client.log_batch(run_id, params=values[start : start + 100])
         self.run_id = run_id
-        tags = self.client.get_run(run_id).data.tags
-        self.changes = tags.get(CHANGE_LIST, "").splitlines()
+        if changes is None:
+            changes_tag = self.client.get_run(run_id).data.tags.get(CHANGE_LIST, "")
+            self.changes = changes_tag.splitlines()
+        else:  # a resumed run's own (the tag may hold changes past its checkpoint)
+            self.changes = [f"step {step}: {text}" for step, _, text in changes]
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -178,12 +182,20 @@ class MLflowSink:
 
     def event(self, text: str, step: int, batch: int) -> None:
         self.client.log_metric(self.run_id, CHANGES, batch, step=step)
+        # a step logged again (a run resumed before it) replaces what the list said from it
+        self.changes = [c for c in self.changes if _listed_step(c) < step]
         self.changes.append(f"step {step}: {text}")
         # a tag holds at most a few thousand characters in some stores: the last changes
         self.client.set_tag(self.run_id, CHANGE_LIST, "\n".join(self.changes)[-4000:])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def _listed_step(line: str) -> int:
+    # the step a line of MLflow's change list names (-1: a line the tag's cut began in)
+    head, _, _ = line.partition(":")
+    return int(head[5:]) if head.startswith("step ") and head[5:].isdigit() else -1
 
 
 class WandbSink:
@@ -197,6 +209,7 @@ class WandbSink:
         name: str | None = None,
         run_id: str | None = None,
         config: Mapping[str, Any] | None = None,
+        changes: Sequence[tuple[int, int, str]] | None = None,
     ) -> None:
         wandb = require("wandb", "wandb")
         self._table = wandb.Table
@@ -209,12 +222,14 @@ class WandbSink:
             config=dict(config or {}),
         )
         self.run_id = self.run.id
-        self.changes: list[list[Any]] = []
+        # a resumed run's earlier changes: the table, logged at the end, holds every one
+        self.changes: list[list[Any]] = [list(c) for c in changes or ()]
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
 
     def event(self, text: str, step: int, batch: int) -> None:
+        self.changes = [c for c in self.changes if c[0] < step]  # (as MLflowSink's)
         self.changes.append([step, batch, text])
         self.run.log({CHANGES: batch}, step=step)
 

@@ -1,6 +1,7 @@
 """``bigbatch train`` with ``log.*``: every row in each tracker once, across a resume, and the
 batch changes in the report."""
 
+import json
 import sys
 
 import pytest
@@ -62,12 +63,22 @@ def test_every_row_reaches_each_tracker_once_across_a_resume(tmp_path, offline):
     history = client.get_metric_history(run.info.run_id, "bigbatch/batch_size")
     assert sorted({m.step for m in history}) == steps
     assert run.data.params["batch.controller"] == "simigrad"
+    # every change once, the first process's and the resumed one's
+    listed = run.data.tags["bigbatch/batch_changes"].splitlines()[1:]  # (cut to its end)
+    listed_steps = [int(line.split(":")[0].removeprefix("step ")) for line in listed]
+    assert listed_steps == [step for step, _ in changes][-len(listed) :]
 
     history = wandb_history(out)  # one run, continued: a folder per process, one run id
     folders = list(out.glob("wandb/offline-run-*"))
     assert {f.name.rsplit("-", 1)[1] for f in folders} == {(out / "wandb_run_id").read_text()}
     logged = sorted({h["_step"] for h in history if "bigbatch/batch_size" in h})
     assert logged == steps
+    tables = sorted(
+        out.glob("wandb/offline-run-*/files/media/table/bigbatch/batch_changes_*.table.json"),
+        key=lambda p: int(p.name.split("_")[2]),
+    )
+    last = json.loads(tables[-1].read_text())["data"]  # the resumed run's, at its end
+    assert [row[:2] for row in last] == [list(c) for c in changes]
 
     report = (out / "report.md").read_text()
     assert f"{len(changes)} changes of the batch size" in report

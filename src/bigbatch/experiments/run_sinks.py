@@ -7,10 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..sinks import MLflowSink, Sinks, TensorBoardSink, WandbSink, require
+from ..sinks import MLflowSink, Sinks, TensorBoardSink, WandbSink, batch_change, require
 from .config import LogKeys
 from .plan import RunPlan
-from .rundir import write_atomically
+from .rundir import read_metrics, write_atomically
 
 __all__ = ["check_sinks", "open_sinks"]
 
@@ -35,6 +35,8 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
     a resumed run continues its trackers' runs from ``first_step``."""
     log = plan.log
     sinks: list[Any] = []
+    # a resumed run's batch changes so far, from its metrics (cut back to its checkpoint)
+    changes = _changes(out) if resume and (log.mlflow or log.wandb) else None
     if log.tensorboard:
         # a resumed run hides what the killed one wrote after its checkpoint (an asynchronous
         # run's row of the checkpoint's own step among it: it is written a step later)
@@ -50,6 +52,7 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
             run_id=_saved(out, MLFLOW_RUN) if resume else None,
             params=dict(plan),
             artifact_location=(out / "mlflow-artifacts").resolve().as_uri() if local else None,
+            changes=changes,
         )
         write_atomically(out / MLFLOW_RUN, sink.run_id)
         sinks.append(sink)
@@ -60,10 +63,18 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
             name=out.name,
             run_id=_saved(out, WANDB_RUN) if resume else None,
             config=dict(plan),
+            changes=changes,
         )
         write_atomically(out / WANDB_RUN, sink.run_id)
         sinks.append(sink)
     return Sinks(*sinks)
+
+
+def _changes(out: Path) -> list[tuple[int, int, str]]:
+    # (step, new batch, text) of each batch change the metrics log
+    rows = read_metrics(out)
+    texts = [(row, batch_change(row)) for row in rows]
+    return [(int(r["step"]), int(r["next_batch_size"]), t) for r, t in texts if t is not None]
 
 
 def _saved(out: Path, name: str) -> str | None:
