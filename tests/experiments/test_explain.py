@@ -84,6 +84,10 @@ def test_the_machine_line_names_the_device_threads_and_precision():
         "cpu, 1 thread; forward passes in bf16"
     )
     assert machine(device="cpu").endswith("(torch's default); forward passes in fp32")
+    # a key only --nproc 2+ can train (one process refuses it): said, not explained as usual
+    assert machine(device="cpu", **{"dist.compression": "ef"}).endswith(
+        "gradients compressed (ef): train with --nproc 2 or more"
+    )
 
 
 def test_a_batch_max_above_the_training_set_is_explained_as_lowered_to_it():

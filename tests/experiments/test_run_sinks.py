@@ -98,6 +98,19 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, capsys
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("uri", ["bogus://x", "not-a-store"])
+def test_a_tracking_uri_mlflow_cannot_open_is_one_line_before_the_run(tmp_path, capsys, uri):
+    pytest.importorskip("mlflow")
+    code = cli.main(
+        ["train", "--quiet", "--task", "digits", "--set", "max_samples=300", "--set",
+         f"log.mlflow={uri}", "--out", str(tmp_path / "r")]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert f"log.mlflow = '{uri}' cannot be opened as a tracking URI" in err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("asynchronous, purged_from", [(False, 6), (True, 5)])
 def test_a_resumed_run_hides_what_the_killed_one_wrote_after_its_checkpoint(
     tmp_path, monkeypatch, asynchronous, purged_from

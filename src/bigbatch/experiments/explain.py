@@ -125,4 +125,6 @@ def _machine(run: RunPlan) -> str:
         text += f"; training steps compiled (torch.compile, mode {machine.compile})"
     if machine.asynchronous:
         text += "; each step's numbers read at the next step (asynchronous)"
+    if run.dist.compression != "none":  # (one process refuses it: nothing to compress)
+        text += f"; gradients compressed ({run.dist.compression}): train with --nproc 2 or more"
     return text

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ..sinks import MLflowSink, Sinks, TensorBoardSink, WandbSink, batch_change, require
-from .config import LogKeys
+from .config import ConfigError, LogKeys
 from .plan import RunPlan
-from .rundir import read_metrics, write_atomically
+from .rundir import first_line, read_metrics, write_atomically
 
 __all__ = ["check_sinks", "open_sinks"]
 
@@ -28,6 +28,14 @@ def check_sinks(log: LogKeys) -> None:
     ):
         if wanted:
             require(package, package)
+    if log.mlflow and log.mlflow != "local":  # a URI its client cannot open: one line
+        try:
+            require("mlflow", "mlflow").MlflowClient(log.mlflow)
+        except Exception as err:  # mlflow's own exceptions, whatever the store
+            raise ConfigError(
+                f"log.mlflow = {log.mlflow!r} cannot be opened as a tracking URI "
+                f"({first_line(err)})"
+            ) from None
 
 
 def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks:
