@@ -121,6 +121,17 @@ def test_mlflow_holds_every_metric_the_changes_and_continues_a_run(tmp_path):
     assert len(listed) == 1 and listed[0].startswith("step 3:")
 
 
+@pytest.mark.parametrize("error, status", [(KeyboardInterrupt, "KILLED"), (OSError, "FAILED")])
+def test_an_mlflow_run_a_stop_or_an_error_ends_is_not_marked_finished(tmp_path, error, status):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sink = MLflowSink(uri, "bigbatch-test")
+    with pytest.raises(error), Sinks(sink) as sinks:
+        sinks.record(rows()[0])
+        raise error
+    assert mlflow.MlflowClient(uri).get_run(sink.run_id).info.status == status
+
+
 def wandb_records(run_file):
     """The protobuf records of a W&B run file: a 7-byte file header, then LevelDB log
     records (crc32c, length, type: full, first, middle, last) in 32 KiB blocks."""

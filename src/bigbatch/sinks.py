@@ -100,7 +100,12 @@ class Sinks:
     def __enter__(self) -> Sinks:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if error is not None:  # a tracker that keeps a run's status is told how it ended
+            stopped = isinstance(error, KeyboardInterrupt) or hasattr(error, "signum")
+            for sink in self.sinks:
+                if callable(getattr(sink, "ended", None)):
+                    sink.ended("KILLED" if stopped else "FAILED")
         self.close()
 
 
@@ -169,6 +174,7 @@ class MLflowSink:
             for start in range(0, len(values), 100):  # log_batch takes 100 params at most
                 self.client.log_batch(run_id, params=values[start : start + 100])
         self.run_id = run_id
+        self._status = "FINISHED"
         if changes is None:
             changes_tag = self.client.get_run(run_id).data.tags.get(CHANGE_LIST, "")
             self.changes = changes_tag.splitlines()
@@ -188,8 +194,11 @@ class MLflowSink:
         # a tag holds at most a few thousand characters in some stores: the last changes
         self.client.set_tag(self.run_id, CHANGE_LIST, "\n".join(self.changes)[-4000:])
 
+    def ended(self, status: str) -> None:  # "KILLED" (a signal) or "FAILED"
+        self._status = status
+
     def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+        self.client.set_terminated(self.run_id, status=self._status)
 
 
 def _listed_step(line: str) -> int:
@@ -224,6 +233,7 @@ class WandbSink:
         self.run_id = self.run.id
         # a resumed run's earlier changes: the table, logged at the end, holds every one
         self.changes: list[list[Any]] = [list(c) for c in changes or ()]
+        self._exit_code = 0
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
@@ -238,4 +248,7 @@ class WandbSink:
             self.run.log(
                 {CHANGE_LIST: self._table(columns=["step", "batch", "change"], data=self.changes)}
             )
-        self.run.finish()
+        self.run.finish(exit_code=self._exit_code)
+
+    def ended(self, status: str) -> None:  # W&B marks a stopped run failed (no "killed")
+        self._exit_code = 1
