@@ -254,6 +254,24 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_the_run_resumes(tmp_path, cap
     assert json.loads((full / "summary.json").read_text())["ended"] == "budget"
 
 
+def test_a_kill_while_the_first_checkpoint_is_written_leaves_a_directory_out_reuses(tmp_path):
+    """SIGKILL halfway through the first ``torch.save``: no run was made, so the directory
+    holds nothing that blocks ``--out`` (config.toml and metrics.jsonl were written first)."""
+    out = tmp_path / "run"
+    child = (
+        "import os, signal, torch\n"
+        "from bigbatch.experiments import rundir\n"
+        "def save(obj, f, *a, **k):\n"
+        "    f.write(b'PK half a checkpoint'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "rundir.torch.save = save\n"
+        "from bigbatch import cli\n"
+        f"cli.main(['train', *{SMALL!r}, '--out', {str(out)!r}])\n"
+    )
+    assert subprocess.run([sys.executable, "-c", child]).returncode == -signal.SIGKILL
+    assert not (out / "config.toml").exists() and not (out / "checkpoint.pt").exists()
+    assert run_cli("train", *SMALL, "--out", out) == 0
+
+
 def test_a_disk_without_room_for_two_checkpoints_is_refused_up_front(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(rundir.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000}))
     assert run_cli("train", *SMALL, "--out", tmp_path / "run") == 2
