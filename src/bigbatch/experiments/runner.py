@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -360,12 +361,12 @@ def _check_trained_config(checkpoint: dict[str, Any], plan: RunPlan, source: Pat
     trained = checkpoint.get("config")
     if not isinstance(trained, dict):
         raise ConfigError(f"{str(source)!r} was written by an earlier bigbatch: train it anew")
-    for key in sorted(plan.keys() - REUSE_IGNORES):
-        if trained.get(key) != plan[key]:
-            raise ConfigError(
-                f"{str(source)!r} trained {key} = {trained.get(key)!r}, the config to resume "
-                f"it with says {plan[key]!r}: a resumed run keeps its config"
-            )
+    key = _changed_key(trained, plan)
+    if key is not None:
+        raise ConfigError(
+            f"{str(source)!r} trained {key} = {trained.get(key)!r}, the config to resume "
+            f"it with says {plan[key]!r}: a resumed run keeps its config"
+        )
 
 
 def _leave_summary(run: _Run, err: BaseException) -> None:
@@ -516,13 +517,20 @@ def check_same_config(path: Path, config: dict[str, Any]) -> None:
         return
     saved = read_config(path)
     wanted = plan_run(config)
-    for key in sorted(wanted.keys() - REUSE_IGNORES):
-        if saved.get(key, wanted[key]) != wanted[key]:
-            raise ConfigError(
-                f"{str(path)!r} holds a finished run of another config ({key} = "
-                f"{saved[key]!r} there, {wanted[key]!r} now): remove it or sweep into "
-                "another folder"
-            )
+    key = _changed_key({**wanted, **saved}, wanted)  # a key the saved one lacks: as wanted
+    if key is not None:
+        raise ConfigError(
+            f"{str(path)!r} holds a finished run of another config ({key} = "
+            f"{saved[key]!r} there, {wanted[key]!r} now): remove it or sweep into "
+            "another folder"
+        )
+
+
+def _changed_key(saved: Mapping[str, Any], wanted: RunPlan) -> str | None:
+    # the first key (by name) whose saved value is not the wanted one, the machine's aside
+    return next(
+        (k for k in sorted(wanted.keys() - REUSE_IGNORES) if saved.get(k) != wanted[k]), None
+    )
 
 
 def train_or_reuse(

@@ -220,8 +220,12 @@ class MicroBatchStatistics:
 
     def traffic(self) -> int:
         """Bytes the statistics added to the ranks' collectives so far (0 on one process)."""
+        return self._traffic_before + self._parts_traffic()
+
+    def _parts_traffic(self) -> int:
+        # what the parts counted in this process
         parts = (self.noise, self.halves, self.gsnr_part)
-        return self._traffic_before + sum(p.traffic() for p in parts if p is not None)
+        return sum(p.traffic() for p in parts if p is not None)
 
     def memory(self) -> int:
         """Bytes of the gradient-sized buffers the statistics keep (0 in scalar mode)."""
@@ -242,10 +246,8 @@ class MicroBatchStatistics:
         # a step under way, or one not yet read, is abandoned: it must not join the averages
         self._batches = self._unread = None
         self.averages.load_state_dict(state)
-        parts = (self.noise, self.halves, self.gsnr_part)
-        self._traffic_before = int(state["traffic"]) - sum(  # type: ignore[call-overload]
-            p.traffic() for p in parts if p is not None
-        )
+        saved = int(state["traffic"])  # type: ignore[call-overload]
+        self._traffic_before = saved - self._parts_traffic()
 
 
 def _estimate(
