@@ -257,6 +257,13 @@ API_CASES = [
     (lambda: loop(seed="0"), ValueError, "seed must be a whole number, got '0'"),
     (lambda: loop(seed=2**40), ValueError, "seed must be a whole number in [0, 4294967295]"),
     (lambda: loop(shuffle="no"), ValueError, "shuffle must be true or false, got 'no'"),
+    # ignored without workers (the loop reads a micro-batch itself), where torch refuses it
+    (
+        lambda: loop(loader_options={"prefetch_factor": 2}),
+        ValueError,
+        "loader_options: prefetch_factor option could only be specified in multiprocessing",
+    ),
+    (lambda: loop(loader_options={"timeout": -1}), ValueError, "loader_options: timeout option"),
     (lambda: next(loop().steps(max_steps=1.5)), ValueError, "max_steps must be a whole number"),
     (lambda: next(loop().steps(max_samples=-5)), ValueError, "max_samples must be a whole"),
     (lambda: bb.batch.lr.warmup_poly(32, power=-1.0), ValueError, "power must be > 0, got -1.0"),

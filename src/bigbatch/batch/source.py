@@ -207,6 +207,10 @@ def make_source(
             f"dataset must be a map-style dataset (with __getitem__ and __len__) or an "
             f"IterableDataset, got {type(dataset).__name__}"
         )
+    try:  # torch's own rules (prefetch_factor without workers ...), at once, not at a step
+        DataLoader([0], **loader_options)
+    except ValueError as error:
+        raise ValueError(f"loader_options: {error}") from None
     return MapSource(
         dataset, shuffle=shuffle, seed=seed, weight_fn=weight_fn, loader_options=loader_options
     )
