@@ -255,6 +255,7 @@ API_CASES = [
         "module '0' (Embedding) makes sparse gradients",
     ),
     (lambda: loop(seed="0"), ValueError, "seed must be a whole number, got '0'"),
+    (lambda: loop(loader_options={"in_order": False}), TypeError, "['in_order']: the loop sets"),
     (lambda: loop(seed=2**40), ValueError, "seed must be a whole number in [0, 4294967295]"),
     (lambda: loop(shuffle="no"), ValueError, "shuffle must be true or false, got 'no'"),
     # ignored without workers (the loop reads a micro-batch itself), where torch refuses it
@@ -399,3 +400,32 @@ def test_a_state_of_another_controller_is_refused_before_anything_is_loaded(cont
 
 def test_the_catalogue_is_long_enough():
     assert len(CLI_CASES) + 3 + len(API_CASES) >= 30
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(64):
+            yield torch.full((4,), float(i)), i % 2
+
+
+@pytest.mark.parametrize(
+    "saved_on, loaded_on, message",
+    [
+        # the model and optimizer were loaded before the source refused: a half-loaded loop
+        (data, lambda: torch.utils.data.TensorDataset(torch.randn(60, 4), torch.zeros(60).long()),
+         "the checkpoint's sampler covered 64 samples, this dataset has 60"),
+        # a bare KeyError, the model loaded
+        (data, _Stream, "the saved source is not an iterable dataset's (it lacks consumed)"),
+        (_Stream, data, "the saved source is not a map-style dataset's (it lacks sampler"),
+    ],
+)  # fmt: skip
+def test_a_source_state_that_does_not_fit_is_refused_before_anything_is_loaded(
+    saved_on, loaded_on, message
+):
+    first, net = model(), model()
+    saved = bb.AdaptiveBatch(first, torch.optim.SGD(first.parameters(), lr=0.1), saved_on())
+    other = bb.AdaptiveBatch(net, torch.optim.SGD(net.parameters(), lr=0.1), loaded_on())
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        other.load_state_dict(saved.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())

@@ -327,6 +327,7 @@ class AdaptiveBatch:
         """Restore a :meth:`state_dict`, exactly with the same number of processes, else
         re-sharded (not bitwise)."""
         _check_loadable(state, self.engine.controller)
+        self.source.check_state(state["source"])
         # a step under way (one that raised, say) is abandoned: its gradient goes with it
         self.optimizer.zero_grad(set_to_none=True)
         if self.world.sharded:

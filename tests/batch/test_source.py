@@ -80,3 +80,14 @@ def test_a_loader_option_dataloader_does_not_take_is_refused_before_the_first_st
     with pytest.warns(UserWarning, match="loader_options pin_memory are not used") as caught:
         bb.AdaptiveBatch(model, optimizer, Counting(), loader_options={"pin_memory": True})
     assert caught[0].filename == __file__  # the warning points at the caller's line
+
+
+def test_a_numpy_integer_seed_seeds_the_loader_as_its_int_does():
+    """``seed=np.int64(5)`` (``for seed in np.arange(3)``): the sampler took it, the loader's
+    generator raised a bare ``TypeError``."""
+    import numpy as np
+
+    data = TensorDataset(torch.arange(20.0))
+    source, plain = MapSource(data, seed=np.int64(5)), MapSource(data, seed=5)
+    assert source.draw(7) == plain.draw(7)
+    assert torch.equal(source.state_dict()["loader_rng"], plain.state_dict()["loader_rng"])

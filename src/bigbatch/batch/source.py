@@ -3,6 +3,7 @@ Both ``draw`` a global batch of any size and ``load`` a step's micro-batches col
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from torch.utils.data._utils.pin_memory import pin_memory
 
-from .._checks import did_you_mean
+from .._checks import did_you_mean, whole_number
 from .sampler import VariableBatchSampler
 
 __all__ = ["IterableSource", "MapSource", "make_source"]
@@ -47,7 +48,7 @@ class MapSource:
         )
         self.weight_fn = weight_fn
         self._options = loader_options or {}
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator().manual_seed(self.sampler.seed)  # (a numpy int too)
         self._loader: DataLoader | None = None
         self._plan: list[list[int]] = []
 
@@ -87,13 +88,22 @@ class MapSource:
         return {"sampler": self.sampler.state_dict(), "loader_rng": self._generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.sampler.load_state_dict(state["sampler"])
         self._generator.set_state(state["loader_rng"])
 
+    def check_state(self, state: Any) -> None:
+        """``ValueError`` where ``state`` is not one this source can load; nothing changed."""
+        _check_keys(state, ("sampler", "loader_rng"), "a map-style dataset's")
+        copy.deepcopy(self.sampler).load_state_dict(state["sampler"])
+        try:
+            torch.Generator().set_state(state["loader_rng"])
+        except (TypeError, RuntimeError) as error:
+            raise ValueError(f"the saved loader_rng is not a generator's state: {error}") from None
+
 
 class _TensorRows(Dataset):
-    """A ``TensorDataset`` read a micro-batch at a time (``__getitems__``), collated as
-    ``default_collate`` would."""
+    """A ``TensorDataset`` read a micro-batch at a time, collated as ``default_collate`` is."""
 
     def __init__(self, dataset: TensorDataset) -> None:
         self.tensors = dataset.tensors
@@ -177,8 +187,23 @@ class IterableSource:
         return {"consumed": self._consumed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self._consumed = int(state["consumed"])
         self._iterator = None
+
+    def check_state(self, state: Any) -> None:
+        """``ValueError`` where ``state`` is not one this source can load."""
+        _check_keys(state, ("consumed",), "an iterable dataset's")
+        whole_number("the saved consumed", state["consumed"])
+
+
+def _check_keys(state: Any, keys: tuple[str, ...], kind: str) -> None:
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(
+            f"the saved source is not {kind} (it lacks {', '.join(missing)}): was it saved "
+            "with another kind of dataset?"
+        )
 
 
 def make_source(
@@ -226,12 +251,12 @@ SET_BY_THE_LOOP = (
     "batch_sampler",
     "drop_last",
     "generator",
+    "in_order",  # out of order, the i-th backward would carry another micro-batch's weight
 )
 
 
 def check_loader_options(options: dict[str, Any]) -> None:
-    """A ``TypeError`` naming a ``loader_options`` key ``DataLoader`` does not take or the
-    loop sets itself."""
+    """A ``TypeError`` naming a key ``DataLoader`` does not take or the loop sets itself."""
     taken = set(inspect.signature(DataLoader).parameters) - set(SET_BY_THE_LOOP)
     for key in options:
         if key in SET_BY_THE_LOOP:
