@@ -113,6 +113,7 @@ class Step:
                 f"{self._backwards} times"
             )
         self._applied = True
+        self._loop._unapplied = False
         result = self._loop._optimizer_step(max_grad_norm)
         self.stats, self.metrics = result.stats, result.metrics
 
@@ -191,7 +192,8 @@ class AdaptiveBatch:
         )
         self.world = self.engine.world
         self.min_sub_batches = self.engine.sub_batches
-        self._left: Step | None = None  # the last step yielded
+        # the last step yielded was not applied (a flag, not the step: a step holds its loop)
+        self._unapplied = False
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
 
@@ -249,11 +251,12 @@ class AdaptiveBatch:
         while (max_samples is None or self.samples < max_samples) and (
             max_steps is None or self.steps_taken < max_steps
         ):
-            if self._left is not None and not self._left._applied:
+            if self._unapplied:
                 # a step left unapplied (a break before apply()): its gradient is dropped,
                 # or the next step would add to it
                 self.optimizer.zero_grad(set_to_none=True)
-            step = self._left = Step(self, self._plan(self.batch_size))
+            step = Step(self, self._plan(self.batch_size))
+            self._unapplied = True
             self.engine.begin(step.plan)
             yield step
             if not step._applied:
@@ -324,8 +327,7 @@ class AdaptiveBatch:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`, exactly with the same number of processes, else
-        re-sharded (not bitwise)."""
+        """Restore a :meth:`state_dict`: exact on as many processes, else re-sharded."""
         _check_loadable(state, self.engine.controller)
         self.source.check_state(state["source"])
         # a step under way (one that raised, say) is abandoned: its gradient goes with it

@@ -91,3 +91,66 @@ def test_a_numpy_integer_seed_seeds_the_loader_as_its_int_does():
     source, plain = MapSource(data, seed=np.int64(5)), MapSource(data, seed=5)
     assert source.draw(7) == plain.draw(7)
     assert torch.equal(source.state_dict()["loader_rng"], plain.state_dict()["loader_rng"])
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each read a random draw: the sample's index plus noise from torch's generator."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, index):
+        return index + torch.rand(())
+
+
+def _reads(source, steps):
+    out = []
+    for _ in range(steps):
+        drawn = source.draw(6)
+        out += [b.clone() for b in source.load([drawn[:4], drawn[4:]])]
+    return out
+
+
+def test_persistent_workers_read_alike_after_a_resume():
+    """Persistent workers were seeded once and carried their random state on, unsaved: a
+    resumed loop's augmentations (and parameters) differed from an uninterrupted one's."""
+    options = {"num_workers": 2, "persistent_workers": True}
+    source = MapSource(Augmented(), seed=3, loader_options=options)
+    _reads(source, 2)
+    state = source.state_dict()
+    expected = _reads(source, 2)
+    resumed = MapSource(Augmented(), seed=3, loader_options=options)
+    resumed.load_state_dict(state)
+    got = _reads(resumed, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_dropped_loop_ends_its_persistent_workers_at_once():
+    """A cycle (the source and its loader's batch sampler; a loop and its last step) kept a
+    dropped loop's workers alive until a garbage collection."""
+    import gc
+    import multiprocessing
+
+    import bigbatch as bb
+
+    def run():
+        model = torch.nn.Linear(1, 1)
+        loop = bb.AdaptiveBatch(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            TensorDataset(torch.randn(32, 1)),
+            controller=bb.batch.Constant(8),
+            loader_options={"num_workers": 1, "persistent_workers": True},
+        )
+        for step in loop.steps(max_steps=2):
+            for (x,) in step.micro_batches():
+                step.backward(model(x).square().mean())
+            step.apply()
+        assert multiprocessing.active_children()
+
+    gc.disable()
+    try:
+        run()
+        assert not multiprocessing.active_children()
+    finally:
+        gc.enable()

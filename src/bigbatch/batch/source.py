@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import random
+import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -74,12 +77,16 @@ class MapSource:
                 batch = collate(_fetch(dataset, indices))
                 yield pin_memory(batch) if pin else batch
             return
-        self._plan = micro_batches
+        # each micro-batch read from a seed of the loop's generator: persistent workers
+        # seeded once would carry their random state on unsaved, and a resumed run differ
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=self._generator))
+        self._plan = [_Seeded(b, seed + i) for i, b in enumerate(micro_batches)]
         if self._loader is None:
             self._loader = DataLoader(
-                dataset,
+                _SeededReads(dataset),
                 batch_sampler=_CurrentPlan(self),
-                generator=self._generator,
+                # its workers' base seeds, unsaved: the reads are seeded from the plan
+                generator=torch.Generator().manual_seed(self.sampler.seed),
                 **options,
             )
         yield from self._loader
@@ -133,13 +140,50 @@ class _CurrentPlan:
     """The DataLoader's batch sampler: the current step's micro-batches, nothing beyond."""
 
     def __init__(self, source: MapSource) -> None:
-        self._source = source
+        # (weakly: the source holds the loader, whose persistent workers a cycle would keep
+        # alive until a garbage collection)
+        self._source = weakref.ref(source)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(list(self._source._plan))
+        source = self._source()
+        return iter(list(source._plan) if source is not None else [])
 
     def __len__(self) -> int:
-        return len(self._source._plan)
+        source = self._source()
+        return len(source._plan) if source is not None else 0
+
+
+class _Seeded(list):
+    # a micro-batch's indices, with the seed its samples are read from
+
+    def __init__(self, indices: list[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+    def __reduce__(self):  # to a worker: the seed with the indices
+        return _Seeded, (list(self), self.seed)
+
+
+class _SeededReads(Dataset):
+    """A dataset whose micro-batch reads start from their seed (torch, ``random``, numpy)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        seed = getattr(indices, "seed", None)
+        if seed is not None:
+            torch.manual_seed(seed)
+            random.seed(seed)
+            if "numpy" in sys.modules:
+                sys.modules["numpy"].random.seed(seed % 2**32)
+        return _fetch(self.dataset, list(indices))
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
 
 
 class IterableSource:
