@@ -131,6 +131,7 @@ class StepEngine:
         )
         #: whether the step under way measures the statistics (``statistics_every``)
         self.measuring = False
+        self._single_path_checked = False
         #: the last measured noise averages, for a rate rule between measurements (AdaScale)
         self._averages: dict[str, float] = {}
         #: the logged noise scale of a controller that has none of its own
@@ -200,6 +201,10 @@ class StepEngine:
     def add_loss(self, weighted: Tensor) -> None:
         """A micro-batch's weighted loss, for the logged batch loss (read after the backward)."""
         weighted = weighted.reshape(()) if weighted.dim() else weighted  # a loss of shape (1,)
+        probe = self.collector.per_example if self.measuring else None
+        if probe is not None and not self._single_path_checked and weighted.grad_fn is not None:
+            probe.check_single_path(weighted)  # once a run: a walk of the whole graph
+            self._single_path_checked = True
         with torch.no_grad():
             self._loss = weighted if self._loss is None else self._loss + weighted
 

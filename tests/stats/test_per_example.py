@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.func import functional_call, grad, vmap
+from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import TensorDataset
 
@@ -629,3 +630,52 @@ def test_a_group_norm_whose_gradient_comes_in_another_layout_passes_the_right_on
     for got, expected in zip(grads, [p.grad for p in plain.parameters()], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(total, unit_sq_norms(plain, inputs, 1, 0.25 / 6), rtol=1e-10, atol=0)
+
+
+class _TiedHead(nn.Module):
+    """An embedding whose weight is also the output head's, used as a tensor (not a layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(11, 6), nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return functional.linear(torch.tanh(self.mix(self.emb(ids))), self.emb.weight)
+
+
+class _Untied(_TiedHead):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def _two_steps(model: nn.Module, penalty: float = 0.0, **options) -> None:
+    ids = torch.randint(0, 11, (48, 4), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(ids, ids.roll(1, 1))
+    loop = bb.AdaptiveBatch(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        controller=bb.batch.Constant(16), statistics=True, **options,
+    )  # fmt: skip
+    for step in loop.steps(max_steps=2):
+        for x, y in step.micro_batches():
+            loss = functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            if penalty:
+                loss = loss + penalty * model.mix.weight.square().sum()
+            step.backward(loss)
+        step.apply()
+
+
+@pytest.mark.parametrize("noise_from", ["auto", "examples"])
+def test_a_gradient_outside_the_measured_layers_is_refused(noise_from):
+    """A weight tied as a tensor (``F.linear(h, emb.weight)``), or a penalty on a measured
+    weight in the loss, adds to its gradient what its layer's per-example norms do not see:
+    the trace came out 3% low (10 standard errors), silently, under the default."""
+    with pytest.raises(RuntimeError, match=r"emb\.weight also get a gradient outside"):
+        _two_steps(_TiedHead(), noise_from=noise_from)
+    with pytest.raises(RuntimeError, match=r"mix\.weight also get a gradient outside"):
+        _two_steps(_Untied(), penalty=1e-3, noise_from=noise_from)
+    _two_steps(_Untied(), noise_from=noise_from)
+    _two_steps(_TiedHead(), noise_from="sub_batches")  # measured from the whole gradient

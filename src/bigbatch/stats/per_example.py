@@ -420,8 +420,8 @@ class _EmbeddingFunction(torch.autograd.Function):
 
 
 def _gram_norm(ids: Tensor, grad: Tensor, k: int, m: int, padding: int | None) -> Tensor:
-    """Each unit's embedding-gradient norm from the Gram matrix of its output gradients
-    (the ghost norm), for a vocabulary too large for a table per unit."""
+    """Each unit's embedding-gradient norm from its output gradients' Gram (ghost) matrix."""
+    # (for a vocabulary too large for a table per unit)
     ids, d = _by_units(ids.reshape(len(ids), -1, 1), k, m)[..., 0], _by_units(grad, k, m)
     if padding is not None:  # the padding row gets no gradient
         d = d * (ids != padding).unsqueeze(-1)
@@ -882,7 +882,46 @@ class PerExampleNorms:
             groups=step.groups,
         )
 
+    def check_single_path(self, loss: Tensor) -> None:
+        """``RuntimeError`` where ``loss``'s graph reaches a measured parameter elsewhere."""
+        # (a gradient there, a tied weight's or a penalty's, the norms would not see)
+        names = {id(p): f"{layer.name}.{n}" for layer in self.layers
+                 for n, p in layer.module.named_parameters(recurse=False)}  # fmt: skip
+        outside = sorted(_reached_outside_the_rules(loss, names))
+        if outside:
+            raise RuntimeError(
+                f"per-example statistics: {', '.join(outside[:3])} also get a gradient "
+                "outside their layer (a tied weight used as a tensor, or a penalty on it in "
+                "the loss), which the per-example norms cannot see; measure with "
+                "noise_from='sub_batches' (a penalty: the optimizer's weight decay)"
+            )
+
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
         _UNIT_SHAPES.pop(self.key, None)
+
+
+def _reached_outside_the_rules(loss: Tensor, names: dict[int, str]) -> set[str]:
+    # the names of parameters an edge of loss's graph reaches from a node that is not a
+    # measured layer's (a compiled graph's own node is not looked into)
+    ours = (_LinearFunction, _ConvFunction, _EmbeddingFunction, _LayerNormFunction,
+            _GroupNormFunction, _RMSNormFunction)  # fmt: skip
+    found: set[str] = set()
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        foreign = getattr(node, "_forward_cls", None) not in ours and (
+            type(node).__name__ != "CompiledFunctionBackward"
+        )
+        for child, _ in node.next_functions:
+            variable = getattr(child, "variable", None)
+            if variable is None:
+                stack.append(child)
+            elif foreign and id(variable) in names:
+                found.add(names[id(variable)])
+    return found
