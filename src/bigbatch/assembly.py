@@ -122,6 +122,7 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
     )
     if wrapped:
         optimizer.check_sub_batches(sub_batches * world.size)
+    given = comm_hook if registers_hooks else None  # to register (else the model's own)
     comm_hook = _comm_hook(comm_hook, in_use, registers_hooks, world, options, framework)
     collector = None
     if options.statistics:
@@ -139,8 +140,8 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             per_example=per_example,
             per_example_units=options.noise_units,
         )
-    if registers_hooks and model is not None:
-        ddp.register(model, comm_hook, collector.two_groups if collector is not None else None)
+    if registers_hooks and model is not None and (given is not None or in_use is None):
+        ddp.register(model, given, collector.two_groups if collector is not None else None)
     return Parts(controller, collector, world, options, sub_batches, noise_why)
 
 
@@ -162,8 +163,8 @@ def _per_example_obstacles(
 def _hook_in_use(
     comm_hook: tuple[Any, CommHook] | None, registers_hooks: bool, model: nn.Module | None
 ) -> tuple[Any, CommHook] | None:
-    """The comm hook in use: the one given, or the one a framework registered."""
-    if registers_hooks:
+    """The comm hook in use: the one given, or the one a framework (or the user) registered."""
+    if comm_hook is not None and registers_hooks:
         return comm_hook
     return ddp.registered_hook(model) if model is not None else None
 
@@ -181,6 +182,16 @@ def _comm_hook(
         raise ValueError(
             "comm_hook needs a DistributedDataParallel model on 2+ ranks that the loop "
             "wraps (a framework registers its own hook)"
+        )
+    if (
+        registers_hooks
+        and comm_hook is None
+        and in_use is not None
+        and options.similarity == "split"
+    ):
+        raise ValueError(
+            "similarity='split' under DDP needs bigbatch's comm hook around yours: pass the "
+            "hook registered on the model as comm_hook=(state, hook) instead"
         )
     if not registers_hooks and world.distributed and options.similarity == "split":
         raise ValueError(

@@ -42,6 +42,8 @@ def test_a_dirichlet_split_shares_every_sample_once_and_skews_the_classes():
         ({"alpha": 0.0}, "alpha"),
         ({"local_batch": 64, "local_samples": 32}, "local_batch (64) exceeds local_samples (32)"),
         ({"min_sub_batches": 1}, "min_sub_batches must be a whole number >= 2, got 1"),
+        # every client failed (the statistics need 2 examples a step) and the command ended 0
+        ({"local_batch": 1}, "local_batch must be a whole number >= 2, got 1"),
         (
             {"scheme": "switch", "large": 8, "local_batch": 16},
             "large (8) must lie between local_batch (16) and local_samples (1024)",
@@ -96,3 +98,22 @@ def test_the_command_without_flower_names_the_extra(monkeypatch, tmp_path, capsy
     code = main(["federated", "--task", "digits", "--rounds", "1", "--out", str(tmp_path / "x")])
     assert code == 2
     assert "pip install 'bigbatch[flower]'" in capsys.readouterr().err
+
+
+def test_a_client_that_fails_fails_the_simulation_in_one_line(monkeypatch, tmp_path, capsys):
+    """FedAvg went on without a failing client (or with none, 0 steps and accuracy nan) and
+    the command ended 0: not the federation asked for."""
+    from bigbatch.integrations import flower
+
+    def broken(setup, plan):
+        raise RuntimeError("this client's device is gone")
+
+    monkeypatch.setattr(flower, "train_round", broken)
+    argv = ["federated", "--task", "digits", "--clients", "2", "--rounds", "2",
+            "--local-samples", "16", "--threads", "1", "--out", str(tmp_path / "fed")]  # fmt: skip
+    assert main(argv) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "bigbatch: error: 4 client updates failed in 2 rounds; the first: RuntimeError: this "
+        "client's device is gone" + err[0].rpartition("gone")[2]
+    ]

@@ -146,6 +146,7 @@ def test_a_failing_client_is_an_error_reply_and_the_round_goes_on_without_it():
     strategy, grid, initial, _ = federation(Fixed(8), fail=1)
     strategy.start(grid, initial, num_rounds=2)
     assert [r["clients_trained"] for r in strategy.history] == [2, 2]
+    assert len(grid.failures) == 2 and "this client's device is gone" in grid.failures[0]
     assert strategy.history[-1]["samples"] == 2 * 2 * 32
 
 

@@ -568,13 +568,18 @@ def micro_batch_counts(batch: int, max_micro_batch: int, weighted: bool) -> list
     return [list(r) for r in step.rank_sizes]
 
 
-def within_rank_statistics(batch: int) -> dict:
-    """With a comm hook the noise comes from each rank's own micro-batches, averaged."""
+def within_rank_statistics(batch: int, registered: bool = False) -> dict:
+    """With a comm hook the noise comes from each rank's own micro-batches, averaged
+    (``registered``: the user registered the hook on the model, not given to the loop)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     data = regression_data()
     model = DDP(make_model())
     reference = copy.deepcopy(model.module)
+    # a user's own hook: taken to be lossy, so the noise is estimated within each rank
+    hook = (None, lambda _, bucket: default_hooks.allreduce_hook(None, bucket))
+    if registered:
+        model.register_comm_hook(*hook)
     loop = AdaptiveBatch(
         model,
         torch.optim.SGD(param_groups(model), lr=0.05),
@@ -584,8 +589,7 @@ def within_rank_statistics(batch: int) -> dict:
         min_sub_batches=2,
         lr_scaling="none",
         statistics=True,
-        # a user's own hook: taken to be lossy, so the noise is estimated within each rank
-        comm_hook=(None, lambda _, bucket: default_hooks.allreduce_hook(None, bucket)),
+        comm_hook=None if registered else hook,
     )
     step = next(loop.steps(max_steps=1))
     for x, y in step.micro_batches():

@@ -29,6 +29,7 @@ from ..batch.lr import warmup_cosine
 from ..federated import ControllerScheme, Fixed, RoundPlanner, Scheme, SmallLargeSwitch
 from .config import ConfigError
 from .device import set_threads
+from .launch import WorkerFailedError
 from .options import FederatedSettings
 from .plan import plan_run
 from .report.rounds import render
@@ -163,6 +164,11 @@ def simulate(cfg: FederatedSettings, out: Path | None = None, threads: int | Non
         grid, ArrayRecord(problem.model.state_dict()), num_rounds=cfg.rounds, evaluate_fn=evaluate
     )
     wall = time.perf_counter() - started
+    if grid.failures:  # FedAvg went on with fewer clients, or none: not the run asked for
+        raise WorkerFailedError(
+            f"{len(grid.failures)} client updates failed in {cfg.rounds} rounds; the first: "
+            f"{grid.failures[0]}"
+        )
     rows = _rows(strategy.history, scores)
     result = {"config": asdict(cfg), "rounds": rows, "summary": summarize(cfg, rows, wall, parts)}
     if out is not None:

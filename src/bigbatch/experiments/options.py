@@ -212,7 +212,7 @@ class FederatedSettings:
         "controller on the clients' pooled noise statistics, from local_batch)",
         choices=("fixed", "switch", "adaptive"),
     )
-    local_batch: int = setting(4, "the base local batch", low=1)
+    local_batch: int = setting(4, "the base local batch (the statistics need 2)", low=2)
     large: int = setting(128, "switch: the first phase's local batch", low=1)
     switch: float = setting(0.5, "switch: the fraction of the samples at large", low=0, high=1)
     lr: float = setting(

@@ -313,6 +313,8 @@ class InProcessGrid(Grid):
             TaskIdentity.node_id = SUPERLINK_NODE_ID
         self._run: Any = None
         self._replies: dict[str, Message] = {}
+        #: each failed client reply's reason, in order
+        self.failures: list[str] = []
 
     def set_run(self, run: Any) -> None:
         self._run = run
@@ -360,4 +362,5 @@ class InProcessGrid(Grid):
             reason = (
                 f"{type(error).__name__}: {error} (after {time.perf_counter() - started:.1f} s)"
             )
+            self.failures.append(reason)
             return Message(Error(code=0, reason=reason), reply_to=message)
