@@ -321,6 +321,11 @@ API_CASES = [
     # a rank past the world drew nothing, forever; a budget of 0 or 2.5 was taken
     (lambda: bb.parallel.World(rank=3, size=2), ValueError, "rank must be in [0, 2), got 3"),
     (lambda: bb.parallel.World(size=0), ValueError, "size must be a whole number >= 1, got 0"),
+    (  # an AttributeError (process_group) before
+        lambda: bb.parallel.CompressionState(model(), "ef"),
+        ValueError,
+        "CompressionState needs the DistributedDataParallel model, got Sequential",
+    ),
     (
         lambda: GlobalBatchSampler(10, 4, micro_batches=2, world_size=2, rank=2),
         ValueError,

@@ -779,3 +779,30 @@ def compiled_per_example_run(steps: int, fsdp: bool = False) -> dict:
             rows.append([step.batch_size, step.metrics["grad_sq_norm"], step.metrics["trace"]])
         out[name] = rows
     return out
+
+
+def warm_start(method: str, warmup: int) -> dict:
+    """After the warm-up's uncompressed steps: the shared estimate against the last step's
+    mean gradient, per parameter."""
+    from bigbatch.parallel import CompressionState, compression_hook
+
+    model = DDP(make_model())
+    hook = CompressionState(model, method, "topk", 0.05, warmup=warmup)
+    loop = AdaptiveBatch(
+        model,
+        torch.optim.SGD(param_groups(model), lr=0.0),  # the model holds: the grad is the mean
+        regression_data(),
+        controller=Constant(24 * dist.get_world_size()),
+        max_micro_batch=8,
+        min_sub_batches=2,
+        lr_scaling="none",
+        comm_hook=(hook, compression_hook),
+    )
+    grads = []
+    for step in loop.steps(max_steps=warmup):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(loop.model(x), y))
+        grads = [p.grad.clone() for p in model.parameters()]
+        step.apply()
+    shared = [hook._shared.get(i) for i in range(len(grads))]
+    return {"grads": grads, "shared": shared}

@@ -93,3 +93,13 @@ def test_a_resumed_compressed_run_continues_exactly(cluster2):
         assert torch.equal(result["resumed"], result["straight"])
         # the bytes per step over the whole run (its counters resumed with it)
         assert result["traffic"][0] == result["traffic"][1]
+
+
+@pytest.mark.parametrize("warmup", [1, 3])
+def test_the_warm_up_starts_the_shared_estimate_at_the_mean_gradient(cluster2, warmup):
+    """The estimators started from the second warm-up step on: with warmup=1, never, and the
+    first compressed step's EF21 estimate began at 0."""
+    result = cluster2.run(programs.warm_start, "ef21", warmup)[0]
+    for grad, shared in zip(result["grads"], result["shared"], strict=True):
+        assert shared is not None
+        torch.testing.assert_close(shared.view_as(grad), grad)

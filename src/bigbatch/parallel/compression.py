@@ -109,6 +109,11 @@ class CompressionState:
         # The state is in the units of the bucket: with a GradScaler, loss-scaled.
         # Overflowed steps leave it untouched (see _keep_finite); a change of
         # scale rescales what it means (a bounded, transient error).
+        if not isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError(
+                f"CompressionState needs the DistributedDataParallel model, got "
+                f"{type(model).__name__}"
+            )
         self.group = model.process_group
         self.world_size = dist.get_world_size(self.group)
         self._index = {id(p): i for i, p in enumerate(model.parameters())}
@@ -149,7 +154,7 @@ class CompressionState:
             self.iteration += 1
             self._steps_counted += 1
         if iteration < self.warmup:
-            return self._plain(buffer, x, keys, sizes, start=iteration >= 1)
+            return self._plain(buffer, x, keys, sizes)
 
         state = self._gather(keys, sizes, x)
         values, indices, new = error_control.local_step(
@@ -169,17 +174,18 @@ class CompressionState:
 
     # ------------------------------------------------------------ pieces
 
-    def _plain(self, buffer: Tensor, x: Tensor, keys: list[int], sizes: list[int], start: bool):
-        """Uncompressed all-reduce; from the second step on it also (re)starts the estimators."""
+    def _plain(self, buffer: Tensor, x: Tensor, keys: list[int], sizes: list[int]):
+        """Uncompressed all-reduce that also (re)starts the estimators at the gradient."""
         total = x.clone()
         self.bytes_sent += total.numel() * total.element_size()
         work = dist.all_reduce(total, group=self.group, async_op=True)
 
         def finish(_: Any) -> Tensor:
-            if start:
-                self._scatter(keys, sizes, error_control.start(self.method, x))
-                if self.method in SHARED_ESTIMATE:
-                    self._scatter_shared(keys, sizes, total)
+            # (every warm-up step, the first too: the state is kept per parameter, so DDP's
+            # bucket layout of its first iteration does not matter; warmup=1 started none)
+            self._scatter(keys, sizes, error_control.start(self.method, x))
+            if self.method in SHARED_ESTIMATE:
+                self._scatter_shared(keys, sizes, total)
             buffer.copy_(total)
             return buffer
 
