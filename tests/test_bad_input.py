@@ -78,6 +78,15 @@ CLI_CASES = [
     (["train", "--set", "dist.compression=zip"], "'zip'"),
     (["train", "--set", "nonfinite=ignore"], "'ignore'"),
     (["train", "--set", "task=digits", "--set", "dist.compression=ef"], "--nproc 2 or more"),
+    # refused inside each rank before: exit 4 or 2 by which rank the agent heard first
+    (
+        ["train", "--nproc", "2", "--set", "dist.strategy=fsdp", "--set", "dist.compression=ef"],
+        "dist.compression compresses DDP's all-reduce; dist.strategy = 'fsdp' reduce-scatters",
+    ),
+    (
+        ["train", "--explain", "--set", "dist.strategy=fsdp", "--set", "batch.similarity=split"],
+        "batch.similarity = 'split' needs each half's gradient",
+    ),
     (["train", "--config", "missing.toml"], "missing.toml' does not exist"),
     (["train", "--resume", "nowhere"], "'nowhere' is not a run directory"),
     (["train", "--nproc", "0"], "--nproc must be at least 1, got 0"),

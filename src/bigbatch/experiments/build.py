@@ -116,11 +116,6 @@ def _loop(
         options.update(declared(plan, "vrgd.", VRGD.CONFIG))
     sharded = world is not None and world.distributed and dist.strategy == "fsdp"
     if sharded:  # before the optimizer is built: fully_shard replaces the parameters
-        if dist.compression != "none":
-            raise ConfigError(
-                "dist.compression compresses DDP's all-reduce; dist.strategy = 'fsdp' "
-                "reduce-scatters without it: choose one"
-            )
         shard_model(problem.model, precision.device)
     params: Any = problem.model
     if opt.agvm:

@@ -81,17 +81,18 @@ def launch(nproc: int, out: Path, arguments: Sequence[str], *, resume: bool) -> 
 def _report(err: ChildFailedError, nproc: int, out: Path) -> tuple[int, str]:
     """The exit code and the one line for a launch whose ranks failed.
 
-    A rank reports its own one-line error in the error file the agent gave it
-    (``report_to_launcher``). The same error from every rank (a config error, too
-    many skipped steps) is that line with its code; anything else names each failed
-    rank, and the ranks that stopped answering while the others' collectives timed
-    out, with code 4.
-    """
+    A rank's own one-line error is in the error file the agent gave it. The same line
+    from every rank, or from some with the rest stopped by the agent (a config error),
+    is that line with its code; else each failed rank is named, with those that
+    stopped answering, code 4."""
     failures = dict(sorted(err.failures.items()))
-    reported = {_own_line(f) for f in failures.values()}
-    codes = {f.exitcode for f in failures.values()}
-    if len(failures) == nproc and len(reported) == 1 and None not in reported and len(codes) == 1:
-        return codes.pop(), reported.pop()  # type: ignore[return-value]
+    own = {rank: _own_line(f) for rank, f in failures.items()}
+    reported = {line for line in own.values() if line is not None}
+    codes = {failures[rank].exitcode for rank, line in own.items() if line is not None}
+    # a rank without a line of its own that the agent stopped (SIGTERM) once another failed
+    alike = all(line is not None or _terminated(failures[r]) for r, line in own.items())
+    if len(failures) == nproc and len(reported) == 1 and len(codes) == 1 and alike:
+        return codes.pop(), reported.pop()
     timed_out = [r for r, f in failures.items() if f.exitcode == COLLECTIVE_FAILED]
     parts = []
     for rank, failure in failures.items():
@@ -108,6 +109,10 @@ def _report(err: ChildFailedError, nproc: int, out: Path) -> tuple[int, str]:
         f"{len(failures)} of {nproc} training processes failed ({'; '.join(parts)}); "
         f"the launcher's log: {out / LAUNCHER_LOG}"
     )
+
+
+def _terminated(failure: Any) -> bool:
+    return failure.exitcode < 0 and failure.signal_name() == "SIGTERM"
 
 
 def _own_line(failure: Any) -> str | None:

@@ -117,6 +117,7 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
         _ramp_start(config, origins)
     fill_controller_defaults(config, origins)
     _check_bounds(config)
+    _check_sharding(config)
     if config["max_samples"] < config["batch.initial"]:
         # the loop takes whole batches: such a budget would train one step of the first
         raise ConfigError(
@@ -337,6 +338,22 @@ def intervals(plan: RunPlan) -> dict[str, int | Duration]:
                 raise ConfigError(f"{key} = {given!r}: {err}") from None
         out[key] = every
     return out
+
+
+def _check_sharding(config: Mapping[str, Any]) -> None:
+    """A :class:`ConfigError` for what FSDP2 cannot do, before a launcher starts the ranks."""
+    if config["dist.strategy"] != "fsdp":
+        return
+    if config["dist.compression"] != "none":
+        raise ConfigError(
+            "dist.compression compresses DDP's all-reduce; dist.strategy = 'fsdp' "
+            "reduce-scatters without it: choose one"
+        )
+    if config["batch.similarity"] == "split":
+        raise ConfigError(
+            "batch.similarity = 'split' needs each half's gradient, which FSDP2's "
+            "reduce-scatter does not give: use 'scalar' under dist.strategy = 'fsdp'"
+        )
 
 
 def _check_bounds(config: Mapping[str, Any]) -> None:
