@@ -154,3 +154,30 @@ def test_a_dropped_loop_ends_its_persistent_workers_at_once():
         assert not multiprocessing.active_children()
     finally:
         gc.enable()
+
+
+class _Opened(torch.utils.data.Dataset):
+    handle = None
+
+    def open(self):
+        self.handle = "open"
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, index):
+        return torch.tensor(float(index)) if self.handle == "open" else torch.tensor(-1.0)
+
+
+def _open_in_the_worker(_):
+    torch.utils.data.get_worker_info().dataset.open()
+
+
+def test_a_worker_init_fn_reaches_the_users_dataset():
+    """The loop reads through a wrapper of the dataset (seeded reads): a ``worker_init_fn``
+    that opens the user's dataset (``get_worker_info().dataset``) must still find it."""
+    options = {"num_workers": 1, "worker_init_fn": _open_in_the_worker}
+    source = MapSource(_Opened(), seed=0, loader_options=options)
+    drawn = source.draw(4)
+    (batch,) = source.load([drawn])
+    assert sorted(batch.tolist()) == sorted(float(i) for i in drawn)

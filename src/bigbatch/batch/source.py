@@ -185,6 +185,11 @@ class _SeededReads(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
+    def __getattr__(self, name: str) -> Any:  # a worker_init_fn reads the user's dataset
+        if name == "dataset":  # (unpickled in a worker before its state is set)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
 
 class IterableSource:
     """An ``IterableDataset``, consumed in order and restarted when it ends; resume is exact
