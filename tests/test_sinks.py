@@ -6,6 +6,7 @@ records) with a small reader and W&B's own record type.
 """
 
 import json
+import math
 import struct
 
 import pytest
@@ -56,6 +57,10 @@ def test_a_batch_change_says_what_caused_it():
         "critical batch estimate 130"
     )
     assert batch_change(rows()[0]) is None and batch_change({"loss": 1.0}) is None
+    # a controller that reads no noise (a ramp) changes the batch while |G|^2's estimate is
+    # at or below 0: "noise scale nan" read as a fault
+    text = batch_change({**rows()[2], "noise_scale": math.nan, "noise_scale_low": math.nan})
+    assert "noise scale undefined [undefined, 120]" in text
 
 
 def test_tensorboard_holds_every_metric_and_the_change(tmp_path):

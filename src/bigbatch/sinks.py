@@ -51,8 +51,10 @@ def batch_change(metrics: Mapping[str, Any]) -> str | None:
     if "noise_scale" in metrics:
         bounds = ""
         if "noise_scale_low" in metrics and "noise_scale_high" in metrics:
-            bounds = f" [{metrics['noise_scale_low']:.4g}, {metrics['noise_scale_high']:.4g}]"
-        words.append(f"noise scale {metrics['noise_scale']:.4g}{bounds}")
+            bounds = (
+                f" [{_shown(metrics['noise_scale_low'])}, {_shown(metrics['noise_scale_high'])}]"
+            )
+        words.append(f"noise scale {_shown(metrics['noise_scale'])}{bounds}")
     for key, name in (
         ("critical_batch", "critical batch estimate"),
         ("noise_multiple", "kappa"),
@@ -60,8 +62,13 @@ def batch_change(metrics: Mapping[str, Any]) -> str | None:
         ("similarity", "similarity"),
     ):
         if key in metrics:
-            words.append(f"{name} {metrics[key]:.4g}")
+            words.append(f"{name} {_shown(metrics[key])}")
     return "; ".join(words)
+
+
+def _shown(value: float) -> str:
+    # NaN where an estimate is undefined (|G|^2's unbiased estimate at or below 0: noise only)
+    return f"{value:.4g}" if math.isfinite(value) else "undefined"
 
 
 class Sink(Protocol):
