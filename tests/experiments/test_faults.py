@@ -309,3 +309,29 @@ def test_a_run_of_non_finite_steps_stops_with_code_3_and_summaries_are_strict_js
     summary = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
     assert summary["skipped_steps"] > 0
     assert summary["final_eval_loss"] is None and "nan" in summary["final_eval_loss_why"]
+
+
+def test_a_signal_while_a_compares_run_writes_its_report_stops_the_compare(
+    tmp_path, monkeypatch, capsys
+):
+    """SIGINT after a run's last step (its report being drawn) was read by nobody: the
+    comparison trained every other run and exited 0. It stops before the next run now, and
+    the same command again finishes the comparison."""
+    from bigbatch.experiments.report import run as run_report
+
+    original, sent = run_report.render, []
+
+    def render(folder):
+        if not sent:
+            sent.append(folder)
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(folder)
+
+    monkeypatch.setattr(run_report, "render", render)
+    out = tmp_path / "cmp"
+    argv = ["compare", "--task", "digits", "--set", "max_samples=1000", "--set", "threads=1",
+            "--vary", "seed=0,1", "--quiet", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 130
+    assert "stopped by SIGINT between runs; run the same command again" in capsys.readouterr().err
+    assert len(list(out.glob("run*/summary.json"))) == 1
+    assert cli.main(argv) == 0 and len(list(out.glob("run*/summary.json"))) == 2

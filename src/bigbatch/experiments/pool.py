@@ -7,6 +7,8 @@ import multiprocessing
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .signals import stop_between_runs, stop_requested
+
 __all__ = ["in_processes"]
 
 
@@ -19,4 +21,11 @@ def in_processes(function: Callable[[Any], Any], items: Sequence[Any], workers: 
     with concurrent.futures.ProcessPoolExecutor(
         min(workers, len(items)), mp_context=context
     ) as pool:
-        return list(pool.map(function, items))
+        futures = [pool.submit(function, item) for item in items]
+        while concurrent.futures.wait(futures, timeout=0.5).not_done:
+            if stop_requested():  # a signal to this process alone: no further run starts
+                for future in futures:
+                    future.cancel()
+        results = [f.result() for f in futures if not f.cancelled()]  # a worker's Stopped
+        stop_between_runs(None)
+        return results

@@ -50,7 +50,7 @@ from .rundir import (
     save_atomically,
     write_atomically,
 )
-from .signals import Stopped, StopRequest, watch_launcher
+from .signals import Stopped, StopRequest, stop_between_runs, watch_launcher
 from .summary import ENDS, batch_path_ratio, finished_summary, target_summary, traffic_per_step
 
 
@@ -75,6 +75,7 @@ def train(
     :class:`ConfigError` before anything is built; SIGTERM or SIGINT stops after the
     current step with a checkpoint (:class:`~bigbatch.experiments.signals.Stopped`).
     """
+    stop_between_runs(out)  # a command of many runs got a signal before this one
     plan = plan_run(config)
     machine, timeout = plan.machine, plan.dist.timeout
     device = run_device(plan)

@@ -31,6 +31,8 @@ __all__ = [
     "STOP_SIGNALS",
     "StopRequest",
     "Stopped",
+    "stop_between_runs",
+    "stop_requested",
     "stops_as_a_whole",
     "watch_launcher",
 ]
@@ -43,33 +45,54 @@ LAUNCHER_PID = "BIGBATCH_LAUNCHER_PID"
 class Stopped(Exception):  # noqa: N818 - a stop on request, not an error
     """The run stopped on a signal after a checkpoint; ``code`` is the exit code."""
 
-    def __init__(self, signum: int, step: int, out: str, again: str | None = None) -> None:
+    def __init__(self, signum: int, step: int | None, out: str, again: str | None = None) -> None:
         self.signum, self.step, self.out, self.again = signum, step, out, again
         self.code = 128 + signum
         again = again or f"resume with --resume {out}"
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {again}")
+        at = f"at step {step}" if step is not None else "between runs"
+        super().__init__(f"stopped by {signal.Signals(signum).name} {at}; {again}")
 
     def __reduce__(self) -> tuple:
         # a worker of a sweep or a study hands it to the parent, which stops with its code
         return type(self), (self.signum, self.step, self.out, self.again)
 
 
+#: the requests of the commands of many runs under way (the innermost last)
+_COMMANDS: list[StopRequest] = []
+
+
 @contextlib.contextmanager
 def stops_as_a_whole(out: Path | str) -> Iterator[None]:
-    """A stop in one run of a command of many: its advice, the command again (``--out``)."""
-    try:
-        yield
-    except Stopped as err:
-        again = f"run the same command again (--out {out}) to continue"
-        raise Stopped(err.signum, err.step, str(out), again) from None
+    """A command of many runs, stopped by a signal in one, between them or after the last."""
+    # (its advice: the same command again, --out; a run resumed alone would pass its pause)
+    again = f"run the same command again (--out {out}) to continue"
+    with StopRequest() as request:
+        _COMMANDS.append(request)
+        try:
+            yield
+        except Stopped as err:
+            raise Stopped(err.signum, err.step, str(out), again) from None
+        finally:
+            _COMMANDS.remove(request)
+    if request.signum is not None:  # after the last run: every run's result is kept
+        raise Stopped(request.signum, None, str(out), again)
+
+
+def stop_requested() -> bool:
+    """Whether a command of many runs got a signal."""
+    return bool(_COMMANDS) and _COMMANDS[-1].signum is not None
+
+
+def stop_between_runs(out: Path | str | None) -> None:
+    """:class:`Stopped` where a command of many runs got a signal: no next run starts."""
+    if stop_requested():
+        raise Stopped(_COMMANDS[-1].signum, None, str(out))
 
 
 class StopRequest:
     """The first SIGTERM or SIGINT while the block runs, as a request (``signum``).
 
-    Installed only in the main thread (Python delivers signals there); elsewhere
-    it never fires and the default handlers stay.
-    """
+    Installed only in the main thread (where Python delivers signals)."""
 
     def __init__(self, world: World | None = None, timeout: float | None = None) -> None:
         self.signum: int | None = None
@@ -91,6 +114,11 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        # a run's request its loop never read (the signal came after its last step) goes to
+        # the command of many runs around it, which stops before the next
+        enclosing = _COMMANDS[-1] if _COMMANDS and _COMMANDS[-1] is not self else None
+        if enclosing is not None and enclosing.signum is None:
+            enclosing.signum = self.signum
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:  # the second signal: at once, as if unhandled
