@@ -31,6 +31,7 @@ from bigbatch.experiments.tune import (
     default_space,
     latin_hypercube,
     parse_space,
+    render_report,
     trial_config,
     tune,
 )
@@ -175,6 +176,29 @@ def test_a_diverging_rate_leaves_its_bracket(monkeypatch, tmp_path):
     assert failed and all(t["params"]["lr"] > 0.01 and t["diverged"] for t in failed)
     assert result.best["lr"] <= 0.01
     assert "diverged" in (tmp_path / "t" / "tune.md").read_text()
+
+
+def test_a_study_without_a_finished_trial_or_a_database_is_one_line(monkeypatch, fake, tmp_path):
+    """Every trial diverged, none finished yet, a damaged or a missing study.db: tracebacks
+    (exit 1), one of them saying "every one diverged" of a study stopped before any trial
+    ended; a missing study.db was made again, empty."""
+    monkeypatch.setattr(runner, "train", FakeRuns(diverge_above=0.0))
+    with pytest.raises(ConfigError, match="every one diverged; lower the range"):
+        tune(BASE, tmp_path / "diverged", SPACE, TuneSettings(trials=3))
+    monkeypatch.setattr(runner, "train", fake)
+    out = tmp_path / "t"
+    tune(BASE, out, SPACE, TuneSettings(trials=3))
+    with sqlite3.connect(out / "study.db") as db:  # as if stopped before any trial ended
+        db.execute("UPDATE trials SET state = 'RUNNING'")
+    with pytest.raises(ConfigError, match=r"has trained to the end yet: run the same tune"):
+        render_report(out)
+    (out / "study.db").write_text("not a database")
+    with pytest.raises(ConfigError, match=r"study.db: not a study's database \(DatabaseError"):
+        render_report(out)
+    (out / "study.db").unlink()
+    with pytest.raises(ConfigError, match=r"study.db: missing"):
+        render_report(out)
+    assert not (out / "study.db").exists()
 
 
 def test_the_budget_limits_the_brackets_and_one_too_small_is_refused(fake, tmp_path):

@@ -33,7 +33,7 @@ from .device import share_of_cores
 from .options import TuneSettings
 from .plan import RunPlan, at_rate, plan_run
 from .pool import in_processes
-from .rundir import claim_plan, read_json
+from .rundir import claim_plan, first_line, read_json
 from .signals import stops_as_a_whole
 from .tasks import TASKS
 
@@ -219,15 +219,23 @@ def _compared(plan: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in plan.items() if k != "jobs"}, "config": config}
 
 
-def _study(out: Path, config: dict[str, Any]) -> optuna.Study:
-    task = TASKS[config["task"]]
+def _study(out: Path, config: dict[str, Any], *, new: bool = True) -> optuna.Study:
+    # the study in out (new: made where there is none), or one line naming its file
+    from sqlalchemy.exc import SQLAlchemyError
+
+    task, path = TASKS[config["task"]], out.resolve() / "study.db"
+    if not new and not path.is_file():
+        raise ConfigError(f"{path}: missing: the study's trials are in it")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(
-        study_name=STUDY,
-        storage=f"sqlite:///{out.resolve() / 'study.db'}",
-        load_if_exists=True,
-        direction="minimize" if task.lower_is_better else "maximize",
-    )
+    try:
+        return optuna.create_study(
+            study_name=STUDY,
+            storage=f"sqlite:///{path}",
+            load_if_exists=True,
+            direction="minimize" if task.lower_is_better else "maximize",
+        )
+    except SQLAlchemyError as err:
+        raise ConfigError(f"{path}: not a study's database ({first_line(err, 120)})") from None
 
 
 class _Bracket:
@@ -369,7 +377,12 @@ def _grid_runs(space: Sequence[Dimension]) -> int:
 def _result(study: optuna.Study, planned: RunPlan, space: list[Dimension], out: Path) -> TuneResult:
     trials = study.get_trials(deepcopy=False)
     if not any(t.state == TrialState.COMPLETE for t in trials):
-        raise RuntimeError("no trial trained to the end: every one diverged; lower the range")
+        if trials and all("diverged" in t.user_attrs for t in trials):
+            raise ConfigError("no trial trained to the end: every one diverged; lower the range")
+        raise ConfigError(
+            f"no trial of {out} has trained to the end yet: run the same tune command "
+            f"again (--out {out}) to continue it"
+        )
     best = study.best_trial
     rows = [
         {
@@ -403,7 +416,7 @@ def render_report(out: Path) -> Path:
     ``tune.json`` and the study's database); the report's path."""
     saved = read_json(out / SETTINGS_FILE)
     config, space = saved["config"], [Dimension(**d) for d in saved["space"]]
-    result = _result(_study(out, config), plan_run(config), space, out)
+    result = _result(_study(out, config, new=False), plan_run(config), space, out)
     _write_outputs(out, config, result, space)
     return out / "tune.md"
 
