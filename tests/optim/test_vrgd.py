@@ -46,7 +46,9 @@ def run_step(model, optimizer, x, y, sizes):
         loss = nn.functional.mse_loss(model(x[start : start + b]), y[start : start + b])
         (loss * b / total).backward()
         start += b
-    optimizer.observe(stats.finish())
+    finished = stats.finish()
+    if isinstance(optimizer, bb.optim.StatisticsWrapper):
+        optimizer.observe(finished)
     grads = [p.grad.clone() for p in params]
     optimizer.step()
     stats.close()
@@ -170,3 +172,30 @@ def test_every_variant_trains_in_adaptive_batch(name):
         scheduler.step()
     assert sum(losses[-10:]) < 0.7 * sum(losses[:10]), name
     assert optimizer.base.param_groups[0]["lr"] == pytest.approx(lr[name] * 0.5)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", ["lamb", "lars", "merit", "vrgd", "agvm"])
+def test_a_copied_optimizer_steps_as_the_original(kind, how):
+    """torch's pickling keeps defaults, state and groups alone: a copy (``copy.deepcopy``, a
+    pickle) lost ``impl``, LAMB's ``max_grad_norm``, a wrapper's ``base``, and its step
+    raised ``AttributeError``."""
+    import copy
+    import pickle
+
+    sizes = [3, 3, 3, 3]
+    model, x, y = sub_batch_problem(sizes)
+    if kind in ("lamb", "lars", "merit"):
+        optimizer = create_optimizer(model, kind, lr=0.01)
+    elif kind == "vrgd":
+        optimizer = VRGD(create_optimizer(model, "lamb", lr=0.01), gsnr_momentum=0.9)
+    else:
+        groups = bb.optim.module_param_groups(model, 0.01, "ends")
+        optimizer = bb.optim.AGVM(create_optimizer(groups, "lamb", lr=0.01), start=0, interval=1)
+    run_step(model, optimizer, x, y, sizes)
+    pair = (model, optimizer)
+    other = copy.deepcopy(pair) if how == "deepcopy" else pickle.loads(pickle.dumps(pair))
+    for m, o in (pair, other):
+        run_step(m, o, x, y, sizes)
+    for p, q in zip(model.parameters(), other[0].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -197,6 +197,13 @@ def run_compiled(
 # ---------------------------------------------------------------- base class
 
 
+def own_state(optimizer: torch.optim.Optimizer, cache: Sequence[str] = ()) -> dict[str, Any]:
+    # what a copy or a pickle of optimizer keeps: every attribute but its hooks (as torch's)
+    # and cache; torch's own keeps defaults, state and groups alone
+    own = vars(optimizer).items()
+    return {k: v for k, v in own if not k.startswith("_optimizer_") and k not in cache}
+
+
 class BigBatchOptimizer(torch.optim.Optimizer):
     """Shared plumbing; subclasses define ``_check_group`` and ``_step``."""
 
@@ -224,6 +231,13 @@ class BigBatchOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}impl: {self.impl}\n)"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return own_state(self, cache=("_scalars",))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._scalars = {}
 
     @staticmethod
     def _check_group(group: dict[str, Any]) -> None:  # pragma: no cover - abstract

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..stats.result import GradientStats
+from ._base import own_state
 
 __all__ = ["StatisticsWrapper"]
 
@@ -30,6 +31,9 @@ class StatisticsWrapper(torch.optim.Optimizer):
         self.param_groups = base.param_groups
         self.state = base.state
         self._stats: GradientStats | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # base and settings too: a copy that steps
+        return own_state(self)
 
     def observe(self, stats: GradientStats) -> None:
         """The statistics of the step about to be taken (passed on to a wrapped wrapper)."""
