@@ -159,6 +159,13 @@ def test_no_trial_pauses_inside_the_longest_warm_up_searched(fake, tmp_path):
     space = [*SPACE, Dimension("schedule.warmup", 0.0, 0.15)]
     tune(BASE, tmp_path / "t", space, TuneSettings(trials=9))
     assert min(until for _, _, until in fake.calls if until) == 9000  # 1/3: past 2 x 0.15
+    # where no pause fits (2 x 0.2 past 1/3), every trial trains to the end: only the first
+    # trained (by number, with no score yet), the others "pruned" at 0 samples
+    fake.calls.clear()
+    space = [*SPACE, Dimension("schedule.warmup", 0.0, 0.2)]
+    result = tune(BASE, tmp_path / "long", space, TuneSettings(trials=5))
+    assert [t["state"] for t in result.trials] == ["complete"] * 5
+    assert [until for _, _, until in fake.calls] == [None] * 5
 
 
 def test_a_loss_is_minimised(monkeypatch, tmp_path):

@@ -130,6 +130,8 @@ class TuneSettings:
         before, but two (where a bracket has two) up to the last pause, so that the winner
         is chosen between runs judged on the longest prefix, not on an earlier one."""
         paused = len(self.rungs(warmup)) - 1
+        if not paused:  # no pause fits after the warm-up: each trains to the end (a grid)
+            return [self.trials]
         least = min(2, self.trials)
         return [max(least, self.trials // self.reduction**j) for j in range(paused)] + [1]
 
