@@ -6,7 +6,7 @@ from unittest import mock
 
 import pytest
 
-from bigbatch.experiments.config import ConfigError
+from bigbatch.experiments.config import ConfigError, resolve
 from bigbatch.experiments.options import Protocol, TuneSettings
 from bigbatch.experiments.plan import plan_run
 from bigbatch.experiments.sweep import RANKS, Arm, metric, sweep
@@ -45,11 +45,13 @@ def test_an_arm_that_sets_its_seed_trains_from_that_seed(trained, tmp_path):
     trained.clear()
     # the task's rate (no lr given): the chosen point's config is resolved again
     base = {k: v for k, v in BASE.items() if k != "lr"}
+    base["stop_at_target"] = True  # off in the study's trials, so in the further seeds too
     protocol = Protocol(lr_grid=(0.5, 2.0), seeds=2, tune=True)
     tuned = sweep(
         base, arms[1:], tmp_path / "tuned", protocol, tune=TuneSettings(trials=3, reduction=3)
     )
     assert {r["seed"] for r in trained} == {5, 6}  # the study's trials, then seed 6
+    assert not any(resolve(r)["stop_at_target"] for r in trained)  # one kind of run an arm
     assert tuned[0].dirs[1] == "s5-tuned-seed1"
     assert [r["final_accuracy"] for r in tuned[0].runs][1] < tuned[0].runs[0]["final_accuracy"]
 

@@ -171,7 +171,8 @@ def _tuned_arm(  # noqa: PLR0913 - sweep's settings, passed on
         quiet,
     )
     lr = study.best["lr"]
-    arm_config = {**base, **arm.overrides}
+    # as the study trains its trials (the first seed's run among them): to the end
+    arm_config = {**base, **arm.overrides, "stop_at_target": False}
     more = [
         (at_rate({**arm_config, "seed": seed + k}, lr), f"{arm.stem}-tuned-seed{k}")
         for k in range(1, seeds)
