@@ -88,3 +88,23 @@ def test_a_group_added_after_a_load_is_the_bases_once_and_steps(wrapper_of):
     before = extra.weight.detach().clone()
     wrapper.step()
     assert not torch.equal(extra.weight.detach(), before)
+
+
+def test_torchs_state_dict_hooks_run_on_the_wrapper():
+    """The wrapper replaced torch's state_dict and load_state_dict without their hooks:
+    registered, accepted, never called; a load pre-hook's returned dict is the one loaded."""
+    _model, wrapper = make()
+    called = []
+    wrapper.register_state_dict_pre_hook(lambda o: called.append("pre"))
+    wrapper.register_state_dict_post_hook(lambda o, s: {**s, "mark": 1})
+    wrapper.register_load_state_dict_pre_hook(
+        lambda o, s: called.append("load pre") or {**s, "base": saved["base"]}
+    )
+    wrapper.register_load_state_dict_post_hook(lambda o: called.append("load post"))
+    saved = wrapper.state_dict()
+    assert saved["mark"] == 1
+    wrapper.param_groups[0]["lr"] = 0.7
+    wrapper.load_state_dict({**saved, "base": None})  # the pre-hook's dict is loaded
+    assert called == ["pre", "load pre", "load post"]
+    assert wrapper.param_groups[0]["lr"] == 0.1
+    assert wrapper.param_groups is wrapper.base.param_groups

@@ -105,13 +105,24 @@ class StatisticsWrapper(torch.optim.Optimizer):
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
         pass
 
+    # torch's hooks on the wrapper run around its own state, as torch's methods run them
     def state_dict(self) -> dict[str, Any]:
-        return {"base": self.base.state_dict(), "wrapper": self._wrapper_state()}
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = {"base": self.base.state_dict(), "wrapper": self._wrapper_state()}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         self.base.load_state_dict(state_dict["base"])
         # torch's load_state_dict builds new group dicts: share the base's again, or the
         # rates set on the wrapper (schedulers, bigbatch's LR rules, AGVM) would miss it
         self.param_groups = self.base.param_groups
         self.state = self.base.state
         self._load_wrapper_state(state_dict["wrapper"])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
