@@ -199,3 +199,19 @@ def test_a_copied_optimizer_steps_as_the_original(kind, how):
         run_step(m, o, x, y, sizes)
     for p, q in zip(model.parameters(), other[0].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_an_added_groups_average_is_bias_corrected_by_its_own_steps():
+    """A group added after 20 steps was corrected by the optimizer's 20 steps, not its one:
+    a ratio that should be 1 came out 0.11, below the clip floor gamma."""
+    a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    optimizer = VRGD(create_optimizer([a], "lamb", lr=1e-3), gamma=0.1, gsnr_momentum=0.9)
+    for _ in range(20):
+        optimizer.ratios([torch.ones(4, 4)])  # a consistent gradient: ratio 1
+    optimizer.add_param_group({"params": [b]})
+    ratios = optimizer.ratios([torch.ones(4, 4), torch.ones(4, 4)])
+    assert [float(r.mean()) for r in ratios] == pytest.approx([1.0, 1.0])
+    again = VRGD(create_optimizer([a], "lamb", lr=1e-3), gamma=0.1, gsnr_momentum=0.9)
+    again.add_param_group({"params": [b]})
+    again.load_state_dict(optimizer.state_dict())  # each average's count is saved
+    assert again.state_dict()["wrapper"]["steps"] == [21, 1]

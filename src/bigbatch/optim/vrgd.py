@@ -82,14 +82,16 @@ class VRGD(StatisticsWrapper):
         super().__init__(base)
         self._params: list[Tensor] = []
         self._ratio_avg: list[Tensor] | None = None
+        self._counts: list[int] = []  # each average's steps
         self._groups_changed()
-        self._steps = 0
         self._warned_of: set[int] = set()
 
     def _groups_changed(self) -> None:
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if self._ratio_avg is not None:  # a new parameter's average starts at zero
-            self._ratio_avg += [torch.zeros_like(p) for p in self._params[len(self._ratio_avg) :]]
+            added = self._params[len(self._ratio_avg) :]
+            self._ratio_avg += [torch.zeros_like(p) for p in added]
+            self._counts += [0] * len(added)  # (and its bias correction with it)
 
     def check_sub_batches(self, count: int) -> None:
         """Refuse fewer than 4 sub-batches per step; warn below 8."""
@@ -122,11 +124,10 @@ class VRGD(StatisticsWrapper):
             return ratios
         beta = self.gsnr_momentum
         if self._ratio_avg is None:
-            self._ratio_avg = [torch.zeros_like(r) for r in ratios]
+            self._ratio_avg, self._counts = [torch.zeros_like(r) for r in ratios], [0] * len(ratios)
         torch._foreach_lerp_(self._ratio_avg, ratios, 1 - beta)
-        self._steps += 1
-        correction = 1 - beta**self._steps
-        return [avg / correction for avg in self._ratio_avg]
+        self._counts = [n + 1 for n in self._counts]
+        return [avg / (1 - beta**n) for avg, n in zip(self._ratio_avg, self._counts, strict=True)]
 
     @torch.no_grad()
     def modulated_step(self, stats: GradientStats) -> None:
@@ -146,10 +147,15 @@ class VRGD(StatisticsWrapper):
     def _wrapper_state(self) -> dict[str, Any]:
         return {
             "ratio_avg": [r.clone() for r in self._ratio_avg] if self._ratio_avg else None,
-            "steps": self._steps,
+            "steps": list(self._counts),
         }
 
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
         saved = state["ratio_avg"]
         self._ratio_avg = [r.to(p.device) for r, p in zip(saved, self._params)] if saved else None
-        self._steps = int(state["steps"])
+        steps = state["steps"]  # each average's (one for all in a state saved before)
+        self._counts = (
+            [int(n) for n in steps]
+            if isinstance(steps, list)
+            else [int(steps)] * len(self._ratio_avg or [])
+        )
