@@ -191,6 +191,19 @@ def test_low_precision_state_round_trips_at_full_precision(name):
         for key, value in optimizer.state[p].items():
             assert resumed.state[p][key].dtype == value.dtype
             assert torch.equal(resumed.state[p][key], value)
+    # torch's load hooks: a post-hook saw the moments in bfloat16 and its changes were undone;
+    # a pre-hook's returned dict was not the one restored
+    seen = []
+    resumed.register_load_state_dict_post_hook(
+        lambda o: seen.extend(v.dtype for s in o.state.values() for v in s.values())
+    )
+    emptied = {**saved, "state": {}}
+    handle = resumed.register_load_state_dict_pre_hook(lambda o, loaded: emptied)
+    resumed.load_state_dict(saved)
+    assert not resumed.state and not seen  # the pre-hook's (empty) state was loaded
+    handle.remove()
+    resumed.load_state_dict(saved)
+    assert seen and all(d == torch.float32 for d in seen)
 
 
 @parametrize_optimizers

@@ -3,7 +3,7 @@ their ``reference``, ``foreach``, ``compiled`` and ``fused`` updates."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -306,7 +306,23 @@ class BigBatchOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's load, then the float32 moments of low-precision params restored at
         full precision and ``step`` moved back to a CPU float32 scalar."""
-        super().load_state_dict(state_dict)
+        # the dict the pre-hooks leave is the one restored; the post-hooks see it restored
+        seen: list[dict[str, Any]] = []
+        last = self.register_load_state_dict_pre_hook(lambda _, loaded: seen.append(loaded))
+        post, self._optimizer_load_state_dict_post_hooks = (
+            self._optimizer_load_state_dict_post_hooks,
+            OrderedDict(),
+        )
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            last.remove()
+            self._optimizer_load_state_dict_post_hooks = post
+        self._restore_precision(seen[-1])
+        for hook in post.values():
+            hook(self)
+
+    def _restore_precision(self, state_dict: dict[str, Any]) -> None:
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, params):
