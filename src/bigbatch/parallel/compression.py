@@ -109,7 +109,7 @@ class CompressionState:
         # The state is in the units of the bucket: with a GradScaler, loss-scaled.
         # Overflowed steps leave it untouched (see _keep_finite); a change of
         # scale rescales what it means (a bounded, transient error).
-        if not isinstance(model, nn.parallel.DistributedDataParallel):
+        if not hasattr(model, "process_group"):  # (DDP's; a plain module has none)
             raise ValueError(
                 f"CompressionState needs the DistributedDataParallel model, got "
                 f"{type(model).__name__}"
