@@ -11,8 +11,6 @@ from typing import Any
 
 def whole_number(name: str, value: Any, low: int = 0) -> int:
     """``value`` if it is a whole number >= ``low``, else ``ValueError`` naming both."""
-    if type(value) is int and value >= low:  # the common case, on every step's path
-        return value
     return check_number(name, value, low=low, whole=True)
 
 

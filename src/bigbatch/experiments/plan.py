@@ -94,6 +94,7 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     origins: dict[str, str] = {}
     config = with_recipe(config, origins)
     _check_task_keys(config, task)
+    _check_sharding(config)
     if config["asynchronous"]:
         _asynchronous_impl(config, origins)
     for key, value in (
@@ -117,7 +118,6 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
         _ramp_start(config, origins)
     fill_controller_defaults(config, origins)
     _check_bounds(config)
-    _check_sharding(config)
     if config["max_samples"] < config["batch.initial"]:
         # the loop takes whole batches: such a budget would train one step of the first
         raise ConfigError(
