@@ -21,7 +21,7 @@ from .parallel import ddp, fsdp
 from .parallel.hooks import CommHook, is_lossless
 from .parallel.world import World
 from .stats.collector import MicroBatchStatistics
-from .stats.per_example import uncovered
+from .stats.per_example import batch_coupled, uncovered
 
 _log = logging.getLogger("bigbatch")
 
@@ -259,6 +259,9 @@ def _per_example_model(
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             reasons.append(f"no per-example rule for {', '.join(missing[:5])}{more}")
+        coupled = batch_coupled(module)  # (with no trained parameter of its own too)
+        if coupled:
+            reasons.append(f"BatchNorm {coupled[0]!r} normalises over the batch")
     if not reasons:
         if options.noise_from == "examples":
             return module, "noise_from = 'examples'"

@@ -326,6 +326,11 @@ class AdaptiveBatch:
             "comm_hook": ddp.hook_state_dict(self.comm_hook, self.world),
         }
 
+    def close(self) -> None:
+        """Take the statistics' hooks off the model (a loop built after takes them anyway)."""
+        if self.collector is not None:
+            self.collector.close()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: exact on as many processes, else re-sharded."""
         _check_loadable(state, self.engine.controller)

@@ -679,3 +679,63 @@ def test_a_gradient_outside_the_measured_layers_is_refused(noise_from):
         _two_steps(_Untied(), penalty=1e-3, noise_from=noise_from)
     _two_steps(_Untied(), noise_from=noise_from)
     _two_steps(_TiedHead(), noise_from="sub_batches")  # measured from the whole gradient
+
+
+class _RowsNotExamples(nn.Module):
+    """A layer fed rows that are not the batch's examples, by ``how``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.emb, self.mix = how, nn.Embedding(11, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)  # (B, T, C)
+        if self.how == "sequence first":
+            h = self.mix(h.transpose(0, 1)).transpose(0, 1)
+        elif self.how == "flattened":
+            h = self.mix(h.reshape(-1, 6)).reshape(h.shape)
+        else:  # a part of the batch
+            h = torch.cat([self.mix(h[:3]), h[3:]])
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["sequence first", "flattened", "a part"])
+def test_a_layer_whose_rows_are_not_the_examples_is_refused(how):
+    """The rules read a layer's first dimension as the examples: a (T, B, C) input, the
+    batch flattened with its tokens, or a subset of it gave a trace 6-50% off (10-40
+    standard errors), silently, under the default; a subset smaller than a unit crashed."""
+    with pytest.raises(RuntimeError, match=r"layer 'mix' got \d+ rows where a micro-batch has 16"):
+        _two_steps(_RowsNotExamples(how))
+    _two_steps(_RowsNotExamples(how), noise_from="sub_batches")
+
+
+def test_a_batch_norm_without_trained_parameters_is_no_per_example_model():
+    """BatchNorm couples the examples; one with no trainable parameter (affine=False, or
+    frozen) was not seen: the per-example trace came out 3x the sub-batch one."""
+    model = nn.Sequential(nn.Embedding(11, 6), nn.BatchNorm1d(4, affine=False), nn.Linear(6, 11))
+    data = TensorDataset(torch.randint(0, 11, (32, 4)))
+    loop = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters()), data, statistics=True)
+    assert loop.collector.per_example is None
+    with pytest.raises(ValueError, match="BatchNorm '1' normalises over the batch"):
+        bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters()), data, noise_from="examples")
+
+
+def test_a_new_loop_on_the_model_takes_its_layers_over_and_a_refusal_leaves_them_plain():
+    """The docs' way to change what trains is a new loop: it failed ('measured by another
+    collector already') even after the old one was deleted; after a refusal at a step, the
+    model's own forward kept raising for the rest of the process."""
+    model, data = _Untied(), TensorDataset(torch.randint(0, 11, (32, 4)))
+    first = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters()), data, statistics=True)
+    _two_steps(model)  # a second loop on the model, measured
+    with pytest.raises(RuntimeError, match=r"another loop \(or collector\) on this model"):
+        next(first.steps(max_steps=1))
+    ids = torch.randint(0, 11, (5, 4))
+    refused = _RowsNotExamples("a part")
+    with pytest.raises(RuntimeError):
+        _two_steps(refused)
+    refused(ids).sum().backward()  # its own forward again
+    loop = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            TensorDataset(ids), statistics=True)  # fmt: skip
+    loop.close()
+    assert "forward" not in vars(model.mix)

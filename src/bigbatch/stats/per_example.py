@@ -85,6 +85,8 @@ class _Step:
 
     #: examples per unit
     m: int
+    #: this rank's micro-batch sizes (a measured layer's input has one of them as its rows)
+    sizes: frozenset[int] = frozenset()
     norms: list[Tensor] = field(default_factory=list)
     groups: list[int] = field(default_factory=list)
     #: LayerNorms' (input, mean, rstd, output gradient, units, groups), taken at the end
@@ -127,9 +129,20 @@ class _Layer:
                 step.groups.append(self.groups[name])
 
     def refuse_second_use(self) -> None:
+        self.probe.abandon()
         raise RuntimeError(
             f"per-example statistics: layer {self.name!r} ran twice in one "
             "micro-batch's forward (a shared layer, or one called twice); "
+            "use the sub-batch statistics (noise_from='sub_batches') for such a model"
+        )
+
+    def refuse_rows(self, rows: int, sizes: frozenset[int]) -> None:
+        # the rules read the input's first dimension as the micro-batch's examples
+        self.probe.abandon()
+        raise RuntimeError(
+            f"per-example statistics: layer {self.name!r} got {rows} rows where a micro-batch "
+            f"has {', '.join(map(str, sorted(sizes)))} examples (a sequence-first input, the "
+            "batch flattened with its tokens, or a part of it): its rows are not the examples; "
             "use the sub-batch statistics (noise_from='sub_batches') for such a model"
         )
 
@@ -683,8 +696,8 @@ def _rule(module: nn.Module) -> Rule | None:
 
 
 def _is_fsdp_subclass(module: nn.Module, kind: type) -> bool:
-    """Whether ``module``'s class is FSDP2's subclass of a rule's (``FSDPLinear``); a user's
-    own subclass may change ``forward``, so it does not count."""
+    """Whether ``module``'s class is FSDP2's subclass of a rule's (``FSDPLinear``)."""
+    # (a user's own subclass may change forward, so it does not count)
     return type(module).__name__ == f"FSDP{kind.__name__}"
 
 
@@ -708,6 +721,14 @@ def _covered_modules(
         names.setdefault(id(p), name)
     missing = [names.get(id(p), "?") for p in params if owners.get(id(p)) != 1]
     return chosen, missing
+
+
+def batch_coupled(model: nn.Module) -> list[str]:
+    """The BatchNorm layers that normalise over the batch (training, or no running stats)."""
+    # (through them an example's gradient depends on the others', whatever trains)
+    batch_norm = nn.modules.batchnorm._BatchNorm
+    return [name or type(m).__name__ for name, m in model.named_modules()
+            if isinstance(m, batch_norm) and (m.training or not m.track_running_stats)]  # fmt: skip
 
 
 def uncovered(model: nn.Module, params: Sequence[Tensor]) -> list[str]:
@@ -743,6 +764,8 @@ class _MeasuredForward:
             if layer.uses:
                 layer.refuse_second_use()
             layer.uses += 1
+            if len(args[0]) not in layer.probe.step.sizes:
+                layer.refuse_rows(len(args[0]), layer.probe.step.sizes)
         return self.rule(module, layer, args[0])
 
 
@@ -801,13 +824,14 @@ class PerExampleNorms:
         #: the embeddings' unit offsets, by micro-batch shape
         self.offsets: dict[tuple, Tensor] = {}
         self.handles = []
-        taken = [n for m, _ in chosen if isinstance(vars(m).get("forward"), _MeasuredForward)
-                 for n in [names.get(id(m), type(m).__name__)]]  # fmt: skip
-        if taken:
-            raise ValueError(
-                f"layer {taken[0]!r} is measured by another collector already: one at a time "
-                "(close() the other first)"
-            )
+        # a new loop on the model (the docs' way to change what trains) takes its layers over
+        # from the one before, which refuses to measure again (one at a time)
+        for module, _ in chosen:
+            other = vars(module).get("forward")
+            if isinstance(other, _MeasuredForward):
+                other.layer.probe.close()
+                other.layer.probe.taken_over = True
+        self.taken_over = False
         self.layers: list[_Layer] = []
         for module, rule in chosen:
             groups = {
@@ -820,7 +844,12 @@ class PerExampleNorms:
 
     def begin(self, batches: SubBatches) -> None:
         """Start a step: its unit size from the smallest micro-batch of any rank."""
-        self.step = _Step(unit_size(min(batches.all_sizes), self.units))
+        if self.taken_over:
+            raise RuntimeError(
+                "per-example statistics: another loop (or collector) on this model measures "
+                "its layers now; one at a time: use that one"
+            )
+        self.step = _Step(unit_size(min(batches.all_sizes), self.units), frozenset(batches.sizes))
         self.measuring, m = True, self.step.m
         self._follow_the_model()
         unit = _UNIT_SHAPES.get(self.key)
@@ -846,6 +875,9 @@ class PerExampleNorms:
         # a copy (of a copied model) measures with a unit shape of its own
         self.__dict__.update(state)
         self.key = _unit_shape_key(self)
+
+    def abandon(self) -> None:  # the step under way ends: later forwards are the layers' own
+        self.step, self.measuring = None, False
 
     def next_micro_batch(self) -> None:
         """The next forward is another micro-batch's: each layer may run once in it."""
