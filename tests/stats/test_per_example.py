@@ -390,8 +390,11 @@ def test_a_layer_run_twice_in_one_forward_is_refused():
     with pytest.raises(RuntimeError, match="ran twice in one micro-batch"):
         lin(lin(torch.randn(4, 3)))
     stats.begin([4])
+    x = torch.randn(4, 3)  # its input by name (refused before): measured as by position
+    torch.testing.assert_close(lin(input=x), nn.functional.linear(x, lin.weight, lin.bias))
+    stats.begin([4])
     with pytest.raises(RuntimeError, match="without a positional input tensor"):
-        lin(input=torch.randn(4, 3))
+        lin([[0.0] * 3] * 4)
     stats.close()
 
 

@@ -749,6 +749,8 @@ class _MeasuredForward:
         # a new object, the unit size a new number)
         if not layer.probe.measuring or not torch.is_grad_enabled():
             return type(module).forward(module, *args, **kwargs)
+        if not args and len(kwargs) == 1:  # its one input by name (`layer(input=x)`)
+            args, kwargs = tuple(kwargs.values()), {}
         if not args or kwargs or not isinstance(args[0], Tensor):
             raise RuntimeError(
                 f"per-example statistics: layer {layer.name!r} was called without a "
