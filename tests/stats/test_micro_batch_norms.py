@@ -45,3 +45,20 @@ def test_a_backward_outside_a_step_is_not_counted():
     model(torch.randn(2, 3)).sum().backward()  # no step: the hook ignores it
     for handle in norms.handles:
         handle.remove()
+
+
+def test_a_users_autograd_grad_between_steps_runs_and_is_not_counted():
+    # torch's register_multi_grad_hook (mode "all") raised inside torch.autograd.grad
+    model = nn.Linear(3, 1)
+    batches = SubBatches([2, 2], [[2, 2]], [0.5, 0.5], World())
+    steps = [None]
+    norms = MicroBatchNorms(ParamLayout([list(model.parameters())]), lambda: steps[0])
+    x = torch.randn(4, 3)
+    grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    assert torch.equal(grads[1], torch.tensor([4.0]))
+    steps[0] = batches
+    norms.begin(batches)
+    for index in range(2):
+        batches.current = index
+        (model(x[2 * index : 2 * index + 2]).mean() * 0.5).backward()
+    assert norms.finish(batches).sums.item() > 0

@@ -4,7 +4,8 @@ reaches ``.grad`` (the other source of the same sum:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -27,14 +28,18 @@ class MicroBatchNorms:
         self.layout, self.dataset_size = layout, dataset_size
         self._current = current
         self._sub_sq: Tensor | None = None  # (micro-batches, groups): |g_i|² / l_i²
+        self._pending: list[tuple[int, Tensor]] = []  # this backward's increments so far
+        # one hook a tensor and a callback at the backward's end, not torch's
+        # register_multi_grad_hook: its "all" mode asks the engine which hooks will run,
+        # which torch refuses inside torch.autograd.grad (a user's own, outside any step)
         self.handles = [
-            torch.autograd.graph.register_multi_grad_hook(
-                layout.hooked, self._on_gradients, mode="all"
-            )
+            p.register_hook(functools.partial(self._on_gradient, i))
+            for i, p in enumerate(layout.hooked)
         ]
 
     def begin(self, batches: SubBatches) -> None:
         """Start a step of these sub-batches: no norms yet."""
+        self._pending = []  # (left by a backward that raised)
         self._sub_sq = torch.zeros(
             len(batches.sizes), self.layout.num_groups, device=self.layout.device,
             dtype=torch.float64,
@@ -53,16 +58,24 @@ class MicroBatchNorms:
         h = sum(inverse_size(b, drawn_from) for b in sizes) / len(sizes)
         return SmallNorms(count=len(sizes), h=h, sums=sub_sq.sum(0))
 
-    def _on_gradients(self, grads: Sequence[Tensor | None]) -> None:
-        """Every parameter's increment of this backward, before it reaches ``.grad``."""
-        batches, sub_sq = self._current(), self._sub_sq
-        if batches is None or batches.current is None or sub_sq is None:
+    def _on_gradient(self, index: int, grad: Tensor) -> None:
+        """One parameter's increment of this backward, before it reaches ``.grad``."""
+        batches = self._current()
+        if batches is None or batches.current is None or self._sub_sq is None:
             return  # a backward outside a step (e.g. the user's own): not ours
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
+        if not self._pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        self._pending.append((index, grad))
+
+    def _on_backward_end(self) -> None:
+        """Every increment of the backward that just ended, as one micro-batch's norms."""
+        pending, self._pending = sorted(self._pending, key=lambda p: p[0]), []
+        batches, sub_sq = self._current(), self._sub_sq
+        if not pending or batches is None or batches.current is None or sub_sq is None:
             return
         index = batches.current
-        sq = torch.stack([n.double() for n in norms([grads[i] for i in present])]).square()
+        present = [i for i, _ in pending]
+        sq = torch.stack([n.double() for n in norms([g for _, g in pending])]).square()
         # |increment / l_i|²: the micro-batch's mean gradient (a Python scalar: no copy)
         sq = sq * (1.0 / batches.loss_weights[index] ** 2)
         sub_sq[index].index_add_(0, self.layout.owners(present), sq)
