@@ -324,6 +324,40 @@ def test_the_noise_waits_for_a_few_traces_when_steps_between_add_the_signal_alon
     assert step > 24  # half a window of the signal came at step 10; the traces later
 
 
+@pytest.mark.parametrize(("window", "every"), [(20, 10), (20, 16), (8, 4), (6, 4)])
+def test_a_trace_measured_too_rarely_for_four_values_weight_still_makes_the_noise_ready(
+    window, every
+):
+    """Values ``every`` steps apart, decayed at every step, never weigh four when the window
+    is short beside the spacing (``(1 + q) / (1 - q) < 4``): the noise never became ready,
+    and the noise-scale controllers kept their first batch all run. Ready once the trace
+    holds nearly all its cadence allows; the default cadence still waits for four."""
+    noise, twin = SmoothedNoise(window=window), SmoothedNoise(window=window)
+    for step in range(20 * every):
+        if step % every == 0:
+            noise.observe({"grad_sq_norm": 1.0, "trace": 10.0})
+        else:
+            noise.observe(between(1.0 + 10.0 / 16, 1 / 16))
+        if step == 3 * every:  # the spacing survives a checkpoint
+            twin.load_state_dict(noise.state_dict())
+        elif step > 3 * every:
+            twin.observe({"grad_sq_norm": 1.0, "trace": 10.0} if step % every == 0 else
+                         between(1.0 + 10.0 / 16, 1 / 16))  # fmt: skip
+            assert twin.ready == noise.ready
+        if noise.ready:
+            break
+    assert noise.ready and noise.trace.count < MIN_TRACE
+    assert noise.trace.reachable < MIN_TRACE / 0.9 + 0.5
+
+
+def test_the_default_cadence_still_waits_for_four_traces_weight():
+    noise = SmoothedNoise(window=20)  # one step in 4: the trace can reach 9.8
+    for step in range(200):
+        noise.observe({"grad_sq_norm": 1.0, "trace": 10.0} if step % 4 == 0 else
+                      between(1.0 + 10.0 / 16, 1 / 16))  # fmt: skip
+        assert noise.ready == (noise.count >= 10 and noise.trace.count >= MIN_TRACE)
+
+
 def test_the_signal_that_borrowed_the_trace_carries_the_traces_error_and_resumes():
     """The values of |G|² that subtracted the smoothed trace all share its error: the bounds
     add ``φ̄ σ_T`` to |G|²'s own standard error, and the share survives a checkpoint (one

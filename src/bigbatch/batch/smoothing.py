@@ -9,6 +9,10 @@ from typing import Any
 from .._checks import check_number
 
 _SUMS = ("w", "w2", "x", "xx")
+#: steps since the last value, and between the last two (0: not yet two)
+_GAPS = ("since", "spacing")
+#: a count within this share of the most its values' spacing lets it reach is full
+_REACHED = 0.9
 
 #: the fewest ``tr Σ`` values behind a decision when steps between measurements add
 #: ``|G|²`` alone (:meth:`SmoothedNoise.observe`): two values' spread is no error bar
@@ -21,13 +25,16 @@ class SmoothedValue:
 
     def __init__(self, window: float = 20.0) -> None:
         self.window = check_number("window", window, low=1.0)
-        self._sums = dict.fromkeys(_SUMS, 0.0)
+        self._sums = dict.fromkeys(_SUMS + _GAPS, 0.0)
 
     def update(self, value: float) -> None:
         if not math.isfinite(value):
             return
         self.age()
         sums = self._sums
+        if sums["w"] > 0:
+            sums["spacing"] = sums["since"]
+        sums["since"] = 0.0
         sums["w"] += 1.0
         sums["w2"] += 1.0
         sums["x"] += value
@@ -41,12 +48,28 @@ class SmoothedValue:
         sums["w2"] *= keep * keep
         sums["x"] *= keep
         sums["xx"] *= keep
+        sums["since"] += 1.0
 
     @property
     def count(self) -> float:
         """The effective number of values averaged (0 before any)."""
         w, w2 = self._sums["w"], self._sums["w2"]
         return w * w / w2 if w2 > 0 else 0.0
+
+    @property
+    def reachable(self) -> float:
+        """The most :attr:`count` reaches with values as far apart as the last two (or inf)."""
+        # (1 + q) / (1 - q): the Kish count of weights q^i, q the weight kept over the spacing
+        spacing = self._sums["spacing"]
+        if spacing <= 0:
+            return math.inf
+        q = (1.0 - 1.0 / self.window) ** spacing
+        return (1.0 + q) / (1.0 - q) if q < 1.0 else math.inf
+
+    def holds(self, count: float) -> bool:
+        """Whether :attr:`count` reaches ``count``, or nearly all its values' spacing allows."""
+        # (a short window, values every k-th step: four values' weight is out of reach)
+        return self.count >= min(count, _REACHED * self.reachable)
 
     @property
     def mean(self) -> float:
@@ -76,7 +99,7 @@ class SmoothedValue:
 
     def reset(self) -> None:
         """Forget every value (after a change that makes the old ones stale)."""
-        self._sums = dict.fromkeys(_SUMS, 0.0)
+        self._sums = dict.fromkeys(_SUMS + _GAPS, 0.0)
 
     def interval(self, z: float) -> tuple[float, float]:
         """``mean ∓ z`` standard errors (``(-inf, inf)`` while unknown)."""
@@ -90,6 +113,7 @@ class SmoothedValue:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sums = {name: float(state[name]) for name in _SUMS}
+        self._sums.update({name: float(state.get(name, 0.0)) for name in _GAPS})
 
 
 class SmoothedNoise:
@@ -143,9 +167,9 @@ class SmoothedNoise:
 
     @property
     def ready(self) -> bool:
-        """Half a window of weight (and ``MIN_TRACE`` traces) behind the estimate."""
+        """Half a window of weight and ``MIN_TRACE`` traces' (or what the cadence allows)."""
         half = self.signal.window / 2
-        return self.count >= half and self.trace.count >= min(half, MIN_TRACE)
+        return self.signal.holds(half) and self.trace.holds(min(half, MIN_TRACE))
 
     def noise_scale(self) -> float:
         """``B_simple`` of the smoothed means (NaN while ``|G|²`` is not positive)."""

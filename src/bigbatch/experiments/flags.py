@@ -6,9 +6,11 @@ bounds, help written once). From them come the flags (``--min-fidelity`` for
 ``min_fidelity``), the help, docs/cli.md's table (:func:`options_table`), the command's
 ``--config`` table (``[tune]``, ``[compare]``, ...) and the checks: one
 :class:`~bigbatch.experiments.config.ConfigError` naming the option and the value. A
-flag overrides the file's table, which overrides the default. (A generator such as tyro
-would own the whole parser and print errors in several lines; this needs ~100.)
+flag overrides the file's table, which overrides the default.
 """
+
+# (a generator such as tyro would own the whole parser and print errors in several lines;
+# this needs ~100)
 
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ and lets the best ``1/reduction`` continue to the next. A fidelity is the first 
 of the full run, on the full run's schedule (a compressed schedule favours large rates:
 Wu et al. 2018, arXiv 1803.02021), and a survivor continues from its checkpoint. The
 first bracket is a Latin hypercube, later ones TPE (Bergstra et al. 2011). The study
-lives in SQLite in the output folder and every decision is remade from it, so a killed
-``tune`` continues. Writes ``best.toml``, ``tune.md`` and ``tune.png``; docs/tuning.md.
+lives in SQLite, so a killed ``tune`` continues; docs/tuning.md.
 """
+
+# every decision is remade from the study; writes best.toml, tune.md and tune.png
 
 from __future__ import annotations
 

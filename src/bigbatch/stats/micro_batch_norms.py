@@ -1,6 +1,5 @@
 """The squared norm of each micro-batch's mean gradient, taken in a hook before it
-reaches ``.grad`` (the other source of the same sum:
-:class:`~bigbatch.stats.per_example.PerExampleNorms`)."""
+reaches ``.grad`` (the other source of the same sum: ``per_example.PerExampleNorms``)."""
 
 from __future__ import annotations
 
