@@ -12,7 +12,7 @@ from typing import Any
 from .._checks import batch_bounds
 from ..assembly import fewest_sub_batches
 from ..batch.controllers import CONTROLLERS, Controller, contract_of, parse_points
-from ..batch.lr import lr_factor, lr_rule_with_reason
+from ..batch.lr import FAMILY_RULES, lr_factor, lr_rule_with_reason
 from ..duration import Duration
 from ..optim import get_optimizer_info
 from .config import (
@@ -128,16 +128,14 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
         config["batch.base"] = config["batch.initial"]
         origins["batch.base"] = "batch.initial: the rate is the one at the first batch"
     family = get_optimizer_info(config["optimizer"]).family
+    measured = task.lr_rule(config["optimizer"])
     config["batch.lr_scaling"], why = lr_rule_with_reason(
-        config["batch.lr_scaling"],
-        CONTROLLERS[kind],
-        family,
-        measured=task.lr_rule(config["optimizer"]),
+        config["batch.lr_scaling"], CONTROLLERS[kind], family, measured
     )
     if why != "as set":
         origins["batch.lr_scaling"] = why
     if not config["lr"]:
-        _task_rate(config, task, origins)
+        _task_rate(config, task, origins, measured or FAMILY_RULES.get(family, "sqrt"))
     plan = RunPlan(config, origins)
     # what only the interval or the controller's own rules refuse: one line, before anything
     intervals(plan)
@@ -186,9 +184,10 @@ def _scaled_rate(task: Any, optimizer: str, batch: int, rule: str) -> tuple[floa
     return rates[near] * factor, why
 
 
-def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str]) -> None:
+def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str], static: str) -> None:
     """The task's rate for the optimizer at ``batch.base`` (held, or scaled:
-    :func:`_scaled_rate`), and the task's ceiling on a step's rate."""
+    :func:`_scaled_rate` by the run's rule, or by ``static`` under AdaScale), and the task's
+    ceiling on a step's rate."""
     if not config["lr_max"]:
         # a ceiling belongs to the rates it was measured with: only the task's own
         config["lr_max"] = task.lr_ceiling(config["optimizer"]) or 0.0
@@ -200,7 +199,10 @@ def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str]) -> No
             base_rate = task.lr(optimizer, held=True)
             why = f"the {task.name} task's {optimizer} rate {base_rate:g} held at every batch"
         else:
-            base_rate, why = _scaled_rate(task, optimizer, config["batch.base"], rule)
+            # AdaScale's gain grows the base batch's rate as the batch grows (1 without
+            # statistics): the rate at the base batch itself is carried as a static one
+            carry = static if rule.startswith("adascale") else rule
+            base_rate, why = _scaled_rate(task, optimizer, config["batch.base"], carry)
     except KeyError as err:
         raise ConfigError(err.args[0]) from None
     if config["max_samples"] > task.max_samples:
