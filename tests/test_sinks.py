@@ -201,3 +201,42 @@ def test_wandb_offline_holds_every_metric_and_the_change(tmp_path, monkeypatch):
     data = json.loads(table.read_text())
     assert data["columns"] == ["step", "batch", "change"]
     assert data["data"] == [[3, 128, batch_change(rows()[2])]]
+
+
+def test_an_asynchronous_loops_rows_as_the_docs_feed_them_log_every_step_once():
+    """docs/logging.md's own-loop snippet under ``asynchronous=True``: the first step's
+    metrics are ``{}`` (the read comes one step late) and ``flush()`` gives the last; a bare
+    ``KeyError: 'step'`` ended the run before."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import bigbatch as bb
+
+    class Recording:
+        def __init__(self):
+            self.steps = []
+
+        def log(self, values, step):
+            self.steps.append(step)
+
+        def event(self, text, step, batch): ...
+
+        def close(self): ...
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 4)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    loop = bb.AdaptiveBatch(
+        model, optimizer, TensorDataset(x, (x[:, 0] > 0).long()), asynchronous=True
+    )
+    sink = Recording()
+    with Sinks(sink) as sinks:
+        for step in loop.steps(max_steps=5):
+            for xb, yb in step.micro_batches():
+                step.backward(nn.functional.cross_entropy(model(xb), yb))
+            step.apply()
+            sinks.record(step.metrics)
+        sinks.record(loop.flush())
+    assert sink.steps == [1, 2, 3, 4, 5]

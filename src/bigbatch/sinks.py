@@ -89,6 +89,9 @@ class Sinks:
 
     def record(self, metrics: Mapping[str, Any]) -> None:
         """Log a step's metrics (it must carry ``step``) and its batch change, if any."""
+        # {}: an asynchronous loop's first step, or its flush() with nothing left
+        if not metrics:
+            return
         step = int(metrics["step"])
         values = tagged(metrics)
         change = batch_change(metrics)
