@@ -211,7 +211,6 @@ def test_the_tasks_rate_says_when_the_budget_is_longer_than_the_one_it_was_measu
     assert "lr" not in plan_run({"task": "text", "lr": 0.004, "max_samples": 600_000}).origins
 
 
-
 @pytest.mark.parametrize("rule", ["adascale", "adascale-sqrt"])
 @pytest.mark.parametrize(("optimizer", "static"), [("sgd", "linear"), ("lamb", "sqrt")])
 def test_under_adascale_the_tasks_rate_reaches_the_first_batch_by_the_static_rule(
@@ -224,6 +223,7 @@ def test_under_adascale_the_tasks_rate_reaches_the_first_batch_by_the_static_rul
     ada = plan_run({**config, "batch.lr_scaling": rule})
     assert ada["batch.base"] == 8 and ada["lr"] == pytest.approx(plain["lr"])
     assert f"({static} of 8/64)" in ada.origins["lr"]
+
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_an_asynchronous_run_builds_its_optimizer_fused_and_says_so(optimizer):

@@ -185,9 +185,8 @@ def _scaled_rate(task: Any, optimizer: str, batch: int, rule: str) -> tuple[floa
 
 
 def _task_rate(config: dict[str, Any], task: Any, origins: dict[str, str], static: str) -> None:
-    """The task's rate for the optimizer at ``batch.base`` (held, or scaled:
-    :func:`_scaled_rate` by the run's rule, or by ``static`` under AdaScale), and the task's
-    ceiling on a step's rate."""
+    """The task's rate for the optimizer at ``batch.base`` (held, or :func:`_scaled_rate`:
+    by the run's rule, ``static`` under AdaScale), and the task's ceiling on a step's rate."""
     if not config["lr_max"]:
         # a ceiling belongs to the rates it was measured with: only the task's own
         config["lr_max"] = task.lr_ceiling(config["optimizer"]) or 0.0
