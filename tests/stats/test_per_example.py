@@ -713,6 +713,22 @@ def test_a_layer_whose_rows_are_not_the_examples_is_refused(how):
     _two_steps(_RowsNotExamples(how), noise_from="sub_batches")
 
 
+def test_a_forward_of_other_data_inside_a_step_is_refused_with_no_grad_as_the_fix():
+    """An evaluation with gradients on inside the step was blamed on the model's layout
+    alone; the refusal names the other cause and its fix."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(64, 3)
+    data = torch.utils.data.TensorDataset(x, torch.randn(64, 2))
+    loop = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                            controller=bb.batch.Constant(16), statistics=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"other data inside the step .* torch.no_grad\(\)"):
+        for step in loop.steps(max_steps=1):
+            for xb, yb in step.micro_batches():
+                model(x[:40]).sum()  # an evaluation, gradients on
+                step.backward(functional.mse_loss(model(xb), yb))
+            step.apply()
+
+
 def test_a_batch_norm_without_trained_parameters_is_no_per_example_model():
     """BatchNorm couples the examples; one with no trainable parameter (affine=False, or
     frozen) was not seen: the per-example trace came out 3x the sub-batch one."""

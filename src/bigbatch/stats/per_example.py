@@ -93,6 +93,13 @@ class _Step:
     held: list[tuple] = field(default_factory=list)
 
 
+#: the refusals' other cause: the model run with gradients on data other than the step's
+_OTHER = (
+    "; or, if the model ran on other data inside the step (an evaluation), run that under "
+    "torch.no_grad() or after step.apply()"
+)
+
+
 class _Layer:
     """A covered layer as its function sees it: its step, groups and (traced) sinks."""
 
@@ -133,7 +140,7 @@ class _Layer:
         raise RuntimeError(
             f"per-example statistics: layer {self.name!r} ran twice in one "
             "micro-batch's forward (a shared layer, or one called twice); "
-            "use the sub-batch statistics (noise_from='sub_batches') for such a model"
+            "use the sub-batch statistics (noise_from='sub_batches') for such a model" + _OTHER
         )
 
     def refuse_rows(self, rows: int, sizes: frozenset[int]) -> None:
@@ -143,7 +150,7 @@ class _Layer:
             f"per-example statistics: layer {self.name!r} got {rows} rows where a micro-batch "
             f"has {', '.join(map(str, sorted(sizes)))} examples (a sequence-first input, the "
             "batch flattened with its tokens, or a part of it): its rows are not the examples; "
-            "use the sub-batch statistics (noise_from='sub_batches') for such a model"
+            "use the sub-batch statistics (noise_from='sub_batches') for such a model" + _OTHER
         )
 
     def take_sinks(self) -> None:
