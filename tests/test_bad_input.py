@@ -263,6 +263,19 @@ API_CASES = [
         ValueError,
         "module '0' (Embedding) makes sparse gradients",
     ),
+    # a torch error from a norm at the first step; LBFGS's missing closure inside apply()
+    (
+        lambda: (lambda net: bb.AdaptiveBatch(net, torch.optim.SGD(net.parameters()), data()))(
+            nn.Linear(4, 2, dtype=torch.complex64)
+        ),
+        ValueError,
+        "parameter 'weight' is complex (torch.complex64)",
+    ),
+    (
+        lambda: loop(lambda net: torch.optim.LBFGS(net.parameters())),
+        TypeError,
+        "LBFGS.step needs a closure",
+    ),
     (lambda: loop(seed="0"), ValueError, "seed must be a whole number, got '0'"),
     (lambda: loop(loader_options={"in_order": False}), TypeError, "['in_order']: the loop sets"),
     (lambda: loop(seed=2**40), ValueError, "seed must be a whole number in [0, 4294967295]"),
@@ -442,4 +455,16 @@ def test_a_source_state_that_does_not_fit_is_refused_before_anything_is_loaded(
     before = {k: v.clone() for k, v in net.state_dict().items()}
     with pytest.raises(ValueError, match=re.escape(message)):
         other.load_state_dict(saved.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_an_optimizer_state_that_does_not_fit_is_refused_before_anything_is_loaded():
+    """torch's own check came after the model was loaded: a half-loaded loop."""
+    saved = loop().state_dict()
+    net = model()
+    groups = [{"params": net[0].parameters()}, {"params": net[2].parameters(), "lr": 0.01}]
+    other = bb.AdaptiveBatch(net, torch.optim.SGD(groups, lr=0.1), data())
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape("groups of [4] parameters where the loop's")):
+        other.load_state_dict(saved)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())

@@ -127,6 +127,64 @@ def test_between_measurements_the_batch_gradients_norm_is_unscaled_from_a_grad_s
             assert got["batch_grad_sq_norm"] == pytest.approx(want["batch_grad_sq_norm"], rel=1e-4)
 
 
+def test_a_scaler_unscaled_by_the_user_before_apply_is_refused():
+    """The micro-batches' norms are taken scaled in the backward; a gradient unscaled before
+    the read made |G|² negative and the noise scale NaN, silently: the batch never grew."""
+    model, loop = make_run(optimizer="sgd", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+    with pytest.raises(RuntimeError, match=r"scaler.unscale_\(optimizer\) ran before"):
+        for step in loop.steps(max_steps=1):
+            for x, y in step.micro_batches():
+                step.backward(nn.functional.cross_entropy(model(x), y))
+            loop.scaler.unscale_(loop.optimizer)  # torch's AMP recipe, to clip or look
+            step.apply()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_optimizer_step_that_raises_leaves_its_own_rate_for_a_checkpoint():
+    """An interrupt inside the optimizer's step left the batch's scaled rate in the groups,
+    and state_dict() saved it: a resumed run trained at twice the rate for good."""
+
+    class Interrupted(torch.optim.SGD):
+        def step(self, closure=None):
+            raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(16, 4))
+    optimizer = Interrupted(model.parameters(), lr=0.1)
+    loop = bb.AdaptiveBatch(
+        model, optimizer, make_data(), controller=bb.batch.Constant(32), base_batch_size=16,
+        lr_scaling="linear",
+    )  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        train(loop, model, max_steps=1)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert loop.state_dict()["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+@pytest.mark.parametrize("noise_from", ["auto", "sub_batches"])
+def test_a_gradient_another_loop_left_unapplied_is_not_the_next_loops(noise_from):
+    """A step broken off in one loop, then a new loop on the model: the old gradient was
+    added to the new loop's first update and statistics."""
+
+    def first_update(broken_off):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 4))
+        options = dict(controller=bb.batch.Constant(16), noise_from=noise_from, seed=1)
+        if broken_off:
+            old = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   make_data(), **options)  # fmt: skip
+            for step in old.steps(max_steps=1):
+                x, y = next(iter(step.micro_batches()))
+                nn.functional.cross_entropy(model(x), y).backward()  # then a time limit
+                break
+            old.close()
+        loop = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                make_data(), **options)  # fmt: skip
+        train(loop, model, max_steps=1)
+        return model[0].weight.detach().clone()
+
+    assert torch.equal(first_update(True), first_update(False))
+
+
 def test_noise_scale_controller_and_adascale():
     model, loop = make_run(
         controller=bb.batch.contrib.NoiseScale(initial=16, min=8, max=512),

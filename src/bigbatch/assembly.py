@@ -446,10 +446,17 @@ def _check_sub_batches(
 
 
 def _refuse_sparse_gradients(model: nn.Module | None) -> None:
-    """A ``ValueError`` naming a module of sparse gradients (the checks take dense norms)."""
+    """A ``ValueError`` naming a module of sparse gradients or a complex parameter."""
+    # (the checks and the statistics take real, dense norms)
     for name, module in model.named_modules() if model is not None else ():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
             raise ValueError(
                 f"module {name or 'the model'!r} ({type(module).__name__}) makes sparse gradients, "
                 "which the loop cannot check or measure: build it with sparse=False"
+            )
+    for name, param in model.named_parameters() if model is not None else ():
+        if param.requires_grad and param.is_complex():
+            raise ValueError(
+                f"parameter {name!r} is complex ({param.dtype}), which the loop cannot check or "
+                "measure: keep it as a real view (torch.view_as_real) and train that"
             )

@@ -216,6 +216,13 @@ class StepEngine:
         A non-finite step with ``nonfinite="raise"`` raises :class:`NonFiniteError`."""
         if self._plan is None:
             raise RuntimeError("before_optimizer_step() without a step: call begin(plan) first")
+        if _unscaled(self.scaler, self.optimizer):
+            # the micro-batches' norms were taken scaled, the gradient read would not be
+            raise RuntimeError(
+                "scaler.unscale_(optimizer) ran before the step's statistics were read: they "
+                "would mix scaled and unscaled gradients; leave the unscaling to the loop "
+                "(clip with step.apply(max_grad_norm=...))"
+            )
         self._lr.restore(self.optimizer)  # a scaling a framework's skipped step left behind
         if self._pending is not None and not self.options.asynchronous:
             self.flush()  # a checkpoint of an asynchronous run, resumed synchronously
@@ -346,9 +353,13 @@ class StepEngine:
 
     def after_optimizer_step(self, result: StepResult | None = None) -> None:
         """Restore the learning rates (and log what a statistics wrapper reports)."""
-        self._lr.restore(self.optimizer)
+        self.restore_rates()
         if result is not None and not result.skip and isinstance(self.optimizer, StatisticsWrapper):
             result.metrics.update(self.optimizer.metrics())
+
+    def restore_rates(self) -> None:
+        """The optimizer's own rates back, the step's scaling undone (nothing if none)."""
+        self._lr.restore(self.optimizer)
 
     def _count(self, batch: int, metrics: dict[str, float]) -> None:
         self.steps_taken += 1
@@ -435,6 +446,16 @@ def _rate_factor(rule: float, schedule: float | None, ceiling: float | None) -> 
     """The batch rule's factor times the schedule's, at most ``max_lr_factor``."""
     factor = rule * schedule if schedule is not None else rule
     return min(factor, ceiling) if ceiling is not None else factor
+
+
+def _unscaled(scaler: torch.amp.GradScaler | None, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` ran since its last ``update()``."""
+    # torch's own record of it, a private one: False where a torch keeps it otherwise
+    if scaler is None or not scaler.is_enabled():
+        return False
+    states = getattr(scaler, "_per_optimizer_states", {})
+    stage = states.get(id(optimizer), {}).get("stage") if isinstance(states, dict) else None
+    return getattr(stage, "name", None) == "UNSCALED"
 
 
 def _loss_scale(scaler: torch.amp.GradScaler | None, device: torch.device) -> Tensor | None:

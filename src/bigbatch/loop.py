@@ -12,6 +12,7 @@ docs/adaptive_batching.md.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -100,9 +101,8 @@ class Step:
         self._backwards += 1
 
     def apply(self, max_grad_norm: float | None = None) -> None:
-        """Optimizer step at the batch's rate; then choose the next batch size.
-        ``max_grad_norm`` clips after the statistics have read the gradient. With
-        ``asynchronous=True`` the metrics are the step before's (:meth:`AdaptiveBatch.flush`)."""
+        """Optimizer step at the batch's rate, then the next size; ``max_grad_norm`` clips after
+        the statistics read the gradient (``asynchronous``: the step before's metrics)."""
         if max_grad_norm is not None:
             check_number("max_grad_norm", max_grad_norm, low_open=True)
         if self._applied:
@@ -122,9 +122,8 @@ class AdaptiveBatch:
     """Adaptive batch sizes for a plain PyTorch loop, on one process or under DDP.
 
     Each step draws a global batch, splits it into micro-batches, measures the gradient
-    statistics, steps the optimizer at the rate for the batch and asks the controller for
-    the next size. Under DDP every rank draws the same batch and trains its shard
-    (docs/distributed.md).
+    statistics, steps the optimizer at the batch's rate and asks the controller for the next
+    size; under DDP every rank draws the same batch and trains its shard (docs/distributed.md).
 
     Args:
         model: the module being trained, or its ``DistributedDataParallel``.
@@ -132,8 +131,7 @@ class AdaptiveBatch:
         dataset: a map-style dataset (exact resume) or an ``IterableDataset``.
         controller: from ``bigbatch.batch``; default :class:`~bigbatch.batch.BatchWarmup`.
         max_micro_batch: the largest micro-batch that fits in memory.
-        min_sub_batches: the fewest micro-batches of a measuring step (default: what
-            the statistics need).
+        min_sub_batches: the fewest micro-batches of a measuring step (default: as needed).
         options: the per-step rules (:class:`~bigbatch.StepOptions`), or as keywords.
         scaler: a ``torch.amp.GradScaler`` to scale losses and step through.
         comm_hook: a DDP ``(state, hook)`` pair, registered and saved by the loop.
@@ -192,8 +190,10 @@ class AdaptiveBatch:
         )
         self.world = self.engine.world
         self.min_sub_batches = self.engine.sub_batches
-        # the last step yielded was not applied (a flag, not the step: a step holds its loop)
-        self._unapplied = False
+        # the last step yielded was not applied (a flag, not the step: a step holds its loop);
+        # set at the start too: a gradient left on the model (another loop's step broken off)
+        # is not this loop's first step's
+        self._unapplied = True
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
 
@@ -290,7 +290,9 @@ class AdaptiveBatch:
                     self.optimizer.step()
             self.engine.after_optimizer_step(result)
         finally:
-            # a step that raised (NonFiniteError) leaves no gradient for the next to add to
+            # a step that raised (NonFiniteError, or in the optimizer's own step: an interrupt)
+            # leaves no gradient for the next to add to, and no scaled rate for a checkpoint
+            self.engine.restore_rates()
             self.optimizer.zero_grad(set_to_none=True)
         return result
 
@@ -330,10 +332,15 @@ class AdaptiveBatch:
         """Take the statistics' hooks off the model (a loop built after takes them anyway)."""
         if self.collector is not None:
             self.collector.close()
+        if self._unapplied:  # a step left unapplied: its gradient goes with the loop
+            self.optimizer.zero_grad(set_to_none=True)
+            self._unapplied = False
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: exact on as many processes, else re-sharded."""
         _check_loadable(state, self.engine.controller)
+        if not self.world.sharded:  # (FSDP2's full state is checked where it is loaded)
+            _check_optimizer_fits(state["optimizer"], self.optimizer)
         self.source.check_state(state["source"])
         # a step under way (one that raised, say) is abandoned: its gradient goes with it
         self.optimizer.zero_grad(set_to_none=True)
@@ -376,12 +383,33 @@ def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) 
             "optimizer must be a torch optimizer built from the model's parameters "
             f"(bigbatch.optim.create_optimizer(model, 'lamb', lr=...)), got {optimizer!r:.80}"
         )
+    step = inspect.signature(optimizer.step).parameters.get("closure")
+    if step is not None and step.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"{type(optimizer).__name__}.step needs a closure (it evaluates the loss itself), "
+            "but a step of the loop is one optimizer.step() on the gradient the micro-batches "
+            "summed: use an optimizer without one"
+        )
     own = {id(p) for p in model.parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     if held and own and not any(id(p) in own for p in held):
         raise ValueError(
             "the optimizer holds none of the model's parameters (built from another "
             "model?): build it from model.parameters()"
+        )
+
+
+def _check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The ``ValueError`` torch's ``load_state_dict`` would raise half-way through a load."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        raise ValueError("the saved optimizer state has no param_groups: not an optimizer's")
+    sizes = [len(g.get("params", ())) for g in groups]
+    own = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != own:
+        raise ValueError(
+            f"the saved optimizer state has param groups of {sizes} parameters where the "
+            f"loop's optimizer has {own}: was it saved with another model or optimizer?"
         )
 
 
