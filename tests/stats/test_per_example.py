@@ -275,6 +275,9 @@ def test_what_is_not_covered_is_named():
     tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
     tied[1].weight = tied[0].weight
     assert uncovered(tied, list(tied.parameters())) == ["0.weight"]
+    temperature = nn.Parameter(torch.ones(()))  # the loss's own, in the optimizer ("?" before)
+    loose = uncovered(bare.lin, [*bare.lin.parameters(), temperature])
+    assert loose == ["a parameter () outside the model"]
     # only the trained parameters count: a frozen bare parameter is no obstacle
     bare.pos.requires_grad_(False)
     assert uncovered(bare, [p for p in bare.parameters() if p.requires_grad]) == []

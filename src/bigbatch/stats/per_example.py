@@ -726,7 +726,8 @@ def _covered_modules(
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    missing = [names.get(id(p), "?") for p in params if owners.get(id(p)) != 1]
+    missing = [names.get(id(p), f"a parameter {tuple(p.shape)} outside the model")
+               for p in params if owners.get(id(p)) != 1]  # fmt: skip
     return chosen, missing
 
 
