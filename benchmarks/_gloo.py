@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,22 @@ def run_gloo(program: Callable[..., Any], world: int, *args: Any) -> Any:
     ]
     for p in procs:
         p.start()
-    value = results.get()
+    while True:  # a rank that fails before rank 0's result would leave the wait hanging
+        try:
+            value = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode]
+            if failed or all(p.exitcode is not None for p in procs):
+                for p in procs:
+                    p.terminate()
+                    p.join()
+                how = (
+                    f"rank {failed[0][0]} failed (exit code {failed[0][1]})"
+                    if failed
+                    else ("the ranks ended without a result")
+                )
+                raise RuntimeError(f"{how}; its error is above") from None
     for p in procs:
         p.join()
     return value

@@ -2,7 +2,7 @@
 
     python benchmarks/default_run.py            # run it, print the figures
     python benchmarks/default_run.py --write    # ... and record them (README and JSON)
-    python benchmarks/default_run.py --check    # ... and exit 1 if the README quotes others
+    python benchmarks/default_run.py --check    # ... and exit 1 if the record differs
 
 Runs the README's main job (`bigbatch train` on the default task) with one torch
 thread, so that the optimizer steps, samples and accuracies are the same on
@@ -89,7 +89,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="record the figures")
-    mode.add_argument("--check", action="store_true", help="exit 1 if the README differs")
+    mode.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/default_run.json's figures differ"
+    )
     args = parser.parse_args()
     figures = run()
     print(json.dumps(figures, indent=2))

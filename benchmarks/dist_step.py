@@ -43,14 +43,15 @@ from _timing import interleaved, medians
 from bigbatch.experiments.tasks import TinyTransformer
 
 OFF = {"statistics": False}
-SUB_BATCHES = {"noise_from": "sub_batches", "similarity": "scalar"}
+#: a Constant batch reads no statistics: an arm that measures them asks (else none are taken)
+SUB_BATCHES = {"statistics": True, "noise_from": "sub_batches", "similarity": "scalar"}
 #: each part's arms: name -> (wrapper, the loop's statistics options)
 PARTS = {
     "ddp": {
         "none": ("ddp", OFF),
         "scalar": ("ddp", SUB_BATCHES),
-        "split": ("ddp", {"noise_from": "sub_batches", "similarity": "split"}),
-        "examples": ("ddp", {"noise_from": "examples"}),
+        "split": ("ddp", {"statistics": True, "noise_from": "sub_batches", "similarity": "split"}),
+        "examples": ("ddp", {"statistics": True, "noise_from": "examples"}),
     },
     "fsdp": {
         "ddp": ("ddp", OFF),

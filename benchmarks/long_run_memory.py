@@ -60,14 +60,15 @@ def main() -> None:
         for xb, yb in step.micro_batches():
             step.backward(nn.functional.cross_entropy(model(xb), yb))
         step.apply()
-        if loop.step % 1000 == 0:
+        if loop.steps_taken % 1000 == 0:
             gc.collect()
             readings.append(rss_mib())
             elapsed = time.perf_counter() - start
-            print(f"{loop.step:>6} {readings[-1]:>8.1f} {step.batch_size:>6} {elapsed:>6.0f}")
+            steps = loop.steps_taken
+            print(f"{steps:>6} {readings[-1]:>8.1f} {step.batch_size:>6} {elapsed:>6.0f}")
     if len(readings) > 1:
         growth = readings[-1] - readings[0]
-        print(f"growth from step 1000 to {loop.step}: {growth:+.1f} MiB")
+        print(f"growth from step 1000 to {loop.steps_taken}: {growth:+.1f} MiB")
 
 
 if __name__ == "__main__":

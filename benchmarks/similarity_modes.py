@@ -14,6 +14,7 @@ imply (docs/algorithms.md, "Gradient statistics").
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
@@ -47,6 +48,7 @@ def worker(batch: int) -> dict | None:
         max_micro_batch=8,
         min_sub_batches=2,
         lr_scaling="none",
+        statistics=True,  # a Constant batch reads none
         similarity="split",
     )
     split, scalar, signal, trace = [], [], [], []
@@ -57,9 +59,7 @@ def worker(batch: int) -> dict | None:
         first = sum(sum(r) for r in step.rank_sizes[: world // 2])
         s = step.stats
         split.append(float(s.similarity))
-        estimate = scalar_similarity(
-            s.grad_sq_norm.double(), s.trace.double(), first, batch - first, len(data)
-        )
+        estimate = scalar_similarity(s.grad_sq_norm, s.trace, first, batch - first, len(data))
         scalar.append(float(estimate))
         signal.append(float(s.grad_sq_norm))
         trace.append(float(s.trace))
@@ -75,6 +75,7 @@ def worker(batch: int) -> dict | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # (--help)
     print(f"{STEPS} steps at a fixed point; mean ± step-to-step standard deviation")
     print(
         f"{'ranks':>5} {'B':>5} {'B_simple':>8} {'implied':>8} {'split (exact)':>16} {'scalar':>16}"

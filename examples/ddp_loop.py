@@ -4,8 +4,10 @@
 
 Each rank trains its shard of every global batch; the batch size, similarity
 and loss printed by rank 0 are global (every rank decides the same). The lines
-marked ``# DDP`` are what differs from ``examples/plain_loop.py``. Runs in
-about a minute on 2 CPU cores.
+marked ``# DDP`` are what DDP adds to ``examples/plain_loop.py``; besides them
+the batch follows SimiGrad's similarity (the statistic DDP splits across the
+ranks) from 32, where the plain loop keeps the default rule from 16 and clips
+the gradient. Runs in about a minute on 2 CPU cores.
 """
 
 import os
