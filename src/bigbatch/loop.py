@@ -383,7 +383,10 @@ def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) 
             "optimizer must be a torch optimizer built from the model's parameters "
             f"(bigbatch.optim.create_optimizer(model, 'lamb', lr=...)), got {optimizer!r:.80}"
         )
-    step = inspect.signature(optimizer.step).parameters.get("closure")
+    try:
+        step = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step without a signature Python can read
+        step = None
     if step is not None and step.default is inspect.Parameter.empty:
         raise TypeError(
             f"{type(optimizer).__name__}.step needs a closure (it evaluates the loss itself), "
