@@ -75,9 +75,18 @@ def test_the_controller_decides_one_step_later_and_the_metrics_come_one_step_lat
     # the batch of step 6 is chosen from step 5's numbers, read at step 6: it lands at step 7
     assert [r["batch_size"] for r in async_rows[1:]] + [last["batch_size"]] == [8] * 6 + [16] * 4
     assert async_rows[0] == {}, "the first step's numbers come with the second"
+
     # until the batches part, every step computed and measured the same numbers
-    assert async_rows[1:6] == sync_rows[:5]
+    def numbers(row):
+        return {k: v for k, v in row.items() if k != "next_batch_size"}
+
+    assert [numbers(r) for r in async_rows[1:6]] == [numbers(r) for r in sync_rows[:5]]
     assert last["step"] == 10 and async_loop.flush() == {}
+    # each row's next batch is the next step's (one change, after step 6), not the decision
+    # for the step after it: the change was logged twice, a step early the first time
+    rows = [*async_rows[1:], last]
+    assert [r["next_batch_size"] for r in rows[:-1]] == [r["batch_size"] for r in rows[1:]]
+    assert [r["step"] for r in rows if r["next_batch_size"] != r["batch_size"]] == [6]
 
 
 def test_each_steps_numbers_are_read_after_the_next_steps_update_is_queued():

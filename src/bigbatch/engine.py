@@ -225,7 +225,8 @@ class StepEngine:
             )
         self._lr.restore(self.optimizer)  # a scaling a framework's skipped step left behind
         if self._pending is not None and not self.options.asynchronous:
-            self.flush()  # a checkpoint of an asynchronous run, resumed synchronously
+            # a checkpoint of an asynchronous run, resumed synchronously
+            self._flush(following=self._plan.batch_size)
         reading = _Reading.of(self)
         self._plan = None
         if self.options.asynchronous:
@@ -247,7 +248,7 @@ class StepEngine:
         result = StepResult(None)
         if self._pending is not None:  # taken first: a step that raises leaves none pending
             read, self._pending = self._resolved_pending(), None
-            result = StepResult(read.stats, self._settle(read))
+            result = StepResult(read.stats, self._settle(read, following=reading.batch))
         self._pending = reading
         self._set_rate(reading.batch, reading.rate_metrics)
         result.found_inf = found_inf
@@ -255,13 +256,17 @@ class StepEngine:
 
     def flush(self) -> StepResult | None:
         """With ``asynchronous``, decide on the last step now (a run's end); None if none."""
+        return self._flush()
+
+    def _flush(self, following: int | None = None) -> StepResult | None:
         if self._pending is None:
             return None
         read, self._pending = self._resolved_pending(), None
-        return StepResult(read.stats, self._settle(read))
+        return StepResult(read.stats, self._settle(read, following))
 
-    def _settle(self, read: _Read) -> dict[str, float]:
+    def _settle(self, read: _Read, following: int | None = None) -> dict[str, float]:
         """An asynchronous step's numbers, read one step late: skipped or learned from."""
+        # following: the batch of the step drawn meanwhile, logged as the next
         if not read.finite:
             try:
                 self._refuse(read)
@@ -269,9 +274,9 @@ class StepEngine:
                 # counted when its rate was set: uncounted, as a refused synchronous step is
                 self.steps_taken, self.samples = read.step - 1, read.samples - read.batch
                 raise
-            return self._drop(read)  # the optimizer (or the scaler) skipped it on the device
+            return self._drop(read, following)  # the optimizer (or scaler) skipped it
         self._learn_averages(read)
-        self._decide(read)
+        self._decide(read, following)
         return read.metrics
 
     def _refuse(self, read: _Read) -> bool:
@@ -293,10 +298,11 @@ class StepEngine:
             )
         return overflowed
 
-    def _drop(self, read: _Read) -> dict[str, float]:
+    def _drop(self, read: _Read, following: int | None = None) -> dict[str, float]:
         """A non-finite step counted as skipped (its update dropped)."""
         self.skipped_steps += 1
-        read.metrics.update(skipped=1.0, lr_factor=0.0, lr=0.0, next_batch_size=self.batch_size)
+        following = self.batch_size if following is None else following
+        read.metrics.update(skipped=1.0, lr_factor=0.0, lr=0.0, next_batch_size=following)
         return read.metrics
 
     def _learn_averages(self, read: _Read) -> None:
@@ -325,7 +331,7 @@ class StepEngine:
         self._lr.apply(self.optimizer, factor)
         self._count(batch, metrics)
 
-    def _decide(self, read: _Read) -> None:
+    def _decide(self, read: _Read, following: int | None = None) -> None:
         """The controller chooses the next batch from a step's numbers."""
         metrics = read.metrics
         # an overflowed GradScaler step teaches the controller nothing, and a step between
@@ -340,7 +346,8 @@ class StepEngine:
             self.batch_size = int(self.controller.next(metrics, read.batch, read.samples))
         if read.finite:
             self._log_noise_scale(metrics)
-        metrics["next_batch_size"] = self.batch_size
+        # asynchronous: the decision is the step after next's batch; the next one's was drawn
+        metrics["next_batch_size"] = self.batch_size if following is None else following
 
     def _log_noise_scale(self, metrics: dict[str, float]) -> None:
         """The ``noise_scale`` logged: the controller's, else a default smoothed one."""
