@@ -111,6 +111,32 @@ def test_a_tracking_uri_mlflow_cannot_open_is_one_line_before_the_run(tmp_path, 
     assert not (tmp_path / "r").exists()
 
 
+def test_a_tracker_that_cannot_open_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+    """W&B without a login (or an MLflow server that refuses) ended the run in a traceback,
+    exit 1, with no summary; the folder then blocked the same command."""
+    pytest.importorskip("tensorboard")
+    from bigbatch.experiments import run_sinks
+
+    def no_login(*args, **kwargs):
+        raise RuntimeError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(run_sinks, "WandbSink", no_login)
+    out = tmp_path / "r"
+    argv = ["train", "--quiet", "--task", "digits", "--set", "max_samples=300", "--set",
+            "log.tensorboard=true", "--set", "log.wandb=true", "--out", str(out)]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "log.wandb = True: the tracker could not be opened" in err
+    assert "No API key configured" in err and "--resume" in err
+    assert json.loads((out / "summary.json").read_text())["ended"] == "error"
+    monkeypatch.undo()  # the login given, the same run resumes
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert cli.main(["train", "--quiet", "--resume", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["ended"] == "budget"
+
+
 @pytest.mark.parametrize("asynchronous, purged_from", [(False, 6), (True, 5)])
 def test_a_resumed_run_hides_what_the_killed_one_wrote_after_its_checkpoint(
     tmp_path, monkeypatch, asynchronous, purged_from

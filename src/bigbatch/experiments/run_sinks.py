@@ -3,6 +3,7 @@ its MLflow or W&B run again."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,34 @@ def check_sinks(log: LogKeys) -> None:
 
 
 def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks:
-    """Every sink the plan asks for, writing into (or naming) the run directory ``out``;
-    a resumed run continues its trackers' runs from ``first_step``."""
-    log = plan.log
+    """Every sink the plan asks for, writing into (or naming) ``out``, continued from
+    ``first_step`` on a resume; one that cannot open is a ConfigError naming its key."""
+    # (a tracker's server down, or no login: a traceback and exit 1 before)
     sinks: list[Any] = []
+    try:
+        _open(plan, out, resume, first_step, sinks)
+    except Exception as err:
+        with contextlib.suppress(Exception):
+            Sinks(*sinks).close()
+        raise ConfigError(
+            f"{_failed(plan, sinks)}: the tracker could not be opened ({first_line(err)}); "
+            "the run is kept: --resume it once the tracker answers"
+        ) from None
+    return Sinks(*sinks)
+
+
+def _failed(plan: RunPlan, opened: list[Any]) -> str:
+    # the log key (and value) of the first tracker asked for that is not among those opened
+    log = plan.log
+    wanted = [(k, v) for k, v in (("log.tensorboard", log.tensorboard), ("log.mlflow",
+              log.mlflow), ("log.wandb", log.wandb)) if v]  # fmt: skip
+    key, value = wanted[min(len(opened), len(wanted) - 1)]
+    return f"{key} = {value!r}"
+
+
+def _open(plan: RunPlan, out: Path, resume: bool, first_step: int, sinks: list[Any]) -> None:
+    # open_sinks' trackers, each appended to sinks once open
+    log = plan.log
     # a resumed run's batch changes so far, from its metrics (cut back to its checkpoint)
     changes = _changes(out) if resume and (log.mlflow or log.wandb) else None
     if log.tensorboard:
@@ -75,7 +100,6 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
         )
         write_atomically(out / WANDB_RUN, sink.run_id)
         sinks.append(sink)
-    return Sinks(*sinks)
 
 
 def _changes(out: Path) -> list[tuple[int, int, str]]:

@@ -166,8 +166,10 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
         mininterval=0.5,
         disable=quiet or not writer,  # a disabled bar's calls do nothing
     )
-    sinks = open_sinks(plan, out, resume, first_step) if writer else Sinks()
+    sinks = Sinks()
     try:
+        if writer:  # (inside: a tracker that cannot open ends the run with its summary)
+            sinks = open_sinks(plan, out, resume, first_step)
         with (out / "metrics.jsonl").open("a") if writer else contextlib.nullcontext() as log:
             run.log, run.sinks = log, sinks
             with sinks:
