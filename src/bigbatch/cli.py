@@ -268,7 +268,7 @@ def _train(args: argparse.Namespace) -> int:
             raise ConfigError("--explain explains a new run's config; drop --resume")
         from .experiments.explain import explain
 
-        print(explain(config))
+        print(explain(config, processes=args.nproc))
         return 0
     config = plan_run(config)  # checked here, before a launcher starts processes
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:

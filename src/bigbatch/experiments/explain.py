@@ -14,6 +14,7 @@ import torch
 from ..batch.controllers import CONTROLLERS, BatchWarmup, contract_of
 from ..options import AUTO_EXAMPLES, AUTO_MOST
 from .build import build, fit_batches_to_data, run_device
+from .device import share_of_cores
 from .plan import RunPlan, plan_run
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
@@ -28,10 +29,10 @@ FOLLOWS = {
 FIRST = ("lr", "batch.lr_scaling", "lr_max", "schedule.kind", "schedule.warmup", "max_samples")
 
 
-def explain(config: dict[str, Any]) -> str:
+def explain(config: dict[str, Any], processes: int = 1) -> str:
     """The run ``config`` (resolved, not yet filled) describes: its rate, schedule, noise
     statistics and machine in one line each, then every value filled for it and where that
-    value came from."""
+    value came from (``processes``: those ``--nproc`` starts)."""
     plan = plan_run(config)
     # one process builds the run: what only the data and the model decide
     built = build(plan) if plan.dist.compression == "none" else None
@@ -50,7 +51,7 @@ def explain(config: dict[str, Any]) -> str:
         + (f", at most {opt.lr_max:.4g} a step" if opt.lr_max else ""),
         f"schedule  {shape}",
         f"noise     {_noise(plan, built[1].engine if built else None)}",
-        f"machine   {_machine(plan)}",
+        f"machine   {_machine(plan, processes)}",
         "",
         "filled in (every other key is as set or its default; bigbatch train --help):",
     ]
@@ -111,15 +112,20 @@ def _noise(run: RunPlan, engine: Any) -> str:
     )
 
 
-def _machine(run: RunPlan) -> str:
-    """The device this process would train on, its CPU threads and the forward's precision."""
+def _machine(run: RunPlan, processes: int = 1) -> str:
+    """The device a process would train on, its CPU threads and the forward's precision."""
     device, machine = run_device(run), run.machine
     auto = machine.device == "auto"
     text = f"{device}{' (device auto: no GPU)' if auto and device.type == 'cpu' else ''}"
+    if processes > 1:
+        text = f"{processes} processes (--nproc), each on {text}"
     if device.type == "cpu":
-        threads = machine.threads or torch.get_num_threads()
+        # as set_threads gives them: the cores shared among the processes --nproc starts
+        shared = share_of_cores(processes) if processes > 1 else torch.get_num_threads()
+        threads = machine.threads or shared
         text += f", {threads} thread{'s' if threads > 1 else ''}"
-        text += "" if machine.threads else " (torch's default)"
+        if not machine.threads:
+            text += " (the cores shared among them)" if processes > 1 else " (torch's default)"
     text += f"; forward passes in {machine.precision}"
     if machine.compile != "none":
         text += f"; training steps compiled (torch.compile, mode {machine.compile})"
