@@ -42,6 +42,10 @@ CLI_CASES = [
         ["train", "--set", "batch.controller=damped_simigrad", "--set", "batch.target=1"],
         "batch.target = 1.0: target must be in (0, 1), got 1.0",
     ),
+    (  # a ramp's own rules: the key and the value as typed (the controller's words alone before)
+        ["train", "--set", "batch.controller=ramp", "--set", "batch.ramp_points='5%:16'"],
+        "batch.ramp_points = '5%:16': Ramp's points must start at 0",
+    ),
     (["train", "--set", "batch.initial=-1"], "batch.initial must be a whole number >= 0, got -1"),
     (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
     (  # the cool-down started where the warm-up ended: shorter than --explain said

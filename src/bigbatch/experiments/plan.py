@@ -457,7 +457,7 @@ def make_controller(plan: RunPlan) -> Controller:
     except ValueError as err:
         # a rule the keys' own bounds do not hold (Seesaw's growth of 0 or >= 1): the error
         # names the argument; say which key set it
-        named = str(err).split(maxsplit=1)[0]
+        named = str(err).removeprefix(f"{cls.__name__}'s ").split(maxsplit=1)[0]
         key = next((f"batch.{k}" for k, knob in cls.CONFIG.items() if knob.param == named), None)
         raise ConfigError(f"{key} = {plan[key]!r}: {err}" if key else str(err)) from None
 
