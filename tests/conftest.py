@@ -6,6 +6,11 @@ workers share two cores instead of four threads fighting over them. The fault in
 (marked ``faults``) wait on signals, timeouts and checkpoints; they run one after another
 in one worker (``--dist loadgroup``), beside the other worker's tests.
 
+The second tier, which CI runs with the first: ``faults``, ``compile`` and ``processes``
+(a test that starts several processes: DDP ranks, torch's launcher, a pool; marked here by the
+fixtures that start them, or by hand). The inner loop leaves it out:
+``python -m pytest -n 2 -m "not faults and not compile and not processes"``.
+
 Without a GPU, Triton (where installed) runs ``impl="fused"``'s kernels in its
 interpreter on CPU tensors (tests/optim/test_fused.py). The variable must be
 set before anything imports Triton, so it is set here, first.
@@ -25,10 +30,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+#: fixtures that start processes (tests/parallel/conftest.py, tests/integrations/test_deepspeed.py)
+_PROCESS_FIXTURES = {"cluster", "cluster2", "cluster4", "ranks", "one_rank"}
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
     distributed = config.pluginmanager.hasplugin("xdist")
     for item in items:
+        if _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
         if distributed and "faults" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("faults"))
         if "cuda" in item.keywords and not torch.cuda.is_available():

@@ -14,6 +14,8 @@ import torch
 
 from .test_cli import rows
 
+pytestmark = pytest.mark.processes
+
 # the CPU: these runs are compared bitwise, and --nproc 2 uses two gloo ranks even where a
 # GPU exists (tests/experiments/test_device.py trains on the GPU)
 SMALL = [
@@ -152,6 +154,7 @@ def test_torchs_powersgd_hook_trains_two_processes(tmp_path):
     assert json.loads((out / "summary.json").read_text())["best_accuracy"] > 0.3
 
 
+@pytest.mark.faults
 def test_a_run_sigkilled_before_its_first_step_resumes_to_the_same_result(tmp_path):
     args = [*SMALL, "--set", "max_samples=12000"]
     straight = tmp_path / "straight"

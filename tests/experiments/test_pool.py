@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from bigbatch.experiments.pool import in_processes
 
 
@@ -9,6 +11,7 @@ def _pid_of(_item):
     return os.getpid()
 
 
+@pytest.mark.processes
 def test_results_come_back_in_order_from_other_processes():
     assert in_processes(abs, [-3, -1, -2], workers=2) == [3, 1, 2]
     pids = in_processes(_pid_of, [0, 1, 2], workers=2)

@@ -455,6 +455,7 @@ def test_a_killed_tune_resumes_and_ends_as_one_never_killed(tmp_path):
     assert "best config" in done.stdout
 
 
+@pytest.mark.processes
 def test_trials_run_in_parallel_processes(tmp_path):
     out = tmp_path / "study"
     command = [

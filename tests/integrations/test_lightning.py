@@ -155,6 +155,7 @@ class Record(pl.Callback):
         )
 
 
+@pytest.mark.processes
 def test_ddp_ranks_decide_the_same_batch_sizes(tmp_path):
     data = teacher_data()
     sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=12_000)
