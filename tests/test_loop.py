@@ -72,18 +72,21 @@ def test_micro_batches_follow_the_plan():
     step.apply()
 
 
-def test_resume_is_bitwise_identical():
-    model, loop = make_run()
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")
+@pytest.mark.parametrize("optimizer", ["lamb", "vr-lamb"])  # (a wrapper's state: refused)
+def test_resume_is_bitwise_identical(optimizer):
+    model, loop = make_run(optimizer=optimizer)
     train(loop, model, max_steps=30)
     expected = [p.detach().clone() for p in model.parameters()]
     expected_history = None
 
-    model, loop = make_run()
+    model, loop = make_run(optimizer=optimizer)
     train(loop, model, max_steps=12)
     buffer = io.BytesIO()
     torch.save(loop.state_dict(), buffer)
     buffer.seek(0)
-    model, resumed = make_run(seed=99)  # a different start: everything comes from the checkpoint
+    # a different start: everything comes from the checkpoint
+    model, resumed = make_run(seed=99, optimizer=optimizer)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     expected_history = train(resumed, model, max_steps=30)
     assert len(expected_history) == 18

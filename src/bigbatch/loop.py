@@ -25,6 +25,7 @@ from .batch.controllers import Controller
 from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
 from .engine import NonFiniteError, StepEngine, StepResult, back_off
+from .optim.wrapper import StatisticsWrapper
 from .options import StepOptions
 from .parallel import ddp, fsdp
 from .parallel.hooks import CommHook
@@ -404,6 +405,8 @@ def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) 
 
 def _check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
     """The ``ValueError`` torch's ``load_state_dict`` would raise half-way through a load."""
+    while isinstance(optimizer, StatisticsWrapper) and isinstance(saved, dict):
+        saved, optimizer = saved.get("base"), optimizer.base  # VRGD, AGVM: the base's groups
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list):
         raise ValueError("the saved optimizer state has no param_groups: not an optimizer's")
