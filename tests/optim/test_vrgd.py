@@ -174,12 +174,14 @@ def test_every_variant_trains_in_adaptive_batch(name):
     assert optimizer.base.param_groups[0]["lr"] == pytest.approx(lr[name] * 0.5)
 
 
+@pytest.mark.parametrize("scheduled", [False, True], ids=["", "scheduled"])
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("kind", ["lamb", "lars", "merit", "vrgd", "agvm"])
-def test_a_copied_optimizer_steps_as_the_original(kind, how):
+def test_a_copied_optimizer_steps_as_the_original(kind, how, scheduled):
     """torch's pickling keeps defaults, state and groups alone: a copy (``copy.deepcopy``, a
     pickle) lost ``impl``, LAMB's ``max_grad_norm``, a wrapper's ``base``, and its step
-    raised ``AttributeError``."""
+    raised ``AttributeError``. With an LR scheduler attached (it wraps ``step`` on the
+    instance), a deep copy's step moved the original's parameters and a pickle failed."""
     import copy
     import pickle
 
@@ -192,11 +194,15 @@ def test_a_copied_optimizer_steps_as_the_original(kind, how):
     else:
         groups = bb.optim.module_param_groups(model, 0.01, "ends")
         optimizer = bb.optim.AGVM(create_optimizer(groups, "lamb", lr=0.01), start=0, interval=1)
+    if scheduled:
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     run_step(model, optimizer, x, y, sizes)
     pair = (model, optimizer)
     other = copy.deepcopy(pair) if how == "deepcopy" else pickle.loads(pickle.dumps(pair))
-    for m, o in (pair, other):
-        run_step(m, o, x, y, sizes)
+    before = [p.detach().clone() for p in model.parameters()]
+    run_step(*other, x, y, sizes)  # the copy's step moves the copy alone
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    run_step(*pair, x, y, sizes)
     for p, q in zip(model.parameters(), other[0].parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 

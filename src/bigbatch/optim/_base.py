@@ -197,11 +197,17 @@ def run_compiled(
 # ---------------------------------------------------------------- base class
 
 
+#: what an LR scheduler puts on the optimizer it drives: ``step`` wrapped (calling the
+#: original through a weak reference) and the flag it sets; a copy steps itself
+_SCHEDULERS_PATCH = ("step", "_opt_called")
+
+
 def own_state(optimizer: torch.optim.Optimizer, cache: Sequence[str] = ()) -> dict[str, Any]:
-    # what a copy or a pickle of optimizer keeps: every attribute but its hooks (as torch's)
-    # and cache; torch's own keeps defaults, state and groups alone
+    # what a copy or a pickle of optimizer keeps: every attribute but its hooks (as torch's),
+    # an LR scheduler's patch and cache; torch's own keeps defaults, state and groups alone
+    skip = (*_SCHEDULERS_PATCH, *cache)
     own = vars(optimizer).items()
-    return {k: v for k, v in own if not k.startswith("_optimizer_") and k not in cache}
+    return {k: v for k, v in own if not k.startswith("_optimizer_") and k not in skip}
 
 
 class BigBatchOptimizer(torch.optim.Optimizer):
