@@ -250,3 +250,70 @@ def test_under_16_mixed_an_overflow_is_skipped_and_the_scale_lowered():
     fit(callback, sampler, data, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     assert callback.history[0]["skipped"] == 1.0
     assert scaler.get_scale() < 2.0**100
+
+
+class _Validated(Module):
+    validations = 0
+
+    def validation_step(self, batch, batch_idx):
+        self.validations += 1
+
+
+def test_training_ends_at_the_sample_budget_and_the_epochs_validation_runs():
+    """The sampler's ``len`` is an upper bound: after the budget Lightning ran empty epochs
+    (forever with ``max_steps`` alone; here 3), and with ``max_epochs=1`` the epoch's end
+    (its validation) never came."""
+    data = teacher_data()
+    for limit in ({"max_steps": 1000, "max_epochs": 3}, {"max_epochs": 1}):
+        sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=640)
+        callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+        trainer = pl.Trainer(
+            accumulate_grad_batches=2, use_distributed_sampler=False, accelerator="cpu",
+            devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[callback], num_sanity_val_steps=0, **limit,
+        )  # fmt: skip
+        module = _Validated()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*does not have many workers.*")
+            trainer.fit(module, DataLoader(data, batch_sampler=sampler),
+                        DataLoader(data, batch_size=512))  # fmt: skip
+        assert trainer.global_step == 10 and callback.samples == 640, limit
+        assert trainer.current_epoch <= 1 and module.validations == 8, limit
+
+
+def test_an_optimizer_step_on_a_part_of_a_step_is_refused():
+    """``limit_train_batches`` (or ``fast_dev_run``) not a multiple of the micro-batches:
+    Lightning steps the optimizer on the window's part; that step went past the statistics,
+    the rate rule and the sample count, unsaid."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=6400)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2, use_distributed_sampler=False, accelerator="cpu", devices=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[callback], max_epochs=1, limit_train_batches=3,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"after 1 of its 2 micro-batches.*limit_train_batches"):
+        trainer.fit(Module(), DataLoader(data, batch_sampler=sampler))
+
+
+@pytest.mark.parametrize("mistake", ["no sampler", "another size"])
+def test_a_loader_that_does_not_draw_with_the_sampler_is_one_error(mistake):
+    """A loader without the sampler failed with "the loader drew more than 64 steps ahead";
+    a dataset of another size with an IndexError mid-run."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(2 * len(data), 64, micro_batches=2, max_samples=640)
+    if mistake == "no sampler":
+        sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=640)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2, use_distributed_sampler=False, accelerator="cpu", devices=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[callback], max_epochs=1,
+    )  # fmt: skip
+    loader = DataLoader(data, batch_sampler=sampler)
+    if mistake == "no sampler":
+        loader = DataLoader(data, batch_size=8)
+    expected = "draws its batches with BatchSampler" if mistake == "no sampler" else "8192 samples"
+    with pytest.raises(ValueError, match=expected):
+        trainer.fit(Module(), loader)

@@ -47,6 +47,22 @@ class StepDriver:
         self._result: StepResult | None = None
         self._pending: dict[str, Any] | None = None
 
+    def check_data(self, dataset: Any, batch_sampler: Any) -> None:
+        """A ``ValueError`` where the loader does not draw with this sampler, or its size."""
+        # (a dataset of another size: an IndexError mid-run before)
+        if batch_sampler is not self.sampler:
+            raise ValueError(
+                f"the train loader draws its batches with {type(batch_sampler).__name__}, not "
+                "the plugin's GlobalBatchSampler: pass DataLoader(dataset, "
+                "batch_sampler=sampler) (and, under Lightning, use_distributed_sampler=False)"
+            )
+        size = len(dataset) if hasattr(dataset, "__len__") else None
+        if size is not None and size != self.sampler.dataset_size:
+            raise ValueError(
+                f"the sampler draws from {self.sampler.dataset_size} samples, the train "
+                f"dataset has {size}: build the GlobalBatchSampler with len(dataset)"
+            )
+
     def attach(
         self,
         optimizer: torch.optim.Optimizer,

@@ -45,6 +45,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         self.log = log
         self._rng: dict[str, Any] | None = None  # a checkpoint's random state, to restore
         self._last = False  # the micro-batch under way is its step's last
+        self._done = 0
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -58,7 +59,13 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
-            raise ValueError("AdaptiveBatchCallback supports exactly one optimizer")
+            raise ValueError(
+                f"AdaptiveBatchCallback supports exactly one optimizer, got "
+                f"{len(trainer.optimizers)}"
+            )
+        loader = trainer.train_dataloader
+        if isinstance(loader, torch.utils.data.DataLoader):
+            self.driver.check_data(loader.dataset, loader.batch_sampler)
         optimizer = trainer.optimizers[0]
         # the model: its world, and the layers the per-example statistics hook
         # 16-mixed: the gradients are read scaled (the decision comes before its unscale),
@@ -84,6 +91,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         if batch_idx % k == 0:
             self.driver.begin(loss_weights=[1 / k] * k)  # Lightning divides losses by k
         self._last = batch_idx % k == k - 1
+        self._done = batch_idx % k + 1  # the step's micro-batches so far
         self.driver.before_backward(batch_idx % k)
 
     def on_before_backward(
@@ -100,12 +108,29 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         if self._last:  # the gradients accumulated (reduced under DDP), not yet unscaled
             self.driver.decide()  # (16-mixed) nor clipped: the engine reads them as measured
 
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if not self._last:  # an epoch cut short: the step was planned, measured, counted whole
+            k = self.sampler.micro_batches
+            raise RuntimeError(
+                f"Lightning stepped the optimizer after {self._done} of its {k} micro-batches "
+                "(limit_train_batches or fast_dev_run cut the epoch inside a step): give "
+                f"limit_train_batches as a multiple of accumulate_grad_batches ({k}), or "
+                "leave the end to the sampler's max_samples"
+            )
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
         if self._last and self.log:  # after the step: logged at its own (1-based) step
             pl_module.log_dict(tagged(self.driver.history[-1]), on_step=True, on_epoch=False)
+        budget = self.sampler.max_samples
+        if self._last and budget is not None and self.driver.samples >= budget:
+            # the budget is in samples: the sampler's len() is only a bound, so Lightning
+            # would wait for an epoch's end (and its validation) that never comes
+            trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
         # this rank's random state (Lightning saves rank 0's callback state)
