@@ -198,3 +198,25 @@ def test_a_causal_lms_micro_batches_weigh_the_labels_the_trainer_counts(tmp_path
     for batches, count, weights in seen:
         shifted = [float((b["labels"][..., 1:] != -100).sum()) / float(count) for b in batches]
         assert weights == pytest.approx(shifted) and sum(weights) == pytest.approx(1.0)
+
+
+class _WithIndex(Teacher):
+    """Teacher's dicts with a field the model's forward does not take."""
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "idx": i}
+
+
+def test_fields_the_model_does_not_take_are_dropped_as_the_trainer_drops_them(tmp_path):
+    """``remove_unused_columns`` (the Trainer's default): its own loader drops what forward
+    does not take; this one handed ``idx`` to forward (a TypeError)."""
+    sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=2, max_samples=96)
+    trainer = make_trainer(tmp_path, sampler, bb.batch.Constant(32))
+    trainer.train_dataset = _WithIndex()
+    assert train(trainer).state.global_step == 3
+
+
+def test_a_dataset_of_another_size_than_the_samplers_is_one_error(tmp_path):
+    sampler = bb.batch.GlobalBatchSampler(10_000, 32, micro_batches=2, max_samples=96)
+    with pytest.raises(ValueError, match="draws from 10000 samples, the train dataset has 4096"):
+        make_trainer(tmp_path, sampler, bb.batch.Constant(32))

@@ -1,6 +1,5 @@
-"""Adaptive batching for the Hugging Face ``Trainer``: :class:`AdaptiveBatchTrainer`
-draws from a :class:`~bigbatch.batch.GlobalBatchSampler`, ends at its ``max_samples``
-and finishes the statistics before clipping (docs/hf.md)."""
+"""Adaptive batching for the Hugging Face ``Trainer`` (:class:`AdaptiveBatchTrainer`): it
+draws from a :class:`~bigbatch.batch.GlobalBatchSampler`, to its ``max_samples`` (docs/hf.md)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,10 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.utils import is_datasets_available
+
+if is_datasets_available():
+    import datasets
 
 from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
@@ -97,16 +100,33 @@ class AdaptiveBatchTrainer(Trainer):
             smallest = max(1, self.bigbatch.driver.controller.min)
             self.args.max_steps = math.ceil(sampler.max_samples / smallest) + 1
         self.args.ignore_data_skip = True  # the sampler resumes itself
+        if self.train_dataset is not None:  # (its loader is ours, drawing with the sampler)
+            self.bigbatch.driver.check_data(self.train_dataset, sampler)
         sampler.rank, sampler.world_size = self.args.process_index, self.args.world_size
         self.add_callback(self.bigbatch)
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        # the fields the model's forward does not take dropped, as the Trainer's own loader
+        # drops them (remove_unused_columns): from a datasets.Dataset, else in the collator
+        dataset, collate = self.train_dataset, self.data_collator
+        if is_datasets_available() and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="training")
+        args = self.args
+        workers = {}
+        if args.dataloader_num_workers:  # the Trainer's worker options (refused without any)
+            workers = {
+                "persistent_workers": args.dataloader_persistent_workers,
+                "prefetch_factor": args.dataloader_prefetch_factor,
+            }
         return torch.utils.data.DataLoader(
-            self.train_dataset,
+            dataset,
             batch_sampler=_Endless(self.bigbatch.sampler),
-            collate_fn=self.data_collator,
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
+            collate_fn=collate,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            **workers,
             # its own generator: the loader's seed draw, made as the iterator starts, would
             # come from the global state the Trainer restores on a resume just before, and
             # shift every draw after it (dropout's) by one against the run never stopped
