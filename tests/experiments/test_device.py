@@ -167,3 +167,10 @@ def test_local_processes_share_the_cores_this_process_may_use_not_the_machines(m
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6})
     assert [device.share_of_cores(n) for n in (1, 2, 3, 8)] == [3, 1, 1, 1]
+    # the threads a process takes (what set_threads sets and --explain says): the number
+    # asked for; else its share under several local processes; else torch's default (None)
+    assert [device.threads_of(2, 3), device.threads_of(0, 3), device.threads_of(0, 1)] == [
+        2,
+        1,
+        None,
+    ]

@@ -64,13 +64,18 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-def set_threads(threads: int, local_processes: int = 1) -> None:
-    """``threads`` torch CPU threads per process (0: torch's default, or, under several
-    local processes, the cores shared among them)."""
+def threads_of(threads: int, local_processes: int = 1) -> int | None:
+    """A process's torch threads: ``threads``, else its share of cores (None: torch's default)."""
     if threads:
-        torch.set_num_threads(threads)
-    elif local_processes > 1:
-        torch.set_num_threads(share_of_cores(local_processes))
+        return threads
+    return share_of_cores(local_processes) if local_processes > 1 else None
+
+
+def set_threads(threads: int, local_processes: int = 1) -> None:
+    """Sets :func:`threads_of`'s threads (None: leaves torch's default)."""
+    chosen = threads_of(threads, local_processes)
+    if chosen is not None:
+        torch.set_num_threads(chosen)
 
 
 def share_of_cores(processes: int) -> int:

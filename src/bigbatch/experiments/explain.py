@@ -14,7 +14,7 @@ import torch
 from ..batch.controllers import CONTROLLERS, BatchWarmup, contract_of
 from ..options import AUTO_EXAMPLES, AUTO_MOST
 from .build import build, fit_batches_to_data, run_device
-from .device import share_of_cores
+from .device import threads_of
 from .plan import RunPlan, plan_run
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
@@ -120,9 +120,7 @@ def _machine(run: RunPlan, processes: int = 1) -> str:
     if processes > 1:
         text = f"{processes} processes (--nproc), each on {text}"
     if device.type == "cpu":
-        # as set_threads gives them: the cores shared among the processes --nproc starts
-        shared = share_of_cores(processes) if processes > 1 else torch.get_num_threads()
-        threads = machine.threads or shared
+        threads = threads_of(machine.threads, processes) or torch.get_num_threads()
         text += f", {threads} thread{'s' if threads > 1 else ''}"
         if not machine.threads:
             text += " (the cores shared among them)" if processes > 1 else " (torch's default)"
