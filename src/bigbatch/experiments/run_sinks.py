@@ -20,14 +20,20 @@ MLFLOW_RUN = "mlflow_run_id"
 WANDB_RUN = "wandb_run_id"
 
 
+#: the trackers a run may log to, in the order they open: each one's key under ``log.``
+#: is also its package's name
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
+
+def _asked(log: LogKeys) -> list[tuple[str, Any]]:
+    # (name, value) of each tracker the run asks for, in TRACKERS' order
+    return [(name, getattr(log, name)) for name in TRACKERS if getattr(log, name)]
+
+
 def check_sinks(log: LogKeys) -> None:
     """Fail before a run directory is made if a sink's package is missing."""
-    for wanted, package in (
-        (log.tensorboard, "tensorboard"),
-        (log.wandb, "wandb"),
-        (log.mlflow, "mlflow"),
-    ):
-        if wanted:
+    for package in TRACKERS:
+        if getattr(log, package):
             require(package, package)
     if log.mlflow and log.mlflow != "local":  # a URI its client cannot open: one line
         try:
@@ -58,15 +64,13 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
 
 def _failed(plan: RunPlan, opened: list[Any]) -> str:
     # the log key (and value) of the first tracker asked for that is not among those opened
-    log = plan.log
-    wanted = [(k, v) for k, v in (("log.tensorboard", log.tensorboard), ("log.mlflow",
-              log.mlflow), ("log.wandb", log.wandb)) if v]  # fmt: skip
-    key, value = wanted[min(len(opened), len(wanted) - 1)]
-    return f"{key} = {value!r}"
+    wanted = _asked(plan.log)
+    name, value = wanted[min(len(opened), len(wanted) - 1)]
+    return f"log.{name} = {value!r}"
 
 
 def _open(plan: RunPlan, out: Path, resume: bool, first_step: int, sinks: list[Any]) -> None:
-    # open_sinks' trackers, each appended to sinks once open
+    # open_sinks' trackers, in TRACKERS' order, each appended to sinks once open
     log = plan.log
     # a resumed run's batch changes so far, from its metrics (cut back to its checkpoint)
     changes = _changes(out) if resume and (log.mlflow or log.wandb) else None
