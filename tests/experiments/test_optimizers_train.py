@@ -30,8 +30,10 @@ from bigbatch.experiments.tasks import TASKS
 from bigbatch.optim import list_optimizers
 
 #: samples per run; chance (10 classes) and the margin a run must clear it by:
-#: accuracy ≥ chance + margin
-BUDGET = {"digits": 12_288, "teacher": 12_288, "mnist1d": 24_576, "lm": 8_192}
+#: accuracy ≥ chance + margin. At these budgets every optimizer clears it on digits by 0.4
+#: or more and LARS on lm by 0.16, and LARS at AdamW's rate (1e-3) falls short on both;
+#: teacher needs its 12,288 for that (at 6,144 the far-off rate still clears it)
+BUDGET = {"digits": 6_144, "teacher": 12_288, "mnist1d": 24_576, "lm": 4_096}
 CHANCE = {"digits": 0.1, "teacher": 0.1, "mnist1d": 0.1, "lm": math.log(32)}
 MARGIN = {"digits": 0.3, "teacher": 0.2, "mnist1d": 0.08, "lm": 0.15}
 #: one optimizer per family (bigbatch.optim.FAMILIES)
