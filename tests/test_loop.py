@@ -646,3 +646,20 @@ def test_a_step_left_before_apply_adds_nothing_to_the_next():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, expected, strict=True))
     step.apply()
     assert next(steps, None) is None and loop.steps_taken == 1
+
+
+def test_a_step_used_out_of_order_is_one_error_that_says_what_to_do():
+    """Two backwards on one micro-batch (two losses) said only that backward ran too often."""
+    model, loop = make_run(controller=bb.batch.Constant(16))
+    step = next(loop.steps(max_steps=1))
+    with pytest.raises(RuntimeError, match="backward ran 0 times"):
+        step.apply()
+    (x, y), *rest = list(step.micro_batches())
+    assert not rest
+    loss = nn.functional.cross_entropy(model(x), y)
+    step.backward(loss)
+    with pytest.raises(RuntimeError, match=r"once per micro-batch.*loss_a \+ loss_b"):
+        step.backward(loss)
+    step.apply()
+    with pytest.raises(RuntimeError, match="already applied"):
+        step.apply()

@@ -90,7 +90,9 @@ class Step:
         count = len(self.plan.sizes)
         if self._backwards >= count:
             raise RuntimeError(
-                f"step {self.index} has {count} micro-batches; backward was called more often"
+                f"step {self.index} has {count} micro-batch{'es' if count > 1 else ''}; "
+                "backward was called more often: call it once per micro-batch, with the sum of "
+                "that micro-batch's losses (step.backward(loss_a + loss_b))"
             )
         engine, index = self._loop.engine, self._backwards
         engine.before_backward(index)
