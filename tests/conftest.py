@@ -30,16 +30,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-#: fixtures that start processes (tests/parallel/conftest.py, tests/integrations/test_deepspeed.py)
-_PROCESS_FIXTURES = {"cluster", "cluster2", "cluster4", "ranks", "one_rank"}
+#: fixtures that start processes (tests/parallel/conftest.py, tests/integrations/test_deepspeed.py),
+#: and the worker group their tests run in: a worker starts a cluster once for its tests, so
+#: one worker takes them all (xdist sends the largest groups first, one to each worker)
+_PROCESS_FIXTURES = {
+    "cluster": "clusters",
+    "cluster2": "clusters",
+    "cluster4": "clusters",
+    "ranks": "deepspeed",
+    "one_rank": "deepspeed",
+}
 
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
     distributed = config.pluginmanager.hasplugin("xdist")
     for item in items:
-        if _PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        started = _PROCESS_FIXTURES.keys() & set(getattr(item, "fixturenames", ()))
+        if started:
             item.add_marker(pytest.mark.processes)
+            if distributed:
+                item.add_marker(pytest.mark.xdist_group(_PROCESS_FIXTURES[min(started)]))
         if distributed and "faults" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("faults"))
         if "cuda" in item.keywords and not torch.cuda.is_available():
