@@ -112,6 +112,17 @@ CLI_CASES = [
         ["train", "--set", "agvm.rule=yolo"],
         "agvm.rule must be one of 'top', 'ends', 'detection', 'transformer', got 'yolo'",
     ),
+    (  # a rule that fits no parameter of the model: the key was not named
+        [
+            "train",
+            "--set",
+            "task=digits",
+            "--set",
+            "agvm.enabled=true",
+            *["--set", "agvm.rule=detection"],
+        ],
+        "agvm.rule = 'detection': parameter '0.weight' matches no module group",
+    ),
     (["train", "--set", "vrgd.gamma=0"], "vrgd.gamma must be in (0, 1], got 0"),
     (["train", "--set", "batch.ramp_over=soon"], "batch.ramp_over = 'soon': not a duration"),
     (  # MNIST-1D's samples are not sequences: an interval in tokens cannot be measured

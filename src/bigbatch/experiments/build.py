@@ -119,7 +119,11 @@ def _loop(
         shard_model(problem.model, precision.device)
     params: Any = problem.model
     if opt.agvm:
-        params = module_param_groups(problem.model, opt.weight_decay, plan["agvm.rule"])
+        rule = plan["agvm.rule"]
+        try:
+            params = module_param_groups(problem.model, opt.weight_decay, rule)
+        except ValueError as err:  # a rule that fits no parameter of this task's model
+            raise ConfigError(f"agvm.rule = {rule!r}: {err}") from None
     optimizer = create_optimizer(params, opt.name, **options)
     if opt.agvm:
         optimizer = AGVM(optimizer, **declared(plan, "agvm.", AGVM.CONFIG))
