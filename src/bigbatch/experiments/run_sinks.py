@@ -25,11 +25,6 @@ WANDB_RUN = "wandb_run_id"
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
-def _asked(log: LogKeys) -> list[tuple[str, Any]]:
-    # (name, value) of each tracker the run asks for, in TRACKERS' order
-    return [(name, getattr(log, name)) for name in TRACKERS if getattr(log, name)]
-
-
 def check_sinks(log: LogKeys) -> None:
     """Fail before a run directory is made if a sink's package is missing."""
     for package in TRACKERS:
@@ -64,7 +59,8 @@ def open_sinks(plan: RunPlan, out: Path, resume: bool, first_step: int) -> Sinks
 
 def _failed(plan: RunPlan, opened: list[Any]) -> str:
     # the log key (and value) of the first tracker asked for that is not among those opened
-    wanted = _asked(plan.log)
+    log = plan.log
+    wanted = [(name, getattr(log, name)) for name in TRACKERS if getattr(log, name)]
     name, value = wanted[min(len(opened), len(wanted) - 1)]
     return f"log.{name} = {value!r}"
 

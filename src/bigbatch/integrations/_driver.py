@@ -95,6 +95,12 @@ class StepDriver:
     def samples(self) -> int:
         return self.attached.samples if self.engine is not None else 0
 
+    @property
+    def spent(self) -> bool:
+        # whether the sampler's max_samples are trained on (the budget is in samples)
+        budget = self.sampler.max_samples
+        return budget is not None and self.samples >= budget
+
     def begin(self, loss_weights: list[float] | None) -> None:
         """The step's first micro-batch is next (the framework weights losses itself)."""
         engine = self.attached

@@ -58,9 +58,8 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
         self.driver.after_optimizer_step()  # before the Trainer's scheduler steps
 
     def on_step_end(self, args, state, control, **kwargs):
-        budget = self.sampler.max_samples
-        if budget is not None and self.driver.samples >= budget:
-            control.should_training_stop = True  # the budget is in samples
+        if self.driver.spent:
+            control.should_training_stop = True
 
 
 class _Endless:

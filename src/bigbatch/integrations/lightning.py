@@ -44,8 +44,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         self.sampler = sampler
         self.log = log
         self._rng: dict[str, Any] | None = None  # a checkpoint's random state, to restore
-        self._last = False  # the micro-batch under way is its step's last
-        self._done = 0
+        self._done = 0  # the step's micro-batches so far, the one under way included
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -90,9 +89,13 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         k = self.sampler.micro_batches
         if batch_idx % k == 0:
             self.driver.begin(loss_weights=[1 / k] * k)  # Lightning divides losses by k
-        self._last = batch_idx % k == k - 1
-        self._done = batch_idx % k + 1  # the step's micro-batches so far
+        self._done = batch_idx % k + 1
         self.driver.before_backward(batch_idx % k)
+
+    @property
+    def _last(self) -> bool:
+        # the micro-batch under way is its step's last
+        return self._done == self.sampler.micro_batches
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -126,10 +129,9 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
     ) -> None:  # fmt: skip
         if self._last and self.log:  # after the step: logged at its own (1-based) step
             pl_module.log_dict(tagged(self.driver.history[-1]), on_step=True, on_epoch=False)
-        budget = self.sampler.max_samples
-        if self._last and budget is not None and self.driver.samples >= budget:
-            # the budget is in samples: the sampler's len() is only a bound, so Lightning
-            # would wait for an epoch's end (and its validation) that never comes
+        if self._last and self.driver.spent:
+            # the sampler's len() is only a bound: Lightning would wait for an epoch's end
+            # (and its validation) that never comes
             trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
