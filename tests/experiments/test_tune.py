@@ -280,7 +280,7 @@ def test_a_trial_killed_before_it_joined_a_bracket_is_failed_and_its_point_asked
     straight = tune(BASE, tmp_path / "straight", SPACE, TuneSettings(trials=9))
     out = tmp_path / "t"
     with monkeypatch.context() as patched:  # a study folder whose bracket never ran
-        patched.setattr(tune_module._Bracket, "run", lambda self: None)
+        patched.setattr(tune_module._Bracket, "run", lambda self, processes: None)
         with pytest.raises(ConfigError, match=r"no trial of .* has trained to the end yet"):
             tune(BASE, out, SPACE, TuneSettings(trials=9))
     study = optuna.load_study(study_name="bigbatch", storage=f"sqlite:///{out / 'study.db'}")

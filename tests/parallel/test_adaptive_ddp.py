@@ -39,10 +39,11 @@ def test_per_example_statistics_equal_the_example_by_example_values(cluster):
     assert got["similarity"] == pytest.approx(expected["similarity"], rel=1e-6, abs=1e-9)
 
 
-def test_every_rank_makes_the_same_batch_decisions_for_200_steps(cluster):
-    results = cluster.run(programs.adaptive_run, 200, "scalar")
+def test_every_rank_makes_the_same_batch_decisions_for_100_steps(cluster):
+    # the batch grows from 16 per rank to the cap (512) within them: 40-odd sizes
+    results = cluster.run(programs.adaptive_run, 100, "scalar")
     batches = results[0]["batch"]
-    assert len(batches) == 200 and len(set(batches)) > 5  # the batch really adapts
+    assert len(batches) == 100 and len(set(batches)) > 5  # the batch really adapts
     for other in results[1:]:
         assert other["batch"] == batches
         assert other["similarity"] == results[0]["similarity"]

@@ -109,7 +109,7 @@ class TuneSettings:
         low=0,
         low_open=True,
     )
-    jobs: int = setting(1, "trials at a time, each in its own process", low=1)
+    jobs: int = setting(1, "trials at a time, in N processes the study starts once", low=1)
     seed: int = setting(0, "seeds the proposals", low=0, high=MAX_SEED, flag="--search-seed")
 
     def __post_init__(self) -> None:

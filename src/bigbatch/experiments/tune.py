@@ -33,7 +33,7 @@ from .config import ConfigError, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
 from .plan import RunPlan, at_rate, plan_run
-from .pool import in_processes
+from .pool import Processes
 from .rundir import claim_plan, first_line, read_json
 from .signals import stops_as_a_whole
 from .tasks import TASKS
@@ -171,9 +171,11 @@ def tune(
     try:
         study = _study(out, config)
         _fail_orphans(study)
-        with stops_as_a_whole(out):
+        with stops_as_a_whole(out), Processes(settings.jobs) as processes:
             for bracket in range(brackets):
-                _Bracket(study, out, planned, config, space, settings, bracket, quiet).run()
+                _Bracket(study, out, planned, config, space, settings, bracket, quiet).run(
+                    processes
+                )
         result = _result(study, planned, space, out)
         _write_outputs(out, config, result, space)
         return result
@@ -259,7 +261,7 @@ class _Bracket:
         task = planned.task
         self.target, self.lower_is_better = task.target_metric, task.lower_is_better
 
-    def run(self) -> None:
+    def run(self, processes: Processes) -> None:
         self._start_trials()
         warmup = _warmup(self.planned, self.space)
         rungs, keep = self.settings.rungs(warmup), self.settings.survivors(warmup)
@@ -278,7 +280,7 @@ class _Bracket:
             todo = [t for t in todo if self._mark(fidelity) not in t.intermediate_values]
             if not self.quiet and todo:
                 print(f"bracket {self.index}: {len(todo)} trials to {fidelity:.3g} of the run")
-            self._advance(todo, fidelity)
+            self._advance(todo, fidelity, processes)
 
     def _trials(self) -> list[FrozenTrial]:
         return [
@@ -316,7 +318,7 @@ class _Bracket:
                 d.suggest(trial)
             trial.set_user_attr("bracket", self.index)
 
-    def _advance(self, trials: list[FrozenTrial], fidelity: float) -> None:
+    def _advance(self, trials: list[FrozenTrial], fidelity: float, processes: Processes) -> None:
         """Train each trial on (from its checkpoint) to ``fidelity``, and store what it did."""
         until = None if fidelity >= 1 else self._mark(fidelity)
         quiet = self.quiet or self.settings.jobs > 1  # one progress bar or none
@@ -325,7 +327,7 @@ class _Bracket:
             (trial_config(self.config, t.params), str(runs / f"{t.number:04d}"), until)
             for t in trials
         ]
-        records = in_processes(_train_trial, [(*job, quiet) for job in jobs], self.settings.jobs)
+        records = processes.map(_train_trial, [(*job, quiet) for job in jobs])
         for t, record in zip(trials, records):
             trial = optuna.trial.Trial(self.study, t._trial_id)  # a trial of this study, resumed
             trial.set_user_attr("samples", record.get("samples", 0))
