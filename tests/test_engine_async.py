@@ -216,6 +216,38 @@ def test_under_a_grad_scaler_the_scaler_skips_and_the_optimizer_must_take_found_
         make_loop(True, optimizer="foreach", scaler=torch.amp.GradScaler("cpu"))
 
 
+@pytest.mark.parametrize("optimizer", ["fused-adamw", "fused-sgd"])
+def test_under_a_grad_scaler_a_nan_loss_with_a_finite_gradient_updates_nothing(optimizer):
+    """The scaler checks the gradients; a NaN term that carries no gradient leaves them
+    finite: the step is counted skipped, so nothing may change (the first step, where fused
+    SGD's momentum would start uninitialised, among them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 6, generator=gen), torch.randint(0, 3, (256,)))
+    if optimizer == "fused-sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    loop = bb.AdaptiveBatch(
+        model, opt, data, controller=bb.batch.Constant(8), asynchronous=True,
+        scaler=torch.amp.GradScaler("cpu"),
+    )  # fmt: skip
+    seen = [params(model)]
+    for step in loop.steps(max_steps=4):
+        for x, y in step.micro_batches():
+            loss = nn.functional.cross_entropy(model(x), y)
+            step.backward(loss + math.nan if step.index in (0, 2) else loss)  # steps 1 and 3
+        step.apply()
+        seen.append(params(model))
+    loop.flush()
+    assert loop.skipped_steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], seen[1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(seen[2], seen[3], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(seen[1], seen[2], strict=True))
+    assert all(torch.isfinite(p).all() for p in seen[-1])
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_disabled_grad_scaler_still_skips_a_non_finite_step(asynchronous):
     """``GradScaler(enabled=use_amp)`` with amp off steps as the optimizer would: the

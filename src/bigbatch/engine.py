@@ -243,7 +243,7 @@ class StepEngine:
 
     def _step_asynchronously(self, reading: _Reading) -> StepResult:
         """This step's numbers start to the host, the step before's are decided on."""
-        found_inf = reading.pending.nonfinite() if self.scaler is None else None
+        found_inf = reading.pending.nonfinite()
         reading.pending.start()
         result = StepResult(None)
         if self._pending is not None:  # taken first: a step that raises leaves none pending

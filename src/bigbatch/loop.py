@@ -285,6 +285,8 @@ class AdaptiveBatch:
                 if max_grad_norm is not None:
                     self._clip(max_grad_norm)
                 if self.scaler is not None and self.scaler.is_enabled():
+                    if result.found_inf is not None:  # the scaler checks the gradients only
+                        _poison_where_found_inf(self.optimizer, result.found_inf)
                     self.scaler.step(self.optimizer)
                     self.scaler.update()
                 elif result.found_inf is not None:
@@ -363,19 +365,33 @@ class AdaptiveBatch:
 
 def _step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor) -> None:
     """The step, skipped on the device where ``found_inf`` is 1 (as a ``GradScaler`` asks)."""
-    if isinstance(optimizer, torch.optim.SGD):
-        # torch's fused SGD starts its momentum uninitialised (empty_like) and, where that
-        # first step is skipped, keeps it so: zeros give the same first step (no dampening)
-        for group in optimizer.param_groups:
-            if group["momentum"]:
-                for p in group["params"]:
-                    if optimizer.state[p].get("momentum_buffer") is None:
-                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    _start_sgd_momentum(optimizer)
     optimizer.grad_scale, optimizer.found_inf = None, found_inf
     try:
         optimizer.step()
     finally:
         del optimizer.grad_scale, optimizer.found_inf
+
+
+def _poison_where_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor) -> None:
+    # one gradient element made infinite where found_inf is 1, on the device: a GradScaler
+    # checks the gradients only (a NaN loss whose gradient is finite would step); its own
+    # check now skips the step, and lowers its scale as at an overflow
+    _start_sgd_momentum(optimizer)
+    grad = next(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+    infinity = torch.where(found_inf.to(grad.device) > 0, torch.inf, 0.0)
+    grad[(0,) * grad.dim()].add_(infinity.to(grad.dtype))  # 0 added elsewhere: unchanged
+
+
+def _start_sgd_momentum(optimizer: torch.optim.Optimizer) -> None:
+    # torch's fused SGD starts its momentum uninitialised (empty_like) and, where that first
+    # step is skipped by found_inf, keeps it so: zeros give the same first step (no dampening)
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group["momentum"]:
+                for p in group["params"]:
+                    if optimizer.state[p].get("momentum_buffer") is None:
+                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
 def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
