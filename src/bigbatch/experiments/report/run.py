@@ -19,7 +19,14 @@ PLOTS = {
 
 
 def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    similarity = series(rows, "step", "similarity")
+    if similarity[0]:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        bottom.plot(*similarity, color="tab:orange", lw=0.7)
+        bottom.set_ylabel("half-batch similarity")
+    else:  # nothing measured it (statistics off, or a rule that reads none): no empty panel
+        fig, top = plt.subplots(figsize=(7, 3.5))
+        bottom = top
     top.plot(*series(rows, "step", "batch_size"), color="tab:blue", label="batch size")
     if any("noise_scale" in r for r in rows):
         _plot_noise_scale(top, rows)
@@ -27,8 +34,6 @@ def plot_run(rows: list[dict[str, Any]], out: Path, title: str) -> None:
     top.set_yscale("log")
     top.set_ylabel("samples")
     top.set_title(title)
-    bottom.plot(*series(rows, "step", "similarity"), color="tab:orange", lw=0.7)
-    bottom.set_ylabel("half-batch similarity")
     bottom.set_xlabel("optimizer step")
     save(fig, out / "batch_similarity.png")
 
