@@ -663,3 +663,21 @@ def test_a_step_used_out_of_order_is_one_error_that_says_what_to_do():
     step.apply()
     with pytest.raises(RuntimeError, match="already applied"):
         step.apply()
+
+
+def test_retain_graph_keeps_the_graph_for_another_backward_and_changes_nothing_else():
+    """As ``Tensor.backward(retain_graph=True)``: the graph stays for a later use (a
+    gradient penalty, a probe), the step and its statistics are those of a plain backward."""
+    runs = []
+    for retain in (False, True):
+        model, loop = make_run(controller=bb.batch.Constant(16))
+        for step in loop.steps(max_steps=2):
+            for x, y in step.micro_batches():
+                loss = nn.functional.cross_entropy(model(x), y)
+                step.backward(loss, retain_graph=retain)
+                if retain:  # the graph is still there: torch would raise on a freed one
+                    torch.autograd.grad(loss, next(model.parameters()))
+            step.apply()
+        runs.append(([p.detach().clone() for p in model.parameters()], dict(step.metrics)))
+    (a, metrics_a), (b, metrics_b) = runs
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)) and metrics_a == metrics_b

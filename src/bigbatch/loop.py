@@ -78,7 +78,7 @@ class Step:
             with ddp.accumulating(self._loop.model, i == last):
                 yield batch
 
-    def backward(self, loss: Tensor) -> None:
+    def backward(self, loss: Tensor, *, retain_graph: bool = False) -> None:
         """Backward of the micro-batch's mean (or summed) loss, weighted for the batch mean."""
         if not isinstance(loss, Tensor):
             raise TypeError(f"backward takes the micro-batch's loss tensor, got {loss!r}")
@@ -100,7 +100,7 @@ class Step:
         if weight != 1.0:  # one micro-batch of a mean loss: nothing to scale
             loss = loss * weight
         engine.add_loss(loss)
-        self._loop._backward(loss)
+        self._loop._backward(loss, retain_graph)
         self._backwards += 1
 
     def apply(self, max_grad_norm: float | None = None) -> None:
@@ -215,9 +215,10 @@ class AdaptiveBatch:
             weighted=self.source.weight_fn is not None,
         )
 
-    def _backward(self, loss: Tensor) -> None:
+    def _backward(self, loss: Tensor, retain_graph: bool) -> None:
         """Backpropagate a weighted micro-batch loss (a framework's engine may do it)."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward(retain_graph=retain_graph)
 
     # ------------------------------------------------------------ what the engine counts
 

@@ -116,10 +116,10 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
             framework=framework,
         )
 
-    def _backward(self, loss: Tensor) -> None:
+    def _backward(self, loss: Tensor, retain_graph: bool) -> None:
         # the loss is already weighted W·b_i/B: DeepSpeed must not divide it by its
         # accumulation steps as well
-        self.deepspeed.backward(loss, scale_wrt_gas=False)
+        self.deepspeed.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
 
     def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:
         if max_grad_norm is not None:
