@@ -146,12 +146,17 @@ def test_a_dropped_loop_ends_its_persistent_workers_at_once():
             for (x,) in step.micro_batches():
                 step.backward(model(x).square().mean())
             step.apply()
-        assert multiprocessing.active_children()
+        assert set(multiprocessing.active_children()) - before
 
+    # torch imports dynamo at the first optimizer a process makes, and that import keeps the
+    # frames that called it (run's: the loop) alive: made here first. A pytest worker may
+    # hold other tests' processes (the clusters of tests/parallel)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    before = set(multiprocessing.active_children())
     gc.disable()
     try:
         run()
-        assert not multiprocessing.active_children()
+        assert set(multiprocessing.active_children()) <= before
     finally:
         gc.enable()
 
