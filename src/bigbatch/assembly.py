@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ._checks import positive_int
+from ._warn import warn_at_caller
 from .batch.controllers import BatchWarmup, Controller, contract_of
 from .batch.lr import resolve_lr_rule
 from .optim.registry import optimizer_family
@@ -98,10 +99,22 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             "asynchronous=True needs bigbatch.AdaptiveBatch's optimizer step, which skips a "
             "non-finite step on the device; a framework's own step cannot: leave it False"
         )
+    if options.asynchronous and getattr(comm_hook[0] if comm_hook else None, "stateful", False):
+        raise ValueError(
+            "asynchronous=True: a step proves non-finite one step late, when the next step's "
+            "reduction has already built on its compression error, which cannot be undone "
+            "then; leave asynchronous False with a compressing comm_hook"
+        )
     if framework is not None:
         world = framework.world
     else:
         world = World.of(model) if model is not None else World()
+        if registers_hooks and not world.distributed and _processes_in_group() > 1:
+            warn_at_caller(
+                f"torch.distributed runs {_processes_in_group()} processes, but the model is "
+                "not wrapped in DistributedDataParallel or fully_shard: each process trains "
+                "alone on the whole global batch (wrap it to train as one)"
+            )
     _refuse_sparse_gradients(model)
     controller = resolve_controller(controller, first_batch)
     wrapped = isinstance(optimizer, StatisticsWrapper)
@@ -337,6 +350,12 @@ def check_statistics(
                 f"{type(optimizer).__name__} needs {', '.join(sorted(missing))} collected "
                 "(MicroBatchStatistics(gsnr=True))"
             )
+
+
+def _processes_in_group() -> int:
+    # the default process group's size (1 where there is none)
+    available = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if available else 1
 
 
 def check_asynchronous(optimizer: torch.optim.Optimizer) -> None:

@@ -280,6 +280,7 @@ class AdaptiveBatch:
     def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:
         try:
             result = self.engine.before_optimizer_step()
+            ddp.settle_hook(self.comm_hook, applied=not result.skip)
             if result.overflowed:  # skipped here, not by the scaler's step: lowered here
                 back_off(self.scaler)
             if not result.skip:

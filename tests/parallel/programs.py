@@ -470,6 +470,58 @@ def compressed_run(method: str, compressor: str, ratio: float, steps: int, **opt
     return record
 
 
+def compressed_nan_run(method: str, nan_ranks: tuple[int, ...], steps: int = 12, at: int = 6):
+    """A compressed run whose loss is NaN at step ``at`` on ``nan_ranks``: the parameters,
+    the skips, and (EF21, EControl) how far the shared estimate is from the ranks' sum."""
+    from bigbatch.parallel import CompressionState, compression_hook
+
+    model = DDP(make_model())
+    hook = CompressionState(model, method, "topk", 0.1, warmup=3)
+    loop = AdaptiveBatch(
+        model,
+        torch.optim.SGD(param_groups(model), lr=0.05),
+        regression_data(),
+        controller=Constant(24 * dist.get_world_size()),
+        max_micro_batch=8,
+        min_sub_batches=2,
+        lr_scaling="none",
+        comm_hook=(hook, compression_hook),
+    )
+    poisoned = dist.get_rank() in nan_ranks
+    for step in loop.steps(max_steps=steps):
+        for x, y in step.micro_batches():
+            loss = nn.functional.mse_loss(loop.model(x), y)
+            step.backward(loss * float("nan") if poisoned and step.index == at else loss)
+        step.apply()
+    gap = 0.0
+    for key, shared in hook._shared.items():  # EF21's G is the sum of the ranks' estimates
+        summed = hook._state[key]["estimate"].clone()
+        dist.all_reduce(summed)
+        gap = max(gap, (summed - shared).abs().max().item())
+    return {"params": flat_params(loop), "skipped": loop.skipped_steps, "gap": gap}
+
+
+def refused_or_warned(case: str) -> str:
+    """What a loop says, on 2+ ranks, to an asynchronous compressed run (``compressed``)
+    or to a model not wrapped for the process group (``unwrapped``)."""
+    import warnings
+
+    from bigbatch.parallel import CompressionState, compression_hook
+
+    model = DDP(make_model()) if case == "compressed" else make_model()
+    options = {"asynchronous": True} if case == "compressed" else {}
+    if case == "compressed":
+        options["comm_hook"] = (CompressionState(model, "ef", "topk", 0.1), compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            AdaptiveBatch(model, optimizer, regression_data(), controller=Constant(16), **options)
+        except ValueError as err:
+            return str(err)
+    return " | ".join(str(w.message) for w in caught)
+
+
 def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> float:
     """Distance to the optimum of Σ_i |A_i w - b_i|² / 2n after ``steps`` full-batch steps.
 

@@ -103,3 +103,22 @@ def test_the_warm_up_starts_the_shared_estimate_at_the_mean_gradient(cluster2, w
     for grad, shared in zip(result["grads"], result["shared"], strict=True):
         assert shared is not None
         torch.testing.assert_close(shared.view_as(grad), grad)
+
+
+def test_a_step_skipped_on_one_rank_leaves_no_trace_in_the_compression_state(cluster2):
+    """A NaN on one rank skips the step everywhere; the hook had already folded the other
+    rank's gradient into its error (and EF21's shared estimate, partly): undone, the run
+    goes on as where every rank's loss was NaN."""
+    for method in ("ef", "ef21", "econtrol"):
+        one = cluster2.run(programs.compressed_nan_run, method, (1,))
+        every = cluster2.run(programs.compressed_nan_run, method, (0, 1))
+        assert [r["skipped"] for r in one] == [1, 1]
+        assert torch.equal(one[0]["params"], every[0]["params"]), method
+        assert one[0]["gap"] < 1e-12, method
+
+
+def test_asynchronous_compression_is_refused_and_an_unwrapped_model_warned(cluster2):
+    refused = cluster2.run(programs.refused_or_warned, "compressed")[0]
+    assert "asynchronous=True: a step proves non-finite one step late" in refused
+    warned = cluster2.run(programs.refused_or_warned, "unwrapped")[0]
+    assert "torch.distributed runs 2 processes, but the model is not wrapped" in warned

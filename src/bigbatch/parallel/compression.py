@@ -123,6 +123,10 @@ class CompressionState:
         #: the shared aggregate (EF21's G, EControl's H) per parameter index
         self._shared: dict[int, Tensor] = {}
         self.iteration = 0
+        # the state as the step under way found it (references: the hook replaces tensors,
+        # never writes into them), put back where the loop skips the step
+        self._before: tuple[dict, dict] | None = None
+        self._in_step = False
         #: bytes this rank put into collectives, and what plain all-reduce would have
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
@@ -132,6 +136,11 @@ class CompressionState:
     def lossless(self) -> bool:
         """Whether the result is the plain mean (ratio 1, except EF21-SGDM with η < 1)."""
         return self.ratio >= 1.0 and (self.method != "ef21-sgdm" or self.eta == 1.0)
+
+    @property
+    def stateful(self) -> bool:
+        # whether a step changes the state (every method but "none"): AdaptiveBatch asks
+        return self.method != "none"
 
     # ------------------------------------------------------------ the hook
 
@@ -150,9 +159,13 @@ class CompressionState:
         x = (buffer.float() if low else buffer) / self.world_size
         self.bytes_uncompressed += buffer.numel() * buffer.element_size()
         iteration = self.iteration
+        if not self._in_step:  # the step's first bucket
+            self._before = ({k: dict(v) for k, v in self._state.items()}, dict(self._shared))
+            self._in_step = True
         if bucket.is_last():
             self.iteration += 1
             self._steps_counted += 1
+            self._in_step = False
         if iteration < self.warmup:
             return self._plain(buffer, x, keys, sizes)
 
@@ -271,8 +284,15 @@ class CompressionState:
 
     # ------------------------------------------------------------ state
 
+    def settle(self, applied: bool) -> None:
+        """Where the step just reduced was skipped, the state as it was before that step."""
+        # (a non-finite gradient on any rank: every rank skips it, and undoes it here)
+        if not applied and self._before is not None:
+            self._state, self._shared = self._before
+        self._before = None
+
     def traffic(self) -> dict[str, float]:
-        """Average bytes per step this rank sent, compressed and as plain all-reduce would."""
+        # the name every hook state answers to (the summary reads it): bytes_per_step
         return self.bytes_per_step()
 
     def bytes_per_step(self) -> dict[str, float]:

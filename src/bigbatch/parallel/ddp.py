@@ -71,6 +71,14 @@ def registered_hook(model: nn.Module) -> tuple[Any, CommHook] | None:
     return state, hook
 
 
+def settle_hook(comm_hook: tuple[Any, CommHook] | None, applied: bool) -> None:
+    # tell a stateful hook (one with ``settle``, as CompressionState) whether the step its
+    # reduction served was applied: a skipped one must leave its state as it was
+    state = comm_hook[0] if comm_hook is not None else None
+    if hasattr(state, "settle"):
+        state.settle(applied)
+
+
 def hook_state_dict(comm_hook: tuple[Any, CommHook] | None, world: World) -> list | None:
     """Every rank's comm-hook state (a collective; None when the state keeps none)."""
     state = comm_hook[0] if comm_hook is not None else None
