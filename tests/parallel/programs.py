@@ -447,37 +447,12 @@ def wrapped_run(optimizer: str, steps: int) -> dict:
     return record
 
 
-def compressed_run(method: str, compressor: str, ratio: float, steps: int, **options) -> dict:
-    """The regression problem through AdaptiveBatch with a compression hook."""
-    from bigbatch.parallel import CompressionState, compression_hook
-
-    world = dist.get_world_size()
-    model = DDP(make_model())
-    hook = CompressionState(model, method, compressor, ratio, **options)
-    loop = AdaptiveBatch(
-        model,
-        torch.optim.SGD(param_groups(model), lr=0.05),
-        regression_data(),
-        controller=Constant(24 * world),
-        max_micro_batch=8,
-        min_sub_batches=2,
-        lr_scaling="none",
-        comm_hook=(hook, compression_hook),
-    )
-    record = train(loop, steps)
-    record["params"] = flat_params(loop)
-    record["bytes"] = hook.bytes_per_step()
-    return record
-
-
-def compressed_nan_run(method: str, nan_ranks: tuple[int, ...], steps: int = 12, at: int = 6):
-    """A compressed run whose loss is NaN at step ``at`` on ``nan_ranks``: the parameters,
-    the skips, and (EF21, EControl) how far the shared estimate is from the ranks' sum."""
+def compressed_loop(method: str, compressor: str, ratio: float, **options) -> AdaptiveBatch:
+    """The regression problem through AdaptiveBatch with a compression hook (``comm_hook``)."""
     from bigbatch.parallel import CompressionState, compression_hook
 
     model = DDP(make_model())
-    hook = CompressionState(model, method, "topk", 0.1, warmup=3)
-    loop = AdaptiveBatch(
+    return AdaptiveBatch(
         model,
         torch.optim.SGD(param_groups(model), lr=0.05),
         regression_data(),
@@ -485,8 +460,23 @@ def compressed_nan_run(method: str, nan_ranks: tuple[int, ...], steps: int = 12,
         max_micro_batch=8,
         min_sub_batches=2,
         lr_scaling="none",
-        comm_hook=(hook, compression_hook),
+        comm_hook=(CompressionState(model, method, compressor, ratio, **options), compression_hook),
     )
+
+
+def compressed_run(method: str, compressor: str, ratio: float, steps: int, **options) -> dict:
+    loop = compressed_loop(method, compressor, ratio, **options)
+    record = train(loop, steps)
+    record["params"] = flat_params(loop)
+    record["bytes"] = loop.comm_hook[0].bytes_per_step()
+    return record
+
+
+def compressed_nan_run(method: str, nan_ranks: tuple[int, ...], steps: int = 12, at: int = 6):
+    """A compressed run whose loss is NaN at step ``at`` on ``nan_ranks``: the parameters,
+    the skips, and (EF21, EControl) how far the shared estimate is from the ranks' sum."""
+    loop = compressed_loop(method, "topk", 0.1, warmup=3)
+    hook = loop.comm_hook[0]
     poisoned = dist.get_rank() in nan_ranks
     for step in loop.steps(max_steps=steps):
         for x, y in step.micro_batches():
@@ -564,24 +554,8 @@ def heterogeneous_quadratic(method: str, steps: int, ratio: float = 0.1) -> floa
 
 
 def compressed_resume(method: str, steps: int, at: int, compressor: str = "topk") -> dict:
-    from bigbatch.parallel import CompressionState, compression_hook
-
     def build():
-        model = DDP(make_model())
-        loop = AdaptiveBatch(
-            model,
-            torch.optim.SGD(param_groups(model), lr=0.05),
-            regression_data(),
-            controller=Constant(24 * dist.get_world_size()),
-            max_micro_batch=8,
-            min_sub_batches=2,
-            lr_scaling="none",
-            comm_hook=(
-                CompressionState(model, method, compressor, 0.2, warmup=3),
-                compression_hook,
-            ),
-        )
-        return loop
+        return compressed_loop(method, compressor, 0.2, warmup=3)
 
     loop = build()
     train(loop, at)
