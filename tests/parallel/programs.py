@@ -492,14 +492,16 @@ def compressed_nan_run(method: str, nan_ranks: tuple[int, ...], steps: int = 12,
 
 
 def refused_or_warned(case: str) -> str:
-    """What a loop says, on 2+ ranks, to an asynchronous compressed run (``compressed``)
-    or to a model not wrapped for the process group (``unwrapped``)."""
+    """What a loop says, on 2+ ranks, to an asynchronous compressed run (``compressed``), a
+    model not wrapped for the process group (``unwrapped``), ranks built unalike."""
     import warnings
 
     from bigbatch.parallel import CompressionState, compression_hook
 
-    model = DDP(make_model()) if case == "compressed" else make_model()
+    model = make_model() if case == "unwrapped" else DDP(make_model())
     options = {"asynchronous": True} if case == "compressed" else {}
+    if case == "unalike":  # a setting read from a rank's own environment, say
+        options["max_micro_batch"] = 8 if dist.get_rank() == 0 else 4
     if case == "compressed":
         options["comm_hook"] = (CompressionState(model, "ef", "topk", 0.1), compression_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, fused=True)

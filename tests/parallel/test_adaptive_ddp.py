@@ -264,3 +264,13 @@ def test_a_compiled_model_gives_the_eager_statistics_on_every_rank(cluster2, fsd
         assert len(eager[:, 0].unique()) > 2  # the batch grows (48 a rank: two micro-batches)
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-9)
     assert results[0] == results[1]
+
+
+def test_asynchronous_compression_unalike_ranks_and_an_unwrapped_model_are_named(cluster2):
+    refused = cluster2.run(programs.refused_or_warned, "compressed")[0]
+    assert "asynchronous=True: a step proves non-finite one step late" in refused
+    warned = cluster2.run(programs.refused_or_warned, "unwrapped")[0]
+    assert "torch.distributed runs 2 processes, but the model is not wrapped" in warned
+    unalike = cluster2.run(programs.refused_or_warned, "unalike")
+    assert unalike[0] == unalike[1]  # every rank refuses (none waits on the others)
+    assert "max_micro_batch differs between the ranks (rank 0: 8; rank 1: 4)" in unalike[0]

@@ -115,10 +115,3 @@ def test_a_step_skipped_on_one_rank_leaves_no_trace_in_the_compression_state(clu
         assert [r["skipped"] for r in one] == [1, 1]
         assert torch.equal(one[0]["params"], every[0]["params"]), method
         assert one[0]["gap"] < 1e-12, method
-
-
-def test_asynchronous_compression_is_refused_and_an_unwrapped_model_warned(cluster2):
-    refused = cluster2.run(programs.refused_or_warned, "compressed")[0]
-    assert "asynchronous=True: a step proves non-finite one step late" in refused
-    warned = cluster2.run(programs.refused_or_warned, "unwrapped")[0]
-    assert "torch.distributed runs 2 processes, but the model is not wrapped" in warned

@@ -66,6 +66,19 @@ class World:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def check_alike(self, settings: dict[str, Any], what: str) -> None:
+        # one ValueError, on every rank, where a setting differs between the ranks; a callable
+        # by its name (its repr holds an address, which differs between processes)
+        mine = {k: getattr(v, "__qualname__", None) or repr(v) for k, v in settings.items()}
+        gathered = self.all_gather_object(mine)
+        for key in mine:
+            other = next((r for r, g in enumerate(gathered) if g[key] != gathered[0][key]), None)
+            if other is not None:
+                raise ValueError(
+                    f"{what}: {key} differs between the ranks (rank 0: {gathered[0][key]}; "
+                    f"rank {other}: {gathered[other][key]}); build it alike on every rank"
+                )
+
     def barrier(self) -> None:
         """Wait for every rank (nothing on one process)."""
         if self.distributed:
