@@ -44,6 +44,27 @@ def test_bad_options_are_named(batches, points, message):
         CriticalSettings(batches=batches, points=points)
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        # the 1,024 branch would run 1,024 samples past 3,808 of 4,000: cut, it passes falsely
+        (
+            CriticalSettings(batches=(16, 1024), points=(0.95,)),
+            r"point 0.95 leaves 192 samples of max_samples \(4,000\) for branches of 1,024",
+        ),
+        (
+            CriticalSettings(batches=(16, 32), points=(0.5,), branch_samples=100),
+            "branches of 100 samples are not whole steps at batch 16: give --branch-samples a "
+            "multiple of 32",
+        ),
+    ],
+)
+def test_branches_of_unequal_samples_are_refused_before_any_training(tmp_path, settings, message):
+    with pytest.raises(ConfigError, match=message):
+        critical.measure(resolve(SMALL), tmp_path / "m", settings, quiet=True)
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     config = resolve(SMALL)
     threads = torch.get_num_threads()
@@ -71,7 +92,8 @@ def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
             break
     assert point.controller_estimate == pytest.approx(replay.critical_batch())
     assert math.isfinite(point.controller_estimate)
-    saved = json.loads((tmp_path / "critical_batch.json").read_text())
+    text = (tmp_path / "critical_batch.json").read_text()
+    saved = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
     assert saved["points"][0]["losses"]["16"] == point.losses[16]
     assert saved["lr_rule"] == "sqrt"  # auto, resolved: LAMB's family rule on digits
     assert (tmp_path / "critical_batch.png").is_file()
@@ -137,6 +159,12 @@ def test_a_diverged_branch_fails_the_tolerance_and_the_measurement_goes_on(tmp_p
     assert math.isnan(point.losses[32]) and point.critical_batch == 16
     (again,) = critical.measure(resolve(SMALL), tmp_path, ONE_POINT, quiet=True)  # reused
     assert math.isnan(again.losses[32]) and again.critical_batch == 16
+    # the file is strict JSON (NaN written as null), and the report shows it as a dash
+    text = (tmp_path / "critical_batch.json").read_text()
+    saved = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
+    assert saved["points"][0]["losses"]["32"] is None
+    assert "| **≤ 16** |" in (tmp_path / "critical_batch.md").read_text()
+    assert "| +0.0000 | — |" in (tmp_path / "critical_batch.md").read_text()
 
 
 def test_no_run_of_a_measurement_ends_early_at_the_target():

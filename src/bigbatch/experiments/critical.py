@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .config import resolve
+from .config import ConfigError, resolve
 from .options import CriticalSettings
 from .plan import make_controller, plan_run
 from .report.critical_batch import render
@@ -72,7 +72,7 @@ def measure(
     """Train the base run, branch where ``settings`` say, write ``out``; return the points.
 
     No batches: the config's first batch and its doublings up to 32 times it. No
-    ``branch_samples``: 5% of the budget, rounded up to a multiple of the largest batch
+    ``branch_samples``: 5% of the budget, rounded up to a multiple of every batch
     (so every branch trains whole steps of the same samples).
     """
     settings = settings or CriticalSettings()
@@ -83,9 +83,11 @@ def measure(
     base = _config(config, small, small, settings.lr_rule)
     lr_rule = base["batch.lr_scaling"]  # auto resolved: the task's rule, else the family's
     budget = base["max_samples"]
+    steps_of_all = math.lcm(*batches)  # a branch of whole steps at every batch
     branch_samples = settings.branch_samples
     if not branch_samples:
-        branch_samples = math.ceil(0.05 * budget / batches[-1]) * batches[-1]
+        branch_samples = math.ceil(0.05 * budget / steps_of_all) * steps_of_all
+    _check_branches_fit(batches, sorted(settings.points), budget, branch_samples)
     # every branch planned (and so checked) before the measurement's folder is claimed
     branches = {batch: _config(config, batch, small, lr_rule) for batch in batches}
     plan = {"config": config, "batches": batches, "points": sorted(settings.points)}
@@ -111,12 +113,44 @@ def measure(
                             f"  point {fraction:g}: batch {batch} -> eval loss {losses[batch]:.4f}"
                         )
                 measured.append(_point(fraction, at, losses, settings.tolerance, rows))
-                data = {**plan, "points": [asdict(p) for p in measured]}
-                write_atomically(out / "critical_batch.json", json.dumps(data, indent=2) + "\n")
+                data = _finite_or_none({**plan, "points": [asdict(p) for p in measured]})
+                text = json.dumps(data, indent=2, allow_nan=False)  # strict JSON: no NaN
+                write_atomically(out / "critical_batch.json", text + "\n")
     finally:
         lock.release()
     render(out)
     return measured
+
+
+def _check_branches_fit(
+    batches: list[int], points: list[float], budget: int, branch_samples: int
+) -> None:
+    # branches cut short by the budget, or of part steps, train unequal samples: their
+    # losses would compare unlike things (a larger batch "passing" on more samples)
+    for batch in batches:
+        if branch_samples % batch:
+            raise ConfigError(
+                f"branches of {branch_samples:,} samples are not whole steps at batch "
+                f"{batch:,}: give --branch-samples a multiple of {math.lcm(*batches):,}"
+            )
+    last = math.ceil(points[-1] * budget / batches[0]) * batches[0]  # where the base pauses
+    if last + branch_samples > budget:
+        raise ConfigError(
+            f"point {points[-1]:g} leaves {max(budget - last, 0):,} samples of max_samples "
+            f"({budget:,}) for branches of {branch_samples:,}: lower the point, shorten "
+            "--branch-samples, or raise max_samples"
+        )
+
+
+def _finite_or_none(value: Any) -> Any:
+    # NaN and infinities (a noise scale not measured, an unbounded interval) as null
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def _config(config: dict[str, Any], batch: int, small: int, lr_rule: str) -> dict[str, Any]:

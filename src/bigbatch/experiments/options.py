@@ -165,7 +165,7 @@ class CriticalSettings:
     )
     branch_samples: int = setting(
         0,
-        "samples each branch trains (0: 5% of max_samples, whole steps of the largest batch)",
+        "samples each branch trains (0: 5% of max_samples, in whole steps of every batch)",
         low=0,
     )
     tolerance: float = setting(

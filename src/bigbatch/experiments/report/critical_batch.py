@@ -32,20 +32,32 @@ def render(out: Path) -> Path:
         "|---|---|---|---|---|---|---|" + "---|" * len(batches),
     ]
     for p in points:
-        losses = {int(b): v for b, v in p["losses"].items()}
+        losses = {int(b): _number(v) for b, v in p["losses"].items()}
         reference = losses[batches[0]]
-        deltas = " | ".join(f"{losses[b] - reference:+.4f}" for b in batches)
+        deltas = " | ".join(_shown(losses[b] - reference, "+.4f") for b in batches)
+        # at the edge of the batches tried the measurement bounds the critical batch only
+        edge = {batches[-1]: "≥ ", batches[0]: "≤ "}.get(p["critical_batch"], "")
         lines.append(
             f"| {p['fraction']:g} | {p['samples']:,} | {p['schedule']:.2f} | {reference:.4f} "
-            f"| **{p['critical_batch']}** | {p['noise_scale']:.1f} "
-            f"[{p['noise_scale_low']:.1f}, {p['noise_scale_high']:.1f}] "
-            f"| {p.get('controller_estimate', math.nan):.1f} | {deltas} |"
+            f"| **{edge}{p['critical_batch']}** | {_shown(p['noise_scale'], '.1f')} "
+            f"[{_shown(p['noise_scale_low'], '.1f')}, {_shown(p['noise_scale_high'], '.1f')}] "
+            f"| {_shown(p.get('controller_estimate'), '.1f')} | {deltas} |"
         )
     lines += ["", "![critical batch](critical_batch.png)", ""]
     path = out / "critical_batch.md"
     path.write_text("\n".join(lines))
     _plot(out, batches, points)
     return path
+
+
+def _number(value: float | None, missing: float = math.nan) -> float:
+    # the JSON's null: not measured (NaN), or an unbounded interval's end (missing=inf)
+    return missing if value is None else value
+
+
+def _shown(value: float | None, spec: str) -> str:
+    value = _number(value)
+    return format(value, spec) if math.isfinite(value) else "—"
 
 
 def _plot(out: Path, batches: list[int], points: list[dict[str, Any]]) -> None:
@@ -56,14 +68,15 @@ def _plot(out: Path, batches: list[int], points: list[dict[str, Any]]) -> None:
     ax.plot(
         samples, [p["critical_batch"] for p in points], "o-", label="critical batch (branching)"
     )
-    ax.plot(samples, [p["noise_scale"] for p in points], "s--", color="tab:gray", label="B_simple")
-    estimates = [p.get("controller_estimate", math.nan) for p in points]
+    scale = [_number(p["noise_scale"]) for p in points]
+    ax.plot(samples, scale, "s--", color="tab:gray", label="B_simple")
+    estimates = [_number(p.get("controller_estimate")) for p in points]
     if any(math.isfinite(e) for e in estimates):
         ax.plot(samples, estimates, "^:", color="tab:orange", label="the controller's estimate")
     ax.fill_between(
         samples,
-        [max(p["noise_scale_low"], 1e-3) for p in points],
-        [min(p["noise_scale_high"], 10 * batches[-1]) for p in points],
+        [max(_number(p["noise_scale_low"]), 1e-3) for p in points],
+        [min(_number(p["noise_scale_high"], math.inf), 10 * batches[-1]) for p in points],
         color="tab:gray",
         alpha=0.2,
         lw=0,
