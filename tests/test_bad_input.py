@@ -140,6 +140,13 @@ CLI_CASES = [
     (["federated", "--threads", "-1"], "--threads must be a whole number >= 0, got -1"),
     (["federated", "--clients", "50000"], "clients = 50000 is more than the 40000 training"),
     (["compare", "--vary", "seed=0,0"], "--vary seed: '0' is given twice"),
+    # seeds 0-1 and 1-2: seed 1 trained twice, counted in two arms
+    (["compare", "--vary", "seed=0,1", "--seeds", "2"], "seeds = 2 beside arms that set the seed"),
+    (["compare", "--vary", "seed=0,1", "--trials", "3"], "--trials sets the rate study of --tune"),
+    (
+        ["compare", "--arm", "r:batch.controller=ramp,batch.ramp_points=0:16, 25%:32"],
+        "--arm r: '25%:32' is not KEY=V (--arm splits at commas",
+    ),
     # the bounds are checked when a run is planned: every command plans before it writes
     (
         ["compare", "--set", "batch.min=32", "--vary", "batch.initial=8,64", "--out", "c"],

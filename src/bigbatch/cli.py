@@ -312,6 +312,10 @@ def _compare(args: argparse.Namespace) -> None:
     settings_from(Protocol, "compare", table, flags, also=ARM_OPTIONS)  # errors say where
     arms.update({k: v for k, v in (("vary", args.vary), ("arms", args.arm)) if v})
     comparison = plan(_config(args), **{**table, **flags, **arms})
+    studies_asked = [k for k in given(TuneSettings, args) if k != "jobs"]  # jobs: compare's
+    if studies_asked and not comparison.protocol.tune:
+        flag_name = studies_asked[0].replace("_", "-")
+        raise ConfigError(f"--{flag_name} sets the rate study of --tune: add --tune or drop it")
     out = Path(args.out) if args.out else None
     studies = _settings(args, "tune")  # each arm's rate study, with --tune
     print(f"comparison report: {run_comparison(comparison, out, quiet=args.quiet, tune=studies)}")

@@ -83,7 +83,13 @@ def parse_arm(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         name, sep, text = str(spec).partition(":")
         if not sep:
             raise ConfigError(f"--arm takes NAME:KEY=V,..., got {spec!r}")
-        pairs = [parse_assignment(part.strip()) for part in text.split(",") if part.strip()]
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if bad := next((part for part in parts if "=" not in part), None):
+            raise ConfigError(
+                f"--arm {name}: {bad!r} is not KEY=V (--arm splits at commas: a value holding "
+                "commas, such as batch.ramp_points, goes in a --config file's [[compare.arms]])"
+            )
+        pairs = [parse_assignment(part) for part in parts]
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"an arm needs a name, got {spec!r}")
     return name.strip(), dict(pairs)
@@ -110,6 +116,11 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
     varied = [k for keys, _ in axes for k in keys]
     if len(set(varied)) < len(varied):
         raise ConfigError(f"a key is varied twice: {varied}")
+    if protocol.seeds > 1 and "seed" in {*varied, *(k for o in settings for k in o)}:
+        raise ConfigError(
+            f"seeds = {protocol.seeds} beside arms that set the seed: an arm's seeds (its seed "
+            "and the next ones) would overlap another's; vary the seed or give --seeds"
+        )
     arms = []
     combos = itertools.product(explicit or [("", {})], *(points for _, points in axes))
     for i, (arm, *combo) in enumerate(combos):
