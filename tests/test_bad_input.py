@@ -94,7 +94,7 @@ CLI_CASES = [
     (["train", "--config", "missing.toml"], "missing.toml' does not exist"),
     (["train", "--resume", "nowhere"], "'nowhere' is not a run directory"),
     (["train", "--nproc", "0"], "--nproc must be at least 1, got 0"),
-    (["report", "nowhere"], "is not the folder of a run, a comparison"),
+    (["report", "nowhere"], "'nowhere' does not exist"),
     (["compare", "--vary", "batch.target"], "--vary takes KEY=V1,V2"),
     (["compare", "--set", "task=digits"], "at least one --vary"),
     (

@@ -21,6 +21,13 @@ from bigbatch.experiments.report import render
             r"metrics.jsonl' line 2 is not valid JSON",
         ),
         ({"notes.txt": "hello"}, "is not the folder of a run, a comparison"),
+        # killed: a comparison writes its plan first, its results at the end
+        (
+            {"compare.json": json.dumps({"plan": {"seeds": 1}})},
+            r"holds a comparison that has not ended: run the same bigbatch compare command",
+        ),
+        # killed before its first point: a critical-batch measurement's plan alone
+        ({"plan.json": "{}"}, "holds a critical-batch measurement that has not measured a point"),
         (
             {"config.toml": "", "metrics.jsonl": '{"step": 1}\n'},  # killed: no summary yet
             r"holds a run that has not ended \(no summary.json\): finish it with bigbatch "
@@ -33,3 +40,8 @@ def test_a_damaged_folder_is_one_error_naming_the_file(tmp_path, files, message)
         (tmp_path / name).write_text(text)
     with pytest.raises(ConfigError, match=message):
         render(tmp_path)
+
+
+def test_a_folder_that_does_not_exist_is_named_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"'.*nowhere' does not exist"):
+        render(tmp_path / "nowhere")

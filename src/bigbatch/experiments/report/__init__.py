@@ -53,6 +53,13 @@ def _render(folder: Path) -> Path:
             f"{str(folder)!r} holds a run that has not ended (no summary.json): finish it "
             f"with bigbatch train --resume {folder}, which writes its report"
         )
+    if (folder / "plan.json").is_file():  # a critical-batch measurement's, written first
+        raise ConfigError(
+            f"{str(folder)!r} holds a critical-batch measurement that has not measured a point "
+            f"yet: run the same bigbatch critical-batch command (--out {folder}) to go on"
+        )
+    if not folder.is_dir():
+        raise ConfigError(f"{str(folder)!r} does not exist")
     raise ConfigError(
         f"{str(folder)!r} is not the folder of a run, a comparison, a tuning study, "
         "a critical-batch measurement or a federated run"

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..analysis import first_reaching, fit_critical_batch, mean_std, targets_between
 from ..arms import ArmResult
-from ..config import load_toml
+from ..config import ConfigError, load_toml
 from ..rundir import read_json, read_metrics
 from ..summary import finished_summary
 from .figures import plt, save, series, table
@@ -31,6 +31,11 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
     """The plan, and each trained arm with its runs' summaries (the grid's are not read)."""
     index = read_json(root / "compare.json")
+    if isinstance(index, dict) and "plan" in index and "arms" not in index:
+        raise ConfigError(  # written when it starts, its results when it ends
+            f"{str(root)!r} holds a comparison that has not ended: run the same bigbatch "
+            f"compare command (--out {root}) to finish it, which writes its report"
+        )
     arms = []
     for entry in index.get("arms", []):
         finished = {d: finished_summary(root / d) for d in entry["dirs"]}
