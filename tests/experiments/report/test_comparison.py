@@ -100,6 +100,12 @@ def test_the_rate_grid_judged_early_leads_with_the_rate_that_learns_fastest(tmp_
     assert _judged_early(tmp_path, [arm], [], loss=True) == []
     early = _judged_early(tmp_path, [arm], [0.05], loss=True)
     assert "| adam | 0.05 | 0.001: —, 0.002: —, 0.004: — | — |" in early
+    # a tie (every rate's first evaluation, before it trained) has no leader
+    for name in dirs:
+        rows = [{"step": 0, "samples": 0, "eval_loss": 2.3}, {"step": 10, "samples": 1000}]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tied = _judged_early(tmp_path, [arm], [0.5], loss=True)
+    assert "| adam | 0.5 | 0.001: 2.3000, 0.002: 2.3000, 0.004: 2.3000 | — |" in tied
 
 
 def test_the_axis_drawn_against_is_a_varied_quantity_never_the_seed():

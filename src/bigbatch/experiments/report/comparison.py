@@ -285,6 +285,8 @@ def _judged_early(
             scores = [_score_at(curve, fraction * budget, key) for curve, budget in curves]
             finite = [i for i, v in enumerate(scores) if v is not None and math.isfinite(v)]
             lead = min(finite, key=lambda i: scores[i] if loss else -scores[i], default=None)
+            if lead is not None and sum(scores[i] == scores[lead] for i in finite) > 1:
+                lead = None  # tied (before any training, every rate scores alike): none leads
             ratio = "—" if lead is None else f"× {arm.lrs[lead] / arm.lr:.3g}"
             rows.append([arm.name, f"{fraction:.3g}", _grid_cells(arm, scores, lead), ratio])
     return _section(
