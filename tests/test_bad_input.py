@@ -143,6 +143,7 @@ CLI_CASES = [
     # seeds 0-1 and 1-2: seed 1 trained twice, counted in two arms
     (["compare", "--vary", "seed=0,1", "--seeds", "2"], "seeds = 2 beside arms that set the seed"),
     (["compare", "--vary", "seed=0,1", "--trials", "3"], "--trials sets the rate study of --tune"),
+    (["compare", "--vary", "seed=0", "--search-seed", "3"], "--search-seed sets the rate study"),
     (
         ["compare", "--arm", "r:batch.controller=ramp,batch.ramp_points=0:16, 25%:32"],
         "--arm r: '25%:32' is not KEY=V (--arm splits at commas",
