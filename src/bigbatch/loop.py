@@ -388,9 +388,11 @@ def _poison_where_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor)
     # checks the gradients only (a NaN loss whose gradient is finite would step); its own
     # check now skips the step, and lowers its scale as at an overflow
     _start_sgd_momentum(optimizer)
-    grad = next(p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
-    infinity = torch.where(found_inf.to(grad.device) > 0, torch.inf, 0.0)
-    grad[(0,) * grad.dim()].add_(infinity.to(grad.dtype))  # 0 added elsewhere: unchanged
+    grads = (p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+    grad = next(grads, None)
+    if grad is not None:  # (no gradient at all: nothing to step)
+        infinity = torch.where(found_inf.to(grad.device) > 0, torch.inf, 0.0)
+        grad[(0,) * grad.dim()].add_(infinity.to(grad.dtype))  # 0 added elsewhere: unchanged
 
 
 def _start_sgd_momentum(optimizer: torch.optim.Optimizer) -> None:

@@ -289,7 +289,7 @@ class CompressionState:
         # (a non-finite gradient on any rank: every rank skips it, and undoes it here)
         if not applied and self._before is not None:
             self._state, self._shared = self._before
-        self._before = None
+        self._before, self._in_step = None, False
 
     def traffic(self) -> dict[str, float]:
         # the name every hook state answers to (the summary reads it): bytes_per_step
