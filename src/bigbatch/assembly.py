@@ -109,9 +109,10 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         world = framework.world
     else:
         world = World.of(model) if model is not None else World()
-        if registers_hooks and not world.distributed and _processes_in_group() > 1:
+        processes = _processes_in_group()
+        if registers_hooks and not world.distributed and processes > 1:
             warn_at_caller(
-                f"torch.distributed runs {_processes_in_group()} processes, but the model is "
+                f"torch.distributed runs {processes} processes, but the model is "
                 "not wrapped in DistributedDataParallel or fully_shard: each process trains "
                 "alone on the whole global batch (wrap it to train as one)"
             )

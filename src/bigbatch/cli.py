@@ -8,7 +8,6 @@ checkpoint.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import warnings
@@ -23,7 +22,7 @@ from .experiments.config import (
     parse_assignment,
     resolve,
 )
-from .experiments.flags import add_flags, flag, given, settings_from
+from .experiments.flags import add_flags, flag_named, given, settings_from
 from .experiments.launch import COLLECTIVE_FAILED, WorkerFailedError, report_to_launcher
 from .experiments.options import (
     SECTIONS,
@@ -315,8 +314,8 @@ def _compare(args: argparse.Namespace) -> None:
     comparison = plan(_config(args), **{**table, **flags, **arms})
     studies_asked = [k for k in given(TuneSettings, args) if k != "jobs"]  # jobs: compare's
     if studies_asked and not comparison.protocol.tune:
-        asked = next(f for f in dataclasses.fields(TuneSettings) if f.name == studies_asked[0])
-        raise ConfigError(f"{flag(asked)} sets the rate study of --tune: add --tune or drop it")
+        asked = flag_named(TuneSettings, studies_asked[0])
+        raise ConfigError(f"{asked} sets the rate study of --tune: add --tune or drop it")
     out = Path(args.out) if args.out else None
     studies = _settings(args, "tune")  # each arm's rate study, with --tune
     print(f"comparison report: {run_comparison(comparison, out, quiet=args.quiet, tune=studies)}")

@@ -196,10 +196,17 @@ class AdaptiveBatch:
         # ranks built unalike part silently (other batches, other micro-batch counts): one
         # collective here says which setting differs
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        alike = {"controller": self.engine.controller, "max_micro_batch": self.max_micro_batch}
-        alike.update(min_sub_batches=self.min_sub_batches, seed=seed, shuffle=shuffle)
-        alike.update(optimizer=type(optimizer).__name__, param_groups=groups)
-        alike.update(dataset_size=self.source.dataset_size, **self.engine.options.as_dict())
+        alike = {
+            "controller": self.engine.controller,
+            "max_micro_batch": self.max_micro_batch,
+            "min_sub_batches": self.min_sub_batches,
+            "seed": seed,
+            "shuffle": shuffle,
+            "optimizer": type(optimizer).__name__,
+            "param_groups": groups,
+            "dataset_size": self.source.dataset_size,
+            **self.engine.options.as_dict(),
+        }
         self.world.check_alike(alike, "AdaptiveBatch")
         # the last step yielded was not applied (a flag, not the step: a step holds its loop);
         # set at the start too: a gradient left on the model (another loop's step broken off)

@@ -37,6 +37,11 @@ def flag(f: Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+def flag_named(cls: type, name: str) -> str:
+    # the flag of cls's option called name (a field's name and its flag may differ)
+    return flag(_options(cls)[name])
+
+
 def shown(value: Any) -> str:
     """A default as the command line writes it."""
     if isinstance(value, (tuple, list)):
