@@ -137,6 +137,13 @@ def test_a_measurement_stopped_by_a_signal_continues_to_the_same_points(tmp_path
         critical.measure(config, tmp_path / "stopped", options, quiet=True)
     monkeypatch.setattr(runner, "train", train)
     assert critical.measure(config, tmp_path / "stopped", options, quiet=True) == straight
+    # stopped after its first point, the report shows that point and says one remains
+    data = json.loads((tmp_path / "straight" / "critical_batch.json").read_text())
+    data["points"] = data["points"][:1]
+    (tmp_path / "straight" / "critical_batch.json").write_text(json.dumps(data))
+    assert cli.main(["report", str(tmp_path / "straight")]) == 0
+    text = (tmp_path / "straight" / "critical_batch.md").read_text()
+    assert "1 of 2 points measured" in text and "| 0.25 |" in text and "| 0.5 |" not in text
 
 
 def test_a_diverged_branch_fails_the_tolerance_and_the_measurement_goes_on(tmp_path, monkeypatch):

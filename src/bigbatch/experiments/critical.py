@@ -22,7 +22,7 @@ from . import runner
 from .config import ConfigError, resolve
 from .options import CriticalSettings
 from .plan import make_controller, plan_run
-from .report.critical_batch import render
+from .report.critical_batch import PLAN, render
 from .rundir import CHECKPOINT, claim_plan, copy_atomically, read_metrics, write_atomically
 from .signals import stops_as_a_whole
 
@@ -170,8 +170,6 @@ def _config(config: dict[str, Any], batch: int, small: int, lr_rule: str) -> dic
 
 #: the base run's directory inside the measurement's
 BASE = "base"
-#: what a measurement was asked to do, kept so that running it again continues it
-PLAN = "plan.json"
 
 
 def _train_base(config: dict[str, Any], out: Path, marks: list[int], quiet: bool) -> list[Path]:

@@ -3,6 +3,7 @@
 import json
 
 from bigbatch.experiments.arms import ArmResult
+from bigbatch.experiments.report import comparison
 from bigbatch.experiments.report.comparison import (
     _axis,
     _by_axis,
@@ -122,7 +123,25 @@ def test_the_axis_drawn_against_is_a_varied_quantity_never_the_seed():
     )
 
 
-def test_each_arm_written_out_is_its_own_curve_against_the_batch(tmp_path):
+def _labels_inside(save):
+    """``save``, after asserting every axis label of the figure lies inside it."""
+
+    def checked(fig, path, **kwargs):
+        fig.tight_layout()
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        frame = fig.bbox
+        for ax in fig.axes:
+            for label in (ax.xaxis.label, ax.yaxis.label):
+                box = label.get_window_extent(renderer)
+                assert frame.x0 <= box.x0 and box.x1 <= frame.x1, label.get_text()
+                assert frame.y0 <= box.y0 and box.y1 <= frame.y1, label.get_text()
+        save(fig, path, **kwargs)
+
+    return checked
+
+
+def test_each_arm_written_out_is_its_own_curve_against_the_batch(tmp_path, monkeypatch):
     """`--arm static:... --arm seesaw:... --vary batch.initial=16,64,256`: two curves, each
     with its own critical batch (they were one curve, "all", and one fit of both)."""
     arms = []
@@ -132,7 +151,9 @@ def test_each_arm_written_out_is_its_own_curve_against_the_batch(tmp_path):
             runs = [{"steps_to_target": steps, "best_eval_loss": 1.5}]
             point = f"{name}, batch.initial={batch}"
             arms.append(ArmResult(point, {"batch.initial": batch}, [0.01], 0, runs, ["d"]))
+    monkeypatch.setattr(comparison, "save", _labels_inside(comparison.save))
     text = "\n".join(_by_axis(tmp_path, arms, "batch.initial", loss=True))
+    assert (tmp_path / "by_batch_initial.png").is_file()
     rows = {r.split(" | ")[0].strip("| "): r.split(" | ") for r in text.splitlines()}
     assert "all" not in rows
     assert float(rows["static"][2]) == 64 and float(rows["seesaw"][2].replace(",", "")) == 1024

@@ -53,7 +53,7 @@ def _render(folder: Path) -> Path:
             f"{str(folder)!r} holds a run that has not ended (no summary.json): finish it "
             f"with bigbatch train --resume {folder}, which writes its report"
         )
-    if (folder / "plan.json").is_file():  # a critical-batch measurement's, written first
+    if (folder / critical_batch.PLAN).is_file():  # a critical-batch measurement's, written first
         raise ConfigError(
             f"{str(folder)!r} holds a critical-batch measurement that has not measured a point "
             f"yet: run the same bigbatch critical-batch command (--out {folder}) to go on"

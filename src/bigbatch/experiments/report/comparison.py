@@ -531,7 +531,9 @@ def _plot_by_axis(
         ax.set_xlabel(axis)
     left.set_ylabel(f"best test {score} (seed mean ± std)")
     right.set_yscale("log")
-    right.set_ylabel("optimizer steps to the target (seed mean; dashed: the fit)")
+    # (a label longer than the axis is cut at the figure's edges)
+    right.set_ylabel("optimizer steps to the target")
+    right.set_title("seed mean; dashed: the fit", fontsize=9)
     left.legend(fontsize=7)
     name = f"by_{axis.replace('.', '_')}.png"
     save(fig, root / name)

@@ -10,15 +10,24 @@ from typing import Any
 from ..rundir import read_json
 from .figures import plt, save
 
+#: what a measurement was asked to do, kept so that running it again continues it
+PLAN = "plan.json"
+
 
 def render(out: Path) -> Path:
     """Write ``critical_batch.md`` and ``critical_batch.png`` from ``critical_batch.json``;
     the report's path."""
     data = read_json(out / "critical_batch.json")
     batches, points = data["batches"], data["points"]
-    lines = [
-        f"# Critical batch of {data['config']['task']}, measured by branching",
-        "",
+    planned = len(read_json(out / PLAN)["points"])
+    lines = [f"# Critical batch of {data['config']['task']}, measured by branching", ""]
+    if len(points) < planned:  # a measurement stopped part-way: its points so far
+        lines += [
+            f"**{len(points)} of {planned} points measured: run the same bigbatch "
+            f"critical-batch command (--out {out}) to measure the rest.**",
+            "",
+        ]
+    lines += [
         f"Base run at batch {batches[0]}; branches of {data['branch_samples']:,} samples with "
         f"the {data['lr_rule']} rate rule; tolerance {data['tolerance']:g} in eval loss. "
         "Each batch's column is its branch loss minus the reference (the base batch's); "
