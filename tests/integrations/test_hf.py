@@ -28,7 +28,9 @@ class Net(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
-def make_trainer(tmp_path, sampler, controller, statistics=None, dropout=0.0, **args):
+def make_trainer(
+    tmp_path, sampler, controller, statistics=None, dropout=0.0, eval_dataset=None, **args
+):
     settings = dict(
         output_dir=str(tmp_path),
         gradient_accumulation_steps=sampler.micro_batches,
@@ -49,6 +51,7 @@ def make_trainer(tmp_path, sampler, controller, statistics=None, dropout=0.0, **
         model=Net(dropout),
         args=arguments,
         train_dataset=Teacher(),
+        eval_dataset=eval_dataset,
         sampler=sampler,
         controller=controller,
         statistics=statistics,
@@ -220,3 +223,56 @@ def test_a_dataset_of_another_size_than_the_samplers_is_one_error(tmp_path):
     sampler = bb.batch.GlobalBatchSampler(10_000, 32, micro_batches=2, max_samples=96)
     with pytest.raises(ValueError, match="draws from 10000 samples, the train dataset has 4096"):
         make_trainer(tmp_path, sampler, bb.batch.Constant(32))
+
+
+def test_a_causal_lms_statistics_under_ddp_equal_one_process(tmp_path):
+    """transformers multiplies a loss divided by every process's label count by the
+    processes: the engine's weights summed to 1/W a rank, the trace 5x too large and
+    |G|² negative under torchrun. (Micro-batches of 8 either way: units of one example.)"""
+    from ..parallel.cluster import Cluster
+    from . import hf_programs
+
+    one = hf_programs.causal_lm_statistics(str(tmp_path / "one"), micro_batches=4)
+    cluster = Cluster(2)
+    try:
+        ranks = cluster.run(hf_programs.causal_lm_statistics, str(tmp_path / "two"), 2)
+    finally:
+        cluster.close()
+    for rank in ranks:
+        assert rank["weights"] == pytest.approx([1.0] * 4)
+        assert rank["trace"] == pytest.approx(one["trace"], rel=1e-4)
+        assert rank["grad_sq_norm"] == pytest.approx(one["grad_sq_norm"], rel=1e-3, abs=1e-6)
+
+
+def test_the_budgets_end_saves_and_evaluates_as_max_steps_would(tmp_path):
+    """The run's last steps were in no checkpoint and never evaluated: the Trainer's own
+    end (at max_steps) was never reached."""
+    sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=2, max_samples=64 * 12)
+    settings = dict(save_strategy="steps", save_steps=5, eval_strategy="steps", eval_steps=5)
+    evals = Teacher(256, seed=1)
+    trainer = make_trainer(tmp_path, sampler, bb.batch.Constant(64), eval_dataset=evals, **settings)
+    train(trainer)
+    assert trainer.state.global_step == 12
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
+        "checkpoint-10", "checkpoint-12", "checkpoint-5",
+    ]  # fmt: skip
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [5, 10, 12]
+
+
+def test_the_users_arguments_are_left_as_given(tmp_path):
+    """The Trainer's max_steps bound was written into the user's arguments: a second
+    Trainer given them stopped at the first one's bound, short of its own budget."""
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), learning_rate=0.2, optim="sgd", report_to=[],
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    steps = []
+    for budget in (128, 640):
+        sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=1, max_samples=budget)
+        trainer = AdaptiveBatchTrainer(
+            model=Net(), args=arguments, train_dataset=Teacher(), sampler=sampler,
+            controller=bb.batch.Constant(64),
+        )  # fmt: skip
+        steps.append(train(trainer).state.global_step)
+    assert arguments.max_steps == -1 and not arguments.ignore_data_skip
+    assert steps == [2, 10]

@@ -138,6 +138,34 @@ def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):
         assert torch.equal(a, b)
 
 
+class SaveAt(pl.Callback):
+    """Saves a checkpoint after the micro-batch ``batch_idx`` (as a validation there would)."""
+
+    def __init__(self, batch_idx, path):
+        self.batch_idx, self.path = batch_idx, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_inside_an_optimizer_step_is_refused_by_name(tmp_path):
+    """Validation every 10 batches with 4 micro-batches a step saved checkpoints mid-step;
+    resumed, the sampler began a new step where Lightning counted the old one's third
+    micro-batch: an internal RuntimeError from the driver."""
+    data = teacher_data()
+
+    def run(**kwargs):
+        sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=4, max_samples=768)
+        callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+        return fit(callback, sampler, data, root=tmp_path, **kwargs)
+
+    run(callbacks=[SaveAt(9, tmp_path / "mid.ckpt"), SaveAt(11, tmp_path / "end.ckpt")])
+    with pytest.raises(ValueError, match=r"inside an optimizer step, after 2 of its 4 micro"):
+        run(ckpt_path=tmp_path / "mid.ckpt")
+    run(ckpt_path=tmp_path / "end.ckpt")  # a step's end resumes
+
+
 class Record(pl.Callback):
     """Writes each rank's batch sizes, similarities and final parameters to a file."""
 

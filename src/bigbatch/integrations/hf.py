@@ -3,12 +3,14 @@ draws from a :class:`~bigbatch.batch.GlobalBatchSampler`, to its ``max_samples``
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import DefaultFlowCallback
 from transformers.utils import is_datasets_available
 
 if is_datasets_available():
@@ -59,7 +61,10 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.driver.spent:
-            control.should_training_stop = True
+            # the budget ends the run where max_steps would: the Trainer's own end (a last
+            # evaluation and checkpoint) decided as its flow callback decides it there
+            state.max_steps = state.global_step
+            DefaultFlowCallback().on_step_end(args, state, control)
 
 
 class _Endless:
@@ -95,6 +100,8 @@ class AdaptiveBatchTrainer(Trainer):
                 f"gradient_accumulation_steps ({self.args.gradient_accumulation_steps}) must "
                 f"equal the sampler's micro_batches ({sampler.micro_batches})"
             )
+        # the user's arguments unchanged (another Trainer may be given them)
+        self.args = copy.copy(self.args)
         if self.args.max_steps <= 0:  # an upper bound: the sampler ends the run
             smallest = max(1, self.bigbatch.driver.controller.min)
             self.args.max_steps = math.ceil(sampler.max_samples / smallest) + 1
@@ -145,7 +152,8 @@ class AdaptiveBatchTrainer(Trainer):
             # the loss divides each micro-batch's summed loss by the window's label count,
             # the labels counted as the Trainer counts them (a causal LM's shifted ones)
             counts = [float(_counted_labels(self, b).ne(-100).sum()) for b in batches]
-            self.bigbatch.loss_weights = [c / float(num_items) for c in counts]
+            scale = self._across_processes_scale()
+            self.bigbatch.loss_weights = [scale * c / float(num_items) for c in counts]
         elif batches:  # training_step divides each micro-batch's mean loss by their number
             self.bigbatch.loss_weights = [1 / len(batches)] * len(batches)
         if batches and self.bigbatch.driver.engine is None:
@@ -166,6 +174,20 @@ class AdaptiveBatchTrainer(Trainer):
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
         return bool(scaled)
+
+    def _across_processes_scale(self) -> int:
+        # compute_loss: a loss divided by every process's label count is multiplied by the
+        # processes (by tensor-parallel groups where the Trainer has them), so that DDP's
+        # mean of the ranks' gradients is the window's mean
+        args = self.args
+        if not (args.average_tokens_across_devices and (
+            self.model_accepts_loss_kwargs or self.compute_loss_func
+        )):  # fmt: skip
+            return 1
+        if args.n_gpu > 1:
+            return args.n_gpu
+        tensor_parallel = self.get_tp_size() if hasattr(self, "get_tp_size") else 1
+        return self.accelerator.num_processes // tensor_parallel
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         # every number of the last step, named as bigbatch.sinks names it, into the logs
