@@ -91,6 +91,15 @@ CLI_CASES = [
         ["train", "--explain", "--set", "dist.strategy=fsdp", "--set", "batch.similarity=split"],
         "batch.similarity = 'split' needs each half's gradient",
     ),
+    # (checkpointed before the first step: a traceback on every rank, exit 4)
+    (
+        ["train", "--explain", "--set", "dist.strategy=fsdp", "--set", "optimizer=vr-lamb"],
+        "optimizer = 'vr-lamb' keeps state that a checkpoint under dist.strategy = 'fsdp'",
+    ),
+    (
+        ["train", "--explain", "--set", "dist.strategy=fsdp", "--set", "agvm.enabled=true"],
+        "agvm.enabled keeps state that a checkpoint under dist.strategy = 'fsdp' cannot hold",
+    ),
     (["train", "--config", "missing.toml"], "missing.toml' does not exist"),
     (["train", "--resume", "nowhere"], "'nowhere' is not a run directory"),
     (["train", "--nproc", "0"], "--nproc must be at least 1, got 0"),
@@ -202,6 +211,9 @@ def test_cli_existing_run_and_resume_options(existing_run, capsys):
     before = snapshot(existing_run)
     assert cli.main(["train", *SMALL, "--out", str(existing_run)]) == 2
     assert "already exists" in capsys.readouterr().err
+    # (a federated run has no --resume to point to)
+    assert cli.main(["federated", "--out", str(existing_run)]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("runs are never overwritten")
     assert cli.main(["train", "--resume", str(existing_run), "--set", "lr=1"]) == 2
     assert "drop --config/--task/--set/--out" in capsys.readouterr().err
     assert snapshot(existing_run) == before

@@ -360,7 +360,7 @@ def _federated(args: argparse.Namespace) -> None:
         raise ConfigError(str(err)) from None
     settings = _settings(args, "federated")
     out = Path(args.out) if args.out else new_run_dir(task=f"federated-{settings.task}")
-    check_new_run_dir(out)
+    check_new_run_dir(out, resumable=False)  # (a federated run has no --resume)
     simulate(settings, out, threads=args.threads)
     print((out / "report.md").read_text())
     print(f"report: {out / 'report.md'}")

@@ -16,7 +16,13 @@ def test_one_ranks_line_with_the_others_stopped_by_the_agent_is_that_line_and_co
     reported came out as exit 4 and a list of ranks, or exit 2, by which rank was first."""
     line = "bigbatch: error: dist.compression is no good here"
     stopped = failure(-15, signal="SIGTERM")
-    for failures in ({0: stopped, 1: failure(2, line)}, {0: failure(2, line), 1: failure(2, line)}):
+    # (a rank stopped after writing its line: a resume's config refused under --nproc 2)
+    wrote_then_stopped = failure(-15, line, signal="SIGTERM")
+    for failures in (
+        {0: stopped, 1: failure(2, line)},
+        {0: failure(2, line), 1: failure(2, line)},
+        {0: failure(2, line), 1: wrote_then_stopped},
+    ):
         assert _report(SimpleNamespace(failures=failures), 2, Path("out")) == (2, line)
     # a rank killed otherwise, or two lines that differ, are each named
     for failures in (

@@ -2,10 +2,14 @@
 for, the processes kept from one map to the next."""
 
 import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
 from bigbatch.experiments.pool import Processes, in_processes
+from bigbatch.experiments.signals import Stopped, stops_as_a_whole
 
 
 def _pid_of(_item):
@@ -32,3 +36,18 @@ def test_one_worker_or_one_item_runs_here():
     assert in_processes(_pid_of, [0], workers=4) == [os.getpid()]
     with Processes(4) as processes:
         assert processes.map(_pid_of, [0]) == [os.getpid()]
+
+
+@pytest.mark.processes
+def test_a_ctrl_c_between_runs_stops_the_command_and_leaves_the_workers_standing(tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group: idle workers died of it (the
+    pool broken: a traceback and exit 1) or the pool's manager wedged on a cancelled
+    future (the command hung for good)."""
+    with pytest.raises(Stopped), stops_as_a_whole(tmp_path), Processes(2) as processes:
+        assert processes.map(_pid_of, [0, 1]) != [os.getpid()] * 2  # two workers, now idle
+        workers = list(processes._pool._processes)
+        for pid in [*workers, os.getpid()]:  # the group's Ctrl-C, process by process
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(Path(f"/proc/{pid}").exists() for pid in workers)
+        processes.map(_pid_of, [2, 3])  # no run starts: Stopped

@@ -834,3 +834,20 @@ def warm_start(method: str, warmup: int) -> dict:
         step.apply()
     shared = [hook._shared.get(i) for i in range(len(grads))]
     return {"grads": grads, "shared": shared}
+
+
+def trained_from_the_first_state(optimizer: str, fsdp: bool, steps: int = 3) -> dict:
+    """A loop whose state is taken before its first step (as ``bigbatch train`` saves its
+    first checkpoint), trained ``steps`` steps, and another loaded from that state."""
+    world = dist.get_world_size()
+    runs, state = [], None
+    for _ in range(2):
+        loop = make_loop(Constant(16 * world), fsdp=fsdp, optimizer=optimizer, lr=0.01)
+        if state is None:
+            state = copy.deepcopy(loop.state_dict())
+        else:
+            loop.load_state_dict(state)
+        train(loop, steps)
+        counts = {float(s["step"]) for s in loop.optimizer.state.values() if "step" in s}
+        runs.append({"params": flat_params(loop), "step_counts": counts})
+    return {"straight": runs[0], "resumed": runs[1]}

@@ -113,6 +113,17 @@ def test_an_fsdp_run_resumed_with_the_same_ranks_is_identical(cluster2):
     torch.testing.assert_close(result["resumed"], result["straight"], rtol=0, atol=0)
 
 
+def test_a_state_taken_before_the_first_step_leaves_the_optimizer_as_built(cluster2):
+    """torch's full-state helpers stepped an empty optimizer once at rate 0: AdamW's step
+    count one ahead (its first update 0.74x), on the run and on one resumed from it."""
+    sharded = cluster2.run(programs.trained_from_the_first_state, "adamw", True)[0]
+    replicated = cluster2.run(programs.trained_from_the_first_state, "adamw", False)[0]
+    assert replicated["straight"]["step_counts"] == {3.0}
+    for run in (sharded["straight"], sharded["resumed"]):
+        assert run["step_counts"] == {3.0}
+        torch.testing.assert_close(run["params"], replicated["straight"]["params"])
+
+
 def test_an_fsdp_checkpoint_resumes_on_four_ranks_and_on_one_process(cluster2, cluster4, tmp_path):
     path = str(tmp_path / "state.pt")
     saved = cluster2.run(programs.save_run, 20, path, True, "lamb")[0]

@@ -88,7 +88,12 @@ def _report(err: ChildFailedError, nproc: int, out: Path) -> tuple[int, str]:
     failures = dict(sorted(err.failures.items()))
     own = {rank: _own_line(f) for rank, f in failures.items()}
     reported = {line for line in own.values() if line is not None}
-    codes = {failures[rank].exitcode for rank, line in own.items() if line is not None}
+    # (a rank that wrote its line and was stopped before it exited has the agent's code)
+    codes = {
+        failures[rank].exitcode
+        for rank, line in own.items()
+        if line is not None and not _terminated(failures[rank])
+    }
     # a rank without a line of its own that the agent stopped (SIGTERM) once another failed
     alike = all(line is not None or _terminated(failures[r]) for r, line in own.items())
     if len(failures) == nproc and len(reported) == 1 and len(codes) == 1 and alike:

@@ -355,6 +355,13 @@ def _check_sharding(config: Mapping[str, Any]) -> None:
             "batch.similarity = 'split' needs each half's gradient, which FSDP2's "
             "reduce-scatter does not give: use 'scalar' under dist.strategy = 'fsdp'"
         )
+    factory = get_optimizer_info(config["optimizer"]).factory
+    if getattr(factory, "wrapper", None) is not None or config["agvm.enabled"]:
+        what = "agvm.enabled" if config["agvm.enabled"] else f"optimizer = {config['optimizer']!r}"
+        raise ConfigError(
+            f"{what} keeps state that a checkpoint under dist.strategy = 'fsdp' cannot hold "
+            "(VRGD's and AGVM's, beside the base optimizer's): use dist.strategy = 'ddp'"
+        )
 
 
 def _check_bounds(config: Mapping[str, Any]) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import signal
 from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from .signals import stop_between_runs, stop_requested
@@ -36,15 +38,36 @@ class Processes:
             return [function(item) for item in items]
         if self._pool is None:  # spawned on demand: a rung of fewer items starts fewer
             context = multiprocessing.get_context("spawn")
-            self._pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context)
-        futures = [self._pool.submit(function, item) for item in items]
-        while concurrent.futures.wait(futures, timeout=0.5).not_done:
-            if stop_requested():  # a signal to this process alone: no further run starts
-                for future in futures:
-                    future.cancel()
-        results = [f.result() for f in futures if not f.cancelled()]  # a worker's Stopped
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.workers, mp_context=context, initializer=_ignore_stop_signals
+            )
+        # as many submitted as there are workers, none after a signal: a run never starts
+        # after one, and no future is cancelled (which can wedge the pool's manager thread)
+        waiting, running, finished = list(enumerate(items)), {}, {}
+        while waiting or running:
+            while waiting and len(running) < self.workers and not stop_requested():
+                index, item = waiting.pop(0)
+                running[self._pool.submit(function, item)] = index
+            if not running:
+                break
+            done, _ = concurrent.futures.wait(
+                running, timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            finished.update((running.pop(future), future) for future in done)
+        try:
+            results = [finished[index].result() for index in sorted(finished)]  # a Stopped
+        except BrokenProcessPool:
+            stop_between_runs(None)  # a worker the signal reached too
+            raise
         stop_between_runs(None)
         return results
+
+
+def _ignore_stop_signals() -> None:
+    # a worker between runs leaves a terminal's Ctrl-C (sent to the whole process group) to
+    # this process; a run it trains installs its own handlers (and puts these back after)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def in_processes(function: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:

@@ -42,12 +42,13 @@ def new_run_dir(root: str | Path = "runs", task: str = "run") -> Path:
     return path
 
 
-def check_new_run_dir(path: Path) -> None:
+def check_new_run_dir(path: Path, resumable: bool = True) -> None:
     """A one-line error if ``path`` cannot become a new run (it holds one, or a file)."""
+    # (resumable: the command continues a run with --resume)
     if path.exists() and (path.is_file() or _holds_files(path)):
+        hint = " (use --resume to continue one)" if resumable else ""
         raise ConfigError(
-            f"--out {str(path)!r} already exists and is not empty; "
-            "runs are never overwritten (use --resume to continue one)"
+            f"--out {str(path)!r} already exists and is not empty; runs are never overwritten{hint}"
         )
 
 

@@ -100,6 +100,7 @@ def with_vrgd(base: Callable[..., torch.optim.Optimizer], gsnr_momentum: float) 
     factory.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
     factory.__name__ = f"vr_{getattr(base, '__name__', 'optimizer').lower()}"
     factory.builds = base  # type: ignore[attr-defined] - its family is the base's
+    factory.wrapper = VRGD  # type: ignore[attr-defined] - what it wraps the base in
     return factory
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -76,7 +78,32 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(model, optimizer, options=options)
+    if getattr(optimizer, "base", None) is not None:  # torch reads torch's layout only
+        raise NotImplementedError(
+            f"the state of a {type(optimizer).__name__} (a statistics wrapper: its own state "
+            "beside its base optimizer's) is not gathered under FSDP2; checkpoint it under DDP"
+        )
+    with _no_initial_step(optimizer):
+        return get_state_dict(model, optimizer, options=options)
+
+
+# torch's state-dict helpers fill an empty optimizer state by stepping the optimizer once on
+# zero gradients at a rate of 0: an Adam's step count (and so every bias correction after)
+# would be one ahead of the steps trained. Where a parameter holds a gradient they do not.
+
+
+@contextlib.contextmanager
+def _no_initial_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    # torch's helpers inside leave an empty ``optimizer`` state empty
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if optimizer.state or any(p.grad is not None for p in params):
+        yield
+        return
+    params[0].grad = torch.zeros_like(params[0])
+    try:
+        yield
+    finally:
+        params[0].grad = None
 
 
 def load_full_state(
@@ -84,18 +111,28 @@ def load_full_state(
 ) -> None:
     """Load :func:`full_state`'s dictionaries into a sharded model and its optimizer; a
     collective (rank 0's are broadcast)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if not model_state:
         # torch skips the model on a rank whose dictionary is empty, broadcast or not:
         # name the keys (rank 0 sends the values)
         model_state = dict.fromkeys(model.state_dict())
-    set_state_dict(
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    trained = [bool(optimizer_state and optimizer_state.get("state"))]
+    torch.distributed.broadcast_object_list(trained, src=0)  # rank 0's state is the one loaded
+    if not trained[0]:  # saved before the first step: the optimizer stays as it is built
+        set_model_state_dict(model, model_state, options=options)
+        return
+    set_state_dict(  # (torch fills the state by a step at rate 0, then replaces it)
         model,
         optimizer,
         model_state_dict=model_state,
         optim_state_dict=optimizer_state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        options=options,
     )
 
 
