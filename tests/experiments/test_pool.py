@@ -38,6 +38,12 @@ def test_one_worker_or_one_item_runs_here():
         assert processes.map(_pid_of, [0]) == [os.getpid()]
 
 
+def _ignores_sigint(pid):
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
 @pytest.mark.processes
 def test_a_ctrl_c_between_runs_stops_the_command_and_leaves_the_workers_standing(tmp_path):
     """A terminal's Ctrl-C reaches every process of the group: idle workers died of it (the
@@ -46,6 +52,10 @@ def test_a_ctrl_c_between_runs_stops_the_command_and_leaves_the_workers_standing
     with pytest.raises(Stopped), stops_as_a_whole(tmp_path), Processes(2) as processes:
         assert processes.map(_pid_of, [0, 1]) != [os.getpid()] * 2  # two workers, now idle
         workers = list(processes._pool._processes)
+        deadline = time.monotonic() + 60  # each worker up (a signal while it starts breaks
+        while not all(_ignores_sigint(pid) for pid in workers):  # the pool: Stopped too)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         for pid in [*workers, os.getpid()]:  # the group's Ctrl-C, process by process
             os.kill(pid, signal.SIGINT)
         time.sleep(0.5)

@@ -44,20 +44,20 @@ class Processes:
         # as many submitted as there are workers, none after a signal: a run never starts
         # after one, and no future is cancelled (which can wedge the pool's manager thread)
         waiting, running, finished = list(enumerate(items)), {}, {}
-        while waiting or running:
-            while waiting and len(running) < self.workers and not stop_requested():
-                index, item = waiting.pop(0)
-                running[self._pool.submit(function, item)] = index
-            if not running:
-                break
-            done, _ = concurrent.futures.wait(
-                running, timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED
-            )
-            finished.update((running.pop(future), future) for future in done)
         try:
+            while waiting or running:
+                while waiting and len(running) < self.workers and not stop_requested():
+                    index, item = waiting.pop(0)
+                    running[self._pool.submit(function, item)] = index
+                if not running:
+                    break
+                done, _ = concurrent.futures.wait(
+                    running, timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                finished.update((running.pop(future), future) for future in done)
             results = [finished[index].result() for index in sorted(finished)]  # a Stopped
         except BrokenProcessPool:
-            stop_between_runs(None)  # a worker the signal reached too
+            stop_between_runs(None)  # a worker the signal reached as it started
             raise
         stop_between_runs(None)
         return results
