@@ -24,6 +24,15 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i].clone()}
 
 
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    """A one-layer Llama over 32 tokens: a loss that takes ``num_items_in_batch``."""
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
 def causal_lm_statistics(out: str, micro_batches: int, steps: int = 4) -> dict:
     """A tiny Llama (its loss takes ``num_items_in_batch``) trained at a constant batch of
     32: each step's engine loss weights summed on this rank, and the step's statistics."""
@@ -31,11 +40,8 @@ def causal_lm_statistics(out: str, micro_batches: int, steps: int = 4) -> dict:
         rank, world = dist.get_rank(), dist.get_world_size()
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # (joined already)
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2,
-    )  # fmt: skip
     torch.manual_seed(0)
+    model = tiny_llama()
     sampler = bb.batch.GlobalBatchSampler(
         256, 32, micro_batches=micro_batches, max_samples=32 * steps
     )
@@ -45,7 +51,7 @@ def causal_lm_statistics(out: str, micro_batches: int, steps: int = 4) -> dict:
         logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
     )  # fmt: skip
     trainer = AdaptiveBatchTrainer(
-        model=transformers.LlamaForCausalLM(config), args=arguments, train_dataset=Tokens(),
+        model=model, args=arguments, train_dataset=Tokens(),
         sampler=sampler, controller=bb.batch.Constant(32), statistics=True,
         lr_scaling="none",
     )  # fmt: skip

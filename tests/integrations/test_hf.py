@@ -13,6 +13,7 @@ from bigbatch.integrations.hf import AdaptiveBatchTrainer  # noqa: E402
 from bigbatch.sinks import tagged  # noqa: E402
 
 from ._data import Teacher  # noqa: E402
+from .hf_programs import tiny_llama  # noqa: E402
 
 
 class Net(nn.Module):
@@ -171,11 +172,8 @@ def test_a_causal_lms_micro_batches_weigh_the_labels_the_trainer_counts(tmp_path
     """A Llama-type loss predicts labels[..., 1:] and the Trainer divides each micro-batch's
     sum by their count over the window: the engine's weights were all labels' share
     (summing to 1.11-1.14 with padding; the noise scale off up to 10x)."""
-    config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2,
-    )  # fmt: skip
     torch.manual_seed(0)
+    model = tiny_llama()
     sampler = bb.batch.GlobalBatchSampler(128, 16, micro_batches=4, max_samples=48)
     arguments = transformers.TrainingArguments(
         output_dir=str(tmp_path), gradient_accumulation_steps=4, learning_rate=1e-3,
@@ -183,7 +181,7 @@ def test_a_causal_lms_micro_batches_weigh_the_labels_the_trainer_counts(tmp_path
         disable_tqdm=True, use_cpu=True,
     )  # fmt: skip
     trainer = AdaptiveBatchTrainer(
-        model=transformers.LlamaForCausalLM(config), args=arguments,
+        model=model, args=arguments,
         train_dataset=PaddedTokens(), sampler=sampler, controller=bb.batch.Constant(16),
         statistics=True,
     )  # fmt: skip

@@ -111,8 +111,7 @@ def _loop(
     opt, machine, batch, dist = plan.optimizer, plan.machine, plan.batch, plan.dist
     options: dict[str, Any] = {"lr": opt.lr, "weight_decay": opt.weight_decay}
     options.update(implementation(opt.name, opt.impl))
-    accepted = get_optimizer_info(opt.name).signature().parameters
-    if "gamma" in accepted:  # the vr-* optimizers
+    if get_optimizer_info(opt.name).vrgd_form:
         options.update(declared(plan, "vrgd.", VRGD.CONFIG))
     sharded = world is not None and world.distributed and dist.strategy == "fsdp"
     if sharded:  # before the optimizer is built: fully_shard replaces the parameters

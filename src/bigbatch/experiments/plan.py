@@ -303,9 +303,9 @@ def with_recipe(config: dict[str, Any], origins: dict[str, str] | None = None) -
 def _asynchronous_impl(config: dict[str, Any], origins: dict[str, str]) -> None:
     """``ConfigError`` unless the optimizer can skip a step on the device; then built fused."""
     name = config["optimizer"]
-    accepted = get_optimizer_info(name).signature().parameters
-    # torch's fused optimizers take found_inf; a vr-* one (its gamma) reads each step first
-    if "fused" not in accepted or "gamma" in accepted or config["agvm.enabled"]:
+    info = get_optimizer_info(name)
+    # torch's fused optimizers take found_inf; a VR form reads each step's statistics first
+    if "fused" not in info.signature().parameters or info.vrgd_form or config["agvm.enabled"]:
         raise ConfigError(
             f"asynchronous = true skips a non-finite step on the device, which {name}"
             f"{' under AGVM' if config['agvm.enabled'] else ''} cannot: use optimizer = 'adamw' or "
@@ -355,8 +355,7 @@ def _check_sharding(config: Mapping[str, Any]) -> None:
             "batch.similarity = 'split' needs each half's gradient, which FSDP2's "
             "reduce-scatter does not give: use 'scalar' under dist.strategy = 'fsdp'"
         )
-    factory = get_optimizer_info(config["optimizer"]).factory
-    if getattr(factory, "wrapper", None) is not None or config["agvm.enabled"]:
+    if get_optimizer_info(config["optimizer"]).vrgd_form or config["agvm.enabled"]:
         what = "agvm.enabled" if config["agvm.enabled"] else f"optimizer = {config['optimizer']!r}"
         raise ConfigError(
             f"{what} keeps state that a checkpoint under dist.strategy = 'fsdp' cannot hold "

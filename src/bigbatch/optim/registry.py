@@ -58,6 +58,11 @@ class OptimizerInfo:
     def signature(self) -> inspect.Signature:
         return inspect.signature(self.factory)
 
+    @property
+    def vrgd_form(self) -> bool:
+        # a VR form (with_vrgd): the base wrapped in VRGD, whose gamma its factory takes
+        return "gamma" in self.signature().parameters
+
 
 #: the families of torch's own optimizers; bigbatch's declare theirs (``family``)
 _TORCH_FAMILIES = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
@@ -100,7 +105,6 @@ def with_vrgd(base: Callable[..., torch.optim.Optimizer], gsnr_momentum: float) 
     factory.__signature__ = signature.replace(parameters=[*own, *extra])  # type: ignore[attr-defined]
     factory.__name__ = f"vr_{getattr(base, '__name__', 'optimizer').lower()}"
     factory.builds = base  # type: ignore[attr-defined] - its family is the base's
-    factory.wrapper = VRGD  # type: ignore[attr-defined] - what it wraps the base in
     return factory
 
 
