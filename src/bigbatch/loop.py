@@ -273,7 +273,7 @@ class AdaptiveBatch:
             if self._unapplied:
                 # a step left unapplied (a break before apply()): its gradient is dropped,
                 # or the next step would add to it
-                self.optimizer.zero_grad(set_to_none=True)
+                self._drop_gradient()
             step = Step(self, self._plan(self.batch_size))
             self._unapplied = True
             self.engine.begin(step.plan)
@@ -318,6 +318,10 @@ class AdaptiveBatch:
             self.optimizer.zero_grad(set_to_none=True)
         return result
 
+    def _drop_gradient(self) -> None:
+        # where the gradient of a step left unapplied lives (a framework's loop overrides it)
+        self.optimizer.zero_grad(set_to_none=True)
+
     def flush(self) -> dict[str, float]:
         """With ``asynchronous=True``, the last step's metrics, read now (``{}``: none)."""
         result = self.engine.flush()
@@ -355,7 +359,7 @@ class AdaptiveBatch:
         if self.collector is not None:
             self.collector.close()
         if self._unapplied:  # a step left unapplied: its gradient goes with the loop
-            self.optimizer.zero_grad(set_to_none=True)
+            self._drop_gradient()
             self._unapplied = False
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -365,7 +369,7 @@ class AdaptiveBatch:
             _check_optimizer_fits(state["optimizer"], self.optimizer)
         self.source.check_state(state["source"])
         # a step under way (one that raised, say) is abandoned: its gradient goes with it
-        self.optimizer.zero_grad(set_to_none=True)
+        self._drop_gradient()
         if self.world.sharded:
             fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         else:
@@ -456,9 +460,11 @@ def _check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _check_loadable(state: Any, controller: Controller) -> None:
+def _check_loadable(
+    state: Any, controller: Controller, needed: tuple[str, ...] = ("model", "optimizer")
+) -> None:
     """One ``ValueError`` naming what a loop of ``controller`` cannot load, before any is loaded."""
-    needed = ("model", "optimizer", "source", "engine", "rng")
+    needed = (*needed, "source", "engine", "rng")
     missing = [k for k in needed if not isinstance(state, dict) or k not in state]
     engine = state.get("engine") if isinstance(state, dict) else None
     if not missing and isinstance(engine, dict):

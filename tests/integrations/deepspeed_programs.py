@@ -190,6 +190,41 @@ def compare(
     }
 
 
+def abandoned(stage: int, offload: bool = False, steps: int = 6) -> dict:
+    """``compare``'s runs (AdamW), each after a first step left unapplied: a break after
+    its backward, whose gradient (100 times the loss's) must not reach the next update."""
+    config = {}
+    if offload:
+        config["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW, not DeepSpeed's C++
+    engine = deepspeed_engine(stage, "fp32", "adamw", 0.01, **config)
+    loops = {
+        "plain": plain_loop("constant", "adamw", 0.01),
+        "deepspeed": AdaptiveBatchDeepSpeed(
+            engine, regression_data(), controller=controller("constant"), lr_scaling="none"
+        ),
+    }
+    for loop in loops.values():
+        for step in loop.steps(max_steps=1):
+            for x, y in step.micro_batches():
+                step.backward(100 * nn.functional.mse_loss(loop.model(x), y))
+            break
+    return {name: train(loop, steps) for name, loop in loops.items()}
+
+
+def loaded_into_another_controller(directory: str) -> str:
+    """The error loading a checkpoint saved under ``Constant`` into a ``SimiGrad`` loop."""
+    saved = deepspeed_loop("constant", 0)
+    train(saved, 2)
+    saved.save_checkpoint(directory, tag="constant")
+    other = deepspeed_loop("adaptive", 0)
+    try:
+        other.load_checkpoint(directory, tag="constant")
+    except ValueError as err:
+        return str(err)
+    return "loaded"
+
+
 def bf16_run(stage: int, steps: int = 24) -> dict:
     return train(deepspeed_loop("adaptive", stage, "bf16"), steps)
 

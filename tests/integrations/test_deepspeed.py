@@ -75,6 +75,20 @@ def test_under_zero_2_a_non_finite_step_stops_the_run_without_an_update(ranks):
         assert message.startswith("NonFiniteError") and "ZeRO-2" in message
 
 
+@pytest.mark.parametrize(
+    ("stage", "offload"), [(0, False), (1, False), (2, False), (2, True)], ids=str
+)
+def test_a_step_left_unapplied_leaves_no_gradient_as_in_the_plain_loop(ranks, stage, offload):
+    # before, ZeRO 1-2 added it to the next step (the loop cleared the client optimizer's
+    # .grad, not DeepSpeed's buffers), and with an offloaded optimizer the first step raised
+    assert_same_run(ranks.run(programs.abandoned, stage, offload), atol=1e-5)
+
+
+def test_a_checkpoint_of_another_controller_is_refused_in_one_error(one_rank, tmp_path):
+    (answer,) = one_rank.run(programs.loaded_into_another_controller, str(tmp_path))
+    assert "was it saved with another controller?" in answer
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_bf16_trains_and_every_rank_decides_the_same(ranks, stage):
     results = ranks.run(programs.bf16_run, stage)

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ..assembly import FrameworkStep
 from ..batch.controllers import Controller
 from ..engine import NonFiniteError, StepEngine, StepResult
-from ..loop import AdaptiveBatch
+from ..loop import AdaptiveBatch, _check_loadable
 from ..optim._base import BigBatchOptimizer
 from ..optim.wrapper import StatisticsWrapper
 from ..options import StepOptions
@@ -149,11 +149,18 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
                 "cannot be dropped; nothing was updated, the run stops here (resume from the "
                 "last checkpoint)"
             )
+        self._drop_gradient()
+
+    def _drop_gradient(self) -> None:
         # stages 0-1 reduce inside engine.step(): until then the gradients are this rank's
-        # own, in .grad (and ZeRO-1's grad_accum), and dropping them drops the step
+        # own, in .grad (and ZeRO-1's grad_accum), and dropping them drops the step. (The
+        # client optimizer's zero_grad would miss them: under ZeRO and bf16 it holds
+        # DeepSpeed's fp32 copies, whose .grad an offloaded optimizer needs.)
         self.deepspeed.zero_grad()
-        if self.stage == 1:
+        if self.stage >= 1:
             self.deepspeed.optimizer.zero_grad(set_to_none=True)
+        if self.stage == 2:
+            _forget_reduced_gradient(self.deepspeed)
 
     # ------------------------------------------------------------ state
 
@@ -166,6 +173,10 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_loadable(state, self.engine.controller, needed=())  # (DeepSpeed holds the rest)
+        self.source.check_state(state["source"])
+        self._drop_gradient()  # a step under way (one that raised, say) is abandoned
+        self._unapplied = False
         self.source.load_state_dict(state["source"])
         self.engine.load_state_dict(state["engine"])
         saved = state["rng"]
@@ -188,6 +199,19 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
                 "saved by AdaptiveBatchDeepSpeed.save_checkpoint"
             )
         self.load_state_dict(client_state[CLIENT_STATE_KEY])
+
+
+def _forget_reduced_gradient(engine: Any) -> None:
+    # drop what ZeRO-2 has reduced of an unfinished step's micro-batches. DeepSpeed has no
+    # call for it: these are the buffers its stage_1_and_2.py accumulates them in until
+    # step() in unmanaged mode, as of 0.19 (tests/integrations/test_deepspeed.py holds them)
+    zero = engine.optimizer
+    zero.all_grad_tensors = {}
+    zero.averaged_gradients = {}
+    if engine.zero_cpu_offload():
+        zero.accumulated_grads_in_cpu = {}
+        zero._offload_accumulated_param_ids.clear()
+    engine._unmanaged_backward_count = 0
 
 
 def check_engine(engine: Any) -> None:
