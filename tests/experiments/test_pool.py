@@ -3,6 +3,8 @@ for, the processes kept from one map to the next."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import pytest
 
 from bigbatch.experiments.pool import Processes, in_processes
 from bigbatch.experiments.signals import Stopped, stops_as_a_whole
+
+from .test_cli_distributed import alive
 
 
 def _pid_of(_item):
@@ -61,3 +65,33 @@ def test_a_ctrl_c_between_runs_stops_the_command_and_leaves_the_workers_standing
         time.sleep(0.5)
         assert all(Path(f"/proc/{pid}").exists() for pid in workers)
         processes.map(_pid_of, [2, 3])  # no run starts: Stopped
+
+
+def _sleep_in(folder):  # a long run: the worker's pid left in ``folder``, then a wait
+    (Path(folder) / str(os.getpid())).touch()
+    time.sleep(120)
+
+
+@pytest.mark.processes
+def test_the_workers_end_when_their_command_is_killed_outright(tmp_path):
+    """A command SIGKILLed (the OOM killer, ``kill -9``) cannot stop its workers: they
+    trained on, holding their runs' folders against the same command run again, for good."""
+    script = (
+        "import sys\n"
+        "from bigbatch.experiments.pool import Processes\n"
+        "from tests.experiments.test_pool import _sleep_in\n"
+        "with Processes(2) as processes:\n"
+        "    processes.map(_sleep_in, [sys.argv[1]] * 2)\n"
+    )
+    root = Path(__file__).parents[2]
+    command = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=root)
+    deadline = time.monotonic() + 60
+    while len(workers := [int(p.name) for p in tmp_path.iterdir()]) < 2:
+        assert command.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    command.kill()
+    command.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived its command"
+        time.sleep(0.1)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from .signals import stop_between_runs, stop_requested
+
+#: the exit code of a worker whose command was killed
+WORKER_ORPHANED = 137
 
 __all__ = ["Processes", "in_processes"]
 
@@ -39,7 +45,10 @@ class Processes:
         if self._pool is None:  # spawned on demand: a rung of fewer items starts fewer
             context = multiprocessing.get_context("spawn")
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.workers, mp_context=context, initializer=_ignore_stop_signals
+                self.workers,
+                mp_context=context,
+                initializer=_start_worker,
+                initargs=(os.getpid(),),
             )
         # as many submitted as there are workers, none after a signal: a run never starts
         # after one, and no future is cancelled (which can wedge the pool's manager thread)
@@ -63,11 +72,21 @@ class Processes:
         return results
 
 
-def _ignore_stop_signals() -> None:
+def _start_worker(parent: int) -> None:
     # a worker between runs leaves a terminal's Ctrl-C (sent to the whole process group) to
     # this process; a run it trains installs its own handlers (and puts these back after)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    # a command killed outright (SIGKILL, the OOM killer) cannot stop its workers: each ends
+    # itself once its parent is gone, as a killed run ends (its folder resumes), rather than
+    # train on holding the folder's lock for a command that no longer waits for it
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(WORKER_ORPHANED)
 
 
 def in_processes(function: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:
