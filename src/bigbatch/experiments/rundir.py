@@ -337,10 +337,10 @@ def cut_lines(path: Path, keep: int) -> None:
         file.truncate(size)
 
 
-def read_metrics(out: Path) -> list[dict[str, Any]]:
-    """A run's ``metrics.jsonl``, a record per line; a line that does not parse is a
-    :class:`ConfigError` naming the file and the line."""
-    path = Path(out) / "metrics.jsonl"
+def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    """A run's ``metrics.jsonl`` (or another JSON-lines file), a record per line; a line
+    that does not parse is a :class:`ConfigError` naming the file and the line."""
+    path = Path(out) / name
     records = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():

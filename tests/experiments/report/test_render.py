@@ -26,6 +26,21 @@ from bigbatch.experiments.report import render
             {"compare.json": json.dumps({"plan": {"seeds": 1}})},
             r"holds a comparison that has not ended: run the same bigbatch compare command",
         ),
+        # a run of an ended comparison lost (a seed or a whole arm left out silently before)
+        (
+            {"compare.json": json.dumps({"plan": {}, "arms": [{"dirs": ["run00-lr0-seed0"]}]})},
+            r"run00-lr0-seed0' holds no finished run \(no summary.json of one\): run the same "
+            r"bigbatch compare command",
+        ),
+        # a federated run's: its rounds named, not a train run's metrics
+        (
+            {"summary.json": json.dumps({"config": {}}), "federated.png": ""},
+            r"its files \(No such file or directory: .*rounds.jsonl\)",
+        ),
+        (
+            {"summary.json": json.dumps({"config": {}}), "rounds.jsonl": "{\n"},
+            r"rounds.jsonl' line 1 is not valid JSON",
+        ),
         # killed before its first point: a critical-batch measurement's plan alone
         ({"plan.json": "{}"}, "holds a critical-batch measurement that has not measured a point"),
         (

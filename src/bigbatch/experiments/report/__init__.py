@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import ConfigError
-from ..rundir import first_line
+from ..rundir import first_line, read_json
 from . import comparison, critical_batch, rounds, run
 
 __all__ = ["render"]
@@ -47,6 +47,8 @@ def _render(folder: Path) -> Path:
         ("summary.json", run),
     ):
         if (folder / marker).is_file():
+            if kind is run and "config" in read_json(folder / marker):
+                kind = rounds  # a federated run's summary (its rounds.jsonl lost)
             return kind.render(folder)
     if (folder / "config.toml").is_file() and (folder / "metrics.jsonl").is_file():
         raise ConfigError(  # a run killed outright (SIGKILL, a lost machine) has no summary

@@ -38,10 +38,16 @@ def _read_comparison(root: Path) -> tuple[dict[str, Any], list[ArmResult]]:
         )
     arms = []
     for entry in index.get("arms", []):
-        finished = {d: finished_summary(root / d) for d in entry["dirs"]}
-        dirs = [d for d, summary in finished.items() if summary is not None]
-        if dirs:  # a compare.json from before a field lacks it: the field's default
-            arms.append(ArmResult(**{**entry, "dirs": dirs}, runs=[finished[d] for d in dirs]))
+        runs = []
+        for d in entry["dirs"]:
+            summary = finished_summary(root / d)
+            if summary is None:  # a seed or an arm left out would change what is compared
+                raise ConfigError(
+                    f"{str(root / d)!r} holds no finished run (no summary.json of one): run "
+                    f"the same bigbatch compare command (--out {root}) to train it again"
+                )
+            runs.append(summary)
+        arms.append(ArmResult(**entry, runs=runs))
     return index.get("plan", {}), arms
 
 

@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from ..rundir import read_json
+from ..rundir import read_json, read_metrics
 from .figures import plt, save
 
 
 def render(out: Path) -> Path:
     """Write ``report.md`` and ``federated.png`` from the run's files; the report's path."""
-    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines() if line]
+    rounds = read_metrics(out, "rounds.jsonl")
     summary = read_json(out / "summary.json")
     config = summary.pop("config")
     _plot(out / "federated.png", rounds)
