@@ -229,15 +229,6 @@ def bf16_run(stage: int, steps: int = 24) -> dict:
     return train(deepspeed_loop("adaptive", stage, "bf16"), steps)
 
 
-def stopped_by_nan(stage: int) -> str:
-    loop = deepspeed_loop("constant", stage)
-    try:
-        train(loop, 4, nan_at=2)
-    except Exception as err:  # the test checks which
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 def refusal(stage: int, dtype: str = "fp32", optimizer: str = "sgd", **config) -> str:
     """The error AdaptiveBatchDeepSpeed raises for this engine, or "accepted"."""
     engine = deepspeed_engine(stage, dtype, optimizer, **config)

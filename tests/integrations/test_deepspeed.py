@@ -63,16 +63,12 @@ def test_an_optimizer_deepspeed_builds_from_its_config_trains_as_in_the_plain_lo
     assert_same_run(ranks.run(programs.compare, "adaptive", stage, optimizer="config:adamw"))
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", STAGES)
 def test_a_non_finite_step_is_dropped_as_in_the_plain_loop(ranks, stage):
+    # (under ZeRO-2 it stopped the run: the reduced gradient was held not droppable)
     results = ranks.run(programs.compare, "constant", stage, steps=8, nan_at=3)
     assert results[0]["deepspeed"]["skipped"][3] == 1.0
     assert_same_run(results)
-
-
-def test_under_zero_2_a_non_finite_step_stops_the_run_without_an_update(ranks):
-    for message in ranks.run(programs.stopped_by_nan, 2):
-        assert message.startswith("NonFiniteError") and "ZeRO-2" in message
 
 
 @pytest.mark.parametrize(

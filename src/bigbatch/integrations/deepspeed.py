@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..assembly import FrameworkStep
 from ..batch.controllers import Controller
-from ..engine import NonFiniteError, StepEngine, StepResult
+from ..engine import StepEngine, StepResult
 from ..loop import AdaptiveBatch, _check_loadable
 from ..optim._base import BigBatchOptimizer
 from ..optim.wrapper import StatisticsWrapper
@@ -49,7 +49,7 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
         min_sub_batches: the fewest micro-batches per rank per step (≥ 2).
         seed, shuffle, weight_fn, loader_options: as for :class:`~bigbatch.AdaptiveBatch`.
 
-    A non-finite step is dropped (ZeRO 0, 1) or raises :class:`~bigbatch.NonFiniteError`.
+    A non-finite step is dropped, as in the plain loop.
     """
 
     checks_optimizer = False  # ZeRO's optimizer holds its own (flat) parameters
@@ -142,20 +142,14 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
 
     def _drop_step(self, result: StepResult) -> None:
         """Leave a non-finite step without an update (the engine counted it as skipped)."""
-        if self.stage >= 2:
-            raise NonFiniteError(
-                f"step {self.engine.steps_taken}: the gradient or loss is not finite, and "
-                "under ZeRO-2 DeepSpeed has already reduced it into its partitions, where it "
-                "cannot be dropped; nothing was updated, the run stops here (resume from the "
-                "last checkpoint)"
-            )
         self._drop_gradient()
 
     def _drop_gradient(self) -> None:
         # stages 0-1 reduce inside engine.step(): until then the gradients are this rank's
-        # own, in .grad (and ZeRO-1's grad_accum), and dropping them drops the step. (The
-        # client optimizer's zero_grad would miss them: under ZeRO and bf16 it holds
-        # DeepSpeed's fp32 copies, whose .grad an offloaded optimizer needs.)
+        # own, in .grad (and ZeRO-1's grad_accum); stage 2 has reduced each micro-batch's into
+        # buffers it sums them in until then. Clearing both drops the step. (The client
+        # optimizer's zero_grad would miss them: under ZeRO and bf16 it holds DeepSpeed's
+        # fp32 copies, whose .grad an offloaded optimizer needs.)
         self.deepspeed.zero_grad()
         if self.stage >= 1:
             self.deepspeed.optimizer.zero_grad(set_to_none=True)
