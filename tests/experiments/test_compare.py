@@ -276,6 +276,18 @@ def test_the_report_adds_the_train_accuracy_and_the_gap_where_runs_measured_them
     assert row.count("|") == header.count("|")
 
 
+def test_an_arm_that_diverged_at_every_rate_says_so_and_chooses_none(trained, tmp_path):
+    out = tmp_path / "boom"
+    args = ["compare", "--task", "digits", "--arm", "ok:lr=0.004", "--arm", "boom:lr=1000"]
+    assert run_cli(*args, "--lr-grid", "0.5,1", "--out", out, "--quiet") == 0
+    lines = (out / "report.md").read_text().splitlines()
+    boom = [line for line in lines if line.startswith("| boom |")]
+    assert "no score on any seed (ended: skip_limit)" in boom[0]
+    assert boom[-1].endswith("1000°: — (no rate gave a score) | — |")  # none marked chosen
+    ok = [line for line in lines if line.startswith("| ok |")]
+    assert "no score" not in ok[0] and "*" in ok[-1]
+
+
 def test_the_report_adds_the_largest_attention_logit_on_a_transformer_task(trained, tmp_path):
     out = tmp_path / "logit"
     assert run_cli("compare", "--task", "lm", "--arm", "a:seed=0", "--out", out, "--quiet") == 0

@@ -68,6 +68,14 @@ def _mean_std_text(values: list[Any], digits: int) -> str:
     return text if counted == len(values) else f"{text} ({counted} of {len(values)} seeds)"
 
 
+def _no_score(runs: list[dict[str, Any]], key: str) -> str:
+    # why an arm has no score on any seed (each run diverged, say), or nothing
+    if any(r.get(key) is not None for r in runs):
+        return ""
+    ends = sorted({str(r.get("ended")) for r in runs})
+    return f"; no score on any seed (ended: {', '.join(ends)})"
+
+
 def _every_mean(values: list[Any]) -> float | None:
     """The seeds' mean where every seed has a value (steps to a target: each reached it)."""
     return mean_std(values)[0] if values and all(v is not None for v in values) else None
@@ -146,7 +154,7 @@ def render(root: Path) -> Path:
         rows.append(
             [
                 arm.name,
-                f"{arm.lr:.3g}{ceiling} ({grid})",
+                f"{arm.lr:.3g}{ceiling} ({grid}){_no_score(arm.runs, best)}",
                 _mean_std_text(arm.values(best), 4),
                 _mean_std_text(arm.values(final), 4),
                 f"{_mean_std_text(reached, 0)} ({len(reached)}/{len(arm.runs)})",
@@ -259,10 +267,13 @@ def _rate_grid(root: Path, arms: list[ArmResult], loss: bool) -> list[str]:
         own = finals[arm.own] if arm.own is not None else None
         chosen = finals[arm.chosen]
         edge = " (the chosen rate is an end of the grid)" if arm.at_edge else ""
+        mark = arm.chosen
+        if all(v is None for v in finals):  # every rate diverged: none was chosen
+            mark, edge = None, " (no rate gave a score)"
         rows.append(
             [
                 arm.name,
-                _grid_cells(arm, finals, arm.chosen, arm.own) + edge,
+                _grid_cells(arm, finals, mark, arm.own) + edge,
                 f"{own - chosen:+.4f}" if own is not None and chosen is not None else "—",
             ]
         )
@@ -367,10 +378,10 @@ def _at_targets(
             else:
                 cells.append(f"{mean:,.0f}" + (f" ({mean / low:.2f}×)" if low else ""))
         rows.append(cells)
-    which = "static batch" if reference is not arms else "arm"
+    which = "a static batch" if reference is not arms else "an arm"
     return _section(
         f"Steps to targets on the way from the first evaluation ({start:.4g}) to T "
-        f"(seed means; × the fewest of a {which} that reached it on every seed):",
+        f"(seed means; × the fewest of {which} that reached it on every seed):",
         ["arm", *(f"{f:.0%}: {v:.4g}" for f, v in zip(TARGET_FRACTIONS, values))],
         rows,
     )
