@@ -1,5 +1,7 @@
 """A run's figures: the panels drawn are the numbers the run logged."""
 
+import json
+
 import pytest
 
 from bigbatch.experiments.report import run
@@ -27,3 +29,18 @@ def test_the_batch_figure_has_a_similarity_panel_only_where_one_was_measured(
     monkeypatch.setattr(run, "save", count_panels)
     run.plot_run(_rows(similarity), tmp_path, "a run")
     assert drawn["batch_similarity.png"] == panels
+
+
+@pytest.mark.parametrize("ended, said", [("signal", True), ("error", True), ("budget", False)])
+def test_the_report_of_a_run_stopped_before_its_end_says_so_first(
+    tmp_path, monkeypatch, ended, said
+):
+    # before, a stopped run's report led with its target line alone, as a finished one's
+    monkeypatch.setattr(run, "plot_run", lambda *args: None)
+    why = "stopped by SIGTERM at step 850; resume with --resume out"
+    summary = {"task": "digits", "ended": ended, "why": why, "target_note": "target not reached"}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "config.toml").write_text("")
+    lines = run.render(tmp_path).read_text().splitlines()
+    assert (lines[2] == f"**Not ended: {why}.**") == said

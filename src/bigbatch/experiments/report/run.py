@@ -92,6 +92,8 @@ def render(out: Path) -> Path:
     config_text = (out / "config.toml").read_text()
     plot_run(rows, out, f"{summary['task']}: {out.name}")
     lines = [f"# Run {out.name}", ""]
+    if summary.get("ended") in ("signal", "error"):  # the numbers are of a run not done
+        lines += [f"**Not ended: {summary.get('why', summary['ended'])}.**", ""]
     if "target_note" in summary:
         lines += [f"**{summary['target_note'][0].upper()}{summary['target_note'][1:]}.**", ""]
     lines += ["| | |", "|---|---|"]
