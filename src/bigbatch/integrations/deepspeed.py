@@ -128,21 +128,17 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
                 "inside its step: apply() takes no max_grad_norm"
             )
         result = self.engine.before_optimizer_step()
-        if result.skip:
-            self._drop_step(result)
+        if result.skip:  # non-finite: left without an update (the engine counted it skipped)
+            self._drop_gradient()
             return result
         batch = int(result.metrics["batch_size"])
         if batch % (self.max_micro_batch * self.world.size) == 0:
-            self.deepspeed.set_train_batch_size(batch)  # DeepSpeed's counters and logs
+            self.deepspeed.set_train_batch_size(batch)  # its train_batch_size() and logs
         try:
             self.deepspeed.step()
         finally:
             self.engine.after_optimizer_step(result)
         return result
-
-    def _drop_step(self, result: StepResult) -> None:
-        """Leave a non-finite step without an update (the engine counted it as skipped)."""
-        self._drop_gradient()
 
     def _drop_gradient(self) -> None:
         # stages 0-1 reduce inside engine.step(): until then the gradients are this rank's
