@@ -188,6 +188,34 @@ def test_a_gradient_another_loop_left_unapplied_is_not_the_next_loops(noise_from
     assert torch.equal(first_update(True), first_update(False))
 
 
+def test_closing_a_loop_another_took_over_leaves_the_new_one_measuring():
+    """The docs' way to change what trains is a new loop; closing the old one after took the
+    new one's measured layers off the model (its next step refused with a tied-weight error)."""
+
+    def steps_of(close_old):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        options = dict(noise_from="examples", statistics_every=1, seed=1)
+        old = bb.AdaptiveBatch(model, optimizer, make_data(), **options)
+        train(old, model, max_steps=1)
+        new = bb.AdaptiveBatch(model, optimizer, make_data(), **options)
+        if close_old:
+            old.close()
+        return [m["trace"] for m in train(new, model, max_steps=3)]
+
+    assert steps_of(close_old=True) == steps_of(close_old=False)
+
+
+def test_a_closed_loop_refuses_to_train_on():
+    # its statistics' hooks are off the model: it trained on with a negative trace
+    model, loop = make_run(controller=bb.batch.Constant(16))
+    train(loop, model, max_steps=1)
+    loop.close()
+    with pytest.raises(RuntimeError, match=r"the loop was closed \(close\(\)\): build a new"):
+        train(loop, model, max_steps=2)
+
+
 def test_noise_scale_controller_and_adascale():
     model, loop = make_run(
         controller=bb.batch.contrib.NoiseScale(initial=16, min=8, max=512),

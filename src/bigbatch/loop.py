@@ -212,6 +212,7 @@ class AdaptiveBatch:
         # set at the start too: a gradient left on the model (another loop's step broken off)
         # is not this loop's first step's
         self._unapplied = True
+        self._closed = False
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
 
@@ -261,6 +262,8 @@ class AdaptiveBatch:
 
     def steps(self, max_samples: int | None = None, max_steps: int | None = None) -> Iterator[Step]:
         """Yield steps until ``max_samples`` samples or ``max_steps`` steps are done."""
+        if self._closed:  # its statistics' hooks are off the model: they would measure nothing
+            raise RuntimeError("the loop was closed (close()): build a new one to train on")
         if max_samples is None and max_steps is None:
             raise ValueError("give max_samples or max_steps")
         if max_samples is not None:
@@ -356,6 +359,7 @@ class AdaptiveBatch:
 
     def close(self) -> None:
         """Take the statistics' hooks off the model (a loop built after takes them anyway)."""
+        self._closed = True
         if self.collector is not None:
             self.collector.close()
         if self._unapplied:  # a step left unapplied: its gradient goes with the loop

@@ -783,10 +783,12 @@ class _Restore:
     """Puts back a module's own ``forward`` (what :meth:`PerExampleNorms.close` removes)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
+        self.module, self.installed = module, module.forward
 
     def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        # (not a later loop's: closing a loop whose layers another took over leaves them)
+        if self.module.__dict__.get("forward") is self.installed:
+            del self.module.__dict__["forward"]
 
 
 class PerExampleNorms:
