@@ -691,6 +691,8 @@ def test_a_step_used_out_of_order_is_one_error_that_says_what_to_do():
     step.apply()
     with pytest.raises(RuntimeError, match="already applied"):
         step.apply()
+    with pytest.raises(RuntimeError, match=r"step 0 was applied: backward comes before apply"):
+        step.backward(loss)  # (it said the step had fewer micro-batches)
 
 
 def test_retain_graph_keeps_the_graph_for_another_backward_and_changes_nothing_else():

@@ -87,6 +87,8 @@ class Step:
                 f"backward takes the micro-batch's loss as one number (its mean or sum), got "
                 f"a tensor of shape {tuple(loss.shape)} (a loss with reduction='none'?)"
             )
+        if self._applied:
+            raise RuntimeError(f"step {self.index} was applied: backward comes before apply()")
         count = len(self.plan.sizes)
         if self._backwards >= count:
             raise RuntimeError(
