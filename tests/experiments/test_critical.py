@@ -65,6 +65,15 @@ def test_branches_of_unequal_samples_are_refused_before_any_training(tmp_path, s
     assert not (tmp_path / "m").exists()
 
 
+def test_a_branch_batch_larger_than_the_training_set_is_refused_before_any_training(tmp_path):
+    # (its branch's own run refused it, after the base run and the smaller branches)
+    settings = CriticalSettings(batches=(16, 2048), points=(0.1,), branch_samples=4096)
+    config = resolve({**SMALL, "max_samples": 40_000})
+    with pytest.raises(ConfigError, match=r"batch.initial = 2048 is larger than the training"):
+        critical.measure(config, tmp_path / "m", settings, quiet=True)
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_branch_at_the_base_batch_continues_the_base_run_exactly(tmp_path):
     config = resolve(SMALL)
     threads = torch.get_num_threads()
