@@ -110,7 +110,7 @@ def test_a_signal_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one(
 
 def test_sigterm_to_a_two_process_launcher_stops_every_rank_after_a_checkpoint(tmp_path):
     run = tmp_path / "two"
-    args = [*SMALL, "--set", "max_samples=8000", "--nproc", 2, "--out", run]
+    args = [*SMALL, "--set", "max_samples=4000", "--nproc", 2, "--out", run]
     process = bigbatch("train", *args, wait=False, capture=True)
     wait_for_rows(run, 12, process)
     tree = process_tree(process.pid)
@@ -124,7 +124,7 @@ def test_sigterm_to_a_two_process_launcher_stops_every_rank_after_a_checkpoint(t
     assert state["metrics_lines"] == len(rows(run))  # the checkpoint is of the last step
     resumed = bigbatch("train", "--quiet", "--resume", run, "--nproc", 2)
     assert resumed.returncode == 0, resumed.stderr
-    assert json.loads((run / "summary.json").read_text())["samples"] >= 8000
+    assert json.loads((run / "summary.json").read_text())["samples"] >= 4000
 
 
 def test_a_rank_that_stops_answering_ends_the_run_within_the_timeout(tmp_path):
