@@ -44,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Adaptive batching and large-batch optimizers for PyTorch.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    parser.set_defaults(commands=commands.choices)  # (for main: a command's own usage)
     _train_arguments(
         _config_command(commands, "train", "train one run and write its directory", TRAIN_NOTES)
     )
@@ -398,7 +399,9 @@ def _tasks(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The command; its exit code (docs/cli.md: 0 done, 2 config or environment, 3 training
     stopped, 4 a training process or collective failed, 128 + N stopped by signal N)."""
-    args = _parser().parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:  # the command's usage, not the top level's (argparse's own gives that)
+        args.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     _one_line_warnings()
     try:
         return _run(args)

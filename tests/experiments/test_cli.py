@@ -329,3 +329,14 @@ def test_bigbatchs_own_warnings_are_one_line_wherever_python_locates_them(monkey
     assert shown == "bigbatch: warning: few sub-batches\n"
     other = warnings.formatwarning("deprecated", FutureWarning, inside_torch, 124)
     assert other.startswith(inside_torch)  # other packages' warnings keep Python's format
+
+
+@pytest.mark.parametrize("command", ["train", "critical-batch"])
+def test_an_unknown_flag_gets_the_commands_usage(command, capsys):
+    # (argparse's own answer is the top level's usage: the commands, not the flags)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([command, "--bogus", "3"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: bigbatch {command} ")
+    assert err.rstrip().endswith(f"bigbatch {command}: error: unrecognized arguments: --bogus 3")
