@@ -17,6 +17,7 @@ from typing import Any
 
 from bigbatch.experiments.config import to_toml
 from bigbatch.experiments.plan import plan_run
+from bigbatch.experiments.runner import SCORES
 
 S_MIN = 100
 
@@ -63,8 +64,7 @@ def fake_train(
         "ended": "budget",
     }
     if config["lr"] > 1:  # a rate this far off diverges: no score, as the runner records it
-        scores = ("best_accuracy", "final_accuracy", "best_eval_loss", "final_eval_loss")
-        summary.update(dict.fromkeys(scores), steps_to_target=None, ended="skip_limit")
+        summary.update(dict.fromkeys(SCORES), steps_to_target=None, ended="skip_limit")
     if config["task"] == "lm":  # a transformer: the runner logs its largest attention logit
         summary["max_attention_logit"] = 10.0 * config["lr"] / 0.004
     if config.get("train_samples"):  # a cut training set: the runner measures the gap

@@ -166,7 +166,6 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
         _check_loadable(state, self.engine.controller, needed=())  # (DeepSpeed holds the rest)
         self.source.check_state(state["source"])
         self._drop_gradient()  # a step under way (one that raised, say) is abandoned
-        self._unapplied = False
         self.source.load_state_dict(state["source"])
         self.engine.load_state_dict(state["engine"])
         saved = state["rng"]
