@@ -80,6 +80,7 @@ def test_flags_and_choices():
         choice("mode", 3, ("a",))
     assert did_you_mean("lamb", ["lars", "lamb2"]) == "; did you mean 'lamb2'?"
     assert did_you_mean("zzz", ["lars"]) == ""
+    assert did_you_mean("LAMB", ["lars", "lamb"]) == "; did you mean 'lamb'?"  # case alone
 
 
 def test_a_pair_is_two_items_and_anything_else_is_named():

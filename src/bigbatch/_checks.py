@@ -39,7 +39,10 @@ def choice(name: str, value: Any, choices: Sequence[str]) -> str:
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for the option closest to ``word``, or nothing."""
-    close = difflib.get_close_matches(word, list(options), n=1)
+    options = list(options)
+    # case first: difflib scores 'LAMB' against 'lamb' as unlike
+    close = [o for o in options if o.lower() == word.lower()]
+    close = close or difflib.get_close_matches(word, options, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
