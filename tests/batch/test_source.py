@@ -1,5 +1,8 @@
 """Data sources: what a loop draws and loads, and where it resumes."""
 
+import warnings
+
+import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
@@ -27,7 +30,8 @@ class Counting(IterableDataset):
 
 def test_iterable_source_restarts_a_finite_stream_and_skips_on_resume():
     source = IterableSource(Counting())
-    positions = source.draw(7)  # runs past the end: the stream starts again
+    with pytest.warns(UserWarning, match="a batch of 7 samples from a dataset of 5"):
+        positions = source.draw(7)  # runs past the end: the stream starts again
     assert positions == list(range(7))
     assert [b.tolist() for b in source.load([[0, 1, 2, 3, 4], [5, 6]])] == [
         [0.0, 1.0, 2.0, 3.0, 4.0],
@@ -39,9 +43,15 @@ def test_iterable_source_restarts_a_finite_stream_and_skips_on_resume():
     assert [b.tolist() for b in resumed.load([[0, 1]])] == [[2.0, 3.0]]
 
 
-def test_an_iterable_that_yields_nothing_is_one_error_naming_it():
-    import pytest
+def test_a_batch_within_one_pass_of_a_stream_is_not_warned_of_repeats():
+    source = IterableSource(Counting())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source.draw(3)
+        source.draw(5)  # across the restart (3, 4, 0, 1, 2): each sample once
 
+
+def test_an_iterable_that_yields_nothing_is_one_error_naming_it():
     class Empty(IterableDataset):
         def __iter__(self):
             return iter([])

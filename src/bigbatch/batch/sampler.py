@@ -71,13 +71,7 @@ class VariableBatchSampler:
                 weight += _weight(self.weight_fn(index), index)
         if len(batch) > self.dataset_size and not self._warned_repeats:
             self._warned_repeats = True
-            warnings.warn(
-                f"a batch of {len(batch)} samples from a dataset of {self.dataset_size}: it "
-                "holds some samples twice, which the noise statistics (and the rate rules that "
-                "read them) take as independent; cap the batch (the controller's max) at the "
-                "dataset's size",
-                stacklevel=2,
-            )
+            warn_repeats(len(batch), self.dataset_size)
         return batch
 
     def _take_count(self, count: int) -> list[int]:
@@ -240,3 +234,13 @@ def _weight(value: Any, index: int) -> int:
     if weight is None or weight < 1:
         raise ValueError(f"weight_fn({index}) must be a whole number >= 1, got {value!r}")
     return weight
+
+
+def warn_repeats(batch: int, dataset_size: int) -> None:
+    """The one warning that a batch of ``batch`` samples repeats some of a dataset's."""
+    warnings.warn(
+        f"a batch of {batch} samples from a dataset of {dataset_size}: it holds some samples "
+        "twice, which the noise statistics (and the rate rules that read them) take as "
+        "independent; cap the batch (the controller's max) at the dataset's size",
+        stacklevel=4,
+    )

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from torch.utils.data._utils.pin_memory import pin_memory
 
 from .._checks import did_you_mean, whole_number
-from .sampler import VariableBatchSampler
+from .sampler import VariableBatchSampler, warn_repeats
 
 __all__ = ["IterableSource", "MapSource", "make_source"]
 
@@ -204,6 +204,7 @@ class IterableSource:
         self._iterator: Iterator[Any] | None = None
         self._consumed = 0
         self._drawn: list[Any] = []
+        self._warned_repeats = False
 
     def draw(self, size: int) -> list[int]:
         if self._iterator is None:
@@ -215,6 +216,9 @@ class IterableSource:
             try:
                 samples.append(next(self._iterator))
             except StopIteration:  # a finite iterable: start it again
+                if 0 < self._consumed < size and not self._warned_repeats:  # one pass: _consumed
+                    self._warned_repeats = True
+                    warn_repeats(size, self._consumed)
                 self._iterator = iter(self.dataset)
                 self._consumed = 0
                 first = next(self._iterator, _NOTHING)
