@@ -9,9 +9,11 @@ import bigbatch as bb
 NAMES = ["lamb", "lambc", "nvlamb", "lars", "larc", "merit"]
 
 
-def run(name, impl, lr, decoupled=False):
+def run(name, impl, lr, decoupled=False, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in ((6, 5), (5,), (3, 2, 2))]
+    params = [
+        nn.Parameter(torch.randn(s, generator=gen, dtype=dtype)) for s in ((6, 5), (5,), (3, 2, 2))
+    ]
     options = {"decoupled_weight_decay": True} if decoupled else {}
     groups = [
         {"params": params[:2], "weight_decay": 0.01},
@@ -20,7 +22,7 @@ def run(name, impl, lr, decoupled=False):
     opt = bb.optim.create_optimizer(groups, name, lr=lr, impl=impl, **options)
     for _ in range(5):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen, dtype=dtype)
         opt.step()
     return [p.detach().clone() for p in params]
 
@@ -32,6 +34,15 @@ def test_tensor_lr_equals_float_lr(name, impl):
     tensors = run(name, impl, torch.tensor(0.01))
     for a, b in zip(floats, tensors):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars", "merit"])
+def test_a_float64_tensor_lr_steps_float64_parameters_as_its_float_does(name):
+    # it was rounded to float32: 1.5e-9 to 6.4e-9 off a step
+    floats = run(name, "foreach", 0.01, dtype=torch.float64)
+    tensors = run(name, "foreach", torch.tensor(0.01, dtype=torch.float64), dtype=torch.float64)
+    for a, b in zip(floats, tensors):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-15)
 
 
 def test_decoupled_decay_with_a_tensor_lr():

@@ -30,7 +30,7 @@ def sub_batch_problem(sizes, seed=0):
 
 def run_step(model, optimizer, x, y, sizes):
     """One accumulated step with statistics; returns the sub-batch mean gradients."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     per_batch, start = [], 0
     for b in sizes:  # the slow way, one backward per sub-batch
         model.zero_grad()
@@ -221,3 +221,38 @@ def test_an_added_groups_average_is_bias_corrected_by_its_own_steps():
     again.add_param_group({"params": [b]})
     again.load_state_dict(optimizer.state_dict())  # each average's count is saved
     assert again.state_dict()["wrapper"]["steps"] == [21, 1]
+
+
+def test_the_ratios_follow_the_parameters_trainable_now():
+    """A layer unfrozen after VRGD was built: every step failed ("GSNR for 4 tensors, but the
+    optimizer has 2"), or, at an equal count, its ratios went to the wrong tensors."""
+    sizes = [4] * 8
+    model, x, y = sub_batch_problem(sizes)
+    model[0].requires_grad_(False)
+    optimizer = VRGD(torch.optim.SGD(model.parameters(), lr=0.1), gamma=0.1)
+    run_step(model, optimizer, x, y, sizes)
+    model[0].requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    per_batch, grads = run_step(model, optimizer, x, y, sizes)
+    ratios = expected_ratios(per_batch, sizes, 0.1)
+    for p, p0, g, r in zip(model.parameters(), before, grads, ratios, strict=True):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * r * g, rtol=1e-4, atol=1e-6)
+
+
+def test_the_ratio_averages_stay_with_their_parameters_and_load_only_where_they_fit():
+    sizes = [4] * 8
+    model, x, y = sub_batch_problem(sizes)
+    model[2].requires_grad_(False)
+    optimizer = VRGD(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), gsnr_momentum=0.9)
+    run_step(model, optimizer, x, y, sizes)
+    model[2].requires_grad_(True)
+    run_step(model, optimizer, x, y, sizes)
+    assert optimizer.state_dict()["wrapper"]["steps"] == [2, 2, 1, 1]  # by parameter
+    saved = optimizer.state_dict()
+    model[2].requires_grad_(False)
+    other = VRGD(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), gsnr_momentum=0.9)
+    with pytest.raises(ValueError, match=r"ratios of 4 trainable parameters, but this .* has 2"):
+        other.load_state_dict(saved)
+    with pytest.raises(ValueError, match="lacks 'base' and 'wrapper'"):
+        other.load_state_dict(saved["base"])  # a plain SGD's state
+    assert not other.base.state  # nothing was loaded

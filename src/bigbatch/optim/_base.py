@@ -285,9 +285,9 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         self, group_index: int, name: str, value: float | Tensor, device: torch.device
     ) -> float | Tensor:
         """``value`` as a float, or for the compiled impl in a reused float32 tensor on
-        ``device``; a tensor learning rate is used as it is."""
+        ``device``; a tensor rate on ``device``, in its dtype (float32 at least)."""
         if isinstance(value, Tensor):
-            return value.to(device=device, dtype=torch.float32)
+            return value.to(device=device, dtype=torch.promote_types(value.dtype, torch.float32))
         if self.impl != "compiled":
             return float(value)
         key = (group_index, name, device)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any, ClassVar
 
 import torch
@@ -87,11 +88,20 @@ class VRGD(StatisticsWrapper):
         self._warned_of: set[int] = set()
 
     def _groups_changed(self) -> None:
-        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        if self._ratio_avg is not None:  # a new parameter's average starts at zero
-            added = self._params[len(self._ratio_avg) :]
-            self._ratio_avg += [torch.zeros_like(p) for p in added]
-            self._counts += [0] * len(added)  # (and its bias correction with it)
+        self._follow_trainable()
+
+    def _follow_trainable(self) -> None:
+        # the statistics measure the parameters trainable now (a layer unfrozen since, a
+        # group added): the ratios and their averages pair with those, by identity; a
+        # parameter newly trainable starts its average (and bias correction) at zero
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if len(params) == len(self._params) and all(map(operator.is_, params, self._params)):
+            return
+        if self._ratio_avg is not None:
+            kept = {id(p): (a, n) for p, a, n in zip(self._params, self._ratio_avg, self._counts)}
+            pairs = [kept.get(id(p), (torch.zeros_like(p), 0)) for p in params]
+            self._ratio_avg, self._counts = [a for a, _ in pairs], [n for _, n in pairs]
+        self._params = params
 
     def check_sub_batches(self, count: int) -> None:
         """Refuse fewer than 4 sub-batches per step; warn below 8."""
@@ -135,6 +145,7 @@ class VRGD(StatisticsWrapper):
         if stats.gsnr is None:
             raise RuntimeError("VRGD needs the element-wise GSNR: collect it with gsnr=True")
         self.check_sub_batches(len(stats.sizes))
+        self._follow_trainable()
         present = [
             (p, r) for p, r in zip(self._params, self.ratios(stats.gsnr)) if p.grad is not None
         ]
@@ -149,6 +160,16 @@ class VRGD(StatisticsWrapper):
             "ratio_avg": [r.clone() for r in self._ratio_avg] if self._ratio_avg else None,
             "steps": list(self._counts),
         }
+
+    def _check_wrapper_state(self, state: dict[str, Any]) -> None:
+        self._follow_trainable()
+        saved = state["ratio_avg"]
+        if saved and len(saved) != len(self._params):
+            raise ValueError(
+                f"the saved VRGD state averages the ratios of {len(saved)} trainable "
+                f"parameters, but this optimizer has {len(self._params)}: load it where the "
+                "same parameters train (requires_grad) as when it was saved"
+            )
 
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
         saved = state["ratio_avg"]

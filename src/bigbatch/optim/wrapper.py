@@ -105,6 +105,9 @@ class StatisticsWrapper(torch.optim.Optimizer):
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
         pass
 
+    def _check_wrapper_state(self, state: dict[str, Any]) -> None:
+        pass  # a ValueError where _load_wrapper_state cannot load state
+
     # torch's hooks on the wrapper run around its own state, as torch's methods run them
     def state_dict(self) -> dict[str, Any]:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
@@ -118,6 +121,12 @@ class StatisticsWrapper(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
+        if not {"base", "wrapper"} <= state_dict.keys():
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state lacks 'base' and 'wrapper' "
+                "(a plain optimizer's state? load that into its .base)"
+            )
+        self._check_wrapper_state(state_dict["wrapper"])  # before anything is loaded
         self.base.load_state_dict(state_dict["base"])
         # torch's load_state_dict builds new group dicts: share the base's again, or the
         # rates set on the wrapper (schedulers, bigbatch's LR rules, AGVM) would miss it
