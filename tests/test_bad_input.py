@@ -258,7 +258,7 @@ API_CASES = [
     (
         lambda: loop(noise_from="sub_batches", min_sub_batches=1),
         ValueError,
-        "must be at least 2 to measure",
+        "at least 2 to measure statistics on one process (noise_from = 'sub_batches'), got 1",
     ),
     (
         lambda: loop(lr_scaling="cube"),

@@ -132,8 +132,9 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
             options.statistics, per_example is not None, options.similarity == "split", world.size
         )
     _check_sub_batches(
-        controller, positive_int("sub_batches", sub_batches), world, options, per_example
-    )
+        controller, positive_int("sub_batches", sub_batches), world, options, per_example,
+        noise_why,
+    )  # fmt: skip
     if wrapped:
         optimizer.check_sub_batches(sub_batches * world.size)
     given = comm_hook if registers_hooks else None  # to register (else the model's own)
@@ -448,13 +449,18 @@ def _check_sub_batches(
     world: World,
     options: StepOptions,
     per_example: nn.Module | None,
+    noise_why: str,
 ) -> None:
     split = options.similarity == "split" or per_example is None
     if sub_batches < 2 and options.statistics and not world.distributed and split:
+        # (a plugin's user sets them as the sampler's micro_batches, and the per-example
+        # statistics that need none may be out for a reason only the log said)
+        why = f" ({noise_why})" if per_example is None and noise_why else ""
         raise ValueError(
-            "min_sub_batches (micro-batches per step) must be at least 2 to measure "
+            "min_sub_batches (micro-batches per step; a plugin's: the sampler's micro_batches) "
+            f"must be at least 2 to measure "
             f"{'the split similarity' if per_example is not None else 'statistics'} on one "
-            f"process, got {sub_batches}"
+            f"process{why}, got {sub_batches}"
         )
     smallest = sub_batches * world.size
     if controller.min < smallest:

@@ -274,3 +274,20 @@ def test_the_users_arguments_are_left_as_given(tmp_path):
         steps.append(train(trainer).state.global_step)
     assert arguments.max_steps == -1 and not arguments.ignore_data_skip
     assert steps == [2, 10]
+
+
+def test_a_checkpoint_without_the_samplers_state_is_refused(tmp_path):
+    """save_only_model keeps no bigbatch.pt: the resumed run began its sample budget again."""
+    sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=1, max_samples=640)
+    settings = dict(save_strategy="steps", save_steps=5, save_only_model=True)
+    train(make_trainer(tmp_path, sampler, bb.batch.Constant(64), **settings))
+    sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=1, max_samples=640)
+    trainer = make_trainer(tmp_path, sampler, bb.batch.Constant(64), **settings)
+    with pytest.raises(ValueError, match=r"checkpoint-5 has no bigbatch\.pt: it keeps no sampler"):
+        train(trainer, resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+
+
+def test_a_trainer_schedule_left_unused_is_warned_of(tmp_path):
+    sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=1, max_samples=640)
+    with pytest.warns(UserWarning, match="lr_scheduler_type='cosine' and its warm-up are not"):
+        make_trainer(tmp_path, sampler, bb.batch.Constant(64), lr_scheduler_type="cosine")

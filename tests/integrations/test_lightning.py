@@ -41,7 +41,7 @@ class Module(pl.LightningModule):
 
 def fit(
     callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None, logger=False, dropout=0.0,
-    plugins=(),
+    plugins=(), module=None,
 ):  # fmt: skip
     trainer = pl.Trainer(
         accumulate_grad_batches=sampler.micro_batches,
@@ -58,7 +58,7 @@ def fit(
         default_root_dir=root,
         plugins=list(plugins) or None,
     )
-    module = Module(dropout=dropout)
+    module = module or Module(dropout=dropout)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended.*")
@@ -345,3 +345,27 @@ def test_a_loader_that_does_not_draw_with_the_sampler_is_one_error(mistake):
     expected = "draws its batches with BatchSampler" if mistake == "no sampler" else "8192 samples"
     with pytest.raises(ValueError, match=expected):
         trainer.fit(Module(), loader)
+
+
+class _SkipsOne(Module):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 3 else super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_that_returns_none_inside_a_step_is_one_error():
+    """Lightning skips the backward of a micro-batch whose training_step returns None and
+    steps anyway: the step went undecided, and every later decision a step late."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=640)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    with pytest.raises(RuntimeError, match="training_step returned None for 1 of this step's 2"):
+        fit(callback, sampler, data, module=_SkipsOne())
+
+
+def test_a_sampler_without_a_sample_budget_is_refused():
+    """Its loader has no len(): Lightning drew a batch ahead, each new size a step late."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    with pytest.raises(ValueError, match="the sampler needs max_samples"):
+        fit(callback, sampler, data)

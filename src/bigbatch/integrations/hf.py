@@ -16,6 +16,7 @@ from transformers.utils import is_datasets_available
 if is_datasets_available():
     import datasets
 
+from .._warn import warn_at_caller
 from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
 from ..options import StepOptions
@@ -106,6 +107,17 @@ class AdaptiveBatchTrainer(Trainer):
             smallest = max(1, self.bigbatch.driver.controller.min)
             self.args.max_steps = math.ceil(sampler.max_samples / smallest) + 1
         self.args.ignore_data_skip = True  # the sampler resumes itself
+        kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        if self.lr_scheduler is None and (kind not in ("linear", "constant") or (
+            self.args.warmup_steps or getattr(self.args, "warmup_ratio", 0)
+        )):  # fmt: skip
+            # ("linear", the Trainer's default, cannot be told from one asked for)
+            warn_at_caller(
+                f"AdaptiveBatchTrainer makes the Trainer's scheduler constant: "
+                f"lr_scheduler_type={kind!r} and its warm-up are not used; give the schedule "
+                "in samples (schedule=bigbatch.schedules.warmup_cosine(...)), or a scheduler "
+                "of your own in optimizers="
+            )
         if self.train_dataset is not None:  # (its loader is ours, drawing with the sampler)
             self.bigbatch.driver.check_data(self.train_dataset, sampler)
         sampler.rank, sampler.world_size = self.args.process_index, self.args.world_size
@@ -215,9 +227,17 @@ class AdaptiveBatchTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-            state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
-            self.bigbatch.driver.load_state_dict(state)
+        if checkpoint is None:
+            return
+        if not os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
+            # (resumed, the run would train its whole sample budget again from batch one)
+            raise ValueError(
+                f"the checkpoint {checkpoint} has no {STATE_FILE}: it keeps no sampler, "
+                "controller or sample count (saved with save_only_model=True, or by another "
+                "Trainer); resume from one AdaptiveBatchTrainer saved without save_only_model"
+            )
+        state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+        self.bigbatch.driver.load_state_dict(state)
 
 
 def _counted_labels(trainer: Any, batch: dict[str, Any]) -> torch.Tensor:

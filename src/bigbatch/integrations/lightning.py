@@ -45,10 +45,18 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         self.log = log
         self._rng: dict[str, Any] | None = None  # a checkpoint's random state, to restore
         self._done = 0  # the step's micro-batches so far, the one under way included
+        self._backwards = 0  # the step's backward passes so far
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if self.sampler.max_samples is None:
+            # the loader's len() would raise: Lightning reads it as unsized and draws a
+            # batch ahead, so that each new batch size would apply a step late
+            raise ValueError(
+                "the sampler needs max_samples: the budget is in samples (Trainer's max_steps "
+                "may still end the run before it)"
+            )
         if trainer.accumulate_grad_batches != self.sampler.micro_batches:
             raise ValueError(
                 f"accumulate_grad_batches ({trainer.accumulate_grad_batches}) must equal the "
@@ -89,6 +97,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         k = self.sampler.micro_batches
         if batch_idx % k == 0:
             self.driver.begin(loss_weights=[1 / k] * k)  # Lightning divides losses by k
+            self._backwards = 0
         self._done = batch_idx % k + 1
         self.driver.before_backward(batch_idx % k)
 
@@ -106,6 +115,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         if scaler is not None:
             loss = loss.detach() / scaler.scale(torch.ones((), device=loss.device))
         self.driver.add_loss(loss)
+        self._backwards += 1
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._last:  # the gradients accumulated (reduced under DDP), not yet unscaled
@@ -121,6 +131,13 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
                 "(limit_train_batches or fast_dev_run cut the epoch inside a step): give "
                 f"limit_train_batches as a multiple of accumulate_grad_batches ({k}), or "
                 "leave the end to the sampler's max_samples"
+            )
+        if self._backwards != self._done:  # the step's sizes and decision would be off
+            raise RuntimeError(
+                f"training_step returned None for {self._done - self._backwards} of this "
+                f"step's {self._done} micro-batches (Lightning skips their backward, and "
+                "steps): with AdaptiveBatchCallback every micro-batch of a step must give a "
+                "loss; to skip a batch's learning, return its loss times 0"
             )
 
     def on_train_batch_end(
