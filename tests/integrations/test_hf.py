@@ -291,3 +291,12 @@ def test_a_trainer_schedule_left_unused_is_warned_of(tmp_path):
     sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=1, max_samples=640)
     with pytest.warns(UserWarning, match="lr_scheduler_type='cosine' and its warm-up are not"):
         make_trainer(tmp_path, sampler, bb.batch.Constant(64), lr_scheduler_type="cosine")
+
+
+def test_intervals_of_the_whole_run_are_warned_of(tmp_path):
+    sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=1, max_samples=640)
+    with pytest.warns(UserWarning, match="eval_strategy='epoch', logging_steps=0.1 would act"):
+        make_trainer(
+            tmp_path, sampler, bb.batch.Constant(64), eval_strategy="epoch",
+            eval_dataset=Teacher(), logging_strategy="steps", logging_steps=0.1,
+        )  # fmt: skip

@@ -369,3 +369,18 @@ def test_a_sampler_without_a_sample_budget_is_refused():
     callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
     with pytest.raises(ValueError, match="the sampler needs max_samples"):
         fit(callback, sampler, data)
+
+
+class _EpochScheduled(Module):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)]
+
+
+def test_intervals_of_the_whole_run_are_warned_of():
+    """The budget is one Lightning epoch: an epoch-stepped scheduler stepped once, at its end."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=640)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    with pytest.warns(UserWarning, match="interval='epoch' would act once, at its end"):
+        fit(callback, sampler, data, module=_EpochScheduled())

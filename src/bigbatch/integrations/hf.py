@@ -103,9 +103,11 @@ class AdaptiveBatchTrainer(Trainer):
             )
         # the user's arguments unchanged (another Trainer may be given them)
         self.args = copy.copy(self.args)
-        if self.args.max_steps <= 0:  # an upper bound: the sampler ends the run
+        bounded = self.args.max_steps <= 0
+        if bounded:  # an upper bound: the sampler ends the run
             smallest = max(1, self.bigbatch.driver.controller.min)
             self.args.max_steps = math.ceil(sampler.max_samples / smallest) + 1
+        _warn_of_whole_run_intervals(self.args, bounded)
         self.args.ignore_data_skip = True  # the sampler resumes itself
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
         if self.lr_scheduler is None and (kind not in ("linear", "constant") or (
@@ -238,6 +240,26 @@ class AdaptiveBatchTrainer(Trainer):
             )
         state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
         self.bigbatch.driver.load_state_dict(state)
+
+
+def _warn_of_whole_run_intervals(args: Any, bounded: bool) -> None:
+    # the budget is one Trainer epoch, and max_steps (set here) only a bound on its steps
+    unfit = [
+        f"{name}='epoch'"
+        for name in ("eval_strategy", "save_strategy", "logging_strategy")
+        if getattr(getattr(args, name, None), "value", None) == "epoch"
+    ]
+    if bounded:
+        unfit += [
+            f"{name}={value}"
+            for name in ("eval_steps", "save_steps", "logging_steps")
+            if isinstance(value := getattr(args, name, None), float) and 0 < value < 1
+        ]
+    if unfit:
+        warn_at_caller(
+            f"AdaptiveBatchTrainer trains the sample budget as one epoch, its max_steps only a "
+            f"bound: {', '.join(unfit)} would act once, at the end; give them in steps"
+        )
 
 
 def _counted_labels(trainer: Any, batch: dict[str, Any]) -> torch.Tensor:

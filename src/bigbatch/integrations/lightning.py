@@ -9,6 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from .._warn import warn_at_caller
 from ..batch.controllers import Controller
 from ..batch.sampler import GlobalBatchSampler
 from ..options import StepOptions
@@ -74,6 +75,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         if isinstance(loader, torch.utils.data.DataLoader):
             self.driver.check_data(loader.dataset, loader.batch_sampler)
         optimizer = trainer.optimizers[0]
+        _warn_of_whole_run_intervals(trainer)
         # the model: its world, and the layers the per-example statistics hook
         # 16-mixed: the gradients are read scaled (the decision comes before its unscale),
         # and an overflow the engine skips must lower the scale
@@ -168,6 +170,23 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
             )
         self.driver.load_state_dict(state_dict)
         self._rng = state_dict["rng"]
+
+
+def _warn_of_whole_run_intervals(trainer: pl.Trainer) -> None:
+    # the budget is one Lightning epoch, the loader's length only a bound on its batches
+    unfit = ["a scheduler stepped by interval='epoch'"] * any(
+        config.interval == "epoch" for config in trainer.lr_scheduler_configs
+    )
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and interval < 1:
+        unfit.append(f"val_check_interval={interval}")
+    if unfit:
+        warn_at_caller(
+            f"AdaptiveBatchCallback trains the sample budget as one epoch, the loader's length "
+            f"only a bound: {' and '.join(unfit)} would act once, at its end; step the "
+            "scheduler by interval='step', and give val_check_interval in batches (a multiple "
+            "of accumulate_grad_batches)"
+        )
 
 
 def _scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
