@@ -27,6 +27,7 @@ def snapshot(directory):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
 
 
+DIGITS_CONSTANT = ["--set", "task=digits", "--set", "batch.controller=constant"]
 CLI_CASES = [
     (["train", "--set", "lr=-1"], "lr must be >= 0, got -1"),
     (["train", "--set", "lr=fast"], "fast"),
@@ -152,7 +153,24 @@ CLI_CASES = [
     # seeds 0-1 and 1-2: seed 1 trained twice, counted in two arms
     (["compare", "--vary", "seed=0,1", "--seeds", "2"], "seeds = 2 beside arms that set the seed"),
     (["compare", "--vary", "seed=0,1", "--trials", "3"], "--trials sets the rate study of --tune"),
+    # on the data, before any run trains (compare trained its first arms, and left a folder)
+    (
+        ["compare", *DIGITS_CONSTANT, "--vary", "batch.initial=8,1500", "--out", "c"],
+        "batch.initial = 1500 is larger than the training set (1,437 samples)",
+    ),
+    (
+        ["tune", *DIGITS_CONSTANT, "--set", "batch.initial=1500", "--out", "t"],
+        "batch.initial = 1500 is larger than the training set (1,437 samples)",
+    ),
     (["compare", "--vary", "seed=0", "--search-seed", "3"], "--search-seed sets the rate study"),
+    (
+        ["compare", "--vary", "seed=0,1", "--lr-grid", "0.5,2", "--tune", "--widen", "2"],
+        "--widen judges a grid of",
+    ),
+    (
+        ["compare", "--vary", "seed=0,1", "--lr-grid", "0.5,2", "--tune", "--prefixes", "0.5"],
+        "--prefixes judges a grid of trained rates, which --tune has not",
+    ),
     (
         ["compare", "--arm", "r:batch.controller=ramp,batch.ramp_points=0:16, 25%:32"],
         "--arm r: '25%:32' is not KEY=V (--arm splits at commas",

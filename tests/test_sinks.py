@@ -134,7 +134,11 @@ def test_an_mlflow_run_a_stop_or_an_error_ends_is_not_marked_finished(tmp_path, 
     with pytest.raises(error), Sinks(sink) as sinks:
         sinks.record(rows()[0])
         raise error
-    assert mlflow.MlflowClient(uri).get_run(sink.run_id).info.status == status
+    client = mlflow.MlflowClient(uri)
+    assert client.get_run(sink.run_id).info.status == status
+    # a resume reopens it: it trains again (it read KILLED until it ended)
+    MLflowSink(uri, "bigbatch-test", run_id=sink.run_id)
+    assert client.get_run(sink.run_id).info.status == "RUNNING"
 
 
 def wandb_records(run_file):

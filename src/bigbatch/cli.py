@@ -347,7 +347,7 @@ def _tune(args: argparse.Namespace) -> None:
 
 def _federated(args: argparse.Namespace) -> None:
     from .experiments.federated import simulate
-    from .experiments.rundir import check_new_run_dir, new_run_dir
+    from .experiments.rundir import claim_new_run_dir, discard_if_unused, new_run_dir
 
     stray = [k for k in _file(args) if not k.startswith("federated.")]
     if stray:  # another command's keys: this file is not for this command
@@ -361,8 +361,16 @@ def _federated(args: argparse.Namespace) -> None:
         raise ConfigError(str(err)) from None
     settings = _settings(args, "federated")
     out = Path(args.out) if args.out else new_run_dir(task=f"federated-{settings.task}")
-    check_new_run_dir(out, resumable=False)  # (a federated run has no --resume)
-    simulate(settings, out, threads=args.threads)
+    # claimed before the rounds: a file in the way failed after them, and two runs on one
+    # --out both trained, the last to end the one kept
+    lock = claim_new_run_dir(out, resumable=False)  # (a federated run has no --resume)
+    try:
+        simulate(settings, out, threads=args.threads)
+    except BaseException:
+        discard_if_unused(out, lock.made)
+        raise
+    finally:
+        lock.release()
     print((out / "report.md").read_text())
     print(f"report: {out / 'report.md'}")
 

@@ -183,6 +183,8 @@ class MLflowSink:
             values = [entities.Param(k, str(v)) for k, v in (params or {}).items()]
             for start in range(0, len(values), 100):  # log_batch takes 100 params at most
                 self.client.log_batch(run_id, params=values[start : start + 100])
+        else:  # reopened: it stopped KILLED or FAILED, and trains again
+            self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self._status = "FINISHED"
         if changes is None:

@@ -64,7 +64,7 @@ task = "digits"
 [batch]
 controller = "constant"
 [compare]
-vary = ["model.width+model.depth=32+1,128+1", "batch.initial=64,256,1024,4096"]
+vary = ["model.width+model.depth=32+1,128+1", "batch.initial=32,128,512,1024"]
 lr_grid = [0.5, 1, 2]
 seeds = 2
 rank = "steps"

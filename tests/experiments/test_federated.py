@@ -112,8 +112,22 @@ def test_a_client_that_fails_fails_the_simulation_in_one_line(monkeypatch, tmp_p
     argv = ["federated", "--task", "digits", "--clients", "2", "--rounds", "2",
             "--local-samples", "16", "--threads", "1", "--out", str(tmp_path / "fed")]  # fmt: skip
     assert main(argv) == 4
+    assert not (tmp_path / "fed").exists()  # nothing left that would block the same --out
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "bigbatch: error: 4 client updates failed in 2 rounds; the first: RuntimeError: this "
         "client's device is gone" + err[0].rpartition("gone")[2]
     ]
+
+
+def test_an_out_that_cannot_be_made_is_refused_before_the_first_round(
+    monkeypatch, tmp_path, capsys
+):
+    """It was found after every round had trained (and two runs on one --out both trained)."""
+    from bigbatch.integrations import flower
+
+    monkeypatch.setattr(flower, "train_round", lambda *args: pytest.fail("a round trained"))
+    (tmp_path / "afile").touch()
+    argv = ["federated", "--task", "digits", "--rounds", "2", "--out", str(tmp_path / "afile/x")]
+    assert main(argv) == 2
+    assert "cannot be created: not a directory" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -78,6 +79,18 @@ def fit_batches_to_data(plan: RunPlan, problem: Problem) -> RunPlan:
     problem.info["batch_max_lowered_from"] = plan["batch.max"]  # in the summary and report
     why = f"the training set's size (batch.max {plan['batch.max']:,} is larger)"
     return plan.replace("batch.max", size, why)
+
+
+def check_batches_fit(plans: Iterable[RunPlan]) -> None:
+    # fit_batches_to_data's refusals for runs yet to train (a command's every run, before
+    # the first), each data set built once: its size is not the model's nor the seed's
+    problems: dict[tuple, Problem] = {}
+    for plan in plans:
+        args = plan.task_args
+        key = (plan.task.name, args.context, args.train_samples, repr(args.options))
+        if key not in problems:
+            problems[key] = build_problem(plan)
+        fit_batches_to_data(plan, problems[key])
 
 
 def train_step(step: Any, problem: Problem, model: nn.Module, precision: Precision) -> None:

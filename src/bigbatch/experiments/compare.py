@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .build import check_batches_fit
 from .config import ConfigError, flatten, parse_assignment, resolve
 from .flags import settings_from
 from .options import Protocol, TuneSettings
@@ -121,17 +122,18 @@ def plan(base: dict[str, Any], **options: Any) -> Comparison:
             f"seeds = {protocol.seeds} beside arms that set the seed: an arm's seeds (its seed "
             "and the next ones) would overlap another's; vary the seed or give --seeds"
         )
-    arms = []
+    arms, planned = [], []
     combos = itertools.product(explicit or [("", {})], *(points for _, points in axes))
     for i, (arm, *combo) in enumerate(combos):
         name, overrides = arm
         grid = {k: v for point in combo for k, v in point.items()}
         if clash := sorted(overrides.keys() & grid.keys()):
             raise ConfigError(f"arm {name!r} sets {clash[0]!r}, which --vary also varies")
-        plan_run(resolve(base, {**overrides, **grid}))  # checked before any training
+        planned.append(plan_run(resolve(base, {**overrides, **grid})))
         label = ", ".join([name] * bool(name) + [f"{k}={v}" for k, v in grid.items()])
         label = label or ", ".join(f"{k}={v}" for k, v in overrides.items())
         arms.append(Arm(label, {**overrides, **grid}, f"run{i:02d}"))
+    check_batches_fit(planned)  # every arm checked before any trains, on its data too
     return Comparison(dict(base), varied, arms, protocol)
 
 

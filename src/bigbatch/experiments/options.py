@@ -78,6 +78,9 @@ class Protocol:
             raise ConfigError("widen needs an lr_grid of two multipliers or more to step by")
         if self.tune and len(set(self.lr_grid)) < 2:
             raise ConfigError("a tuned sweep searches the grid's range: give two multipliers")
+        if self.tune and (self.widen or self.prefixes):  # (they went unused, unsaid)
+            flag = "--widen" if self.widen else "--prefixes"
+            raise ConfigError(f"{flag} judges a grid of trained rates, which --tune has not")
 
 
 @dataclass(frozen=True)

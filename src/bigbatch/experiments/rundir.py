@@ -106,7 +106,7 @@ class RunLock:
             self._file = None
 
 
-def claim_new_run_dir(path: Path) -> RunLock:
+def claim_new_run_dir(path: Path, resumable: bool = True) -> RunLock:
     """Create ``path`` (or take an empty one) and lock it, as one step: of two runs started
     on one ``--out`` at once, one gets it and the other a one-line error."""
     path = Path(path)
@@ -122,7 +122,7 @@ def claim_new_run_dir(path: Path) -> RunLock:
     lock = RunLock(path).acquire()
     lock.made = made
     try:
-        check_new_run_dir(path)  # under the lock: nobody else can be filling it now
+        check_new_run_dir(path, resumable)  # under the lock: nobody else can be filling it now
     except ConfigError:
         lock.release()
         raise

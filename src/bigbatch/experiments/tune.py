@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 from ..batch.controllers import CONTROLLERS
 from . import runner
 from .arms import metric
-from .build import build_problem, fit_batches_to_data
+from .build import build_problem, check_batches_fit, fit_batches_to_data
 from .config import ConfigError, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
@@ -161,6 +161,7 @@ def tune(
     # trials are ranked by their quality at each pause: none may end early at the target
     config = resolve(config, {"stop_at_target": False})
     planned = plan_run(config)  # the study's run as configured: its rate, warm-up, budget
+    check_batches_fit([planned])  # before the folder is claimed
     space = list(space or default_space(planned))
     brackets = _brackets_in_budget(settings, space, _warmup(planned, space))
     if settings.jobs > 1 and not config.get("threads"):
@@ -378,7 +379,8 @@ def _grid_runs(space: Sequence[Dimension]) -> int:
 
 
 def _result(study: optuna.Study, planned: RunPlan, space: list[Dimension], out: Path) -> TuneResult:
-    trials = study.get_trials(deepcopy=False)
+    # a bracket's trials: not the orphans a kill left (_fail_orphans), which no bracket ran
+    trials = [t for t in study.get_trials(deepcopy=False) if "bracket" in t.user_attrs]
     if not any(t.state == TrialState.COMPLETE for t in trials):
         if trials and all("diverged" in t.user_attrs for t in trials):
             raise ConfigError("no trial trained to the end: every one diverged; lower the range")
