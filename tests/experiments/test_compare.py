@@ -220,7 +220,9 @@ def test_arms_written_out_times_the_axes_and_a_widened_grid(trained, tmp_path):
         f"| static 64, model.width=16 | {cells} (the chosen rate is an end of the grid) "
         f"| {finals[1] - finals[3]:+.4f} |"
     )
-    assert row in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert row in report
+    assert "× [0.5, 1.0], widened by up to 2 at an end holding the best, on the first" in report
 
 
 def test_an_arm_from_the_command_line_and_the_errors_of_arms():

@@ -362,6 +362,7 @@ def test_the_default_space_spans_the_tasks_rate_by_eight_each_way():
         ("lr=0:1:log", "a log range needs LOW > 0"),
         ("lr=-1:1", "lr must be >= 0, got -1.0"),
         ("optimizer=1:2", "only number keys can be searched"),
+        ("max_samples=1000:3000", "a study pauses and ranks its trials at fractions of one"),
         ("lr=a:b", "the range must be two numbers"),
         ("lr", "KEY=LOW:HIGH or KEY=LOW:HIGH:log"),
         # digits trains on 1,437 samples: an end the data cannot give, before any trial

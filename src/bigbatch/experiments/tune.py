@@ -89,6 +89,11 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
         resolve(base, {key: low})  # one error, with a suggestion
     if known[key].kind not in (int, float) or known[key].knob.choices:
         raise ConfigError(f"--search {key}: only number keys can be searched")
+    if key == "max_samples":  # (the pauses and the grid's cost were the base budget's)
+        raise ConfigError(
+            "--search max_samples: a study pauses and ranks its trials at fractions of one "
+            "budget; set max_samples, and search the other keys"
+        )
     for end in (low, high):  # each end must be a value the key accepts, in this run, on its data
         planned = plan_run(resolve(base, {key: known[key].kind(end)}))
         fit_batches_to_data(planned, build_problem(planned))

@@ -133,9 +133,12 @@ def render(root: Path) -> Path:
                 f"× {max(grid)}, chosen by the final {score}"
             )
         else:
+            widened = plan.get("widen", 0)
             how = (
-                f"Each arm at its rate × {grid} on the first seed, ranked by "
-                f"{plan.get('rank', 'best')}"
+                f"Each arm at its rate × {grid}"
+                # (the multipliers as given: the rates each arm trained are in its row)
+                + (f", widened by up to {widened} at an end holding the best," * bool(widened))
+                + f" on the first seed, ranked by {plan.get('rank', 'best')}"
             )
         lines += [
             f"Task {first.get('task')}; target {target} {first.get('target', math.nan):g}. "
