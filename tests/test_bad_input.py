@@ -149,6 +149,7 @@ CLI_CASES = [
     (["report", ""], "DIR is empty"),
     (["federated", "--threads", "-1"], "--threads must be a whole number >= 0, got -1"),
     (["federated", "--clients", "50000"], "clients = 50000 is more than the 40000 training"),
+    (["federated", "--min-sub-batches", "8"], "--min-sub-batches (8) exceeds local_batch (4)"),
     (["compare", "--vary", "seed=0,0"], "--vary seed: '0' is given twice"),
     # seeds 0-1 and 1-2: seed 1 trained twice, counted in two arms
     (["compare", "--vary", "seed=0,1", "--seeds", "2"], "seeds = 2 beside arms that set the seed"),

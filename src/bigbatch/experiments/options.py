@@ -243,6 +243,11 @@ class FederatedSettings:
                 f"local_batch ({self.local_batch}) exceeds local_samples "
                 f"({self.local_samples}): a round would be less than one step"
             )
+        if self.min_sub_batches > self.local_batch:  # (it was capped at the batch, unsaid)
+            raise ConfigError(
+                f"min_sub_batches ({self.min_sub_batches}) exceeds local_batch "
+                f"({self.local_batch}): every micro-batch needs a sample"
+            )
 
     @property
     def total_samples(self) -> int:
