@@ -1,6 +1,8 @@
 """The plan: every automatic value filled in one place (the task's, the recipe's, the
 controller's, the statistics' and the rate's), read as typed sections, planned once."""
 
+import warnings
+
 import pytest
 
 from bigbatch.experiments.config import ConfigError, _toml, flatten, resolve, to_toml
@@ -234,3 +236,18 @@ def test_an_asynchronous_run_builds_its_optimizer_fused_and_says_so(optimizer):
     assert "asynchronous" in plan.origins["optimizer_impl"]
     with pytest.raises(ConfigError, match="lamb cannot"):
         plan_run({"optimizer": "lamb", "asynchronous": True})
+
+
+def test_a_key_the_run_does_not_read_is_warned_of_and_a_saved_configs_are_not():
+    """batch.shrink under a constant batch, a VRGD key under LAMB: accepted without a word."""
+    constant = {"task": "digits", "batch.controller": "constant", "batch.shrink": True}
+    message = r"batch.shrink = True is set, but the constant controller does not read it \("
+    with pytest.warns(UserWarning, match=message):
+        plan_run(constant)
+    with pytest.warns(UserWarning, match="vrgd.normalizer = 'median' is set, but lamb does not"):
+        plan_run({"task": "digits", "vrgd.normalizer": "median"})
+    for kind in ("ramp", "constant", "seesaw"):  # every key as config.toml keeps it
+        saved = dict(plan_run({"task": "digits", "batch.controller": kind}).items())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plan_run(saved)

@@ -82,6 +82,8 @@ class Key:
     #: a number key whose default is :data:`AUTO`: the optimizer's recipe fills it
     #: (``bigbatch.optim.RECIPES``)
     from_recipe: bool = False
+    #: the components that read a component's key (a controller's: the controllers')
+    readers: tuple[str, ...] = ()
 
     @property
     def kind(self) -> type:
@@ -160,7 +162,7 @@ def component_keys(
         else:
             note = ""
         knob = replace(knob, help=f"{scope}{knob.help}{note}", low=low, low_open=low_open)
-        keys.append(Key(f"{prefix}{key}", default, knob, owners))
+        keys.append(Key(f"{prefix}{key}", default, knob, owners, readers=tuple(names)))
     return keys
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,6 +117,7 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
         )
     if kind == "ramp":
         _ramp_start(config, origins)
+    _warn_of_unread_keys(config)
     fill_controller_defaults(config, origins)
     _check_bounds(config)
     if config["max_samples"] < config["batch.initial"]:
@@ -141,6 +143,31 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     intervals(plan)
     make_controller(plan)
     return plan
+
+
+def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
+    # a key set for a controller (or the VRGD forms) that the run's does not read: warned of,
+    # not refused as another task's keys are, since a study's base config sets the keys of
+    # its arms' several controllers; a saved config's keys are as the fill wrote them (below)
+    kind, optimizer = config["batch.controller"], config["optimizer"]
+    for key in schema().values():
+        if key.name.startswith("batch."):
+            chosen, reader = kind, f"the {kind} controller"
+        elif key.name.startswith("vrgd."):
+            chosen, reader = "vr-*" if optimizer.startswith("vr-") else optimizer, optimizer
+        else:
+            continue
+        if not key.readers or chosen in key.readers:
+            continue
+        unset = {key.default}
+        if key.owners:  # what fill_controller_defaults writes for a controller that reads none
+            unset.add(next(iter(key.owners.values())))
+        if config[key.name] not in unset:
+            warnings.warn(
+                f"{key.name} = {config[key.name]!r} is set, but {reader} does not read it "
+                f"({', '.join(key.readers)} do)",
+                stacklevel=2,
+            )
 
 
 def _check_task_keys(config: Mapping[str, Any], task: Any) -> None:
