@@ -110,3 +110,15 @@ def test_auto_measures_every_step_where_a_lossy_reduction_leaves_no_batch_gradie
         return measuring_every(auto, optimizer, warmup, collector).statistics_every
 
     assert (every(False), every(True)) == ("auto", 1)
+
+
+def test_a_lossy_reduction_keeps_two_micro_batches_a_rank_however_many_ranks():
+    """With compression each rank measures the noise in its own micro-batches: 4 ranks got
+    one each (4 in all) and every first step failed, a traceback a rank."""
+    from bigbatch.assembly import fewest_sub_batches
+
+    assert fewest_sub_batches(True, False, False, ranks=4) == 1  # exact: the 4 ranks' 4
+    assert fewest_sub_batches(True, False, False, ranks=4, lossy=True) == 2
+    assert fewest_sub_batches(True, False, False, ranks=8, lossy=True) == 2
+    assert fewest_sub_batches(True, False, False, ranks=1, lossy=True) == 4
+    assert fewest_sub_batches(True, True, False, ranks=4, lossy=True) == 1  # per-example

@@ -127,13 +127,15 @@ def assemble(  # noqa: PLR0913 - what a run is made of, each a keyword
         options, model, optimizer, obstacles, sub_batches, world
     )
     options = _similarity_for(options, controller, per_example, world)
+    lossy = framework is not None or not is_lossless(in_use)  # as the collector will read it
     if sub_batches is None:
         sub_batches = fewest_sub_batches(
-            options.statistics, per_example is not None, options.similarity == "split", world.size
-        )
+            options.statistics, per_example is not None, options.similarity == "split",
+            world.size, lossy,
+        )  # fmt: skip
     _check_sub_batches(
         controller, positive_int("sub_batches", sub_batches), world, options, per_example,
-        noise_why,
+        noise_why, lossy,
     )  # fmt: skip
     if wrapped:
         optimizer.check_sub_batches(sub_batches * world.size)
@@ -236,10 +238,15 @@ def _similarity_for(
 SUB_BATCHES = 4
 
 
-def fewest_sub_batches(statistics: bool, per_example: bool, split: bool, ranks: int = 1) -> int:
+def fewest_sub_batches(
+    statistics: bool, per_example: bool, split: bool, ranks: int = 1, lossy: bool = False
+) -> int:
     """The micro-batches per rank a step's statistics need (``SUB_BATCHES`` over the ranks)."""
     if statistics and not per_example:
-        return -(-SUB_BATCHES // ranks)
+        # a lossy reduction (compression) leaves each rank to measure the noise in its own
+        # micro-batches: two at least, however many ranks
+        fewest = -(-SUB_BATCHES // ranks)
+        return max(2, fewest) if lossy and ranks > 1 else fewest
     return 2 if statistics and split else 1
 
 
@@ -450,8 +457,15 @@ def _check_sub_batches(
     options: StepOptions,
     per_example: nn.Module | None,
     noise_why: str,
+    lossy: bool,
 ) -> None:
     split = options.similarity == "split" or per_example is None
+    if sub_batches < 2 and options.statistics and world.distributed and lossy and not per_example:
+        raise ValueError(
+            "min_sub_batches (micro-batches per step; a plugin's: the sampler's micro_batches) "
+            "must be at least 2 under a lossy reduction (compression, a framework's own): each "
+            f"rank measures the noise in its own micro-batches, got {sub_batches}"
+        )
     if sub_batches < 2 and options.statistics and not world.distributed and split:
         # (a plugin's user sets them as the sampler's micro_batches, and the per-example
         # statistics that need none may be out for a reason only the log said)

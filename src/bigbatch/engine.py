@@ -128,6 +128,7 @@ class StepEngine:
             collector is not None and collector.per_example is not None,
             collector is not None and collector.similarity == "split",
             self.world.size,
+            collector is not None and collector.lossy_reduction,
         )
         #: whether the step under way measures the statistics (``statistics_every``)
         self.measuring = False
