@@ -460,7 +460,8 @@ def _check_sub_batches(
     lossy: bool,
 ) -> None:
     split = options.similarity == "split" or per_example is None
-    if sub_batches < 2 and options.statistics and world.distributed and lossy and not per_example:
+    within_ranks = world.distributed and lossy and per_example is None  # each its own noise
+    if sub_batches < 2 and options.statistics and within_ranks:
         raise ValueError(
             "min_sub_batches (micro-batches per step; a plugin's: the sampler's micro_batches) "
             "must be at least 2 under a lossy reduction (compression, a framework's own): each "

@@ -165,7 +165,7 @@ def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
         if config[key.name] not in unset:
             warnings.warn(
                 f"{key.name} = {config[key.name]!r} is set, but {reader} does not read it "
-                f"({', '.join(key.readers)} do)",
+                f"({', '.join(key.readers)} {'does' if len(key.readers) == 1 else 'do'})",
                 stacklevel=2,
             )
 
