@@ -1,12 +1,20 @@
 """How a run's parts fit together on one process: the controller, the statistics, the checks."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import bigbatch as bb
-from bigbatch.assembly import assemble, describe_collector, measuring_every, resolve_controller
+from bigbatch.assembly import (
+    _check_sub_batches,
+    assemble,
+    describe_collector,
+    measuring_every,
+    resolve_controller,
+)
 from bigbatch.batch import BatchWarmup
 from bigbatch.engine import StepEngine
 from bigbatch.options import StepOptions
@@ -122,3 +130,9 @@ def test_a_lossy_reduction_keeps_two_micro_batches_a_rank_however_many_ranks():
     assert fewest_sub_batches(True, False, False, ranks=8, lossy=True) == 2
     assert fewest_sub_batches(True, False, False, ranks=1, lossy=True) == 4
     assert fewest_sub_batches(True, True, False, ranks=4, lossy=True) == 1  # per-example
+    # one a rank asked for is refused when the engine is built (it failed inside the step)
+    two = World(rank=0, size=2)
+    check = functools.partial(_check_sub_batches, bb.batch.Constant(16), 1, two)
+    with pytest.raises(ValueError, match="must be at least 2 under a lossy reduction"):
+        check(StepOptions(statistics=True), None, "", lossy=True)
+    check(StepOptions(statistics=True), None, "", lossy=False)  # exact: the ranks' noise
