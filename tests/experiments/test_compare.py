@@ -255,6 +255,7 @@ STUDIES = sorted(
 )
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # a key an arm's controller leaves unread
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
 def test_every_study_file_plans_every_arm(study):
     """A study file is data: its config and every arm resolve (no training here)."""

@@ -151,6 +151,8 @@ def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
     # its arms' several controllers; a saved config's keys are as the fill wrote them (below)
     kind, optimizer = config["batch.controller"], config["optimizer"]
     for key in schema().values():
+        if key.name in ("batch.initial", "batch.min", "batch.max"):
+            continue  # the run's bounds, which the plan checks (and moves) for every controller
         if key.name.startswith("batch."):
             chosen, reader = kind, f"the {kind} controller"
         elif key.name.startswith("vrgd."):
