@@ -450,6 +450,12 @@ def measuring_every(
     return options
 
 
+#: the micro-batches a step, as a loop's user and a plugin's name them
+_SUB_BATCHES_NAMED = (
+    "min_sub_batches (micro-batches per step; a plugin's: the sampler's micro_batches)"
+)
+
+
 def _check_sub_batches(
     controller: Controller,
     sub_batches: int,
@@ -463,17 +469,16 @@ def _check_sub_batches(
     within_ranks = world.distributed and lossy and per_example is None  # each its own noise
     if sub_batches < 2 and options.statistics and within_ranks:
         raise ValueError(
-            "min_sub_batches (micro-batches per step; a plugin's: the sampler's micro_batches) "
-            "must be at least 2 under a lossy reduction (compression, a framework's own): each "
-            f"rank measures the noise in its own micro-batches, got {sub_batches}"
+            f"{_SUB_BATCHES_NAMED} must be at least 2 under a lossy reduction (compression, "
+            "a framework's own): each rank measures the noise in its own micro-batches, "
+            f"got {sub_batches}"
         )
     if sub_batches < 2 and options.statistics and not world.distributed and split:
         # (a plugin's user sets them as the sampler's micro_batches, and the per-example
         # statistics that need none may be out for a reason only the log said)
         why = f" ({noise_why})" if per_example is None and noise_why else ""
         raise ValueError(
-            "min_sub_batches (micro-batches per step; a plugin's: the sampler's micro_batches) "
-            f"must be at least 2 to measure "
+            f"{_SUB_BATCHES_NAMED} must be at least 2 to measure "
             f"{'the split similarity' if per_example is not None else 'statistics'} on one "
             f"process{why}, got {sub_batches}"
         )

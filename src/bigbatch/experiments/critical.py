@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .build import build_problem, fit_batches_to_data
+from .build import check_batches_fit
 from .config import ConfigError, resolve
 from .options import CriticalSettings
 from .plan import make_controller, plan_run
@@ -93,7 +93,7 @@ def measure(
     branches = {batch: _config(config, batch, small, lr_rule) for batch in batches}
     # ... and the largest against the training set (its own run would find it too large
     # only after the base run and the smaller branches had trained)
-    fit_batches_to_data(branches[batches[-1]], build_problem(branches[batches[-1]]))
+    check_batches_fit([branches[batches[-1]]])
     plan = {"config": config, "batches": batches, "points": sorted(settings.points)}
     plan.update(branch_samples=branch_samples, tolerance=settings.tolerance, lr_rule=lr_rule)
     lock = claim_plan(out, PLAN, plan, "critical-batch measurement", config_at="config")

@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 from ..batch.controllers import CONTROLLERS
 from . import runner
 from .arms import metric
-from .build import build_problem, check_batches_fit, fit_batches_to_data
+from .build import check_batches_fit
 from .config import ConfigError, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
@@ -94,9 +94,10 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
             "--search max_samples: a study pauses and ranks its trials at fractions of one "
             "budget; set max_samples, and search the other keys"
         )
-    for end in (low, high):  # each end must be a value the key accepts, in this run, on its data
-        planned = plan_run(resolve(base, {key: known[key].kind(end)}))
-        fit_batches_to_data(planned, build_problem(planned))
+    # each end must be a value the key accepts, in this run, on its data
+    ends = [plan_run(resolve(base, {key: known[key].kind(end)})) for end in (low, high)]
+    check_batches_fit(ends)
+    planned = ends[-1]
     controller, own = planned.batch.controller, key.removeprefix("batch.")
     readers = [name for name, cls in CONTROLLERS.items() if own in cls.CONFIG]
     if key.startswith("batch.") and readers and controller not in readers:
