@@ -206,6 +206,15 @@ def test_a_batch_larger_than_the_training_set_is_lowered_to_it_with_its_origin()
     assert problem.info["batch_max_lowered_from"] == 16384
 
 
+def test_fsdp_on_one_process_trains_the_whole_model_and_says_so():
+    from bigbatch.experiments.build import build
+
+    plan = plan_run({"task": "digits", "model.width": 8, "dist.strategy": "fsdp"})
+    with pytest.warns(UserWarning, match=r"dist.strategy = 'fsdp' shards .* --nproc 2 or more"):
+        _, loop, _ = build(plan)
+    assert not loop.world.sharded
+
+
 def test_the_tasks_rate_says_when_the_budget_is_longer_than_the_one_it_was_measured_at():
     longer = plan_run({"task": "text", "max_samples": 600_000}).origins["lr"]
     assert "measured at the task's budget of 150,000 samples; at 4x it" in longer
@@ -239,13 +248,26 @@ def test_an_asynchronous_run_builds_its_optimizer_fused_and_says_so(optimizer):
 
 
 def test_a_key_the_run_does_not_read_is_warned_of_and_a_saved_configs_are_not():
-    """batch.shrink under a constant batch, a VRGD key under LAMB: accepted without a word."""
+    """A key set that the run does not read (batch.shrink under a constant batch, a VRGD key
+    under LAMB, a compression key its method does not read) is warned of; a saved config,
+    which holds every key as the plan filled it, is not."""
     constant = {"task": "digits", "batch.controller": "constant", "batch.shrink": True}
     message = r"batch.shrink = True is set, but the constant controller does not read it \("
     with pytest.warns(UserWarning, match=message):
         plan_run(constant)
     with pytest.warns(UserWarning, match="vrgd.normalizer = 'median' is set, but lamb does not"):
         plan_run({"task": "digits", "vrgd.normalizer": "median"})
+    # a compression key the method does not read: EControl's η under EF, Top-K's ratio under
+    # PowerSGD (which reads the warm-up) or without compression
+    with pytest.warns(UserWarning, match="dist.eta = 0.3 is set, but dist.compression = 'ef'"):
+        plan_run({"task": "digits", "dist.compression": "ef", "dist.eta": 0.3})
+    for compression in ("none", "powersgd"):
+        with pytest.warns(UserWarning, match=r"dist.ratio = 0.5 is set, .* \(ef, ef21, "):
+            plan_run({"task": "digits", "dist.compression": compression, "dist.ratio": 0.5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan_run({"task": "digits", "dist.compression": "powersgd", "dist.warmup": 3})
+        plan_run({"task": "digits", "dist.compression": "econtrol", "dist.eta": 0.3})
     for kind in ("ramp", "constant", "seesaw"):  # every key as config.toml keeps it
         saved = dict(plan_run({"task": "digits", "batch.controller": kind}).items())
         with warnings.catch_warnings():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -127,6 +128,12 @@ def _loop(
     if get_optimizer_info(opt.name).vrgd_form:
         options.update(declared(plan, "vrgd.", VRGD.CONFIG))
     sharded = world is not None and world.distributed and dist.strategy == "fsdp"
+    if dist.strategy == "fsdp" and not sharded:  # trains as asked, as "ddp" would on one
+        warnings.warn(
+            "dist.strategy = 'fsdp' shards the model over processes: this run's one process "
+            "holds it whole (run with --nproc 2 or more to shard it)",
+            stacklevel=2,
+        )
     if sharded:  # before the optimizer is built: fully_shard replaces the parameters
         shard_model(problem.model, precision.device)
     params: Any = problem.model

@@ -546,6 +546,18 @@ RUN_SECTIONS = (
     DistKeys,
 )
 
+#: the dist.compression values that read each compression key (the others take none of it:
+#: a key set for another is warned of, plan._warn_of_unread_keys)
+_SPARSE = tuple(c for c in COMPRESSION_CHOICES if c not in ("none", "powersgd"))
+DIST_READERS = {
+    "dist.compressor": _SPARSE,
+    "dist.ratio": _SPARSE,
+    "dist.warmup": (*_SPARSE, "powersgd"),
+    "dist.eta": ("econtrol",),
+    "dist.sgdm_eta": ("ef21-sgdm",),
+    "dist.powersgd_rank": ("powersgd",),
+}
+
 #: the keys that components declare on their classes (``CONFIG``), listed after the written
 #: key they belong with: (prefix, {name: (component, its knobs)}) for :func:`component_keys`
 COMPONENTS: dict[str, tuple[str, dict[str, tuple[Any, Mapping[str, Knob]]]]] = {
@@ -589,7 +601,8 @@ def _keys() -> list[Key]:
             if name == "model.context":  # then each task's own keys
                 keys += [Key(f.metadata["key"], f.default, f.metadata["knob"])
                          for _, f in _task_options()]  # fmt: skip
-    return keys
+    return [replace(k, readers=DIST_READERS[k.name]) if k.name in DIST_READERS else k
+            for k in keys]  # fmt: skip
 
 
 def _task_options() -> list[tuple[str, Any]]:

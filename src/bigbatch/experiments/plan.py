@@ -150,6 +150,7 @@ def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
     # not refused as another task's keys are, since a study's base config sets the keys of
     # its arms' several controllers; a saved config's keys are as the fill wrote them (below)
     kind, optimizer = config["batch.controller"], config["optimizer"]
+    compression = config["dist.compression"]
     for key in schema().values():
         if key.name in ("batch.initial", "batch.min", "batch.max"):
             continue  # the run's bounds, which the plan checks (and moves) for every controller
@@ -157,6 +158,8 @@ def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
             chosen, reader = kind, f"the {kind} controller"
         elif key.name.startswith("vrgd."):
             chosen, reader = "vr-*" if optimizer.startswith("vr-") else optimizer, optimizer
+        elif key.name.startswith("dist."):
+            chosen, reader = compression, f"dist.compression = {compression!r}"
         else:
             continue
         if not key.readers or chosen in key.readers:
