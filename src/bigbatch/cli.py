@@ -249,6 +249,7 @@ def _train(args: argparse.Namespace) -> int:
     from .experiments.plan import plan_run
     from .experiments.rundir import new_run_dir, read_config
     from .experiments.runner import train
+    from .experiments.signals import LAUNCHER_PID
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
@@ -271,12 +272,15 @@ def _train(args: argparse.Namespace) -> int:
 
         print(explain(config, processes=args.nproc))
         return 0
-    config = plan_run(config)  # checked here, before a launcher starts processes
+    with warnings.catch_warnings():
+        if os.environ.get(LAUNCHER_PID):  # a rank of --nproc: its launcher printed them
+            warnings.simplefilter("ignore")
+        config = plan_run(config)  # checked here, before a launcher starts processes
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         out = out or new_run_dir(task=config.run.task)
         return launch(args.nproc, out, _rank_arguments(args, out), resume=bool(args.resume))
     summary = train(config, out, resume=bool(args.resume), quiet=args.quiet)
-    if os.environ.get("RANK", "0") == "0":
+    if _rank() == 0:
         _print_summary(Path(summary["run_dir"]), summary)
     return 0
 
@@ -431,11 +435,17 @@ def _one_line_warnings() -> None:
     def one_line(message, category, filename, lineno, line=None):
         ours = category.__module__.partition(".")[0] == "bigbatch"
         if ours or f"{os.sep}bigbatch{os.sep}" in filename:
-            return f"bigbatch: warning: {message}\n"
+            # one rank speaks for all of a distributed run, which warn alike
+            return f"bigbatch: warning: {message}\n" if _rank() == 0 else ""
         return default(message, category, filename, lineno, line)
 
     one_line.one_line = True  # type: ignore[attr-defined]
     warnings.formatwarning = one_line
+
+
+def _rank() -> int:
+    # this process's rank in a distributed run (torch's launchers set RANK); 0 alone
+    return int(os.environ.get("RANK", "0"))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -472,7 +482,7 @@ def _reported(err: BaseException) -> int | None:
         _error(f"{err.filename or 'a file'}: {err.strerror or err}")
         return 2
     if isinstance(err, Stopped):  # a signal, after a checkpoint
-        if os.environ.get("RANK", "0") == "0":
+        if _rank() == 0:
             print(f"bigbatch: {err}", file=sys.stderr)
         return err.code
     if isinstance(err, WorkerFailedError):  # the ranks' lines, gathered into one
@@ -528,8 +538,8 @@ def _error(message: object, prefix: str = "error") -> None:
     (which prints one line for all ranks)."""
     if report_to_launcher(f"bigbatch: {prefix}: {message}"):
         return
-    rank = os.environ.get("RANK", "0")
-    where = "" if rank == "0" else f" (rank {rank})"  # a failure of one rank only is seen
+    rank = _rank()
+    where = "" if rank == 0 else f" (rank {rank})"  # a failure of one rank only is seen
     print(f"bigbatch: {prefix}{where}: {message}", file=sys.stderr)
 
 

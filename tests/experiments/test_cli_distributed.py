@@ -146,12 +146,15 @@ def test_compressed_two_process_run_reports_its_traffic(tmp_path):
     # tests/test_assembly.py)
 
 
-def test_torchs_powersgd_hook_trains_two_processes(tmp_path):
+def test_torchs_powersgd_hook_trains_two_processes_and_its_warnings_print_once(tmp_path):
     out = tmp_path / "powersgd"
     compression = ["--set", "dist.compression=powersgd", "--nproc", 2]
-    result = bigbatch("train", *SMALL, "--set", "max_samples=2000", *compression, "--out", out)
+    unread = ["--set", "dist.ratio=0.1"]  # Top-K's: the launcher and each rank plan the run
+    result = bigbatch("train", *SMALL, "--set", "max_samples=2000", *compression, *unread,
+                      "--out", out)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "summary.json").read_text())["best_accuracy"] > 0.3
+    assert result.stderr.count("dist.ratio = 0.1 is set, but") == 1, result.stderr
 
 
 @pytest.mark.faults
