@@ -475,7 +475,7 @@ def test_a_state_of_another_controller_is_refused_before_anything_is_loaded(cont
     with pytest.raises(ValueError, match=r"saved controller state .*does not fit"):
         other.load_state_dict(saved)
     assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())
-    with pytest.raises(ValueError, match="it lacks model, optimizer, source, engine, rng"):
+    with pytest.raises(ValueError, match="it lacks model, optimizer, optimizer_class, source"):
         other.load_state_dict({})
 
 
@@ -522,3 +522,32 @@ def test_an_optimizer_state_that_does_not_fit_is_refused_before_anything_is_load
     with pytest.raises(ValueError, match=re.escape("groups of [4] parameters where the loop's")):
         other.load_state_dict(saved)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def _three_classes():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    return bb.AdaptiveBatch(net, LARS(net.parameters(), lr=0.1), data())
+
+
+@pytest.mark.filterwarnings("ignore::bigbatch.optim.FewSubBatchesWarning")
+@pytest.mark.parametrize(
+    "saving, message",
+    [
+        # torch's load takes any optimizer's state by position: LAMB's moments ran into
+        # LARS's step as a KeyError; a VRGD state into an AGVM loop, after the model loaded
+        (lambda: loop(lambda m: LAMB(m.parameters())),
+         "the saved optimizer state is LAMB's where the loop's optimizer is LARS"),
+        (lambda: loop(lambda m: create_optimizer(m, "vr-lars", lr=0.1)), "is VRGD(LARS)'s"),
+        # another head: torch copied the layers that fit, then raised
+        (_three_classes, "the saved model state does not fit the loop's model (2 entries "
+         "missing, extra or of another shape: 2.weight, 2.bias)"),
+    ],
+)  # fmt: skip
+def test_a_state_of_another_optimizer_or_model_is_refused_before_anything_is_loaded(
+    saving, message
+):
+    other = loop(lambda m: LARS(m.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        other.load_state_dict(saving().state_dict())
+    assert all(torch.equal(before[k], v) for k, v in other.model.state_dict().items())

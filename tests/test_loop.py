@@ -94,6 +94,26 @@ def test_resume_is_bitwise_identical(optimizer):
         assert torch.equal(p.detach(), q)
 
 
+def test_a_state_saved_inside_a_step_is_refused_and_one_saved_after_it_resumes():
+    """Inside a step the sampler is past its batch and the counters are not: such a state
+    would resume never training on that batch."""
+    model, loop = make_run(controller=bb.batch.Constant(32))
+    step = next(iter(loop.steps(max_steps=2)))
+    with pytest.raises(RuntimeError, match=r"step 0 is under way .* after step.apply\(\)"):
+        loop.state_dict()  # at the top of the loop's body
+    for x, y in step.micro_batches():
+        step.backward(nn.functional.cross_entropy(model(x), y))
+        with pytest.raises(RuntimeError, match="under way"):
+            loop.state_dict()  # between micro-batches
+    step.apply()
+    state = loop.state_dict()
+    assert state["engine"]["samples"] == state["source"]["sampler"]["position"] == 32
+    broken_off = next(iter(loop.steps(max_steps=3)))  # a step abandoned by a load
+    assert broken_off.index == 1
+    loop.load_state_dict(state)
+    assert loop.state_dict()["engine"]["samples"] == 32
+
+
 def test_works_with_torch_optimizers_grad_scaler_and_workers():
     model, loop = make_run(
         optimizer="sgd",

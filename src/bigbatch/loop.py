@@ -118,7 +118,7 @@ class Step:
                 f"{self._backwards} times"
             )
         self._applied = True
-        self._loop._unapplied = False
+        self._loop._unapplied = self._loop._mid_step = False
         result = self._loop._optimizer_step(max_grad_norm)
         self.stats, self.metrics = result.stats, result.metrics
 
@@ -214,6 +214,8 @@ class AdaptiveBatch:
         # set at the start too: a gradient left on the model (another loop's step broken off)
         # is not this loop's first step's
         self._unapplied = True
+        # a step's batch drawn and the step not yet applied: no state to save (below)
+        self._mid_step = False
         self._closed = False
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
@@ -280,7 +282,7 @@ class AdaptiveBatch:
                 # or the next step would add to it
                 self._drop_gradient()
             step = Step(self, self._plan(self.batch_size))
-            self._unapplied = True
+            self._unapplied = self._mid_step = True
             self.engine.begin(step.plan)
             yield step
             if not step._applied:
@@ -344,6 +346,7 @@ class AdaptiveBatch:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, loadable with ``weights_only=True``. Under DDP a
         collective; under FSDP2 gathered whole to rank 0's CPU (save rank 0's)."""
+        self._check_between_steps()
         if self.world.sharded:
             model_state, optimizer_state = fsdp.full_state(self.model, self.optimizer)
         else:
@@ -352,12 +355,22 @@ class AdaptiveBatch:
         return {
             "model": model_state,
             "optimizer": optimizer_state,
+            "optimizer_class": _optimizer_class(self.optimizer),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "source": self.source.state_dict(),
             "engine": self.engine.state_dict(),
             "rng": self.world.all_gather_object(rng_state()),
             "comm_hook": ddp.hook_state_dict(self.comm_hook, self.world),
         }
+
+    def _check_between_steps(self) -> None:
+        # inside a step the sampler has moved past its batch and the counters have not: a
+        # run resumed from such a state would never train on that batch
+        if self._mid_step:
+            raise RuntimeError(
+                f"step {self.steps_taken} is under way (its batch drawn, not applied): save "
+                "the loop's state_dict() after step.apply(), where a resumed run starts"
+            )
 
     def close(self) -> None:
         """Take the statistics' hooks off the model (a loop built after takes them anyway)."""
@@ -370,12 +383,20 @@ class AdaptiveBatch:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: exact on as many processes, else re-sharded."""
-        _check_loadable(state, self.engine.controller)
+        _check_loadable(state, self.engine.controller, ("model", "optimizer", "optimizer_class"))
+        own = _optimizer_class(self.optimizer)
+        if state["optimizer_class"] != own:  # torch's load takes any optimizer's state by position
+            raise ValueError(
+                f"the saved optimizer state is {state['optimizer_class']}'s where the loop's "
+                f"optimizer is {own}: was it saved with another optimizer?"
+            )
         if not self.world.sharded:  # (FSDP2's full state is checked where it is loaded)
+            _check_model_fits(state["model"], ddp.unwrap(self.model))
             _check_optimizer_fits(state["optimizer"], self.optimizer)
         self.source.check_state(state["source"])
         # a step under way (one that raised, say) is abandoned: its gradient goes with it
         self._drop_gradient()
+        self._mid_step = False
         if self.world.sharded:
             fsdp.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         else:
@@ -447,6 +468,30 @@ def _check_optimizer_trains(model: nn.Module, optimizer: torch.optim.Optimizer) 
         raise ValueError(
             "the optimizer holds none of the model's parameters (built from another "
             "model?): build it from model.parameters()"
+        )
+
+
+def _optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    # the class with the wrapped optimizer's, as a checkpoint names it: "VRGD(LAMB)"
+    if isinstance(optimizer, StatisticsWrapper):
+        return f"{type(optimizer).__name__}({_optimizer_class(optimizer.base)})"
+    return type(optimizer).__name__
+
+
+def _check_model_fits(saved: Any, model: nn.Module) -> None:
+    # torch's load_state_dict copies every entry that fits before it raises for those that
+    # do not: checked whole first, nothing is loaded from another model's state
+    own = model.state_dict()
+    if not isinstance(saved, dict):
+        raise ValueError("the saved model state is not a state_dict")
+    shape = lambda v: getattr(v, "shape", None)  # noqa: E731 (an extra state has none)
+    unfit = [k for k in own if k not in saved or shape(saved[k]) != shape(own[k])]
+    unfit += [k for k in saved if k not in own]
+    if unfit:
+        raise ValueError(
+            f"the saved model state does not fit the loop's model ({len(unfit)} entries "
+            f"missing, extra or of another shape: {', '.join(unfit[:3])}"
+            f"{', ...' if len(unfit) > 3 else ''}): was it saved with another model?"
         )
 
 

@@ -156,6 +156,7 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
 
     def state_dict(self) -> dict[str, Any]:
         """The loop's part of a checkpoint (a collective); see :meth:`save_checkpoint`."""
+        self._check_between_steps()
         return {
             "source": self.source.state_dict(),
             "engine": self.engine.state_dict(),
@@ -166,6 +167,7 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
         _check_loadable(state, self.engine.controller, needed=())  # (DeepSpeed holds the rest)
         self.source.check_state(state["source"])
         self._drop_gradient()  # a step under way (one that raised, say) is abandoned
+        self._mid_step = False
         self.source.load_state_dict(state["source"])
         self.engine.load_state_dict(state["engine"])
         saved = state["rng"]
