@@ -179,8 +179,9 @@ class AdaptiveBatch:
             None if min_sub_batches is None else positive_int("min_sub_batches", min_sub_batches)
         )
         loader = dict(loader_options or {})
+        # the loader is iterated once a step: workers not kept would start again every step
         loader["persistent_workers"] = (
-            loader.get("persistent_workers", False) and loader.get("num_workers", 0) > 0
+            loader.get("persistent_workers", True) and loader.get("num_workers", 0) > 0
         )
         self.source = make_source(
             dataset, shuffle=shuffle, seed=seed, weight_fn=weight_fn, loader_options=loader

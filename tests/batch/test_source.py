@@ -188,10 +188,18 @@ def _open_in_the_worker(_):
     torch.utils.data.get_worker_info().dataset.open()
 
 
-def test_a_worker_init_fn_reaches_the_users_dataset():
+def _set_in_the_worker(_):  # torch's recipe: the handle set on the dataset itself
+    dataset = torch.utils.data.get_worker_info().dataset
+    assert isinstance(dataset, _Opened)
+    dataset.handle = "open"
+
+
+@pytest.mark.parametrize("init", [_open_in_the_worker, _set_in_the_worker])
+def test_a_worker_init_fn_reaches_the_users_dataset(init):
     """The loop reads through a wrapper of the dataset (seeded reads): a ``worker_init_fn``
-    that opens the user's dataset (``get_worker_info().dataset``) must still find it."""
-    options = {"num_workers": 1, "worker_init_fn": _open_in_the_worker}
+    that opens the user's dataset (``get_worker_info().dataset``) must still find it, and
+    an attribute it sets there be what the reads see."""
+    options = {"num_workers": 1, "worker_init_fn": init}
     source = MapSource(_Opened(), seed=0, loader_options=options)
     drawn = source.draw(4)
     (batch,) = source.load([drawn])

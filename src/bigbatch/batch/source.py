@@ -4,6 +4,7 @@ Both ``draw`` a global batch of any size and ``load`` a step's micro-batches col
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import random
 import sys
@@ -82,12 +83,13 @@ class MapSource:
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=self._generator))
         self._plan = [_Seeded(b, seed + i) for i, b in enumerate(micro_batches)]
         if self._loader is None:
+            user_init = options.get("worker_init_fn")
             self._loader = DataLoader(
-                _SeededReads(dataset),
+                _SeededReads(dataset, self.dataset),
                 batch_sampler=_CurrentPlan(self),
                 # its workers' base seeds, unsaved: the reads are seeded from the plan
                 generator=torch.Generator().manual_seed(self.sampler.seed),
-                **options,
+                **{**options, "worker_init_fn": functools.partial(_show_users, user_init)},
             )
         yield from self._loader
 
@@ -164,11 +166,22 @@ class _Seeded(list):
         return _Seeded, (list(self), self.seed)
 
 
+def _show_users(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    # a worker's get_worker_info().dataset is the user's dataset, not the reads' wrapper: a
+    # worker_init_fn opens its file handles on it (torch's recipe), which the wrapper reads
+    # through; WorkerInfo refuses assignment once built
+    info = torch.utils.data.get_worker_info()
+    object.__setattr__(info, "dataset", info.dataset.users)
+    if user_init is not None:
+        user_init(worker_id)
+
+
 class _SeededReads(Dataset):
     """A dataset whose micro-batch reads start from their seed (torch, ``random``, numpy)."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset, users: Dataset) -> None:
         self.dataset = dataset
+        self.users = users  # the dataset the user gave (a TensorDataset's rows read faster)
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
@@ -186,7 +199,7 @@ class _SeededReads(Dataset):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:  # a worker_init_fn reads the user's dataset
-        if name == "dataset":  # (unpickled in a worker before its state is set)
+        if name in ("dataset", "users"):  # (unpickled in a worker before its state is set)
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
