@@ -106,8 +106,9 @@ class _Layer:
     def __init__(self, probe: PerExampleNorms, name: str, module: nn.Module,
                  groups: dict[str, int]) -> None:  # fmt: skip
         self.probe, self.name, self.module, self.groups = probe, name, module, groups
-        #: this micro-batch's forwards through the layer (one is measured)
-        self.uses = 0
+        #: this micro-batch's forwards through the layer (one is measured), and traced, the
+        #: rows of its input
+        self.uses = self.rows = 0
         self.make_sinks()
 
     def make_sinks(self) -> None:
@@ -157,6 +158,8 @@ class _Layer:
         """The norms a traced backward left as the sinks' gradients, recorded and cleared."""
         if self.uses > 1:
             self.refuse_second_use()
+        if self.uses and self.rows not in self.probe.step.sizes:
+            self.refuse_rows(self.rows, self.probe.step.sizes)
         for name, sink in self.sinks.items():
             if sink.grad is not None:
                 self.record((name,), (sink.grad,))
@@ -770,6 +773,7 @@ class _MeasuredForward:
         # (non-reentrant): its function only gives the saved tensors of the one that ran
         if torch.compiler.is_compiling():
             layer.uses += 1
+            layer.rows = args[0].shape[0]  # checked after the backward, as the uses are
         elif _graph_task_id() == -1:
             if layer.uses:
                 layer.refuse_second_use()
