@@ -255,7 +255,7 @@ class AdaptiveBatch:
 
     @property
     def samples(self) -> int:
-        """Samples (or weight) trained on so far, all ranks."""
+        """Samples (or weight) of the steps taken so far, skipped ones too, all ranks."""
         return self.engine.samples
 
     @property
