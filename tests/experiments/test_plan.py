@@ -116,7 +116,8 @@ def test_a_key_set_by_the_user_wins_over_the_recipe():
 @pytest.mark.parametrize(
     "layer, fewest",
     [
-        ({"noise_from": "sub_batches"}, 4),
+        # the loop's own rule: 4 shared by the processes (a rank of 2: 2; before, 4 a rank)
+        ({"noise_from": "sub_batches"}, 0),
         ({"noise_from": "examples", "batch.controller": "constant"}, 1),
         # SimiGrad's rule reads the measured cosine: the examples keep a split for it
         ({"noise_from": "examples", "batch.controller": "simigrad"}, 2),
@@ -125,7 +126,10 @@ def test_a_key_set_by_the_user_wins_over_the_recipe():
     ],
 )
 def test_min_sub_batches_left_at_0_is_what_the_statistics_need(layer, fewest):
-    assert plan_run(layer)["min_sub_batches"] == fewest
+    plan = plan_run(layer)
+    assert plan["min_sub_batches"] == fewest
+    if layer.get("noise_from") == "sub_batches":
+        assert "4 micro-batches shared by the processes" in plan.origins["min_sub_batches"]
 
 
 @pytest.mark.parametrize(

@@ -287,7 +287,7 @@ class MachineKeys:
         "min_sub_batches",
         0,
         "fewest micro-batches of a step that measures the statistics; 0: what they need "
-        "(4 for sub-batch statistics, 1 for per-example ones)",
+        "(4 for sub-batch statistics, shared by the processes; 1 for per-example ones)",
         low=0,
     )
     eval_every: int | str = run_key(

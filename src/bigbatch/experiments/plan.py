@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._checks import batch_bounds
-from ..assembly import fewest_sub_batches
+from ..assembly import SUB_BATCHES, fewest_sub_batches
 from ..batch.controllers import CONTROLLERS, Controller, contract_of, parse_points
 from ..batch.lr import FAMILY_RULES, lr_factor, lr_rule_with_reason
 from ..duration import Duration
@@ -109,11 +109,15 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
             origins[key] = f"the {task.name} task's default"
     _schedule_shares(config, origins)
     kind = config["batch.controller"]
-    if not config["min_sub_batches"] and config["noise_from"] != "auto":
-        # what the statistics need, stated in the saved config (auto decides on the model)
+    if not config["min_sub_batches"] and config["noise_from"] == "examples":
+        # what the statistics need, stated in the saved config (auto decides on the model;
+        # the sub-batches' need is shared by the processes, however many a resume has)
         config["min_sub_batches"] = fewest_sub_batches_of(config)
+        origins["min_sub_batches"] = "the fewest the statistics need (noise_from = examples)"
+    elif not config["min_sub_batches"] and config["noise_from"] == "sub_batches":
         origins["min_sub_batches"] = (
-            f"the fewest the statistics need (noise_from = {config['noise_from']})"
+            f"0: the fewest the statistics need, {SUB_BATCHES} micro-batches shared by the "
+            "processes"
         )
     if kind == "ramp":
         _ramp_start(config, origins)
