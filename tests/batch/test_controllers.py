@@ -31,14 +31,15 @@ def test_simigrad_small_batches_always_move_by_at_least_one():
     assert c.next({"similarity": 1.0}, 3, 0) == 2  # floor(2.7) = 2 = B - 1
 
 
-def test_simigrad_uses_the_mean_of_the_window_and_skips_non_finite():
+def test_simigrad_holds_at_a_non_finite_cosine_which_takes_its_place_in_the_window():
+    """As the authors' fork: a NaN cosine is kept in the window (whose mean skips it) and
+    its step holds the batch (before: left out, and the step decided on the older mean)."""
     c = SimiGrad(target=0.5, initial=100, min=10, max=1000, window=3)
     c.next({"similarity": 0.9}, 100, 0)
-    c.next({"similarity": 0.9}, 100, 0)
-    assert c.next({"similarity": math.nan}, 100, 0) == 90  # mean 0.9: shrink, NaN not counted
-    assert c.state_dict()["recent"] == [0.9, 0.9]
-    assert c.next({"similarity": 0.0}, 100, 0) == 90  # mean(0.9, 0.9, 0) = 0.6 > 0.5
-    assert c.next({}, 100, 0) == 90
+    assert c.next({"similarity": 0.9}, 100, 0) == 90  # mean 0.9 > 0.5: shrink
+    assert c.next({"similarity": math.nan}, 90, 0) == 90
+    assert c.next({"similarity": 0.0}, 90, 0) == 99  # window 0.9, NaN, 0: mean 0.45 < 0.5
+    assert c.next({}, 99, 0) == 99
 
 
 def test_simigrad_interval_and_state_round_trip():

@@ -14,6 +14,7 @@ from bigbatch.optim import (
     create_optimizer,
     list_optimizers,
 )
+from bigbatch.optim.registry import class_family
 from bigbatch.stats import MicroBatchStatistics
 
 
@@ -70,3 +71,13 @@ def test_kinds():
 def test_bad_requests_raise_value_error(name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         create_optimizer(nn.Linear(2, 2), name, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, family",
+    [("ASGD", "sgd"), ("NAdam", "adam"), ("RAdam", "adam"), ("RMSprop", "adam"),
+     ("Adagrad", "adam"), ("Rprop", None)],
+)  # fmt: skip
+def test_torchs_optimizers_take_their_familys_rate_rule(name, family):
+    """Averaged SGD took Adam's square-root rule, as an optimizer of no known family does."""
+    assert class_family(getattr(torch.optim, name)) == family

@@ -345,7 +345,7 @@ class SimiGrad:
     """SimiGrad's controller: hold the mean half-batch gradient cosine at ``target``.
 
     As published (Qin et al., NeurIPS 2021): every ``interval`` steps, with ``s`` the mean
-    of the last ``window`` finite similarities, the batch grows to
+    of the finite ones of the last ``window`` similarities, the batch grows to
     ``max(B + 1, ⌊growth · B⌋)`` if ``s < target`` and shrinks to
     ``max(1, min(B − 1, ⌊shrink · B⌋))`` if ``s > target``, within ``[min, max]``.
     docs/algorithms.md, "SimiGrad, as published".
@@ -370,13 +370,15 @@ class SimiGrad:
         self._steps = 0
 
     def next(self, measured: dict[str, float], batch_size: int, samples: int) -> int:
-        similarity = measured.get("similarity", math.nan)
-        if math.isfinite(similarity):
-            self._recent.append(similarity)
+        # as the authors' fork: a non-finite cosine takes its place in the window (whose
+        # mean skips it) and its step holds the batch
+        similarity = float(measured.get("similarity", math.nan))
+        self._recent.append(similarity)
         self._steps += 1
-        if not self._recent or self._steps % self.interval:
+        finite = [s for s in self._recent if math.isfinite(s)]
+        if not math.isfinite(similarity) or not finite or self._steps % self.interval:
             return batch_size
-        mean = sum(self._recent) / len(self._recent)
+        mean = sum(finite) / len(finite)
         if mean < self.target:
             batch_size = max(batch_size + 1, math.floor(self.growth * batch_size))
         elif mean > self.target:

@@ -68,8 +68,8 @@ def lr_factor(
     grad_sq_norm: float | None = None,
     trace: float | None = None,
 ) -> float:
-    """The multiplier of the base rate at ``batch_size`` under ``rule`` (the AdaScale
-    rules: 1 until the smoothed ``|G|²`` and ``tr Σ`` are finite and positive)."""
+    """The multiplier of the base rate at ``batch_size`` under ``rule`` (AdaScale's: 1 until
+    the smoothed ``|G|²`` and ``tr Σ ≥ 0`` are finite; ``S`` while ``|G|² ≤ 0``, all noise)."""
     check_lr_rule(rule)
     batch_size = positive_int("batch_size", batch_size)
     scale = batch_size / positive_int("base_batch_size", base_batch_size)

@@ -64,8 +64,16 @@ class OptimizerInfo:
         return "gamma" in self.signature().parameters
 
 
-#: the families of torch's own optimizers; bigbatch's declare theirs (``family``)
-_TORCH_FAMILIES = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+#: the families of torch's own optimizers; bigbatch's declare theirs (``family``). The
+#: adaptive ones (a step divided by a running gradient scale) follow Adam's square-root rule
+#: (Malladi et al. 2022), averaged SGD SGD's linear one
+_TORCH_FAMILIES = {
+    **{getattr(torch.optim, name): "adam" for name in (
+        "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "RMSprop", "Adagrad", "Adafactor"
+    ) if hasattr(torch.optim, name)},
+    torch.optim.SGD: "sgd",
+    torch.optim.ASGD: "sgd",
+}  # fmt: skip
 
 
 def class_family(cls: type) -> str | None:
