@@ -369,6 +369,7 @@ def test_the_default_space_spans_the_tasks_rate_by_eight_each_way():
         ("batch.initial=64:3000", r"batch.initial = 3000 is larger than the training set"),
         # BASE's constant batch reads no target: every trial would train one run
         ("batch.target=0.1:0.5", "the constant controller does not read it"),
+        ("dist.eta=0.1:0.5", r"dist.compression = 'none' does not read it \(econtrol does\)"),
         ("lr=0.001:0.01, lr=0.002:0.004", "lr: a key is searched twice"),
     ],
 )

@@ -21,6 +21,7 @@ from .config import (
     BatchKeys,
     ConfigError,
     DistKeys,
+    Key,
     LogKeys,
     MachineKeys,
     ModelKeys,
@@ -150,23 +151,13 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
 
 
 def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
-    # a key set for a controller (or the VRGD forms) that the run's does not read: warned of,
-    # not refused as another task's keys are, since a study's base config sets the keys of
-    # its arms' several controllers; a saved config's keys are as the fill wrote them (below)
-    kind, optimizer = config["batch.controller"], config["optimizer"]
-    compression = config["dist.compression"]
+    # a key set for a controller (or the VRGD forms, or a compression) that the run's does
+    # not read: warned of, not refused as another task's keys are, since a study's base
+    # config sets the keys of its arms' several controllers; a saved config's keys are as
+    # the fill wrote them (below)
     for key in schema().values():
-        if key.name in ("batch.initial", "batch.min", "batch.max"):
-            continue  # the run's bounds, which the plan checks (and moves) for every controller
-        if key.name.startswith("batch."):
-            chosen, reader = kind, f"the {kind} controller"
-        elif key.name.startswith("vrgd."):
-            chosen, reader = "vr-*" if optimizer.startswith("vr-") else optimizer, optimizer
-        elif key.name.startswith("dist."):
-            chosen, reader = compression, f"dist.compression = {compression!r}"
-        else:
-            continue
-        if not key.readers or chosen in key.readers:
+        reader = unread_by(config, key)
+        if reader is None:
             continue
         unset = {key.default}
         if key.owners:  # what fill_controller_defaults writes for a controller that reads none
@@ -177,6 +168,24 @@ def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
                 f"({', '.join(key.readers)} {'does' if len(key.readers) == 1 else 'do'})",
                 stacklevel=2,
             )
+
+
+def unread_by(config: Mapping[str, Any], key: Key) -> str | None:
+    # the run's component that does not read key, a controller, VRGD or a compression ("the
+    # constant controller"); None where the run reads it
+    if not key.readers or key.name in ("batch.initial", "batch.min", "batch.max"):
+        return None  # (the bounds: the plan checks and moves them for every controller)
+    kind, optimizer = config["batch.controller"], config["optimizer"]
+    if key.name.startswith("batch."):
+        chosen, reader = kind, f"the {kind} controller"
+    elif key.name.startswith("vrgd."):
+        chosen, reader = "vr-*" if optimizer.startswith("vr-") else optimizer, optimizer
+    elif key.name.startswith("dist."):
+        chosen = config["dist.compression"]
+        reader = f"dist.compression = {chosen!r}"
+    else:
+        return None
+    return None if chosen in key.readers else reader
 
 
 def _check_task_keys(config: Mapping[str, Any], task: Any) -> None:

@@ -25,14 +25,13 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from ..batch.controllers import CONTROLLERS
 from . import runner
 from .arms import metric
 from .build import check_batches_fit
 from .config import ConfigError, resolve, schema, to_toml
 from .device import share_of_cores
 from .options import TuneSettings
-from .plan import RunPlan, at_rate, plan_run
+from .plan import RunPlan, at_rate, plan_run, unread_by
 from .pool import Processes
 from .rundir import claim_plan, first_line, read_json
 from .signals import stops_as_a_whole
@@ -97,13 +96,12 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
     # each end must be a value the key accepts, in this run, on its data
     ends = [plan_run(resolve(base, {key: known[key].kind(end)})) for end in (low, high)]
     check_batches_fit(ends)
-    planned = ends[-1]
-    controller, own = planned.batch.controller, key.removeprefix("batch.")
-    readers = [name for name, cls in CONTROLLERS.items() if own in cls.CONFIG]
-    if key.startswith("batch.") and readers and controller not in readers:
+    reader = unread_by(ends[-1], known[key])
+    if reader is not None:
         raise ConfigError(
-            f"--search {key}: the {controller} controller does not read it "
-            f"({', '.join(readers)} do): every trial would train the same run"
+            f"--search {key}: {reader} does not read it ({', '.join(known[key].readers)} "
+            f"{'does' if len(known[key].readers) == 1 else 'do'}): every trial would train "
+            "the same run"
         )
     if not low < high:
         raise ConfigError(f"--search {key}: LOW must be below HIGH, got {low:g}:{high:g}")
