@@ -257,7 +257,8 @@ def one_step_statistics(
         if similarity == "split":
             cosine = g_a @ g_b / (g_a.norm() * g_b.norm())
         else:
-            cosine = scalar_similarity(signal, trace, first, total - first, len(data))
+            # (the scalar one: of two equal halves, however the ranks split)
+            cosine = scalar_similarity(signal, trace, total / 2, total / 2, len(data))
         expected["similarity"].append(float(cosine))
         halves_overall = [
             halves_overall[0] + float(g_a @ g_a),
@@ -271,7 +272,7 @@ def one_step_statistics(
         signal, trace = sum(expected["signal"]), sum(expected["trace"])
         expected["overall"] = float(
             scalar_similarity(
-                torch.tensor(signal), torch.tensor(trace), first, total - first, len(data)
+                torch.tensor(signal), torch.tensor(trace), total / 2, total / 2, len(data)
             )
         )
     got["signal"], got["trace"] = float(step.stats.grad_sq_norm), float(step.stats.trace)

@@ -1,5 +1,7 @@
 """The collector against statistics computed the slow way, gradient by gradient."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -173,3 +175,20 @@ def test_statistics_match_the_slow_computation_on_cuda():
     got = stats.finish()
     assert got.grad_sq_norm == pytest.approx(expected[0].item(), rel=1e-4, abs=1e-7)
     assert got.trace == pytest.approx(expected[1].item(), rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("size, warned", [(2, False), (3, True), (4, False)])
+def test_the_split_similarity_on_an_odd_number_of_ranks_is_warned_of(monkeypatch, size, warned):
+    """Ranks [0, W/2) against the rest: on 3, 1 against 2, a cosine 5% below one process's
+    on the same batch, so SimiGrad held another batch, silently."""
+    from bigbatch.parallel.world import World
+    from bigbatch.stats import collector
+    from bigbatch.stats.layout import ParamLayout
+
+    monkeypatch.setattr(collector, "SplitRanks", lambda layout, world: None)  # (no group here)
+    layout = ParamLayout([list(nn.Linear(2, 2).parameters())])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        collector._halves("split", layout, World(rank=0, size=size), None)
+    messages = [str(w.message) for w in caught]
+    assert any("compares 1 with 2: halves of unequal size" in m for m in messages) == warned

@@ -6,12 +6,13 @@ import torch
 
 from bigbatch._tensors import norms
 from bigbatch.stats.halves import FromNoiseScalars, SplitMicroBatches
-from bigbatch.stats.layout import ParamLayout
+from bigbatch.parallel.world import World
+from bigbatch.stats.layout import ParamLayout, SubBatches
 from bigbatch.stats.result import Gather
 
 from .common import backward_micro_batches, sub_batches
 
-SIZES = [3, 5, 2, 6, 4]  # half A: the first two micro-batches (8 samples), half B: 12
+SIZES = [3, 5, 2, 6, 4]  # split: half A the first two micro-batches (8 samples), B 12
 
 
 def per_group(values):
@@ -68,13 +69,18 @@ def test_split_micro_batches_needs_two_and_the_half_way_announcement():
 
 
 @pytest.mark.parametrize("dataset_size", [None, 100])
-def test_from_noise_scalars_gives_the_expected_terms_of_the_first_micro_batches(dataset_size):
+def test_from_noise_scalars_gives_the_expected_terms_of_two_equal_halves(dataset_size):
+    """Equal halves whatever the layout: the halves of the micro-batches or, under DDP, of
+    the ranks made 8 against 12 here, and 1/3 against 2/3 on 3 ranks, where one process
+    split the same batch evenly: another similarity, another SimiGrad batch."""
     signal, trace = [2.0, 0.5], [30.0, 4.0]
     got = FromNoiseScalars(dataset_size).read({}, [], signal, trace, sub_batches(SIZES))
+    three_ranks = SubBatches([8], [[8], [6], [6]], [8 / 20], World(rank=0, size=3))
+    assert FromNoiseScalars(dataset_size).read({}, [], signal, trace, three_ranks) == got
     g, t = torch.tensor(signal), torch.tensor(trace)
     if dataset_size is None:  # E|g_X|² = |G|² + trΣ / B_X, E<g_A, g_B> = |G|²
-        expected = (g + t / 8, g + t / 12, g)
+        expected = (g + t / 10, g + t / 10, g)
     else:  # without replacement from 100: trΣ (N - B_X) / (B_X (N - 1)), cross -trΣ / (N - 1)
-        expected = (g + t * 92 / (8 * 99), g + t * 88 / (12 * 99), g - t / 99)
+        expected = (g + t * 90 / (10 * 99), g + t * 90 / (10 * 99), g - t / 99)
     for value, want in zip(got, expected):
         assert value == pytest.approx(want.tolist())

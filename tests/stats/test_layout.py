@@ -81,7 +81,7 @@ def test_parameters_not_in_groups_are_refused():
 def test_sub_batches_on_one_process():
     batches = SubBatches([3, 5, 2, 6, 4], [[3, 5, 2, 6, 4]], [0.15, 0.25, 0.1, 0.3, 0.2], World())
     assert batches.total == 20 and batches.all_sizes == [3, 5, 2, 6, 4]
-    assert batches.half == 2 and batches.half_sizes() == [3, 5]
+    assert batches.half == 2
     assert not batches.last
     batches.current = 4
     assert batches.last
@@ -92,5 +92,4 @@ def test_sub_batches_under_ddp_split_the_ranks():
     rank_sizes = [[4, 4], [3, 5], [6], [2, 2]]
     batches = SubBatches([3, 5], rank_sizes, [3 / 26, 5 / 26], world, current=1)
     assert batches.total == 26 and batches.all_sizes == [4, 4, 3, 5, 6, 2, 2]
-    assert batches.half_sizes() == [4, 4, 3, 5]  # half A: ranks 0 and 1
     assert batches.last

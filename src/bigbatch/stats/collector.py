@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from .._checks import check_flag, choice, positive_int
 from .._tensors import norms
+from .._warn import warn_at_caller
 from ..batch.plan import loss_weights as default_loss_weights
 from ..parallel.world import World
 from .estimators import half_split_cosine
@@ -314,6 +315,14 @@ def _halves(
     if similarity == "scalar":
         return FromNoiseScalars(dataset_size)
     if world.distributed:
+        if world.size % 2:  # the ranks cannot split in two equal halves
+            a = world.size // 2
+            warn_at_caller(
+                f"similarity='split' on {world.size} processes compares {a} with "
+                f"{world.size - a}: halves of unequal size, whose cosine reads lower than an "
+                "even split's (SimiGrad's target then holds a larger batch); "
+                "similarity='scalar' takes two equal halves"
+            )
         return SplitRanks(layout, world)
     return SplitMicroBatches(layout)
 

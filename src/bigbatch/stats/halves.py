@@ -101,7 +101,7 @@ class SplitRanks:
 
 
 class FromNoiseScalars:
-    """The halves' expected terms from the step's noise estimates."""
+    """The expected terms of two equal halves of the batch from the step's noise estimates."""
 
     def __init__(self, dataset_size: int | None) -> None:
         self.dataset_size = dataset_size
@@ -123,13 +123,10 @@ class FromNoiseScalars:
         trace: list[float],
         batches: SubBatches,
     ) -> Halves:
-        size_a = sum(batches.half_sizes())
-        if not 0 < size_a < batches.total:  # one micro-batch (per-example norms): its halves
-            size_a = batches.total / 2
-        size_b = batches.total - size_a
-        terms = [
-            scalar_halves(g, t, size_a, size_b, self.dataset_size) for g, t in zip(signal, trace)
-        ]
+        # equal halves, however the step is laid out: the same similarity on any number of
+        # processes or micro-batches (split by rank, 3 ranks made halves of 1/3 and 2/3)
+        half = batches.total / 2
+        terms = [scalar_halves(g, t, half, half, self.dataset_size) for g, t in zip(signal, trace)]
         return tuple([list(column) for column in zip(*terms)])  # type: ignore[return-value]
 
     def traffic(self) -> int:

@@ -132,12 +132,6 @@ class SubBatches:
         """On one process, micro-batches ``[0, half)`` form half A, the rest half B."""
         return len(self.sizes) // 2
 
-    def half_sizes(self) -> list[int]:
-        """Half A's sub-batch sizes: the first micro-batches, or the first ranks under DDP."""
-        if self.world.distributed:
-            return [b for r in self.rank_sizes[: self.world.size // 2] for b in r]
-        return self.sizes[: self.half]
-
     @property
     def last(self) -> bool:
         """The current micro-batch is this rank's last of the step."""
