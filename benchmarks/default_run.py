@@ -68,7 +68,7 @@ def run() -> dict:
 def quote(figures: dict) -> str:
     """The README's sentence for ``figures``."""
     return (
-        f"On 2 CPU cores (`{figures['command']}`, torch {figures['torch']}): "
+        f"On {figures['machine']} (`{figures['command']}`, torch {figures['torch']}): "
         f"{figures['steps']:,} optimizer steps, {figures['samples']:,} samples, best test "
         f"accuracy {figures['best_accuracy']:.4f} (final {figures['final_accuracy']:.4f}), "
         f"the task's target 0.97 at step {figures['steps_to_target']:,}; "

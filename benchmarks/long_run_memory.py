@@ -39,6 +39,7 @@ def rss_mib() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--cap", type=int, default=512, help="SimiGrad's largest batch")
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(20_000, 16)
@@ -49,11 +50,11 @@ def main() -> None:
         model,
         optimizer,
         data,
-        controller=bb.batch.SimiGrad(target=0.5, initial=32, min=16, max=512, window=5),
+        controller=bb.batch.SimiGrad(target=0.5, initial=32, min=16, max=args.cap, window=5),
         min_sub_batches=8,
         max_micro_batch=64,
     )
-    print(f"torch {torch.__version__}; {args.steps} steps")
+    print(f"torch {torch.__version__}; {args.steps} steps, the batch at most {args.cap}")
     print(f"{'step':>6} {'RSS MiB':>8} {'batch':>6} {'s':>6}")
     start, readings = time.perf_counter(), []
     for step in loop.steps(max_steps=args.steps):

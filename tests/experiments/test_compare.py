@@ -263,6 +263,8 @@ def test_every_study_file_plans_every_arm(study):
     options = {k.removeprefix("compare."): v for k, v in table.items() if k.startswith("compare.")}
     base = resolve({k: v for k, v in table.items() if not k.startswith("compare.")})
     assert plan(base, **options).arms
+    if "--tune" in study.read_text():  # its comment gives a tuned command: the file takes it
+        assert plan(base, **{**options, "tune": True}).arms
 
 
 def test_the_report_adds_the_train_accuracy_and_the_gap_where_runs_measured_them(trained, tmp_path):
