@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from bigbatch._tensors import norms
-from bigbatch.stats.halves import FromNoiseScalars, SplitMicroBatches
 from bigbatch.parallel.world import World
+from bigbatch.stats.halves import FromNoiseScalars, SplitMicroBatches
 from bigbatch.stats.layout import ParamLayout, SubBatches
 from bigbatch.stats.result import Gather
 
