@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bigbatch.batch import VariableBatchSampler, shard_batch
+from bigbatch.batch.plan import plan_step
 
 #: these tests draw batches larger than their small datasets on purpose (across epochs)
 repeats_allowed = pytest.mark.filterwarnings("ignore:a batch of .* samples from a dataset")
@@ -97,6 +98,10 @@ def test_shard_errors_name_the_value():
         shard_batch([1, 2, 3], 3, 3)
     with pytest.raises(ValueError, match="cannot give each of 4 ranks"):
         shard_batch([1, 2, 3], 0, 4)
+    # a batch in tokens of a few long sequences, mid-run: the weight and the fix named
+    message = r"a batch of 94 in weight \(weight_fn\) drew 2 samples, fewer than the 3 ranks"
+    with pytest.raises(ValueError, match=message + ".*controller's smallest batch"):
+        plan_step([0, 1], rank=0, world_size=3, weight_fn=lambda i: 47)
 
 
 def draw(sampler, sizes):

@@ -90,6 +90,12 @@ def plan_step(
     rank, world_size = rank_in_world(rank, world_size)
     if count is not None:
         count = positive_int("count", count)
+    if weight_fn is not None and len(indices) < world_size:  # a draw of a few heavy samples
+        raise ValueError(
+            f"a batch of {sum(int(weight_fn(i)) for i in indices)} in weight (weight_fn) drew "
+            f"{len(indices)} samples, fewer than the {world_size} ranks that each need one: "
+            "raise the controller's smallest batch (min), or train on fewer ranks"
+        )
     shards = [shard_batch(indices, r, world_size) for r in range(world_size)]
     weights = [[int(weight_fn(i)) for i in s] for s in shards] if weight_fn else None
     if count is None:
