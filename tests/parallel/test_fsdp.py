@@ -124,6 +124,17 @@ def test_a_state_taken_before_the_first_step_leaves_the_optimizer_as_built(clust
         torch.testing.assert_close(run["params"], replicated["straight"]["params"])
 
 
+def test_a_ddp_checkpoint_resumes_under_fsdp_with_its_optimizer_state(cluster2, tmp_path):
+    """A state saved without FSDP2 keys the optimizer's by position; torch's sharded load
+    took it without a word and left every moment empty (the run went on from fresh ones)."""
+    path = str(tmp_path / "state.pt")
+    cluster2.run(programs.save_run, 20, path, False, "lamb")
+    sharded = cluster2.run(programs.resume_run, 5, path, True, "lamb")[0]
+    replicated = cluster2.run(programs.resume_run, 5, path, False, "lamb")[0]
+    assert sharded["batch"] == replicated["batch"]
+    assert sharded["loss"] == pytest.approx(replicated["loss"], rel=1e-5)
+
+
 def test_an_fsdp_checkpoint_resumes_on_four_ranks_and_on_one_process(cluster2, cluster4, tmp_path):
     path = str(tmp_path / "state.pt")
     saved = cluster2.run(programs.save_run, 20, path, True, "lamb")[0]

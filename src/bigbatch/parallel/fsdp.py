@@ -122,6 +122,7 @@ def load_full_state(
         # name the keys (rank 0 sends the values)
         model_state = dict.fromkeys(model.state_dict())
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    optimizer_state = _keyed_by_name(optimizer_state, model, optimizer)
     trained = [bool(optimizer_state and optimizer_state.get("state"))]
     torch.distributed.broadcast_object_list(trained, src=0)  # rank 0's state is the one loaded
     if not trained[0]:  # saved before the first step: the optimizer stays as it is built
@@ -134,6 +135,30 @@ def load_full_state(
         optim_state_dict=optimizer_state,
         options=options,
     )
+
+
+def _keyed_by_name(saved: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    # a state saved without FSDP2 (under DDP, on one process) keys its parameters by their
+    # place in the groups, as torch.optim does; torch's full-state load wants their names,
+    # and took the other without a word, every parameter's state left empty
+    groups = saved.get("param_groups") if saved else None
+    places = [p for g in groups or () for p in g.get("params", ())]
+    if not places or not all(isinstance(p, int) for p in places):
+        return saved
+    names = {id(p): n for n, p in model.named_parameters()}
+    own = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    sizes = [len(g["params"]) for g in groups]
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(
+            f"the saved optimizer state has param groups of {sizes} parameters where the "
+            f"loop's optimizer has {[len(g['params']) for g in optimizer.param_groups]}: was "
+            "it saved with another model or optimizer?"
+        )
+    name = dict(zip(places, own))
+    return {
+        "state": {name[k]: v for k, v in saved.get("state", {}).items()},
+        "param_groups": [{**g, "params": [name[p] for p in g["params"]]} for g in groups],
+    }
 
 
 def accumulate(model: nn.Module, last: bool) -> None:
