@@ -121,3 +121,13 @@ def batch_bounds(
             f"{names[0]} ({initial}) is outside [{names[1]}, {names[2]}] = [{low}, {high}]"
         )
     return initial, low, high
+
+
+def check_param_groups(saved: list[int], own: list[int]) -> None:
+    # a saved optimizer state's parameters per group against the optimizer's: torch matches
+    # them by place, and would load another's half-way before it raised
+    if saved != own:
+        raise ValueError(
+            f"the saved optimizer state has param groups of {saved} parameters where the "
+            f"loop's optimizer has {own}: was it saved with another model or optimizer?"
+        )

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, IterableDataset
 
-from ._checks import check_number, positive_int, whole_number
+from ._checks import check_number, check_param_groups, positive_int, whole_number
 from .batch.controllers import Controller
 from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
@@ -504,12 +504,7 @@ def _check_optimizer_fits(saved: Any, optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(groups, list):
         raise ValueError("the saved optimizer state has no param_groups: not an optimizer's")
     sizes = [len(g.get("params", ())) for g in groups]
-    own = [len(g["params"]) for g in optimizer.param_groups]
-    if sizes != own:
-        raise ValueError(
-            f"the saved optimizer state has param groups of {sizes} parameters where the "
-            f"loop's optimizer has {own}: was it saved with another model or optimizer?"
-        )
+    check_param_groups(sizes, [len(g["params"]) for g in optimizer.param_groups])
 
 
 def _check_loadable(

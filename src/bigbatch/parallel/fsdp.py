@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_param_groups
+
 __all__ = [
     "accumulate",
     "full_state",
@@ -147,13 +149,8 @@ def _keyed_by_name(saved: dict, model: nn.Module, optimizer: torch.optim.Optimiz
         return saved
     names = {id(p): n for n, p in model.named_parameters()}
     own = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    sizes = [len(g["params"]) for g in groups]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ValueError(
-            f"the saved optimizer state has param groups of {sizes} parameters where the "
-            f"loop's optimizer has {[len(g['params']) for g in optimizer.param_groups]}: was "
-            "it saved with another model or optimizer?"
-        )
+    check_param_groups([len(g["params"]) for g in groups],
+                       [len(g["params"]) for g in optimizer.param_groups])  # fmt: skip
     name = dict(zip(places, own))
     return {
         "state": {name[k]: v for k, v in saved.get("state", {}).items()},
