@@ -8,6 +8,7 @@ every arm alike; the tables give medians, which one slow round cannot move.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -58,3 +59,27 @@ def interleaved(
 def medians(times: Mapping[str, list[float]]) -> dict[str, float]:
     """Each arm's median time."""
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def at_least(low: float, kind: type = int) -> Callable[[str], Any]:
+    """An ``argparse`` type: a number of ``kind`` of at least ``low`` (a bad value is one line
+    of usage, not a traceback from deep inside a benchmark)."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)  # (argparse turns the ValueError into "invalid ... value")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
+def listed(item: Callable[[str], Any]) -> Callable[[str], list]:
+    """An ``argparse`` type: a comma-separated list of ``item``."""
+
+    def parse(text: str) -> list:
+        return [item(part) for part in text.split(",")]
+
+    parse.__name__ = f"list of {getattr(item, '__name__', 'values')}"
+    return parse

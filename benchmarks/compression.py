@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _timing import at_least
+
 ARMS = {
     "all-reduce": [],
     "top-k 1%, no error control": ["--set", "dist.compression=topk-only"],
@@ -68,14 +70,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/compression")
     parser.add_argument("--task", default="mnist1d")
-    parser.add_argument("--nproc", type=int, nargs="+", default=[2])
-    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--nproc", type=at_least(2), nargs="+", default=[2])
+    parser.add_argument("--seeds", type=at_least(1), default=1)
     parser.add_argument("--adaptive", action="store_true", help="the default batch controller")
     parser.add_argument(
         "--ratio", type=float, default=0.01, help="K/d of the Top-K arms (labels say 1%%)"
     )
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every arm")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), help="a subset of the arms")
+    parser.add_argument(
+        "--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="a subset of the arms"
+    )
     args = parser.parse_args()
     from bigbatch.experiments.tasks import TASKS
 

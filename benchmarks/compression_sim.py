@@ -29,6 +29,7 @@ import statistics
 
 import torch
 
+from _timing import at_least
 from bigbatch.batch.lr import lr_factor, schedule_by_name
 from bigbatch.experiments.plan import plan_run
 from bigbatch.experiments.tasks import TASKS
@@ -104,14 +105,18 @@ def main() -> None:
     parser.add_argument("--optimizer", default="lamb")
     parser.add_argument("--lr", type=float, default=0.0, help="at batch 64; 0: the task's rate")
     parser.add_argument("--momentum", type=float, default=None, help="SGD's momentum")
-    parser.add_argument("--eta", type=float, default=0.1)
-    parser.add_argument("--ratio", type=float, default=0.01)
+    parser.add_argument("--eta", type=at_least(0.0, float), default=0.1)
+    parser.add_argument("--ratio", type=float, default=0.01, help="in (0, 1]")
     parser.add_argument("--compressor", default="topk", choices=("topk", "randk"))
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--ranks", type=at_least(1), default=2)
+    parser.add_argument("--batch", type=at_least(1), default=256)
     parser.add_argument("--fraction", type=float, default=1.0, help="of the task's budget")
-    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--seeds", type=at_least(1), default=1)
     args = parser.parse_args()
+    if not 0 < args.ratio <= 1:  # (the compressor would clamp it to one coordinate or all)
+        parser.error(f"argument --ratio: must be in (0, 1], got {args.ratio:g}")
+    if not args.fraction > 0:
+        parser.error(f"argument --fraction: must be > 0, got {args.fraction:g}")
     bad = sorted(set(args.methods) - set(METHODS))
     if bad:
         parser.error(f"--methods: unknown {', '.join(bad)}")

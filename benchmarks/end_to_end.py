@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from _timing import at_least, listed
+
 #: what each run prints on its last line: a JSON list of [samples, seconds, eval loss, step]
 RESULT = "RESULT "
 
@@ -173,13 +175,18 @@ def time_to(rows: list[list[float]], target: float) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="text")
-    parser.add_argument("--batches", default="8,16,32,64", help="the plain loop's static batches")
+    parser.add_argument(
+        "--batches",
+        default="8,16,32,64",
+        type=listed(at_least(1)),
+        help="the plain loop's static batches",
+    )
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--lr-scales", default="1", help="multiples of each batch's rate")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--bf16", action="store_true", help="the plain loop under bf16 autocast")
-    parser.add_argument("--eval-samples", type=int, default=3000)
+    parser.add_argument("--eval-samples", type=at_least(1), default=3000)
     parser.add_argument("--margin", type=float, default=0.01)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--save", type=Path, help="write every run's evaluations here (JSON)")
@@ -198,7 +205,7 @@ def main() -> None:
     arms: dict[str, dict[int, list]] = {}
     for seed in seeds:  # the arms interleaved, seed by seed
         for scale in (float(s) for s in args.lr_scales.split(",")):
-            for batch in (int(b) for b in args.batches.split(",")):
+            for batch in args.batches:
                 name = f"plain {batch}" + (f" x{scale:g}" if scale != 1 else "")
                 arms.setdefault(name, {})[seed] = spawn(args, "plain", seed, batch, scale)
                 print(f"# {name}, seed {seed}: {arms[name][seed][-1]}", flush=True)

@@ -33,6 +33,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+from _timing import at_least
 from bigbatch.experiments.analysis import mean_std
 from bigbatch.experiments.federated import first_reach, simulate
 from bigbatch.experiments.options import FederatedSettings
@@ -244,18 +245,18 @@ def main() -> None:
     p.add_argument("--task", default="mnist1d")
     p.add_argument("--splits", nargs="+", default=["iid", "dirichlet"])
     p.add_argument("--alpha", type=float, default=0.5)
-    p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--local-samples", type=int, default=1024)
+    p.add_argument("--clients", type=at_least(1), default=4)
+    p.add_argument("--rounds", type=at_least(1), default=20)
+    p.add_argument("--local-samples", type=at_least(1), default=1024)
     p.add_argument("--fixed", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
     p.add_argument("--large", type=int, default=128)
     p.add_argument("--switch-small", type=int, default=32)
     p.add_argument("--adaptive-start", type=int, nargs="+", default=[4, 16])
     p.add_argument("--lrs", type=float, nargs="+", default=[0.0125, 0.025, 0.05, 0.1, 0.2])
-    p.add_argument("--widen", type=int, default=2)
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--widen", type=at_least(0), default=2)
+    p.add_argument("--seeds", type=at_least(1), default=3)
     p.add_argument("--targets", type=float, nargs="+", default=[0.5, 0.75, 0.9, 0.95, 0.99])
-    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--jobs", type=at_least(1), default=1)
     args = p.parse_args()
     out = Path(args.out)
     results = {split: evaluate_split(args, out, split) for split in args.splits}

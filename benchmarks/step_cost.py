@@ -80,7 +80,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import bigbatch as bb
-from _timing import interleaved, medians
+from _timing import at_least, interleaved, listed, medians
 from bigbatch.experiments.config import resolve, with_overrides
 from bigbatch.experiments.device import keep_freed_memory
 from bigbatch.experiments.plan import plan_run
@@ -417,6 +417,12 @@ def agreement(task: str, args) -> None:
         )
 
 
+def batch_list(text: str) -> str:
+    # the batches as given (the cost part splits them per model), each checked here
+    listed(at_least(1))(text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -429,8 +435,10 @@ def main() -> None:
     parser.add_argument(
         "--models", default="text,gpt2", help=f"of {', '.join([*MODELS, *RMS, *CNNS])}"
     )
-    parser.add_argument("--batches", default="16,64,256,1024")
-    parser.add_argument("--gpt2-batches", default=None, help="default: 16 on CPU, --batches")
+    parser.add_argument("--batches", default="16,64,256,1024", type=batch_list)
+    parser.add_argument(
+        "--gpt2-batches", default=None, type=batch_list, help="default: 16 on CPU, --batches"
+    )
     parser.add_argument("--gpt2-context", type=int, default=None)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(KNOWN_ARMS)}")
     parser.add_argument(
@@ -438,14 +446,19 @@ def main() -> None:
     )
     parser.add_argument("--details", action="store_true", help="host syncs and buffers too")
     parser.add_argument(
-        "--steady", type=int, default=0, help="also time blocks of this many steps, one sync each"
+        "--steady",
+        type=at_least(0),
+        default=0,
+        help="also time blocks of this many steps, one sync each",
     )
     parser.add_argument(
         "--ops-device", default="meta", help="where --part ops runs its steps (meta: no compute)"
     )
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per arm")
-    parser.add_argument("--gpt2-steps", type=int, default=None, help="default: --steps")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--steps", type=at_least(1), default=20, help="timed steps per arm")
+    parser.add_argument("--gpt2-steps", type=at_least(1), default=None, help="default: --steps")
+    parser.add_argument(
+        "--threads", type=at_least(0), default=0, help="torch CPU threads (0: default)"
+    )
     parser.add_argument(
         "--keep-freed-memory", action="store_true", help="as bigbatch train does on a CPU"
     )
@@ -457,19 +470,22 @@ def main() -> None:
     )
     parser.add_argument(
         "--every",
-        type=lambda text: text if text == "auto" else int(text),
+        type=lambda text: text if text == "auto" else at_least(1)(text),
         default=1,
         help="also time statistics measured every K-th step (auto: statistics_every='auto')",
     )
     parser.add_argument("--tasks", default="text,mnist1d,lm")
-    parser.add_argument("--warm-steps", type=int, default=200)
-    parser.add_argument("--batches-measured", type=int, default=100)
+    parser.add_argument("--warm-steps", type=at_least(1), default=200)
+    parser.add_argument("--batches-measured", type=at_least(1), default=100)
     parser.add_argument("--task", default="lm", help="throughput: the task trained")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="agreement, throughput"
     )
-    parser.add_argument("--train-samples", type=int, default=200_000)
+    parser.add_argument("--train-samples", type=at_least(1), default=200_000)
     args = parser.parse_args()
+    models = sorted(set(args.models.split(",")) - {*MODELS, *RMS, *CNNS})
+    if models:
+        parser.error(f"unknown models {models}; the models are {', '.join([*MODELS, *RMS, *CNNS])}")
     args.device = torch.device(args.device)
     args.arms = tuple(args.arms.split(","))
     unknown = sorted(set(args.arms) - set(KNOWN_ARMS))
