@@ -163,16 +163,13 @@ def _warn_of_unread_keys(config: Mapping[str, Any]) -> None:
         if key.owners:  # what fill_controller_defaults writes for a controller that reads none
             unset.add(next(iter(key.owners.values())))
         if config[key.name] not in unset:
-            warnings.warn(
-                f"{key.name} = {config[key.name]!r} is set, but {reader} does not read it "
-                f"({', '.join(key.readers)} {'does' if len(key.readers) == 1 else 'do'})",
-                stacklevel=2,
-            )
+            warnings.warn(f"{key.name} = {config[key.name]!r} is set, but {reader}", stacklevel=2)
 
 
 def unread_by(config: Mapping[str, Any], key: Key) -> str | None:
-    # the run's component that does not read key, a controller, VRGD or a compression ("the
-    # constant controller"); None where the run reads it
+    # which of the run's components, a controller, VRGD or a compression, does not read key
+    # and which do ("the constant controller does not read it (seesaw does)"); None where
+    # the run reads it
     if not key.readers or key.name in ("batch.initial", "batch.min", "batch.max"):
         return None  # (the bounds: the plan checks and moves them for every controller)
     kind, optimizer = config["batch.controller"], config["optimizer"]
@@ -185,7 +182,10 @@ def unread_by(config: Mapping[str, Any], key: Key) -> str | None:
         reader = f"dist.compression = {chosen!r}"
     else:
         return None
-    return None if chosen in key.readers else reader
+    if chosen in key.readers:
+        return None
+    does = "does" if len(key.readers) == 1 else "do"
+    return f"{reader} does not read it ({', '.join(key.readers)} {does})"
 
 
 def _check_task_keys(config: Mapping[str, Any], task: Any) -> None:

@@ -96,13 +96,9 @@ def parse_dimension(text: str, base: dict[str, Any]) -> Dimension:
     # each end must be a value the key accepts, in this run, on its data
     ends = [plan_run(resolve(base, {key: known[key].kind(end)})) for end in (low, high)]
     check_batches_fit(ends)
-    reader = unread_by(ends[-1], known[key])
-    if reader is not None:
-        raise ConfigError(
-            f"--search {key}: {reader} does not read it ({', '.join(known[key].readers)} "
-            f"{'does' if len(known[key].readers) == 1 else 'do'}): every trial would train "
-            "the same run"
-        )
+    unread = unread_by(ends[-1], known[key])
+    if unread is not None:
+        raise ConfigError(f"--search {key}: {unread}: every trial would train the same run")
     if not low < high:
         raise ConfigError(f"--search {key}: LOW must be below HIGH, got {low:g}:{high:g}")
     if log and low <= 0:
