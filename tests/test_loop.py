@@ -4,6 +4,7 @@ import copy
 import io
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -758,3 +759,47 @@ def test_retain_graph_keeps_the_graph_for_another_backward_and_changes_nothing_e
         runs.append(([p.detach().clone() for p in model.parameters()], dict(step.metrics)))
     (a, metrics_a), (b, metrics_b) = runs
     assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)) and metrics_a == metrics_b
+
+
+def test_a_scaler_on_one_side_of_a_resume_is_said_and_one_on_both_is_restored():
+    """A state saved with a scaler loaded into a loop without one dropped its scale, and the
+    reverse started the scale again, both silently."""
+    model, loop = make_run(scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    train_with_losses(loop, model, [1.0, 1e36])  # an overflow halves the scale
+    scaled = loop.state_dict()
+    model, loop = make_run()
+    train_with_losses(loop, model, [1.0])
+    plain = loop.state_dict()
+
+    with pytest.warns(UserWarning, match=r"GradScaler \(scale 32768.0\) is dropped"):
+        make_run()[1].load_state_dict(scaled)
+    with pytest.warns(UserWarning, match="starts again from its initial scale 65536"):
+        make_run(scaler=torch.amp.GradScaler("cpu"))[1].load_state_dict(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler = torch.amp.GradScaler("cpu")
+        make_run(scaler=scaler)[1].load_state_dict(scaled)
+        make_run()[1].load_state_dict(plain)
+    assert scaler.get_scale() == 2.0**15
+
+
+def test_a_loop_built_with_another_order_than_the_saved_one_is_told_the_saved_one_wins():
+    def loop_of(**order):
+        model = nn.Linear(16, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, bb.AdaptiveBatch(
+            model, opt, make_data(), controller=bb.batch.Constant(16), **order
+        )
+
+    model, loop = loop_of(seed=3)
+    train(loop, model, max_steps=2)
+    saved = loop.state_dict()
+    other = loop_of(seed=4, shuffle=False)[1]
+    with pytest.warns(
+        UserWarning, match=r"\(seed=3, shuffle=True\) replaces this one's \(seed=4, shuffle=False\)"
+    ):
+        other.load_state_dict(saved)
+    assert (other.source.sampler.seed, other.source.sampler.shuffle) == (3, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop_of(seed=3)[1].load_state_dict(saved)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, IterableDataset
 
 from ._checks import check_number, check_param_groups, positive_int, whole_number
+from ._warn import warn_at_caller
 from .batch.controllers import Controller
 from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
@@ -403,13 +404,30 @@ class AdaptiveBatch:
         else:
             ddp.unwrap(self.model).load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        _load_scaler(self.scaler, state["scaler"])
         self.source.load_state_dict(state["source"])
         self.engine.load_state_dict(state["engine"])
         saved = state["rng"]
         set_rng_state(saved[self.world.rank % len(saved)])
         ddp.load_hook_state_dict(self.comm_hook, state.get("comm_hook"), self.world)
+
+
+def _load_scaler(scaler: torch.amp.GradScaler | None, saved: dict[str, Any] | None) -> None:
+    # a scale on one side only is a change of precision the user should hear of: its scale
+    # dropped, or the loop's started again from its initial value (a few skipped steps)
+    scaling = scaler is not None and scaler.is_enabled()
+    if scaling and saved:
+        scaler.load_state_dict(saved)
+    elif scaling:
+        warn_at_caller(
+            "the saved state holds no GradScaler state: the loop's scaler starts again from "
+            f"its initial scale {scaler.get_scale():g}"
+        )
+    elif saved:
+        warn_at_caller(
+            f"the saved state's GradScaler (scale {saved.get('scale')}) is dropped: the loop "
+            "has no enabled scaler"
+        )
 
 
 def _step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: Tensor) -> None:

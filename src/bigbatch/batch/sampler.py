@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .._checks import check_flag, check_number, positive_int, rank_in_world
+from .._warn import warn_at_caller
 from .plan import StepPlan, plan_step
 
 #: the largest seed: a permutation's seed is ``seed * 1,000,003 + epoch``, a 64-bit integer
@@ -96,6 +97,22 @@ class VariableBatchSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        seed, shuffle, epoch, position = self.checked_state(state)
+        if (seed, shuffle) != (self.seed, self.shuffle):
+            # the resumed run must draw the batches it was drawing, so the saved order wins;
+            # a sampler built with another one is a change the user should hear of
+            warn_at_caller(
+                f"the saved sampler's order (seed={seed}, shuffle={shuffle}) replaces this "
+                f"one's (seed={self.seed}, shuffle={self.shuffle}): a resumed run draws the "
+                "batches the saved one was drawing"
+            )
+        self.seed, self.shuffle, self.epoch = seed, shuffle, epoch
+        self.position = position  # past the dataset's end, take() would wait forever
+        self._order_epoch = -1
+
+    def checked_state(self, state: Any) -> tuple[int, bool, int, int]:
+        # (seed, shuffle, epoch, position) of a saved state; ValueError where it is not one
+        # this sampler can load
         missing = [k for k in self.state_dict() if not isinstance(state, dict) or k not in state]
         if missing:
             raise ValueError(f"not a VariableBatchSampler state: it lacks {', '.join(missing)}")
@@ -105,11 +122,9 @@ class VariableBatchSampler:
                 f"this dataset has {self.dataset_size}"
             )
         position = check_number("position", state["position"], high=self.dataset_size, whole=True)
-        self.seed = check_number("seed", state["seed"], high=MAX_SEED, whole=True)
-        self.shuffle = bool(state["shuffle"])
-        self.epoch = check_number("epoch", state["epoch"], whole=True)
-        self.position = position  # past the dataset's end, take() would wait forever
-        self._order_epoch = -1
+        seed = check_number("seed", state["seed"], high=MAX_SEED, whole=True)
+        epoch = check_number("epoch", state["epoch"], whole=True)
+        return seed, bool(state["shuffle"]), epoch, position
 
 
 class GlobalBatchSampler:

@@ -3,7 +3,6 @@ Both ``draw`` a global batch of any size and ``load`` a step's micro-batches col
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import random
@@ -104,7 +103,7 @@ class MapSource:
     def check_state(self, state: Any) -> None:
         """``ValueError`` where ``state`` is not one this source can load; nothing changed."""
         _check_keys(state, ("sampler", "loader_rng"), "a map-style dataset's")
-        copy.deepcopy(self.sampler).load_state_dict(state["sampler"])
+        self.sampler.checked_state(state["sampler"])
         try:
             torch.Generator().set_state(state["loader_rng"])
         except (TypeError, RuntimeError) as error:
