@@ -22,7 +22,7 @@ from .parallel import ddp, fsdp
 from .parallel.hooks import CommHook, is_lossless
 from .parallel.world import World
 from .stats.collector import MicroBatchStatistics
-from .stats.per_example import batch_coupled, uncovered
+from .stats.per_example import batch_coupled, shared_layers, uncovered
 
 _log = logging.getLogger("bigbatch")
 
@@ -276,14 +276,7 @@ def _per_example_model(
         reasons.append("no model was given to hook")
     module = ddp.unwrap(model) if model is not None else None
     if module is not None and not reasons:
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        missing = uncovered(module, params)
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            reasons.append(f"no per-example rule for {', '.join(missing[:5])}{more}")
-        coupled = batch_coupled(module)  # (with no trained parameter of its own too)
-        if coupled:
-            reasons.append(f"BatchNorm {coupled[0]!r} normalises over the batch")
+        reasons = _model_obstacles(module, optimizer, insisted=options.noise_from == "examples")
     if not reasons:
         if options.noise_from == "examples":
             return module, "noise_from = 'examples'"
@@ -292,6 +285,26 @@ def _per_example_model(
         raise ValueError(f"noise_from='examples' is not possible here: {'; '.join(reasons)}")
     _log.info("bigbatch: the noise statistics use sub-batches: %s", "; ".join(reasons))
     return None, f"noise_from = 'auto', but {'; '.join(reasons)}"
+
+
+def _model_obstacles(
+    module: nn.Module, optimizer: torch.optim.Optimizer, insisted: bool
+) -> list[str]:
+    # what keeps the model's layers from giving each example's gradient norm, seen before
+    # its forward runs
+    reasons = []
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    missing = uncovered(module, params)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        reasons.append(f"no per-example rule for {', '.join(missing[:5])}{more}")
+    coupled = batch_coupled(module)  # (with no trained parameter of its own too)
+    if coupled:
+        reasons.append(f"BatchNorm {coupled[0]!r} normalises over the batch")
+    shared = [] if insisted else shared_layers(module)
+    if shared:  # (insisted on, an alias run once is measured; a second run is refused)
+        reasons.append(f"one layer is registered as {shared[0]} (it runs under each name)")
+    return reasons
 
 
 def resolve_controller(controller: Controller | None, first_batch: int | None) -> Controller:

@@ -5,6 +5,7 @@ estimate against the sub-batch estimator."""
 import copy
 import functools
 import gc
+import math
 from unittest import mock
 
 import pytest
@@ -384,6 +385,46 @@ def test_a_checkpointed_model_steps_as_the_plain_one_over_micro_batches():
             rows.append([step.metrics["grad_sq_norm"], step.metrics["trace"]])
         out.append(torch.tensor(rows))
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-8)
+
+
+def test_a_layer_registered_under_two_names_takes_the_sub_batches_under_auto():
+    """nn.ModuleList([block] * n), a shared block, ran twice in a forward: the default
+    (noise_from="auto") failed at its first step instead of taking the sub-batches."""
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    model = nn.Sequential(nn.Linear(4, 8), *[block] * 3, nn.Linear(8, 2))
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = bb.AdaptiveBatch(model, opt, data, controller=bb.batch.Constant(16), statistics=True)
+    assert loop.collector.per_example is None
+    for step in loop.steps(max_steps=2):
+        for x, y in step.micro_batches():
+            step.backward(functional.mse_loss(model(x), y))
+        step.apply()
+        assert math.isfinite(step.metrics["trace"])
+    with pytest.raises(RuntimeError, match="ran twice in one micro-batch"):
+        _two_steps_of(model, opt, data, noise_from="examples")  # insisted on: as before
+    alias = _Aliased()  # registered twice, run once: measured where insisted on
+    _two_steps_of(alias, torch.optim.SGD(alias.parameters()), data, noise_from="examples")
+
+
+class _Aliased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.head = self.linear
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _two_steps_of(model, opt, data, **options):
+    constant = bb.batch.Constant(16)
+    loop = bb.AdaptiveBatch(model, opt, data, controller=constant, statistics=True, **options)
+    for step in loop.steps(max_steps=2):
+        for x, y in step.micro_batches():
+            step.backward(functional.mse_loss(model(x), y))
+        step.apply()
+    loop.close()
 
 
 def test_a_layer_run_twice_in_one_forward_is_refused():

@@ -742,6 +742,16 @@ def batch_coupled(model: nn.Module) -> list[str]:
             if isinstance(m, batch_norm) and (m.training or not m.track_running_stats)]  # fmt: skip
 
 
+def shared_layers(model: nn.Module) -> list[str]:
+    # the layers with parameters registered under two names or more (nn.ModuleList([block]
+    # * n)): each registration usually runs, and a second run in one forward is refused
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if next(module.parameters(recurse=False), None) is not None:
+            names.setdefault(id(module), []).append(name)
+    return [", ".join(map(repr, found)) for found in names.values() if len(found) > 1]
+
+
 def uncovered(model: nn.Module, params: Sequence[Tensor]) -> list[str]:
     """The trainable parameters (of ``params``) no rule covers: a bare parameter, a layer
     not in :data:`RULES`, a shared weight. Empty: the model is covered."""
