@@ -795,6 +795,10 @@ def test_a_batch_norm_without_trained_parameters_is_no_per_example_model():
     assert loop.collector.per_example is None
     with pytest.raises(ValueError, match="BatchNorm '1' normalises over the batch"):
         bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters()), data, noise_from="examples")
+    with pytest.raises(ValueError, match="BatchNorm '1' normalises over the batch"):
+        MicroBatchStatistics([list(model.parameters())], per_example=model)  # used directly
+    model.eval()  # running statistics: no coupling
+    MicroBatchStatistics([list(model.parameters())], per_example=model).close()
 
 
 def test_a_new_loop_on_the_model_takes_its_layers_over_and_a_refusal_leaves_them_plain():

@@ -834,6 +834,12 @@ class PerExampleNorms:
                 f"forward; not covered: {', '.join(missing[:5])}"
                 f"{' ...' if len(missing) > 5 else ''}"
             )
+        coupled = batch_coupled(model)
+        if coupled:  # an example's gradient depends on the others' through it
+            raise ValueError(
+                f"per-example statistics: BatchNorm {coupled[0]!r} normalises over the batch, "
+                "so no example has a gradient of its own; use the sub-batch statistics"
+            )
         group = {id(p): layout.group_of(i) for i, p in enumerate(layout.params)}
         names = {id(m): name for name, m in model.named_modules()}
         self.num_groups, self.device = layout.num_groups, layout.device
