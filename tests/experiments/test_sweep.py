@@ -119,6 +119,33 @@ def test_widening_stops_at_its_cap_and_says_the_rate_is_at_the_edge(trained, tmp
     assert result.at_edge and result.dirs == ["a-lr2-seed0"]
 
 
+def test_a_best_score_tied_at_an_end_of_the_grid_widens_it(tmp_path, monkeypatch):
+    """A plateau reaching the grid's top (digits' accuracy comes in steps of 1/360) chose the
+    lower rate inside it: not widened, not flagged, though the optimum may lie beyond."""
+    from bigbatch.experiments import runner
+
+    from .fake_runs import fake_train
+
+    def train(config, out, **options):
+        summary = fake_train(config, out, **options)
+        if config["lr"] >= 0.004:  # flat from 0.004 up to `top`, then lower
+            score = 0.98 if config["lr"] <= top else 0.9
+            summary.update(final_accuracy=score, best_accuracy=score)
+            (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(runner, "train", train)
+    protocol = Protocol(lr_grid=(0.5, 1.0, 2.0), rank="final", widen=1)
+    top = 0.016  # past the grid (0.002-0.008): widened once, still flat there, so at the end
+    (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path / "flat", protocol)
+    assert result.lrs == pytest.approx([0.002, 0.004, 0.008, 0.016])
+    assert result.lr == pytest.approx(0.016) and result.at_edge
+    top = 0.008  # widened once, lower there: the plateau is inside, its lowest rate chosen
+    (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path / "inside", protocol)
+    assert result.lrs == pytest.approx([0.002, 0.004, 0.008, 0.016])
+    assert result.lr == pytest.approx(0.004) and not result.at_edge
+
+
 def test_the_steps_rank_prefers_reaching_the_target_sooner():
     late = {"steps_to_target": 300, "best_accuracy": 0.99, "target_metric": "eval_accuracy"}
     soon = {"steps_to_target": 200, "best_accuracy": 0.95, "target_metric": "eval_accuracy"}

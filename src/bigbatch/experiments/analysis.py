@@ -34,9 +34,12 @@ def fit_critical_batch(points: Sequence[tuple[float, float]]) -> tuple[float, fl
     # (S - a - b/B) / S = 1 - a/S - (b/B)/S: least squares of [1/S, 1/(B S)] @ [a, b] ≈ 1
     design = np.stack([1 / steps, 1 / (batch * steps)], axis=1)
     (floor, slope), *_ = np.linalg.lstsq(design, np.ones_like(steps), rcond=None)
-    if slope <= 0:
+    # a term below a billionth of the steps is the solver's round-off (exact 1/B steps
+    # gave a floor of 1e-14 and B_crit 4.7e17), so it is taken as none
+    negligible = 1e-9 * float(np.max(steps))
+    if slope / float(np.min(batch)) <= negligible:
         return float(np.min(steps)), 0.0
-    if floor <= 0:
+    if floor <= negligible:
         return 0.0, math.inf
     return float(floor), float(slope / floor)
 

@@ -81,7 +81,13 @@ def sweep(
     def best(arm: Arm) -> int:
         seed = first_seed(base, arm)
         scores = {i: RANKS[rank](done[_run_name(arm, i, seed)]) for i in grids[arm.stem]}
-        return min(sorted(scores), key=scores.__getitem__)
+        top = min(scores.values())
+        tied = [i for i in sorted(scores) if scores[i] == top]
+        # among equal scores an end of the grid (the low one first), so that a plateau that
+        # reaches an end widens the grid, or is reported at the end, rather than passing for
+        # a rate with worse ones on both sides; else the lowest rate
+        ends = [i for i in (tied[0], tied[-1]) if i in (min(scores), max(scores))]
+        return ends[0] if ends else tied[0]
 
     for _ in range(protocol.widen):
         extra = [

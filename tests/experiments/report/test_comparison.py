@@ -63,6 +63,21 @@ def test_steps_to_the_best_final_loss_plus_the_tolerance(tmp_path):
     assert targets["large"].endswith("| 1/2 reached |")  # T itself: one seed short
 
 
+def test_runs_stopped_at_their_target_are_judged_at_that_target(tmp_path):
+    """Under stop_at_target a final score is where a run stopped: T from the best of them
+    (an evaluation's overshoot) showed arms that stopped at the target as never reaching T."""
+    static = _arm(tmp_path, "static", [[(100, 2.0), (900, 1.55)]] * 2, "Constant(64)")
+    fast = _arm(tmp_path, "schedule", [[(100, 2.0), (400, 1.59)]] * 2)
+    for run in static.runs + fast.runs:
+        run.update(ended="target", target=1.6)
+    lines = _near_best(tmp_path, [static, fast], loss=True)
+    assert lines[0].startswith("Steps to T = 1.6, the runs' own target (they stop there")
+    split = next(i for i, line in enumerate(lines) if line.startswith("Steps to targets"))
+    rows = {r.split(" | ")[0].strip("| "): r for r in lines[:split] if r.startswith("| ")}
+    assert "| 900 ± 0 (2/2) | 2.25 |" in rows["static"]
+    assert "| 400 ± 0 (2/2) | 1.00 |" in rows["schedule"]
+
+
 def test_pareto_front():
     assert pareto_front([(64, 0.97), (256, 0.98), (1024, 0.96), (4096, 0.95), (512, 0.90)]) == [
         (256, 0.98),
@@ -157,6 +172,22 @@ def test_each_arm_written_out_is_its_own_curve_against_the_batch(tmp_path, monke
     rows = {r.split(" | ")[0].strip("| "): r.split(" | ") for r in text.splitlines()}
     assert "all" not in rows
     assert float(rows["static"][2]) == 64 and float(rows["seesaw"][2].replace(",", "")) == 1024
+
+
+def test_a_critical_batch_beyond_the_fit_names_the_batches_fitted_not_the_arms(
+    tmp_path, monkeypatch
+):
+    """Batch 1,024 never reached the target, so the fit covered 16-256: it said "> 1024";
+    steps exactly 1/B gave a floor of 1e-14 steps and B_crit 2e18 where it has none."""
+    arms = []
+    for batch, steps in ((16, 400), (64, 100), (256, 25), (1024, None)):
+        runs = [{"steps_to_target": steps and s * steps, "best_eval_loss": 1.5} for s in (1, 2)]
+        arms.append(ArmResult(f"batch.initial={batch}", {"batch.initial": batch}, [0.01], 0,
+                              runs, ["d", "e"]))  # fmt: skip
+    monkeypatch.setattr(comparison, "save", _labels_inside(comparison.save))
+    text = "\n".join(_by_axis(tmp_path, arms, "batch.initial", loss=True))
+    row = next(r for r in text.splitlines() if r.startswith("| all |")).split(" | ")
+    assert row[1:4] == ["0", "> 256 (no floor yet)", "> 256 (no floor yet), > 256 (no floor yet)"]
 
 
 def test_a_diverged_seed_or_arm_is_counted_not_hidden(tmp_path):

@@ -197,6 +197,13 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool) -> list[str]:
     best = min(finite) if loss else max(finite)
     tolerance = NEAR_BEST["loss" if loss else "accuracy"]
     target = best + tolerance if loss else best - tolerance
+    what = f"the best arm's final {score} {'+' if loss else '−'} {tolerance:g}"
+    stopped = {r.get("target") for a in arms for r in a.runs if r.get("ended") == "target"}
+    if len(stopped) == 1 and None not in stopped:
+        # a run that stops at its target ends there: its final score says where it stopped
+        # (by how much an evaluation overshot), not how good it got, so T is that target
+        target = stopped.pop()
+        what = f"the runs' own target (they stop there: a final {score} is where one stopped)"
     # each seed's evaluation rows, and its wall-clock to T (runs that shared the machine slow
     # each other; a reused run keeps the time of the call that trained it)
     evals = {
@@ -227,9 +234,7 @@ def _near_best(root: Path, arms: list[ArmResult], loss: bool) -> list[str]:
         )
     header = ["arm", f"final {score}", "against the best", "steps to T", "× the fewest"]
     return [
-        f"Steps to T = {target:.4g}, the best arm's final {score} "
-        f"{'+' if loss else '−'} {tolerance:g} (seed means; a ratio only where every "
-        "seed reached T):",
+        f"Steps to T = {target:.4g}, {what} (seed means; a ratio only where every seed reached T):",
         "",
         *table([*header, "wall s to T"], rows),
         "",
@@ -468,15 +473,15 @@ def _by_axis(root: Path, arms: list[ArmResult], axis: str, loss: bool) -> list[s
     name = _plot_by_axis(root, curves, axis, fits, loss)
     lines = [f"![best {score} and steps to the target against {axis}]({name})", ""]
     rows = []
-    for label, (floor, critical, per_seed) in fits.items():
+    for label, (floor, (critical, fitted), per_seed) in fits.items():
         at = []
         for arm in curves[label]:
             steps = arm.values("steps_to_target")
             mean = _every_mean(steps)
             reached = f"reached {sum(s is not None for s in steps)}/{len(steps)}"
             at.append(f"{arm.overrides[axis]:g}: {reached if mean is None else f'{mean:,.0f}'}")
-        seeds = ", ".join(_critical_text(c, curves[label], axis) for c in per_seed) or "—"
-        critical_text = _critical_text(critical, curves[label], axis)
+        seeds = ", ".join(_critical_text(*fit) for fit in per_seed) or "—"
+        critical_text = _critical_text(critical, fitted)
         rows.append([label, f"{floor:,.0f}", critical_text, seeds, ", ".join(at)])
     return lines + _section(
         "Critical batch: the fit of steps ≈ S_min · (1 + B_crit / B) to the steps to the "
@@ -497,9 +502,10 @@ def _steps_curve(members: list[ArmResult], axis: str) -> list[tuple[float, float
 
 def _critical_batches(
     curves: dict[str, list[ArmResult]], axis: str
-) -> dict[str, tuple[float, float, list[float]]]:
+) -> dict[str, tuple[float, tuple[float, list[float]], list[tuple[float, list[float]]]]]:
     """Per curve with three batches reached by every seed: the fit to the seed means, and
-    each seed's own fit where that seed reached three batches."""
+    each seed's own fit where that seed reached three batches; each critical batch with
+    the batches it was fitted on."""
     fits = {}
     for label, members in curves.items():
         means = _steps_curve(members, axis)
@@ -510,16 +516,18 @@ def _critical_batches(
         for seed in range(min(len(s) for _, s in steps)):
             points = [(b, s[seed]) for b, s in steps if s[seed] is not None]
             if len(points) >= 3:
-                per_seed.append(fit_critical_batch(points)[1])
-        fits[label] = (*fit_critical_batch(means), per_seed)
+                per_seed.append((fit_critical_batch(points)[1], [b for b, _ in points]))
+        floor, critical = fit_critical_batch(means)
+        fits[label] = (floor, (critical, [b for b, _ in means]), per_seed)
     return fits
 
 
-def _critical_text(critical: float, members: list[ArmResult], axis: str) -> str:
+def _critical_text(critical: float, fitted: list[float]) -> str:
+    # beyond the batches fitted on, the fit says only which side: not the arms' bounds
     if math.isinf(critical):
-        return f"> {members[-1].overrides[axis]:g} (no floor yet)"
+        return f"> {max(fitted):g} (no floor yet)"
     if critical == 0:
-        return f"< {members[0].overrides[axis]:g}"
+        return f"< {min(fitted):g}"
     return f"{critical:,.0f}"
 
 
@@ -527,7 +535,7 @@ def _plot_by_axis(
     root: Path,
     curves: dict[str, list[ArmResult]],
     axis: str,
-    fits: dict[str, tuple[float, float, list[float]]],
+    fits: dict[str, tuple],
     loss: bool,
 ) -> str:
     score, _, best, _ = _names(loss)
@@ -542,7 +550,7 @@ def _plot_by_axis(
         if not points:
             continue
         line = right.plot(*zip(*points), marker="o", label=label)[0]
-        floor, critical, _ = fits.get(label, (0.0, 0.0, []))
+        floor, (critical, _), _ = fits.get(label, (0.0, (0.0, []), []))
         if 0 < critical < math.inf:
             grid = np.geomspace(points[0][0], points[-1][0], 50)
             right.plot(grid, floor * (1 + critical / grid), "--", color=line.get_color())
