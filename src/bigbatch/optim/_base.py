@@ -428,6 +428,10 @@ class BigBatchOptimizer(torch.optim.Optimizer):
             else:
                 self._run_eager(foreach, foreach, part, kwargs)
 
+    # inside a user's torch.compile'd step, a graph break: traced, the rates and corrections
+    # that change each step became symbolic floats that inductor's LAMB update drifted from
+    # (0.3% of the movement by step 5); impl="compiled" compiles the update itself
+    @torch._disable_dynamo
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss if given."""

@@ -57,6 +57,7 @@ class StatisticsWrapper(torch.optim.Optimizer):
         """Values worth logging after a step (none by default)."""
         return self.base.metrics() if isinstance(self.base, StatisticsWrapper) else {}
 
+    @torch._disable_dynamo  # (run eagerly, as its base's step)
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Run ``closure``, then the modulated step (nothing where no parameter has a grad)."""
