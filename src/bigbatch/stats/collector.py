@@ -241,12 +241,15 @@ class MicroBatchStatistics:
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, object]:
-        return {**self.averages.state_dict(), "traffic": self.traffic()}
+        own = self.gsnr_part.state_dict() if self.gsnr_part is not None else {}
+        return {**self.averages.state_dict(), "traffic": self.traffic(), **own}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         # a step under way, or one not yet read, is abandoned: it must not join the averages
         self._batches = self._unread = None
         self.averages.load_state_dict(state)
+        if self.gsnr_part is not None:
+            self.gsnr_part.load_state_dict(state)
         saved = int(state["traffic"])  # type: ignore[call-overload]
         self._traffic_before = saved - self._parts_traffic()
 

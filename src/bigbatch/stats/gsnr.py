@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,6 +59,12 @@ class WelfordGSNR:
     def traffic(self) -> int:
         return 0
 
+    def state_dict(self) -> dict[str, Any]:  # (nothing outlives a step)
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
     def memory(self) -> int:
         return _bytes(self._m2 or [])
 
@@ -82,6 +89,7 @@ class ShiftedGSNR:
             params = self.layout.hooked  # whole tensors (FSDP2: the unsharded parameters)
             self._m1 = [torch.zeros_like(p, dtype=torch.float32) for p in params]
             self._m2 = [torch.zeros_like(m) for m in self._m1]
+        if self._shift is None:
             self._shift = [torch.zeros_like(m) for m in self._m1]
         assert self._m1 is not None
         torch._foreach_zero_(self._m1)
@@ -121,6 +129,19 @@ class ShiftedGSNR:
 
     def traffic(self) -> int:
         return self.bytes
+
+    def state_dict(self) -> dict[str, Any]:
+        # the shift, alike on every rank: a resumed run sums about the same c as the straight
+        # one, so its float32 sums round alike (it resumed up to 2e-7 off, from c = 0)
+        return {"gsnr_shift": [c.clone() for c in self._shift or []]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("gsnr_shift") or None  # (none: saved on one process, or before a step)
+        if saved is not None:
+            pairs = zip(saved, self.layout.hooked, strict=True)
+            self._shift = [c.to(p.device, torch.float32) for c, p in pairs]
+        else:
+            self._shift = None
 
     def memory(self) -> int:
         return _bytes((self._m1 or []) + (self._m2 or []) + (self._shift or []))
