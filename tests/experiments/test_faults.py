@@ -254,22 +254,41 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_the_run_resumes(tmp_path, cap
     assert json.loads((full / "summary.json").read_text())["ended"] == "budget"
 
 
-def test_a_kill_while_the_first_checkpoint_is_written_leaves_a_directory_out_reuses(tmp_path):
+@pytest.mark.parametrize("when", ["while", "after"])
+def test_a_kill_at_the_first_checkpoint_leaves_a_directory_out_reuses_or_that_resumes(
+    tmp_path, when
+):
     """SIGKILL halfway through the first ``torch.save``: no run was made, so the directory
-    holds nothing that blocks ``--out`` (config.toml and metrics.jsonl were written first)."""
+    holds nothing that blocks ``--out``. Just after it landed: the run resumes (config.toml
+    was written after it, and a kill between the two left a directory nothing took)."""
     out = tmp_path / "run"
+    kill = "os.kill(os.getpid(), signal.SIGKILL)"
+    if when == "while":
+        patch = (
+            "def save(obj, f, *a, **k):\n"
+            f"    f.write(b'PK half a checkpoint'); f.flush(); {kill}\n"
+            "rundir.torch.save = save\n"
+        )
+    else:
+        patch = (
+            "save = runner.save_atomically\n"
+            f"runner.save_atomically = lambda *a, **k: (save(*a, **k), {kill})\n"
+        )
     child = (
-        "import os, signal, torch\n"
-        "from bigbatch.experiments import rundir\n"
-        "def save(obj, f, *a, **k):\n"
-        "    f.write(b'PK half a checkpoint'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
-        "rundir.torch.save = save\n"
+        "import os, signal\n"
+        "from bigbatch.experiments import rundir, runner\n"
+        f"{patch}"
         "from bigbatch import cli\n"
-        f"cli.main(['train', *{SMALL!r}, '--out', {str(out)!r}])\n"
+        f"cli.main(['train', *{SMALL!r}, '--set', 'max_samples=1000', '--out', {str(out)!r}])\n"
     )
     assert subprocess.run([sys.executable, "-c", child]).returncode == -signal.SIGKILL
-    assert not (out / "config.toml").exists() and not (out / "checkpoint.pt").exists()
-    assert run_cli("train", *SMALL, "--set", "max_samples=1000", "--out", out) == 0
+    assert (out / "config.toml").is_file()
+    if when == "while":
+        assert not (out / "checkpoint.pt").exists()
+        assert run_cli("train", *SMALL, "--set", "max_samples=1000", "--out", out) == 0
+    else:
+        assert run_cli("train", "--quiet", "--resume", out) == 0
+    assert json.loads((out / "summary.json").read_text())["samples"] >= 1000
 
 
 def test_a_disk_without_room_for_two_checkpoints_is_refused_up_front(tmp_path, capsys, monkeypatch):

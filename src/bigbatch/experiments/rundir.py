@@ -26,6 +26,8 @@ LOCK = ".lock"
 LAUNCHER_LOG = "launcher.log"
 #: files a new run directory may already hold: its lock and its launcher's log
 BOOKKEEPING = frozenset({LOCK, LAUNCHER_LOG})
+#: what a run writes before its first checkpoint (a directory holding only these is no run)
+BEFORE_FIRST_CHECKPOINT = frozenset({"config.toml", "metrics.jsonl"})
 #: set by ``bigbatch train --nproc N`` for its ranks: the run directory its launcher has locked
 LOCK_HELD = "BIGBATCH_LOCK_HELD"
 #: a run needs room for this many checkpoints (the new one is written beside the old)
@@ -54,8 +56,10 @@ def check_new_run_dir(path: Path, resumable: bool = True) -> None:
 
 def _holds_files(folder: Path) -> bool:
     """Whether ``folder`` holds more than a new run's bookkeeping (its lock, a launcher's log)."""
-    # (a staged write a kill kept from landing is not the folder's)
-    return any(p.name not in BOOKKEEPING and not _is_staged(p.name) for p in folder.iterdir())
+    # (a staged write a kill kept from landing is not the folder's, nor a run's first files
+    # before its first checkpoint: that run never started)
+    names = {p.name for p in folder.iterdir() if not _is_staged(p.name)} - BOOKKEEPING
+    return bool(names - BEFORE_FIRST_CHECKPOINT)
 
 
 def _staged(path: Path) -> Path:

@@ -269,12 +269,13 @@ class _Run:
                 branched["engine"]["pending"] = None
                 loop.load_state_dict(branched)
             # a run is resumable from its first moment: a kill before the first periodic
-            # checkpoint must not leave a directory that neither resumes nor can be reused
-            # (one killed while its first checkpoint is written holds a staged file alone)
-            self.checkpoint()
+            # checkpoint must not leave a directory that neither resumes nor can be reused.
+            # The config first (a checkpoint without it did not resume); until the
+            # checkpoint lands the directory holds no run, and --out takes it again
             if self.writer:  # the directory was made and locked by _claim (or the launcher)
-                (out / "config.toml").write_text(to_toml(self.plan))
+                write_atomically(out / "config.toml", to_toml(self.plan))
                 metrics.write_text("")
+            self.checkpoint()
         self.start = time.perf_counter() - self.state["wall_seconds"]
 
     def after_step(self, step: Any) -> str | None:
