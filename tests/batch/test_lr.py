@@ -85,6 +85,17 @@ def test_schedules_in_samples():
         schedules.warmup_cosine(total=10, warmup=20)
 
 
+def test_a_warm_up_or_cool_down_that_fills_the_run_ends_at_final_at_the_total():
+    """At exactly the total, a decay of no length (warmup = total, or a cool-down of 0)
+    returned the peak, where every other schedule is at `final`."""
+    for schedule in (
+        schedules.warmup_linear(1000, 1000, final=0.1),
+        schedules.warmup_cosine(1000, 1000, final=0.1),
+        schedules.warmup_stable_decay(1000, 0, cooldown=0.0, final=0.1),
+    ):
+        assert [schedule(s) for s in (999, 1000, 1001)] == pytest.approx([1.0, 0.1, 0.1])
+
+
 def test_warmup_stable_decay_holds_the_peak_then_cools_down_linearly():
     f = schedules.warmup_stable_decay(total=1000, warmup=100, cooldown=0.2)
     assert f(0) == pytest.approx(0.01)

@@ -158,7 +158,9 @@ def _warmup_then(total: int, warmup: int, decay: Callable[[float], float]) -> Sc
     def schedule(samples: int) -> float:
         if samples < warmup:
             return (samples + 1) / warmup
-        return decay(min(1.0, (samples - warmup) / max(1, total - warmup)))
+        if samples >= total:  # (a decay of no length, warmup == total, is over at total too)
+            return decay(1.0)
+        return decay((samples - warmup) / (total - warmup))
 
     return schedule
 
@@ -204,7 +206,9 @@ def warmup_stable_decay(
     def decay(samples: int) -> float:
         if samples < start:
             return 1.0
-        return 1 - (1 - final) * min(1.0, (samples - start) / max(1, length))
+        if samples >= total:  # (a cool-down of no length is over at total too)
+            return final
+        return 1 - (1 - final) * (samples - start) / length
 
     warm = _warmup_then(total, warmup, lambda t: 1.0)
     return lambda samples: warm(samples) if samples < warmup else decay(samples)
