@@ -473,10 +473,12 @@ def compressed_run(method: str, compressor: str, ratio: float, steps: int, **opt
     return record
 
 
-def compressed_nan_run(method: str, nan_ranks: tuple[int, ...], steps: int = 12, at: int = 6):
+def compressed_nan_run(
+    method: str, nan_ranks: tuple[int, ...], steps: int = 12, at: int = 6, compressor="topk"
+):
     """A compressed run whose loss is NaN at step ``at`` on ``nan_ranks``: the parameters,
     the skips, and (EF21, EControl) how far the shared estimate is from the ranks' sum."""
-    loop = compressed_loop(method, "topk", 0.1, warmup=3)
+    loop = compressed_loop(method, compressor, 0.1, warmup=3)
     hook = loop.comm_hook[0]
     poisoned = dist.get_rank() in nan_ranks
     for step in loop.steps(max_steps=steps):
@@ -489,7 +491,12 @@ def compressed_nan_run(method: str, nan_ranks: tuple[int, ...], steps: int = 12,
         summed = hook._state[key]["estimate"].clone()
         dist.all_reduce(summed)
         gap = max(gap, (summed - shared).abs().max().item())
-    return {"params": flat_params(loop), "skipped": loop.skipped_steps, "gap": gap}
+    return {
+        "params": flat_params(loop),
+        "skipped": loop.skipped_steps,
+        "gap": gap,
+        "iteration": hook.iteration,
+    }
 
 
 def refused_or_warned(case: str) -> str:

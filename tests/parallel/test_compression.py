@@ -10,7 +10,8 @@ from . import programs
 
 
 @pytest.mark.parametrize(
-    ("d", "ratio", "k"), [(1000, 0.01, 10), (1001, 0.01, 11), (5, 0.01, 1), (7, 1.0, 7)]
+    ("d", "ratio", "k"),
+    [(1000, 0.01, 10), (1001, 0.01, 11), (5, 0.01, 1), (7, 1.0, 7), (100, 0.07, 7)],
 )
 def test_a_ratio_keeps_its_ceiling_of_the_coordinates_and_at_least_one(d, ratio, k):
     assert kept(d, ratio) == k
@@ -115,3 +116,12 @@ def test_a_step_skipped_on_one_rank_leaves_no_trace_in_the_compression_state(clu
         assert [r["skipped"] for r in one] == [1, 1]
         assert torch.equal(one[0]["params"], every[0]["params"]), method
         assert one[0]["gap"] < 1e-12, method
+
+
+def test_a_step_skipped_in_the_warm_up_does_not_count_as_one(cluster2):
+    """The hook counted a skipped step: skips in the warm-up (a GradScaler's early
+    overflows) compressed from before the estimators were started, and one after it moved
+    Rand-K's seed."""
+    for at in (1, 6):  # in the warm-up (3 steps) and after it
+        one = cluster2.run(programs.compressed_nan_run, "ef21", (1,), 12, at, "randk")
+        assert one[0]["iteration"] == one[1]["iteration"] == 12 - 1  # the steps applied

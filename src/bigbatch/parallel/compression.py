@@ -34,7 +34,8 @@ COMPRESSORS = ("topk", "randk")
 
 def kept(d: int, ratio: float) -> int:
     """How many of ``d`` coordinates a compression ratio keeps: ``⌈ratio·d⌉``, at least one."""
-    return max(1, min(d, math.ceil(ratio * d)))
+    # (rounded first: 0.07 * 100 is 7.000000000000001 in binary, which ceil made 8)
+    return max(1, min(d, math.ceil(round(ratio * d, 9))))
 
 
 def top_k(message: Tensor, ratio: float) -> tuple[Tensor, Tensor]:
@@ -160,7 +161,8 @@ class CompressionState:
         self.bytes_uncompressed += buffer.numel() * buffer.element_size()
         iteration = self.iteration
         if not self._in_step:  # the step's first bucket
-            self._before = ({k: dict(v) for k, v in self._state.items()}, dict(self._shared))
+            state = {k: dict(v) for k, v in self._state.items()}
+            self._before = (state, dict(self._shared), iteration)
             self._in_step = True
         if bucket.is_last():
             self.iteration += 1
@@ -288,7 +290,8 @@ class CompressionState:
         """Where the step just reduced was skipped, the state as it was before that step."""
         # (a non-finite gradient on any rank: every rank skips it, and undoes it here)
         if not applied and self._before is not None:
-            self._state, self._shared = self._before
+            # the step count too: it decides the warm-up and seeds Rand-K's indices
+            self._state, self._shared, self.iteration = self._before
         self._before, self._in_step = None, False
 
     def traffic(self) -> dict[str, float]:
