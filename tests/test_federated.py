@@ -119,7 +119,28 @@ def test_planner_covers_the_round_in_whole_steps_at_the_scaled_and_scheduled_rat
     planner.update(plan, [report(144, [1.0] * 3, [1.0] * 3, 48)] * 2)
     assert planner.samples == 288
     assert planner.plan().round == 2
-    assert planner.plan().lr == pytest.approx(0.1 * 3 * schedule(288 + 100))
+    # read in planned samples (100 a client a round), as the total counts them
+    assert planner.plan().lr == pytest.approx(0.1 * 3 * schedule(200 + 100))
+
+
+def test_the_last_rounds_rate_is_read_inside_the_total_whatever_the_whole_steps_train():
+    """1,000 samples a client at batch 64 train 1,024: the clock ran past the total, and
+    the last round trained at rate 0."""
+    rounds, schedule = 30, warmup_cosine(4 * 1000 * 30, 6000)
+    planner = RoundPlanner(Fixed(64), clients=4, local_samples=1000, lr=0.1, lr_scaling="none",
+                           total_samples=4 * 1000 * rounds, schedule=schedule)  # fmt: skip
+    for _ in range(rounds):
+        plan = planner.plan()
+        planner.update(plan, [report(16 * 64, [1.0] * 16, [1.0] * 16, 64)] * 4)
+    assert plan.lr == pytest.approx(0.1 * schedule(4 * 1000 * rounds - 2000)) and plan.lr > 0
+    assert planner.samples == 4 * 1024 * rounds  # what the clients trained
+
+
+def test_a_local_batch_of_one_is_refused_up_front():
+    """A client measures from two sub-batches: at 1, every client failed every round, and
+    Flower returned an empty model without a word."""
+    with pytest.raises(ValueError, match="the scheme's local batch must be a whole number >= 2"):
+        RoundPlanner(Fixed(1), clients=2, local_samples=8, lr=0.1, total_samples=10)
 
 
 def test_planner_state_round_trips():

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from ._checks import check_number, choice, positive_int
+from ._checks import check_number, choice, positive_int, whole_number
 from .batch.controllers import Controller
 from .batch.lr import Schedule, constant, lr_factor
 
@@ -190,12 +190,16 @@ class ControllerScheme:
         return f"ControllerScheme({self.controller!r}, clients={self.clients})"
 
 
+#: the least local batch: a client's statistics need two sub-batches a local step
+MIN_LOCAL_BATCH = 2
+
+
 class RoundPlanner:
     """Each round's :class:`RoundPlan`, from a scheme, the rate rule and the schedule.
 
     Every client trains ``local_samples`` per round (whole steps), at the rate
     ``lr × lr_factor(lr_scaling, local_batch, base_batch) × schedule(samples)``, the
-    schedule (in samples, all clients) read at the round's middle.
+    schedule (in planned samples, all clients) read at the round's middle.
     """
 
     def __init__(
@@ -223,7 +227,8 @@ class RoundPlanner:
         self.base_batch = positive_int("base_batch", base_batch or scheme.initial)
         self.schedule = schedule
         self.total_samples = positive_int("total_samples", total_samples)
-        self.local_batch = scheme.initial
+        # a client measures its statistics from two sub-batches a local step at least
+        self.local_batch = whole_number("the scheme's local batch", scheme.initial, MIN_LOCAL_BATCH)
         self.samples = 0
         self.round = 0
 
@@ -243,7 +248,9 @@ class RoundPlanner:
 
     def midpoint(self) -> int:
         """The samples at the middle of the next round, where its held rate is read."""
-        return self.samples + self.clients * self.local_samples // 2
+        # in planned samples (local_samples a client a round), as total_samples counts them:
+        # the whole steps trained, counted, ran past the total, and the last round at rate 0
+        return (2 * self.round + 1) * self.clients * self.local_samples // 2
 
     def update(self, plan: RoundPlan, reports: Sequence[ClientReport]) -> list[dict[str, float]]:
         """Count the round's samples and let the scheme choose the next local batch (at most
@@ -257,7 +264,8 @@ class RoundPlanner:
         chosen = self.scheme.next_local_batch(
             pooled, plan.local_batch, self.clients, self.samples, self.total_samples
         )
-        self.local_batch = min(positive_int("local batch", chosen), self.local_samples)
+        chosen = max(positive_int("local batch", chosen), MIN_LOCAL_BATCH)
+        self.local_batch = max(min(chosen, self.local_samples), MIN_LOCAL_BATCH)
         return pooled
 
     def state_dict(self) -> dict[str, Any]:
