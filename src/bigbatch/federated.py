@@ -264,8 +264,8 @@ class RoundPlanner:
         chosen = self.scheme.next_local_batch(
             pooled, plan.local_batch, self.clients, self.samples, self.total_samples
         )
-        chosen = max(positive_int("local batch", chosen), MIN_LOCAL_BATCH)
-        self.local_batch = max(min(chosen, self.local_samples), MIN_LOCAL_BATCH)
+        chosen = min(positive_int("local batch", chosen), self.local_samples)
+        self.local_batch = max(chosen, MIN_LOCAL_BATCH)
         return pooled
 
     def state_dict(self) -> dict[str, Any]:
