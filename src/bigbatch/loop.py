@@ -74,7 +74,8 @@ class Step:
     def micro_batches(self) -> Iterator[Any]:
         """The step's micro-batches, collated; under DDP all but the last inside ``no_sync()``."""
         last = len(self.plan.micro_batches) - 1
-        batches = self._loop.source.load([list(b) for b in self.plan.micro_batches])
+        micro_batches = [list(b) for b in self.plan.micro_batches]
+        batches = self._loop.source.load(micro_batches, rank=self._loop.world.rank)
         for i, batch in enumerate(batches):
             with ddp.accumulating(self._loop.model, i == last):
                 yield batch

@@ -135,6 +135,25 @@ def test_persistent_workers_read_alike_after_a_resume():
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_each_ranks_workers_draw_augmentations_of_their_own():
+    """Under DDP every rank's loader generator is alike: with workers, the j-th sample of a
+    micro-batch got the same random draw on every rank (num_workers=0 drew apart)."""
+    options = {"num_workers": 2}
+    ranks = [MapSource(Augmented(), seed=3, loader_options=options) for _ in range(2)]
+    drawn = [source.draw(8) for source in ranks]
+    noise = [
+        [b - torch.tensor(indices[:4] if i == 0 else indices[4:]) for i, b in enumerate(
+            source.load([indices[:4], indices[4:]], rank=rank))]
+        for rank, (source, indices) in enumerate(zip(ranks, drawn, strict=True))
+    ]  # fmt: skip
+    assert not any(torch.equal(a, b) for a, b in zip(*noise, strict=True))
+    again = MapSource(Augmented(), seed=3, loader_options=options)  # rank 1 again: the same
+    indices = again.draw(8)
+    rows = list(again.load([indices[:4], indices[4:]], rank=1))
+    assert all(torch.equal(a - torch.tensor(i), b) for a, i, b in
+               zip(rows, (indices[:4], indices[4:]), noise[1], strict=True))  # fmt: skip
+
+
 def test_a_dropped_loop_ends_its_persistent_workers_at_once():
     """A cycle (the source and its loader's batch sampler; a loop and its last step) kept a
     dropped loop's workers alive until a garbage collection."""

@@ -25,6 +25,11 @@ __all__ = ["IterableSource", "MapSource", "make_source"]
 _NOTHING = object()
 
 
+#: a rank's micro-batch seeds start ``rank << RANK_SEED_BITS`` past rank 0's (numpy's
+#: 32-bit seed keeps them apart up to 4,096 ranks of 2^20 micro-batches a step)
+RANK_SEED_BITS = 20
+
+
 class MapSource:
     """A map-style dataset: every sample once per epoch, exact resume.
 
@@ -63,7 +68,7 @@ class MapSource:
         """The next global batch, as dataset indices."""
         return self.sampler.take(size)
 
-    def load(self, micro_batches: list[list[int]]) -> Iterator[Any]:
+    def load(self, micro_batches: list[list[int]], rank: int = 0) -> Iterator[Any]:
         """This rank's micro-batches, collated."""
         dataset, options = self.dataset, self._options
         if type(dataset) is TensorDataset and "collate_fn" not in options:
@@ -80,6 +85,9 @@ class MapSource:
         # each micro-batch read from a seed of the loop's generator: persistent workers
         # seeded once would carry their random state on unsaved, and a resumed run differ
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=self._generator))
+        # the generator is alike on every rank: each rank's reads from seeds of their own (a
+        # rank's augmentations were every other's)
+        seed += rank << RANK_SEED_BITS
         self._plan = [_Seeded(b, seed + i) for i, b in enumerate(micro_batches)]
         if self._loader is None:
             user_init = options.get("worker_init_fn")
@@ -244,7 +252,7 @@ class IterableSource:
         self._drawn = samples
         return list(range(len(samples)))
 
-    def load(self, micro_batches: list[list[int]]) -> Iterator[Any]:
+    def load(self, micro_batches: list[list[int]], rank: int = 0) -> Iterator[Any]:
         for batch in micro_batches:
             yield self.collate([self._drawn[i] for i in batch])
 
