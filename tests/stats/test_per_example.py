@@ -387,6 +387,35 @@ def test_a_checkpointed_model_steps_as_the_plain_one_over_micro_batches():
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-8)
 
 
+def test_a_frameworks_loss_weights_on_unequal_micro_batches_are_divided_out():
+    """A framework's 1/k weights (what the docs tell its users to pass) on micro-batches of
+    20 and 10: each unit was scaled as under W b_i / B, and tr Σ came out 14% high."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).double()
+    x, y = torch.randn(30, 4, dtype=torch.float64), torch.randn(30, 1, dtype=torch.float64)
+    sizes, weights = [20, 10], [0.5, 0.5]
+    stats = MicroBatchStatistics([list(model.parameters())], per_example=model,
+                                 per_example_units=None)  # fmt: skip
+    stats.begin(sizes, loss_weights=weights)
+    for i, rows in enumerate((slice(0, 20), slice(20, 30))):
+        stats.before_backward(i)
+        (functional.mse_loss(model(x[rows]), y[rows]) * weights[i]).backward()
+    got = stats.finish()
+    # the documented estimator from each example's own gradient (docs/algorithms.md)
+    params = dict(model.named_parameters())
+
+    def loss(p, xe, ye):
+        return functional.mse_loss(functional_call(model, p, (xe[None],)), ye[None])
+
+    each = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    g = torch.cat([each["weight"].flatten(1), each["bias"].flatten(1)], 1)
+    reduced = 0.5 * g[:20].mean(0) + 0.5 * g[20:].mean(0)
+    big, small = reduced.square().sum(), g.square().sum(1).mean()
+    h, phi = 1.0, 0.25 / 20 + 0.25 / 10
+    assert got.trace == pytest.approx(float((small - big) / (h - phi)), rel=1e-9)
+    assert got.grad_sq_norm == pytest.approx(float((h * big - phi * small) / (h - phi)), rel=1e-9)
+
+
 def test_a_layer_registered_under_two_names_takes_the_sub_batches_under_auto():
     """nn.ModuleList([block] * n), a shared block, ran twice in a forward: the default
     (noise_from="auto") failed at its first step instead of taking the sub-batches."""

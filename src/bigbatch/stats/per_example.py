@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn import functional
 
 from .._tensors import norm_dtype
+from ..batch.plan import loss_weights as default_loss_weights
 from .estimators import inverse_size, population
 from .layout import ParamLayout, SubBatches
 from .noise import SmallNorms
@@ -89,6 +90,9 @@ class _Step:
     sizes: frozenset[int] = frozenset()
     norms: list[Tensor] = field(default_factory=list)
     groups: list[int] = field(default_factory=list)
+    #: the micro-batch under way (-1 before the first), and the one of each norm
+    micro: int = -1
+    micro_of: list[int] = field(default_factory=list)
     #: LayerNorms' (input, mean, rstd, output gradient, units, groups), taken at the end
     held: list[tuple] = field(default_factory=list)
 
@@ -128,13 +132,16 @@ class _Layer:
             return _UNIT_SHAPES[probe.key], self.sinks.get("weight"), self.sinks.get("bias")
         return probe.step.m, None, None
 
-    def record(self, names: Sequence[str], norms: Sequence[Tensor]) -> None:
+    def record(
+        self, names: Sequence[str], norms: Sequence[Tensor], micro: int | None = None
+    ) -> None:
         """The norms of this layer's parameters ``names`` (a frozen one's are not kept)."""
         step = self.probe.step
         for name, norm in zip(names, norms):
             if name in self.groups:
                 step.norms.append(norm)
                 step.groups.append(self.groups[name])
+                step.micro_of.append(step.micro if micro is None else micro)
 
     def refuse_second_use(self) -> None:
         self.probe.abandon()
@@ -198,6 +205,17 @@ def _delivered(ctx, names: Sequence[str], norms: Sequence[Tensor]) -> tuple:
     got = dict(zip(names, norms))
     need_w, need_b = ctx.needs_input_grad[-2:]
     return got.get("weight") if need_w else None, got.get("bias") if need_b else None
+
+
+def _at_common_factor(step: _Step, batches: SubBatches) -> list[Tensor]:
+    # under other loss weights w_i than W b_i / B (a framework's 1/k), a unit's share of
+    # .grad is w_i m / b_i of its mean gradient: each micro-batch's norms are brought to
+    # the common W m / B (unequal sizes had biased tr Σ by 14%)
+    sizes, weights, world = batches.sizes, list(batches.loss_weights), batches.world.size
+    if weights == default_loss_weights(sizes, batches.total, world):
+        return step.norms
+    ratio = [world * b / (w * batches.total) for b, w in zip(sizes, weights, strict=True)]
+    return [n * ratio[i] for n, i in zip(step.norms, step.micro_of, strict=True)]
 
 
 # ---------------------------------------------------------------- Linear (and convolutions)
@@ -506,7 +524,8 @@ class _LayerNormFunction(torch.autograd.Function):
                 grad, x, shape, mean, rstd, weight, bias,
                 [ctx.needs_input_grad[0], weight is not None, bias is not None],
             )  # fmt: skip
-            layer.probe.step.held.append((x, mean, rstd, grad, k, m, len(shape), layer, names))
+            step = layer.probe.step
+            step.held.append((x, mean, rstd, grad, k, m, len(shape), layer, names, step.micro))
             return (*grads, None, None, None, None)
         # on a CPU (and traced) the parameters' gradients are the units' sums added up: one
         # pass over the activations fewer than torch's whole backward
@@ -557,7 +576,7 @@ def _layer_norm_sums(step: _Step) -> None:
     """Every held LayerNorm's per-unit gradient norms, batched over the layers of one shape."""
     batches: dict[tuple, list[tuple]] = defaultdict(list)
     for entry in step.held:
-        x, _, _, grad, k, m, dims, _, names = entry
+        x, _, _, grad, k, m, dims, _, names, _ = entry
         batches[(x.shape, x.dtype, grad.dtype, k, m, dims, names)].append(entry)
     for entries in batches.values():
         _layer_norm_units(entries)
@@ -566,7 +585,7 @@ def _layer_norm_sums(step: _Step) -> None:
 
 def _layer_norm_units(entries: list[tuple]) -> None:
     """Per-unit LayerNorm norms, ``Σ_{t∈u} x̂_t ⊙ δ_t`` and ``Σ_{t∈u} δ_t``, recorded."""
-    x, mean, rstd, grad, k, m, dims, _, names = entries[0]
+    x, mean, rstd, grad, k, m, dims, _, names, _ = entries[0]
     if len(entries) > 1:
         x, mean, rstd, grad = (torch.stack([e[i] for e in entries]) for i in range(4))
     else:
@@ -581,8 +600,8 @@ def _layer_norm_units(entries: list[tuple]) -> None:
         stacked, dim=tuple(range(2, stacked.dim())), dtype=norm_dtype(stacked)
     )
     flat = norms.reshape(-1).unbind(0)  # layer by layer, its parameters in order
-    for i, (*_, layer, _) in enumerate(entries):
-        layer.record(names, flat[i * len(names) : (i + 1) * len(names)])
+    for i, (*_, layer, _, micro) in enumerate(entries):
+        layer.record(names, flat[i * len(names) : (i + 1) * len(names)], micro)
 
 
 # ---------------------------------------------------------------- GroupNorm
@@ -915,6 +934,7 @@ class PerExampleNorms:
         """The next forward is another micro-batch's: each layer may run once in it."""
         if self.step is not None:
             self._end_micro_batch()
+            self.step.micro += 1
 
     def _end_micro_batch(self) -> None:
         """The traced backward's norms taken from the sinks; each layer's uses counted afresh."""
@@ -942,7 +962,7 @@ class PerExampleNorms:
             count=count,
             h=inverse_size(m, population(self.dataset_size, batches.total)),
             factor=factor,
-            norms=step.norms,
+            norms=_at_common_factor(step, batches),
             groups=step.groups,
         )
 
