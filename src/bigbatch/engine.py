@@ -517,7 +517,7 @@ class _Reading:
     def of(cls, engine: StepEngine) -> _Reading:
         """The step under way's numbers, gathered on the device (no host read)."""
         batch = engine._plan.batch_size
-        loss = engine._loss if engine._loss is not None else torch.zeros(())
+        loss = engine._loss if engine._loss is not None else _no_loss(engine.optimizer)
         if engine.measuring:
             pending = engine.collector.finish_pending(
                 loss_scale=_loss_scale(engine.scaler, engine.collector.layout.device), loss=loss
@@ -543,6 +543,12 @@ class _Reading:
             del metrics["loss"]
         metrics.update(self.rate_metrics)
         return _Read(metrics, finite, stats is not None, self.batch, self.step, self.samples, stats)
+
+
+def _no_loss(optimizer: torch.optim.Optimizer) -> Tensor:
+    # a loop that never called add_loss: a 0 on the gradients' device, read with them (one
+    # made on the CPU could not be stacked with a CUDA model's norms)
+    return torch.zeros((), device=optimizer.param_groups[0]["params"][0].device)
 
 
 def _statistics(stats: GradientStats) -> tuple[GradientStats, dict[str, float], bool]:

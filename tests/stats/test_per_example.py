@@ -387,6 +387,18 @@ def test_a_checkpointed_model_steps_as_the_plain_one_over_micro_batches():
     torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-8)
 
 
+def test_a_units_norm_from_fp16_scaled_gradients_does_not_overflow():
+    """Under fp16 autocast a GradScaler's 65,536 times the output gradient squared in an
+    fp16 Gram matrix passed 65,504: the norm came out NaN and a good step was skipped."""
+    torch.manual_seed(0)
+    assert per_example._ghost_is_cheaper(4, 1024, 1024)  # the Gram form is taken
+    a, d = torch.randn(8, 4, 1024), torch.randn(8, 4, 1024) * 1e-3 * 2.0**16
+    exact = per_example._matrix_gradients(a.double(), d.double(), True, 1)[2]
+    half = per_example._matrix_gradients(a.half(), d.half(), True, 1)[2]
+    for got, want in zip(half, exact, strict=True):
+        assert got.item() == pytest.approx(want.item(), rel=1e-2)
+
+
 def test_a_frameworks_loss_weights_on_unequal_micro_batches_are_divided_out():
     """A framework's 1/k weights (what the docs tell its users to pass) on micro-batches of
     20 and 10: each unit was scaled as under W b_i / B, and tr Σ came out 14% high."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -416,7 +417,8 @@ class BigBatchOptimizer(torch.optim.Optimizer):
         """The Triton update of one bucket; what its kernels do not take runs through foreach."""
         from . import _fused  # imports Triton, which only impl="fused" needs
 
-        _fused.check_device(lists[0][0].device)
+        device = lists[0][0].device
+        _fused.check_device(device)
         accepts = getattr(_fused, self.fused_accepts) if self.fused_accepts else None
         take, rest = _fused.split_supported(lists, accepts)
         for indices, run in ((take, getattr(_fused, self.fused_update)), (rest, None)):
@@ -424,7 +426,11 @@ class BigBatchOptimizer(torch.optim.Optimizer):
                 continue
             part = _pick(lists, indices)
             if run is not None:
-                run(*part, **kwargs)
+                # Triton launches on the current device's stream: the parameters' (on cuda:1
+                # with cuda:0 current, the launch failed or raced the backward)
+                on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+                with on_device:  # (the CPU: Triton's interpreter, in tests)
+                    run(*part, **kwargs)
             else:
                 self._run_eager(foreach, foreach, part, kwargs)
 

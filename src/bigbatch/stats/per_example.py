@@ -254,6 +254,8 @@ def _matrix_gradients(
     au, du = _by_units(a, k, m), _by_units(d, k, m)
     if _ghost_is_cheaper(rows, p, q):
         grad_w = d.reshape(-1, q).t().mm(a.reshape(-1, p))
+        if au.dtype == torch.float16:  # a Gram of scaled gradients squares them: past 65,504
+            au, du = au.float(), du.float()
         gram_a, gram_d = torch.bmm(au, au.mT), torch.bmm(du, du.mT)
         wide = norm_dtype(gram_a)
         norm_w = (gram_a.to(wide) * gram_d.to(wide)).sum().sqrt()

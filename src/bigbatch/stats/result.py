@@ -130,7 +130,9 @@ class PendingStats(Generic[Decoded]):
         self._copy = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         self._copy.copy_(values, non_blocking=True)
         self._event = torch.cuda.Event()
-        self._event.record()
+        # on the copy's stream, the values' device's (the current device may be another GPU,
+        # whose stream the event would wait on instead)
+        self._event.record(torch.cuda.current_stream(values.device))
 
     def read(self) -> Decoded:
         """The decoded numbers (the first call waits for them and decodes them)."""
