@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ._checks import check_number, check_param_groups, positive_int, whole_number
 from ._warn import warn_at_caller
 from .batch.controllers import Controller
-from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
+from .batch.plan import MAX_MICRO_BATCH, StepPlan, micro_batch_sizes, plan_step
 from .batch.source import make_source
 from .engine import NonFiniteError, StepEngine, StepResult, back_off
 from .optim.wrapper import StatisticsWrapper
@@ -31,6 +31,7 @@ from .options import StepOptions
 from .parallel import ddp, fsdp
 from .parallel.hooks import CommHook
 from .state import rng_state, set_rng_state
+from .stats.halves import SplitMicroBatches
 from .stats.result import GradientStats
 
 __all__ = ["AdaptiveBatch", "NonFiniteError", "Step"]
@@ -293,12 +294,23 @@ class AdaptiveBatch:
 
     def _plan(self, batch_size: int) -> StepPlan:
         """Draw the global batch and plan every rank's micro-batches (the same on all ranks)."""
+        drawn = self.source.draw(batch_size)
+        fewest = self.engine.next_sub_batches
+        collector = self.collector
+        if (
+            isinstance(getattr(collector, "halves", None), SplitMicroBatches)
+            and fewest > 1
+            and self.source.weight_fn is None
+        ):  # the split similarity's halves are the micro-batches' two halves: an even count
+            count = len(micro_batch_sizes(len(drawn), max_micro_batch=self.max_micro_batch,
+                                          min_sub_batches=fewest))  # fmt: skip
+            fewest = min(count + count % 2, len(drawn))
         return plan_step(
-            self.source.draw(batch_size),
+            drawn,
             rank=self.world.rank,
             world_size=self.world.size,
             max_micro_batch=self.max_micro_batch,
-            min_sub_batches=self.engine.next_sub_batches,
+            min_sub_batches=fewest,
             weight_fn=self.source.weight_fn,
         )
 

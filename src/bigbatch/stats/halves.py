@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .._tensors import dots, norms
+from .._warn import warn_at_caller
 from ..parallel.hooks import TwoGroupCosine
 from ..parallel.world import World
 from .estimators import scalar_halves
@@ -28,11 +29,23 @@ class SplitMicroBatches:
         self.layout = layout
         self._half: list[Tensor] | None = None  # .grad after half A (allocated once)
         self._taken = False
+        self._said_unequal = False
 
     def begin(self, batches: SubBatches) -> None:
-        if len(batches.sizes) < 2:
+        sizes = batches.sizes
+        if len(sizes) < 2:
             raise ValueError(
-                f"the split similarity needs at least 2 micro-batches, got sizes {batches.sizes}"
+                f"the split similarity needs at least 2 micro-batches, got sizes {sizes}"
+            )
+        if len(sizes) % 2 and not self._said_unequal:  # (said once: the count varies by step)
+            self._said_unequal = True
+            a = sum(sizes[: batches.half])
+            warn_at_caller(
+                f"similarity='split' on {len(sizes)} micro-batches (sizes {list(sizes)}) "
+                f"compares {a} samples with {sum(sizes) - a}: halves of unequal size, whose "
+                "cosine reads lower than an even split's (SimiGrad's target then holds a "
+                "larger batch); an even count (max_micro_batch, min_sub_batches) or "
+                "similarity='scalar' takes equal halves"
             )
         self._taken = False
 
