@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -223,6 +224,9 @@ class AdaptiveBatch:
         self._closed = False
         #: the statistics collector (None with ``statistics=False``)
         self.collector = self.engine.collector
+        # close()'s work, also done when the loop is collected: dropped unclosed, its gradient
+        # hooks held its collector, a gradient's worth of memory, as long as the model lived
+        self._release = weakref.finalize(self, _release, self.collector, self.source)
 
     def _build_engine(
         self, controller: Controller | None, options: StepOptions, dataset_size: int | None
@@ -388,10 +392,9 @@ class AdaptiveBatch:
             )
 
     def close(self) -> None:
-        """Take the statistics' hooks off the model (a loop built after takes them anyway)."""
+        """Take the statistics' hooks off the model and end the loader's workers."""
         self._closed = True
-        if self.collector is not None:
-            self.collector.close()
+        self._release()
         if self._unapplied:  # a step left unapplied: its gradient goes with the loop
             self._drop_gradient()
             self._unapplied = False
@@ -423,6 +426,14 @@ class AdaptiveBatch:
         saved = state["rng"]
         set_rng_state(saved[self.world.rank % len(saved)])
         ddp.load_hook_state_dict(self.comm_hook, state.get("comm_hook"), self.world)
+
+
+def _release(collector: Any, source: Any) -> None:
+    # what close() and the loop's collection end: the statistics' hooks, the loader's workers
+    if collector is not None:
+        collector.close()
+    if hasattr(source, "close"):
+        source.close()
 
 
 def _load_scaler(scaler: torch.amp.GradScaler | None, saved: dict[str, Any] | None) -> None:

@@ -100,6 +100,12 @@ class MapSource:
             )
         yield from self._loader
 
+    def close(self) -> None:  # the loader's persistent workers end (a closed loop reads no more)
+        loader, self._loader = self._loader, None
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict(), "loader_rng": self._generator.get_state()}
 
