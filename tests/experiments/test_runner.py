@@ -213,3 +213,17 @@ def test_a_run_that_met_its_target_trains_no_further_when_resumed(tmp_path):
         ended["steps"], ended["samples"], "target"
     )  # fmt: skip
     assert len(rows(tmp_path / "run")) == ended["steps"]
+
+
+@pytest.mark.compile
+def test_each_compiled_run_traces_its_own_graphs_as_in_a_process_of_its_own():
+    """Runs in one process (compare's arms, a notebook) each added graphs to dynamo's cache:
+    from the fifth `bigbatch train --set compile=default`, torch's recompile limit ran the
+    model eagerly. Each run now starts the cache afresh."""
+    from bigbatch.experiments.build import training_model
+
+    model, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    counters.clear()
+    for _ in range(2):
+        training_model(model, "default")(x)
+    assert counters["stats"]["unique_graphs"] == 2  # traced again: the cache was reset

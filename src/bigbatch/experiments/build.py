@@ -116,6 +116,9 @@ def training_model(model: nn.Module, mode: str) -> nn.Module:
     """``model`` compiled in ``mode`` (the ``compile`` key) unless it is ``"none"``."""
     if mode == "none":
         return model
+    # a run's graphs alone, as in a process of its own: runs in one process (compare's arms)
+    # each traced new ones, and from the fifth torch's recompile limit ran the model eagerly
+    torch._dynamo.reset()
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
