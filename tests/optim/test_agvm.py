@@ -81,6 +81,23 @@ def test_mu_follows_the_published_update_and_clamps():
     assert s_neck == pytest.approx(math.sqrt(0.5)) and s_head == pytest.approx(math.sqrt(10))
 
 
+def test_a_group_without_gradient_holds_its_mu_and_a_reference_without_one_moves_none():
+    """Both halves 0 (a module unused or frozen that step) read as cosine 0, D = 1: the
+    group's μ was pulled toward its floor, and a reference without gradient raised all."""
+    model = Detector()
+    optimizer = AGVM(
+        torch.optim.SGD(module_param_groups(model, 0.01, "detection"), lr=0.1), start=0, interval=1
+    )
+    halves = halves_for([0.9, 0.9, 0.5, 0.5, 0.999, 0.999])
+    halves[:, 4:] = 0.0  # the head has no gradient
+    optimizer.update(halves)
+    neck = optimizer.multipliers[1]
+    assert neck != 1.0 and optimizer.multipliers[2] == 1.0
+    halves[:, :2] = 0.0  # nor the reference
+    optimizer.update(halves)
+    assert optimizer.multipliers == [1.0, neck, 1.0]
+
+
 def test_group_cosine_pools_its_param_groups():
     model = Detector()
     optimizer = AGVM(torch.optim.SGD(module_param_groups(model, 0.01, "ends"), lr=0.1))
@@ -138,6 +155,15 @@ def test_state_round_trip(tmp_path):
     )
     twin.load_state_dict(torch.load(tmp_path / "agvm.pt", weights_only=True))
     assert twin.multipliers == optimizer.multipliers and twin._steps == 5
+
+
+def test_a_state_of_other_module_groups_is_refused_before_anything_is_loaded():
+    model = Detector()
+    optimizer = AGVM(torch.optim.SGD(module_param_groups(model, 0.01, "detection"), lr=0.1))
+    state = optimizer.state_dict()
+    state["wrapper"]["multipliers"] = state["wrapper"]["multipliers"][:2]  # re-tagged groups
+    with pytest.raises(ValueError, match="has 2 multipliers where this AGVM has 3 module"):
+        optimizer.load_state_dict(state)
 
 
 def test_bad_settings_are_named():

@@ -232,6 +232,11 @@ class AGVM(StatisticsWrapper):
         for row, values in zip(parts, group_halves):
             for value, owner in zip(values, self._group_of_param_group):
                 row[owner] += float(value)
+        # a group with no gradient this step (unused, frozen) has nothing measured: its μ is
+        # held, and without the reference's none is moved (both halves 0 read as D = 1)
+        measured = [sq_a > 0 or sq_b > 0 for sq_a, sq_b, _ in zip(*parts)]
+        if not measured[0]:
+            return
         disagreement = [1 - cosine_of(sq_a, sq_b, dot) for sq_a, sq_b, dot in zip(*parts)]
         low, high = self.bounds
         ratio = [
@@ -239,7 +244,10 @@ class AGVM(StatisticsWrapper):
             for d in disagreement
         ]
         m = self.momentum
-        self.multipliers = [m * mu + (1 - m) * s for mu, s in zip(self.multipliers, ratio)]
+        self.multipliers = [
+            m * mu + (1 - m) * s if seen else mu
+            for mu, s, seen in zip(self.multipliers, ratio, measured, strict=True)
+        ]
 
     def observe(self, stats: GradientStats) -> None:
         """Count the step and, when one is due, update μ (no host read of its own)."""
@@ -262,6 +270,16 @@ class AGVM(StatisticsWrapper):
 
     def _wrapper_state(self) -> dict[str, Any]:
         return {"multipliers": list(self.multipliers), "steps": self._steps}
+
+    def _check_wrapper_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("multipliers") if isinstance(state, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.group_names):
+            count = len(saved) if isinstance(saved, list) else "no"
+            raise ValueError(
+                f"the saved AGVM state has {count} multipliers where this AGVM has "
+                f"{len(self.group_names)} module groups ({', '.join(self.group_names)}): "
+                "was it saved with other agvm_group tags?"
+            )
 
     def _load_wrapper_state(self, state: dict[str, Any]) -> None:
         self.multipliers = [float(m) for m in state["multipliers"]]
