@@ -183,6 +183,23 @@ def test_a_diverged_branch_fails_the_tolerance_and_the_measurement_goes_on(tmp_p
     assert "| +0.0000 | — |" in (tmp_path / "critical_batch.md").read_text()
 
 
+def test_a_branch_whose_steps_were_skipped_is_a_diverged_one(tmp_path, monkeypatch):
+    """The run's skip limit counts the base's steps before the snapshot too: a branch of
+    NaN steps stayed under it, scored the snapshot's own loss and passed the tolerance."""
+    out = tmp_path / "branch"
+    out.mkdir()
+    steps = [{"step": i, "loss": math.nan, "skipped": 1.0} for i in range(1, 11)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    record = {"paused": True, "eval_loss": 1.52}  # the snapshot's: nothing trained
+    monkeypatch.setattr(critical.runner, "train_or_reuse", lambda *a, **k: record)
+    assert math.isnan(critical._branch(resolve(SMALL), out, tmp_path / "snapshot", 1280))
+    steps[0] = {"step": 1, "loss": 1.5}  # 9 of 10 skipped: still past skip_limit (0.25)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    assert math.isnan(critical._branch(resolve(SMALL), out, tmp_path / "snapshot", 1280))
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.5}) + "\n")
+    assert critical._branch(resolve(SMALL), out, tmp_path / "snapshot", 1280) == 1.52
+
+
 def test_no_run_of_a_measurement_ends_early_at_the_target():
     config = resolve({**SMALL, "stop_at_target": True})
     assert not any(critical._config(config, b, 16, "auto")["stop_at_target"] for b in (16, 32))

@@ -209,7 +209,13 @@ def _branch(config: dict[str, Any], out: Path, snapshot: Path, until: int) -> fl
     ``until`` samples (or the end of the budget, if that comes first); NaN if it diverged."""
     record = runner.train_or_reuse(config, out, until=until, start_from=snapshot)
     loss = record.get("eval_loss") if record.get("paused") else record.get("final_eval_loss")
-    return math.nan if loss is None else loss
+    # the run's skip limit counts the base's steps before the snapshot too: a branch of NaN
+    # steps stayed under it and scored the snapshot's own loss; judged on its own rows here
+    if loss is None:
+        return math.nan
+    rows = read_metrics(out)
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    return math.nan if skipped > plan_run(config)["skip_limit"] * len(rows) else loss
 
 
 def _point(
