@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, IterableDataset
 from ._checks import check_number, check_param_groups, positive_int, whole_number
 from ._warn import warn_at_caller
 from .batch.controllers import Controller
-from .batch.plan import MAX_MICRO_BATCH, StepPlan, micro_batch_sizes, plan_step
+from .batch.plan import MAX_MICRO_BATCH, StepPlan, plan_step
 from .batch.source import make_source
 from .engine import NonFiniteError, StepEngine, StepResult, back_off
 from .optim.wrapper import StatisticsWrapper
@@ -227,6 +227,10 @@ class AdaptiveBatch:
         # close()'s work, also done when the loop is collected: dropped unclosed, its gradient
         # hooks held its collector, a gradient's worth of memory, as long as the model lived
         self._release = weakref.finalize(self, _release, self.collector, self.source)
+        self._halves_by_micro_batch = (
+            isinstance(getattr(self.collector, "halves", None), SplitMicroBatches)
+            and self.source.weight_fn is None
+        )
 
     def _build_engine(
         self, controller: Controller | None, options: StepOptions, dataset_size: int | None
@@ -298,24 +302,16 @@ class AdaptiveBatch:
 
     def _plan(self, batch_size: int) -> StepPlan:
         """Draw the global batch and plan every rank's micro-batches (the same on all ranks)."""
-        drawn = self.source.draw(batch_size)
         fewest = self.engine.next_sub_batches
-        collector = self.collector
-        if (
-            isinstance(getattr(collector, "halves", None), SplitMicroBatches)
-            and fewest > 1
-            and self.source.weight_fn is None
-        ):  # the split similarity's halves are the micro-batches' two halves: an even count
-            count = len(micro_batch_sizes(len(drawn), max_micro_batch=self.max_micro_batch,
-                                          min_sub_batches=fewest))  # fmt: skip
-            fewest = min(count + count % 2, len(drawn))
         return plan_step(
-            drawn,
+            self.source.draw(batch_size),
             rank=self.world.rank,
             world_size=self.world.size,
             max_micro_batch=self.max_micro_batch,
             min_sub_batches=fewest,
             weight_fn=self.source.weight_fn,
+            # a measured step's split similarity takes the micro-batches' two halves
+            even=self._halves_by_micro_batch and fewest > 1,
         )
 
     def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:

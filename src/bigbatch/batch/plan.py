@@ -80,6 +80,7 @@ def plan_step(
     max_micro_batch: int = sys.maxsize,
     min_sub_batches: int = 1,
     weight_fn: Callable[[int], int] | None = None,
+    even: bool = False,
 ) -> StepPlan:
     """Shard a drawn global batch over the ranks and split every shard into micro-batches.
 
@@ -113,7 +114,10 @@ def plan_step(
             )
             for s, w in zip(shards, weights or shards)
         )
-        count = min(natural, min(len(s) for s in shards))
+        fewest = min(len(s) for s in shards)
+        count = min(natural, fewest)
+        if even and count % 2 and count < fewest:  # two halves of as many micro-batches
+            count += 1
     rank_sizes, mine = [], ()
     for r, shard in enumerate(shards):
         if weights is None:

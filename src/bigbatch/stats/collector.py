@@ -21,12 +21,17 @@ from torch import Tensor, nn
 
 from .._checks import check_flag, choice, positive_int
 from .._tensors import norms
-from .._warn import warn_at_caller
 from ..batch.plan import loss_weights as default_loss_weights
 from ..parallel.world import World
 from .estimators import half_split_cosine
 from .gsnr import ShiftedGSNR, WelfordGSNR
-from .halves import SIMILARITY_MODES, FromNoiseScalars, SplitMicroBatches, SplitRanks
+from .halves import (
+    SIMILARITY_MODES,
+    FromNoiseScalars,
+    SplitMicroBatches,
+    SplitRanks,
+    warn_unequal_halves,
+)
 from .layout import ParamLayout, SubBatches
 from .micro_batch_norms import MicroBatchNorms
 from .noise import NoiseAverages, PerRankNoise, ReducedNoise, SmallNorms
@@ -320,11 +325,10 @@ def _halves(
     if world.distributed:
         if world.size % 2:  # the ranks cannot split in two equal halves
             a = world.size // 2
-            warn_at_caller(
-                f"similarity='split' on {world.size} processes compares {a} with "
-                f"{world.size - a}: halves of unequal size, whose cosine reads lower than an "
-                "even split's (SimiGrad's target then holds a larger batch); "
-                "similarity='scalar' takes two equal halves"
+            warn_unequal_halves(
+                f"{world.size} processes",
+                f"{a} with {world.size - a}",
+                "similarity='scalar' takes two equal halves",
             )
         return SplitRanks(layout, world)
     return SplitMicroBatches(layout)

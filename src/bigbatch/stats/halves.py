@@ -22,6 +22,15 @@ Halves = tuple[list[float], list[float], list[float]]
 SIMILARITY_MODES = ("split", "scalar")
 
 
+def warn_unequal_halves(split: str, compared: str, remedy: str) -> None:
+    # the one wording for a split similarity whose halves cannot be equal
+    warn_at_caller(
+        f"similarity='split' on {split} compares {compared}: halves of unequal size, whose "
+        "cosine reads lower than an even split's (SimiGrad's target then holds a larger "
+        f"batch); {remedy}"
+    )
+
+
 class SplitMicroBatches:
     """Half A is the first ``k // 2`` micro-batches of the step, half B the rest."""
 
@@ -40,12 +49,11 @@ class SplitMicroBatches:
         if len(sizes) % 2 and not self._said_unequal:  # (said once: the count varies by step)
             self._said_unequal = True
             a = sum(sizes[: batches.half])
-            warn_at_caller(
-                f"similarity='split' on {len(sizes)} micro-batches (sizes {list(sizes)}) "
-                f"compares {a} samples with {sum(sizes) - a}: halves of unequal size, whose "
-                "cosine reads lower than an even split's (SimiGrad's target then holds a "
-                "larger batch); an even count (max_micro_batch, min_sub_batches) or "
-                "similarity='scalar' takes equal halves"
+            warn_unequal_halves(
+                f"{len(sizes)} micro-batches (sizes {list(sizes)})",
+                f"{a} samples with {sum(sizes) - a}",
+                "an even count (max_micro_batch, min_sub_batches) or similarity='scalar' takes "
+                "equal halves",
             )
         self._taken = False
 
