@@ -215,7 +215,7 @@ def _branch(config: dict[str, Any], out: Path, snapshot: Path, until: int) -> fl
         return math.nan
     rows = read_metrics(out)
     skipped = sum(1 for r in rows if r.get("skipped"))
-    return math.nan if skipped > plan_run(config)["skip_limit"] * len(rows) else loss
+    return math.nan if skipped > config["skip_limit"] * len(rows) else loss
 
 
 def _point(
