@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -473,16 +473,15 @@ def _by_axis(root: Path, arms: list[ArmResult], axis: str, loss: bool) -> list[s
     name = _plot_by_axis(root, curves, axis, fits, loss)
     lines = [f"![best {score} and steps to the target against {axis}]({name})", ""]
     rows = []
-    for label, (floor, (critical, fitted), per_seed) in fits.items():
+    for label, (fit, per_seed) in fits.items():
         at = []
         for arm in curves[label]:
             steps = arm.values("steps_to_target")
             mean = _every_mean(steps)
             reached = f"reached {sum(s is not None for s in steps)}/{len(steps)}"
             at.append(f"{arm.overrides[axis]:g}: {reached if mean is None else f'{mean:,.0f}'}")
-        seeds = ", ".join(_critical_text(*fit) for fit in per_seed) or "—"
-        critical_text = _critical_text(critical, fitted)
-        rows.append([label, f"{floor:,.0f}", critical_text, seeds, ", ".join(at)])
+        seeds = ", ".join(own.text() for own in per_seed) or "—"
+        rows.append([label, f"{fit.floor:,.0f}", fit.text(), seeds, ", ".join(at)])
     return lines + _section(
         "Critical batch: the fit of steps ≈ S_min · (1 + B_crit / B) to the steps to the "
         "target (McCandlish et al. 2018) over the batches every seed reached it at (seed "
@@ -500,12 +499,30 @@ def _steps_curve(members: list[ArmResult], axis: str) -> list[tuple[float, float
     return [(x, m) for x, m in means if m is not None]
 
 
+class _Fit(NamedTuple):
+    # steps ≈ floor · (1 + critical / B), fitted on the batches `fitted`
+    floor: float
+    critical: float
+    fitted: list[float]
+
+    def text(self) -> str:
+        # beyond the batches fitted on, the fit says only which side: not the arms' bounds
+        if math.isinf(self.critical):
+            return f"> {max(self.fitted):g} (no floor yet)"
+        if self.critical == 0:
+            return f"< {min(self.fitted):g}"
+        return f"{self.critical:,.0f}"
+
+
+def _fit(points: list[tuple[float, float]]) -> _Fit:
+    return _Fit(*fit_critical_batch(points), [b for b, _ in points])
+
+
 def _critical_batches(
     curves: dict[str, list[ArmResult]], axis: str
-) -> dict[str, tuple[float, tuple[float, list[float]], list[tuple[float, list[float]]]]]:
+) -> dict[str, tuple[_Fit, list[_Fit]]]:
     """Per curve with three batches reached by every seed: the fit to the seed means, and
-    each seed's own fit where that seed reached three batches; each critical batch with
-    the batches it was fitted on."""
+    each seed's own fit where that seed reached three batches."""
     fits = {}
     for label, members in curves.items():
         means = _steps_curve(members, axis)
@@ -516,26 +533,16 @@ def _critical_batches(
         for seed in range(min(len(s) for _, s in steps)):
             points = [(b, s[seed]) for b, s in steps if s[seed] is not None]
             if len(points) >= 3:
-                per_seed.append((fit_critical_batch(points)[1], [b for b, _ in points]))
-        floor, critical = fit_critical_batch(means)
-        fits[label] = (floor, (critical, [b for b, _ in means]), per_seed)
+                per_seed.append(_fit(points))
+        fits[label] = (_fit(means), per_seed)
     return fits
-
-
-def _critical_text(critical: float, fitted: list[float]) -> str:
-    # beyond the batches fitted on, the fit says only which side: not the arms' bounds
-    if math.isinf(critical):
-        return f"> {max(fitted):g} (no floor yet)"
-    if critical == 0:
-        return f"< {min(fitted):g}"
-    return f"{critical:,.0f}"
 
 
 def _plot_by_axis(
     root: Path,
     curves: dict[str, list[ArmResult]],
     axis: str,
-    fits: dict[str, tuple],
+    fits: dict[str, tuple[_Fit, list[_Fit]]],
     loss: bool,
 ) -> str:
     score, _, best, _ = _names(loss)
@@ -550,10 +557,10 @@ def _plot_by_axis(
         if not points:
             continue
         line = right.plot(*zip(*points), marker="o", label=label)[0]
-        floor, (critical, _), _ = fits.get(label, (0.0, (0.0, []), []))
-        if 0 < critical < math.inf:
+        fit = fits[label][0] if label in fits else None
+        if fit is not None and 0 < fit.critical < math.inf:
             grid = np.geomspace(points[0][0], points[-1][0], 50)
-            right.plot(grid, floor * (1 + critical / grid), "--", color=line.get_color())
+            right.plot(grid, fit.floor * (1 + fit.critical / grid), "--", color=line.get_color())
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel(axis)
