@@ -81,6 +81,10 @@ CLI_CASES = [
     (["train", "--set", "asynchronous=true"], "which lamb cannot: use optimizer = 'adamw'"),
     (["train", "--set", "dist.ratio=0"], "dist.ratio must be in (0, 1], got 0"),
     (["train", "--set", "dist.compression=zip"], "'zip'"),
+    (  # torch's PowerSGD would silently have taken 2
+        ["train", "--explain", "--set", "dist.compression=powersgd", "--set", "dist.warmup=1"],
+        "dist.warmup = 1: torch's PowerSGD needs 2 or more uncompressed steps",
+    ),
     (["train", "--set", "nonfinite=ignore"], "'ignore'"),
     (["train", "--set", "task=digits", "--set", "dist.compression=ef"], "--nproc 2 or more"),
     # refused inside each rank before: exit 4 or 2 by which rank the agent heard first

@@ -96,7 +96,7 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
     origins: dict[str, str] = {}
     config = with_recipe(config, origins)
     _check_task_keys(config, task)
-    _check_sharding(config)
+    _check_dist(config)
     if config["asynchronous"]:
         _asynchronous_impl(config, origins)
     for key, value in (
@@ -386,8 +386,16 @@ def intervals(plan: RunPlan) -> dict[str, int | Duration]:
     return out
 
 
-def _check_sharding(config: Mapping[str, Any]) -> None:
-    """A :class:`ConfigError` for what FSDP2 cannot do, before a launcher starts the ranks."""
+def _check_dist(config: Mapping[str, Any]) -> None:
+    """A :class:`ConfigError` for what FSDP2 or a compression cannot do, before a launcher
+    starts the ranks."""
+    if config["dist.compression"] == "powersgd" and config["dist.warmup"] < 2:
+        # torch's PowerSGD compresses from DDP's third iteration at the earliest (its
+        # buckets are rebuilt after the first): a warm-up of 1 would silently be 2
+        raise ConfigError(
+            f"dist.warmup = {config['dist.warmup']}: torch's PowerSGD needs 2 or more "
+            "uncompressed steps (DDP rebuilds its buckets after the first)"
+        )
     if config["dist.strategy"] != "fsdp":
         return
     if config["dist.compression"] != "none":
