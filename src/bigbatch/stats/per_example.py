@@ -157,8 +157,9 @@ class _Layer:
         raise RuntimeError(
             f"per-example statistics: layer {self.name!r} got {rows} rows where a micro-batch "
             f"has {', '.join(map(str, sorted(sizes)))} examples (a sequence-first input, the "
-            "batch flattened with its tokens, or a part of it): its rows are not the examples; "
-            "use the sub-batch statistics (noise_from='sub_batches') for such a model" + _OTHER
+            "batch flattened with its tokens, or a part of it such as positions without the "
+            "batch dimension: give them one, e.g. pos.expand(len(x), -1)): its rows are not the "
+            "examples; or use the sub-batch statistics (noise_from='sub_batches')" + _OTHER
         )
 
     def take_sinks(self) -> None:
