@@ -157,6 +157,43 @@ def test_torchs_powersgd_hook_trains_two_processes_and_its_warnings_print_once(t
     assert result.stderr.count("dist.ratio = 0.1 is set, but") == 1, result.stderr
 
 
+def test_explain_with_nproc_explains_the_run_its_ranks_build():
+    """--explain --nproc 2 builds the run in two processes, as they train it: SimiGrad's
+    similarity is the scalar one (one process built it as one: 'split'), FSDP2 shards
+    (one process warned it would not), a compression is built (each process its share of
+    the cores)."""
+    from bigbatch.experiments.device import share_of_cores
+
+    def lines(*keys):
+        args = [a for key in keys for a in ("--set", key)]
+        result = bigbatch("train", "--explain", "--nproc", 2, "--set", "device=cpu", *args)
+        assert result.returncode == 0, result.stderr
+        return result.stderr, dict(line.split(maxsplit=1) for line in
+                                   result.stdout.splitlines()[3:5])  # fmt: skip
+
+    warned, simigrad = lines("batch.controller=simigrad", "dist.strategy=fsdp")
+    assert simigrad["noise"].endswith(
+        "1 micro-batch a process at least, measured every step; similarity scalar "
+        "(noise_from = 'auto': every trained parameter is in a layer with a rule)"
+    )
+    assert "warning" not in warned, warned
+    threads = share_of_cores(2)
+    assert simigrad["machine"] == (
+        f"2 processes (--nproc), each on cpu, {threads} thread{'s' if threads > 1 else ''} "
+        "(the cores shared among them); forward passes in fp32"
+    )
+    _, compressed = lines("dist.compression=ef", "task=digits")
+    assert compressed["noise"].startswith("the spread of the micro-batches' gradients, 2 ")
+    assert compressed["machine"].endswith("; gradients compressed (ef)")
+    refused = bigbatch("train", "--explain", "--nproc", 2, "--set", "task=digits",
+                       "--set", "train_samples=10", "--set", "batch.initial=64")  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        "bigbatch: error: batch.initial = 64 is larger than the training set (10 samples, "
+        "train_samples)"
+    )
+
+
 @pytest.mark.faults
 def test_a_run_sigkilled_before_its_first_step_resumes_to_the_same_result(tmp_path):
     args = [*SMALL, "--set", "max_samples=12000"]

@@ -2,19 +2,23 @@
 plan's record of why it chose each value (:func:`~bigbatch.experiments.plan.plan_run`), the
 rate first ("0.002 = the mnist1d task's lamb rate 0.004 at batch 64 x 0.5 (sqrt of
 16/64)"); what only the model decides (``noise_from = "auto"``) read off the run's engine,
-built on the CPU as one process builds it.
+built on the CPU as the run's processes build it (``--nproc N``: N of them).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from ..batch.controllers import CONTROLLERS, BatchWarmup, contract_of
 from ..options import AUTO_EXAMPLES, AUTO_MOST
+from ..parallel.world import init_from_env
 from .build import build, fit_batches_to_data, run_device
+from .config import ConfigError
 from .device import threads_of
+from .launch import on_ranks
 from .plan import RunPlan, plan_run
 
 #: how each rule moves the rate as the batch ``B`` leaves ``B0`` (``batch.base``)
@@ -34,10 +38,33 @@ def explain(config: dict[str, Any], processes: int = 1) -> str:
     statistics and machine in one line each, then every value filled for it and where that
     value came from (``processes``: those ``--nproc`` starts)."""
     plan = plan_run(config)
-    # one process builds the run: what only the data and the model decide
-    built = build(plan) if plan.dist.compression == "none" else None
-    if built:
-        plan = fit_batches_to_data(plan, built[0])  # as build fitted its own
+    if processes > 1:  # what the ranks decide (the similarity, the sub-batches), theirs
+        explained = on_ranks(processes, _explain_on_rank, plan, processes)
+        if isinstance(explained, ConfigError):
+            raise explained
+        return explained
+    if plan.dist.compression != "none":  # (one process refuses it: nothing is built)
+        return _explained(plan, None, processes)
+    problem, loop, _ = build(plan)  # what only the data and the model decide
+    return _explained(fit_batches_to_data(plan, problem), loop.engine, processes)
+
+
+def _explain_on_rank(plan: RunPlan, processes: int) -> str | ConfigError | None:
+    # one of --nproc's processes: the run built as its rank builds it; rank 0's words
+    world = init_from_env(timeout=plan.dist.timeout)
+    try:
+        if world.rank:  # (rank 0 says what they all would)
+            warnings.simplefilter("ignore")
+        problem, loop, _ = build(plan, world)
+        engine = loop.engine
+        return _explained(fit_batches_to_data(plan, problem), engine, processes)
+    except ConfigError as err:  # every rank's, alike: the launcher raises rank 0's
+        return err
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _explained(plan: RunPlan, engine: Any, processes: int) -> str:
     origins, opt, batch, schedule = plan.origins, plan.optimizer, plan.batch, plan.schedule
     shape = f"{schedule.kind} over {plan.run.max_samples:,} samples, {schedule.warmup:.0%} warm-up"
     if schedule.kind == "wsd":
@@ -50,7 +77,7 @@ def explain(config: dict[str, Any], processes: int = 1) -> str:
         + " and x the schedule"
         + (f", at most {opt.lr_max:.4g} a step" if opt.lr_max else ""),
         f"schedule  {shape}",
-        f"noise     {_noise(plan, built[1].engine if built else None)}",
+        f"noise     {_noise(plan, engine)}",
         f"machine   {_machine(plan, processes)}",
         "",
         "filled in (every other key is as set or its default; bigbatch train --help):",
@@ -107,7 +134,8 @@ def _noise(run: RunPlan, engine: Any) -> str:
     else:
         source = "the spread of the micro-batches' gradients"
     return (
-        f"{source}, {many} micro-batch{'es' if many > 1 else ''} at least, measured "
+        f"{source}, {many} micro-batch{'es' if many > 1 else ''} "
+        f"{'a process ' if engine.world.distributed else ''}at least, measured "
         f"{steps}; similarity {collector.similarity} ({engine.noise_why})"
     )
 
@@ -129,6 +157,8 @@ def _machine(run: RunPlan, processes: int = 1) -> str:
         text += f"; training steps compiled (torch.compile, mode {machine.compile})"
     if machine.asynchronous:
         text += "; each step's numbers read at the next step (asynchronous)"
-    if run.dist.compression != "none":  # (one process refuses it: nothing to compress)
-        text += f"; gradients compressed ({run.dist.compression}): train with --nproc 2 or more"
+    if run.dist.compression != "none":
+        text += f"; gradients compressed ({run.dist.compression})"
+        if processes == 1:  # (one process refuses it: nothing to compress)
+            text += ": train with --nproc 2 or more"
     return text

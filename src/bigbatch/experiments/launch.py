@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from .device import share_of_cores
 from .rundir import LAUNCHER_LOG, LOCK_HELD, RunLock, claim_new_run_dir, discard_if_unused
 from .signals import LAUNCHER_PID
 
-__all__ = ["COLLECTIVE_FAILED", "WORKER_FAILED", "WorkerFailedError", "launch"]
+__all__ = ["COLLECTIVE_FAILED", "WORKER_FAILED", "WorkerFailedError", "launch", "on_ranks"]
 
 #: exit code of a run whose training process failed
 WORKER_FAILED = 4
@@ -48,24 +48,16 @@ def launch(nproc: int, out: Path, arguments: Sequence[str], *, resume: bool) -> 
     """Run ``python -m bigbatch.cli train <arguments>`` in ``nproc`` local processes that
     train ``out`` together; return the exit code (0, or 128 + a forwarding signal)."""
     lock = RunLock(out).acquire() if resume else claim_new_run_dir(out)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-    )
     environment = {
         LOCK_HELD: str(out.resolve()),
         LAUNCHER_PID: str(os.getpid()),
-        # one share of the cores per process (and no launcher warning about it)
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(share_of_cores(nproc)),
+        **_threads(nproc),
     }
     try:
         with _environment(environment), _agent_log(out / LAUNCHER_LOG):
-            elastic_launch(config, entrypoint=sys.executable)("-m", "bigbatch.cli", *arguments)
+            elastic_launch(_local(nproc), entrypoint=sys.executable)(
+                "-m", "bigbatch.cli", *arguments
+            )
     except SignalException as err:  # the ranks checkpointed and said so
         return 128 + int(err.sigval)
     except ChildFailedError as err:
@@ -76,6 +68,38 @@ def launch(nproc: int, out: Path, arguments: Sequence[str], *, resume: bool) -> 
     finally:
         lock.release()
     return 0
+
+
+def on_ranks(nproc: int, function: Callable[..., Any], *args: Any) -> Any:
+    # function(*args) in each of nproc local processes (torch's elastic agent, its log
+    # kept off the console): rank 0's return value
+    try:
+        with _environment(_threads(nproc)), _agent_log(Path(os.devnull)):
+            return elastic_launch(_local(nproc), entrypoint=function)(*args)[0]
+    except ChildFailedError as err:
+        rank, failure = min(err.failures.items())
+        raise WorkerFailedError(
+            f"{len(err.failures)} of {nproc} processes failed (rank {rank}: "
+            f"{str(failure.message).splitlines()[0] if failure.message else failure.exitcode})"
+        ) from None
+
+
+def _local(nproc: int) -> LaunchConfig:
+    # nproc processes on this machine, started once
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+    )
+
+
+def _threads(nproc: int) -> dict[str, str]:
+    # one share of the cores per process (and no launcher warning about it)
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(share_of_cores(nproc))}
 
 
 def _report(err: ChildFailedError, nproc: int, out: Path) -> tuple[int, str]:
