@@ -48,6 +48,10 @@ CLI_CASES = [
         "batch.ramp_points = '5%:16': Ramp's points must start at 0",
     ),
     (["train", "--set", "batch.initial=-1"], "batch.initial must be a whole number >= 0, got -1"),
+    (  # the smallest batch moved down to it: the key set named, not batch.min alone
+        ["train", "--explain", "--set", "batch.initial=1"],
+        "batch.min (1; from batch.initial (1), set past its default 8) is below 2",
+    ),
     (["train", "--set", "batch.min=64", "--set", "batch.max=32"], "batch.min (64) is larger"),
     (  # the cool-down started where the warm-up ended: shorter than --explain said
         [

@@ -124,7 +124,7 @@ def plan_run(config: Mapping[str, Any]) -> RunPlan:
         _ramp_start(config, origins)
     _warn_of_unread_keys(config)
     fill_controller_defaults(config, origins)
-    _check_bounds(config)
+    _check_bounds(config, origins)
     if config["max_samples"] < config["batch.initial"]:
         # the loop takes whole batches: such a budget would train one step of the first
         raise ConfigError(
@@ -416,7 +416,7 @@ def _check_dist(config: Mapping[str, Any]) -> None:
         )
 
 
-def _check_bounds(config: Mapping[str, Any]) -> None:
+def _check_bounds(config: Mapping[str, Any], origins: Mapping[str, str]) -> None:
     """A :class:`ConfigError` where the batch bounds, the controller's own filled in,
     disagree: a first batch outside them, or a smallest batch below the micro-batches
     the statistics need (every sub-batch needs a sample)."""
@@ -427,17 +427,16 @@ def _check_bounds(config: Mapping[str, Any]) -> None:
         raise ConfigError(str(err)) from None
     # 0: what the statistics need (auto: at least the one micro-batch the examples need)
     fewest = config["min_sub_batches"] or fewest_sub_batches_of(config)
+    # a smallest batch moved to a first batch set below it is that key's value
+    moved = f"; from {origins['batch.min']}" if "batch.min" in origins else ""
+    smallest = f"batch.min ({config['batch.min']}{moved})"
     if config["batch.min"] < fewest:
         raise ConfigError(
-            f"batch.min ({config['batch.min']}) is below min_sub_batches "
-            f"({fewest}): every sub-batch needs a sample"
+            f"{smallest} is below min_sub_batches ({fewest}): every sub-batch needs a sample"
         )
     reads = contract_of(CONTROLLERS[config["batch.controller"]]).needs_statistics
     if config["batch.min"] < 2 and (reads or config["log_statistics"]):
-        raise ConfigError(
-            f"batch.min ({config['batch.min']}) is below 2: the noise statistics need two "
-            "examples a step"
-        )
+        raise ConfigError(f"{smallest} is below 2: the noise statistics need two examples a step")
 
 
 def fewest_sub_batches_of(config: Mapping[str, Any]) -> int:

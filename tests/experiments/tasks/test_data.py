@@ -118,6 +118,14 @@ def test_text_corpus_is_deterministic_and_holds_whole_files_out(tmp_path):
     assert tasks.text_corpus(tmp_path)[2]["corpus_sha256"] != info["corpus_sha256"]
 
 
+def test_a_folder_named_like_a_source_file_and_a_dead_link_are_not_source(tmp_path):
+    _source_tree(tmp_path, {f"mod{i:02d}.py": f"x = {i}\n" for i in range(40)})
+    before = tasks.text_corpus(tmp_path)[2]
+    (tmp_path / "package.py").mkdir()  # read as a file before: "Is a directory"
+    (tmp_path / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    assert tasks.text_corpus(tmp_path)[2] == before
+
+
 def test_corpus_root_is_an_installed_packages_folder_or_a_folder_given_as_a_path(
     tmp_path, monkeypatch
 ):

@@ -80,6 +80,15 @@ def test_text_reads_the_corpus_it_is_named_and_says_which(tmp_path):
     assert problem.train.tensors[0].flatten()[:9].numpy().tobytes() == train[:9].tobytes()
 
 
+def test_a_corpus_too_short_for_the_context_names_both_keys(tmp_path):
+    _python_files(tmp_path)
+    config = text_config(**{"text.corpus": str(tmp_path), "model.context": 20_000})
+    with pytest.raises(ConfigError, match=r"^model.context = 20000: text.corpus = '.*' has "
+                       r"[\d,]+ bytes of (training|held-out) files, no window of 20000 and its "
+                       r"next byte \(a shorter context, or a larger corpus\)$"):  # fmt: skip
+        build(config)
+
+
 def test_a_corpus_that_is_neither_package_nor_folder_is_one_error():
     config = text_config(**{"text.corpus": "no_such_package_here"})
     with pytest.raises(

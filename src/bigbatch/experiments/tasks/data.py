@@ -171,7 +171,8 @@ def text_corpus(root: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     root = Path(root)
     digest = hashlib.sha256()
     parts: dict[bool, list[bytes]] = {False: [], True: []}
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+    files = (p for p in root.rglob("*.py") if p.is_file())  # not a folder `x.py`, a dead link
+    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
         name = path.relative_to(root).as_posix()
         content = path.read_bytes()
         digest.update(name.encode() + b"\0" + content + b"\0")

@@ -133,6 +133,13 @@ def build_text(args: TaskArgs, validation_windows: int = 1_000) -> Problem:
     train, validation, info = datasets.text_corpus(root)
     # a package by its name, a folder by its absolute path
     info = {"corpus": str(root) if datasets.names_a_folder(corpus) else corpus, **info}
+    if min(train.size, validation.size) <= context:
+        which = "training" if train.size <= context else "held-out"
+        raise ValueError(
+            f"model.context = {context}: text.corpus = {corpus!r} has "
+            f"{min(train.size, validation.size):,} bytes of {which} files, no window of "
+            f"{context} and its next byte (a shorter context, or a larger corpus)"
+        )
     windows = datasets.byte_windows(train, context + 1)
     held = datasets.byte_windows(validation, context + 1, validation_windows)
     torch.manual_seed(args.seed)
