@@ -85,6 +85,10 @@ CLI_CASES = [
     (["train", "--set", "asynchronous=true"], "which lamb cannot: use optimizer = 'adamw'"),
     (["train", "--set", "dist.ratio=0"], "dist.ratio must be in (0, 1], got 0"),
     (["train", "--set", "dist.compression=zip"], "'zip'"),
+    (  # built as foreach, unsaid
+        ["train", "--explain", "--set", "optimizer=sgd", "--set", "optimizer_impl=compiled"],
+        "optimizer_impl = 'compiled': sgd is torch's, which takes 'foreach' or 'fused'",
+    ),
     (  # torch's PowerSGD would silently have taken 2
         ["train", "--explain", "--set", "dist.compression=powersgd", "--set", "dist.warmup=1"],
         "dist.warmup = 1: torch's PowerSGD needs 2 or more uncompressed steps",

@@ -87,3 +87,21 @@ def test_float64_parameters_are_clipped_by_a_float64_norm():
     )
     assert min(norms) > 1.0
     assert rel_err(got, expected) < 1e-13
+
+
+@pytest.mark.parametrize("impl", ["reference", "foreach", "compiled"], indirect=True)
+def test_a_float32_scalar_beside_float64_parameters_is_clipped_in_its_own_dtype(impl):
+    """the global clip is float64 where a parameter is: a 0-dim float32 gradient divided by
+    it became float64, and the moments' lerp failed (every impl)."""
+    scalar = torch.nn.Parameter(torch.tensor(0.5))
+    matrix = torch.nn.Parameter(torch.ones(3, 3, dtype=torch.float64))
+    lamb = LAMB([scalar, matrix], lr=0.1, max_grad_norm=0.1, impl=impl)
+    alone = torch.nn.Parameter(torch.tensor(0.5))
+    reference = LAMB([alone], lr=0.1, max_grad_norm=None, impl=impl)
+    scalar.grad, matrix.grad = torch.tensor(0.3), torch.full((3, 3), 0.3, dtype=torch.float64)
+    clip = float(global_grad_norm([scalar.grad, matrix.grad])) / 0.1
+    alone.grad = torch.tensor(0.3 / clip)
+    lamb.step()
+    reference.step()
+    assert scalar.dtype == lamb.state[scalar]["exp_avg"].dtype == torch.float32
+    assert scalar.item() == pytest.approx(alone.item(), rel=1e-6)

@@ -42,3 +42,39 @@ def test_no_decay_patterns_and_empty_groups():
 def test_bad_weight_decay_is_named():
     with pytest.raises(ValueError, match=r"weight_decay.*-1"):
         param_groups(nn.Linear(2, 2), weight_decay=-1)
+
+
+def test_a_compiled_or_ddp_wrapped_model_keeps_its_own_names_and_no_weight_decay():
+    """torch.compile's `_orig_mod.` and DDP's `module.` prefixes, and the wrapper hiding
+    `no_weight_decay()`: pos_embed was decayed, silently."""
+    model = WithPositions()
+    expected = [names(model, g) for g in param_groups(model, 0.05, no_decay=["proj.weight"])]
+
+    class Wrapper(nn.DataParallel):  # DDP's layout (`.module`) without a process group
+        pass
+
+    for wrapped in (torch.compile(model), Wrapper(model), torch.compile(Wrapper(model))):
+        groups = param_groups(wrapped, 0.05, no_decay=["proj.weight"])
+        assert [names(model, g) for g in groups] == expected
+
+
+def test_biases_and_normalisation_parameters_of_any_shape_get_no_decay():
+    """the docs say biases and norms; `ndim <= 1` alone decayed LayerNorm([3, 4])'s and a
+    (3, 4) bias (and gave them LAMB's and LARS's trust ratio)."""
+
+    class Shaped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.ln = nn.LayerNorm([3, 4])
+            self.bias = nn.Parameter(torch.zeros(3, 4))
+
+    model = Shaped()
+    decay, exempt = param_groups(model, 0.01)
+    assert names(model, decay) == ["fc.weight"]
+    assert names(model, exempt) == ["bias", "fc.bias", "ln.bias", "ln.weight"]
+
+
+def test_no_decay_that_is_not_patterns_is_named():
+    with pytest.raises(ValueError, match="no_decay takes name patterns, got None"):
+        param_groups(nn.Linear(2, 2), 0.1, no_decay=None)

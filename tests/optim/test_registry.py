@@ -1,3 +1,4 @@
+import re
 import warnings
 
 import pytest
@@ -71,6 +72,23 @@ def test_kinds():
 def test_bad_requests_raise_value_error(name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         create_optimizer(nn.Linear(2, 2), name, **kwargs)
+
+
+def test_no_decay_beside_parameters_and_a_groups_bad_value_are_refused():
+    """no_decay splits a module: beside parameters it was dropped, every one decayed; a
+    group's own value was taken unchecked where the same keyword is refused."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"no_decay=\['\*bias'\] splits a module's"):
+        create_optimizer(model.parameters(), "lamb", no_decay=["*bias"])
+    for name, group, message in [
+        ("sgd", {"momentum": 1.5}, "momentum must be in [0, 1), got 1.5"),
+        ("adamw", {"betas": (0.9, 1.0)}, "betas[1] must be in [0, 1), got 1.0"),
+        ("lamb", {"lr": -1.0}, "lr must be"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            create_optimizer([{"params": list(model.parameters()), **group}], name)
+    groups = [{"params": list(model.parameters()), "lr": 0.1, "name": "all"}]  # torch's own keys
+    assert create_optimizer(groups, "sgd").param_groups[0]["name"] == "all"
 
 
 @pytest.mark.parametrize(

@@ -330,7 +330,13 @@ def _schedule_shares(config: dict[str, Any], origins: dict[str, str]) -> None:
 def with_recipe(config: dict[str, Any], origins: dict[str, str] | None = None) -> dict[str, Any]:
     """``config`` with the keys left at ``"auto"`` taken from its optimizer's recipe
     (``bigbatch.optim.RECIPES``); γ only for the VRGD forms, which take it."""
-    recipe = get_optimizer_info(config["optimizer"]).recipe
+    info = get_optimizer_info(config["optimizer"])
+    recipe, impl = info.recipe, config["optimizer_impl"]
+    if "impl" not in info.signature().parameters and impl not in ("foreach", "fused"):
+        raise ConfigError(  # (built as foreach, unsaid)
+            f"optimizer_impl = {impl!r}: {info.name} is torch's, which takes 'foreach' or "
+            "'fused' (fused=True)"
+        )
     config = dict(config)
     for key, value in (
         ("weight_decay", recipe.weight_decay),

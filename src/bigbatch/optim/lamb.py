@@ -48,7 +48,9 @@ def lamb_reference(
     bc1, bc2 = bias_correction1, bias_correction2
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         if clip is not None:
-            g = g / clip.to(g.device)  # a new tensor: p.grad stays as the user left it
+            # a new tensor: p.grad stays as the user left it (a 0-dim g took the clip's
+            # float64 and failed in the moments' lerp)
+            g = (g / clip.to(g.device)).to(g.dtype)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         u = (m / bc1) / (v.sqrt() / bc2**0.5 + eps)
@@ -118,7 +120,8 @@ def lamb_foreach(
     for block in blocks:
         P, G, M, V = (_blocks.take(t, block) for t in lists)
         if clip is not None:
-            G = torch._foreach_div(G, clip)
+            G = [h if h.dtype == m.dtype else h.to(m.dtype)  # (0-dim: the clip's float64)
+                 for h, m in zip(torch._foreach_div(G, clip), M)]  # fmt: skip
         torch._foreach_lerp_(M, G, 1 - beta1)
         torch._foreach_mul_(V, beta2)
         torch._foreach_addcmul_(V, G, G, value=1 - beta2)

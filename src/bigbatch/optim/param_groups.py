@@ -21,9 +21,9 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into a decay and a no-decay group.
 
-    Parameters with ``ndim <= 1``, those matching a ``no_decay`` ``fnmatch`` pattern and
-    those a ``model.no_weight_decay()`` names get ``weight_decay=0`` (and so no trust
-    ratio in LAMB and LARS). Empty groups are left out.
+    Biases, normalisation layers' parameters, others of ``ndim <= 1``, ``no_decay``
+    patterns (``fnmatch``) and ``model.no_weight_decay()``'s names (the model's own, in
+    ``torch.compile`` or DDP) get ``weight_decay=0``, no trust ratio; no empty groups.
 
     Example:
         >>> opt = LAMB(param_groups(model, weight_decay=0.01), lr=2e-3)
@@ -31,14 +31,23 @@ def param_groups(
     weight_decay = check_number("weight_decay", weight_decay)
     if isinstance(no_decay, str):
         no_decay = (no_decay,)
+    if not isinstance(no_decay, Iterable):
+        raise ValueError(f"no_decay takes name patterns, got {no_decay!r}")
     patterns = list(no_decay)
+    model = _unwrapped(model)
     if callable(getattr(model, "no_weight_decay", None)):
         patterns += list(model.no_weight_decay())
+    normalised = {id(p) for m in model.modules() if isinstance(m, _NORMS) for p in m.parameters()}
     decay, exempt = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim <= 1 or any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+        if (
+            p.ndim <= 1
+            or name.rpartition(".")[2] == "bias"  # a bias of any shape, as timm's rule
+            or id(p) in normalised
+            or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+        ):
             exempt.append(p)
         else:
             decay.append(p)
@@ -47,3 +56,19 @@ def param_groups(
         {"params": exempt, "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+#: the layers whose parameters (of any shape: LayerNorm([3, 4])) are a normalisation's
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    # the user's own module inside torch.compile's and DDP's wrappers, whose parameter
+    # names are prefixed (`_orig_mod.`, `module.`) and which hide no_weight_decay()
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model

@@ -282,7 +282,17 @@ def create_optimizer(
             model_or_params, float(options["weight_decay"]), no_decay=no_decay
         )
     else:
+        if no_decay:  # (it names a module's parameters: given parameters, it would be dropped)
+            raise ValueError(
+                f"no_decay={no_decay!r} splits a module's parameters; given parameters or "
+                "groups, pass the model, or groups with their own weight_decay"
+            )
         params = model_or_params
+        if not isinstance(params, torch.Tensor):  # (torch's own error for a lone tensor)
+            params = list(params)
+        for group in params:  # a group's own values, as the keywords' (torch checks few)
+            if isinstance(group, Mapping):
+                _check_common(group)
     return info.factory(params, **options)
 
 
