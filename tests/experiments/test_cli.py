@@ -160,6 +160,11 @@ def test_bad_toml_and_corrupted_checkpoint(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "truncated or corrupted" in err and "nor can the previous one" in err
     assert (out / "checkpoint.prev.pt").read_bytes() == b"nor this"
+    # a bad value in the run's saved config.toml: the file named, not only the value
+    config = out / "config.toml"
+    config.write_text(config.read_text().replace('optimizer = "lamb"', 'optimizer = "lamb2"'))
+    assert run_cli("train", "--quiet", "--resume", out) == 2
+    assert capsys.readouterr().err.startswith(f"bigbatch: error: {str(config)!r}: optimizer ")
 
 
 def test_compare_writes_one_report(tmp_path):

@@ -57,12 +57,15 @@ def test_a_resumed_runs_metrics_are_cut_back_in_place(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(f'{{"step": {i}}}\n' for i in range(1, 6)))
     inode = metrics.stat().st_ino
-    cut_lines(metrics, 3)
+    assert cut_lines(metrics, 3) == 3
     assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
     assert metrics.stat().st_ino == inode
-    cut_lines(metrics, 10)  # fewer lines than kept: as they are
+    assert cut_lines(metrics, 10) == 3  # fewer lines than kept: as they are, counted
     assert metrics.read_text().count("\n") == 3
-    cut_lines(tmp_path / "missing.jsonl", 2)
+    with metrics.open("a") as file:
+        file.write('{"st')  # a torn last line: not a row
+    assert cut_lines(metrics, 10) == 3 and metrics.read_text().endswith("3}\n")
+    assert cut_lines(tmp_path / "missing.jsonl", 2) == 0
     assert (tmp_path / "missing.jsonl").read_text() == ""
 
 

@@ -1,6 +1,7 @@
 """``runner.train``'s pause point: a run paused at ``until`` and resumed is the run never paused."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -49,6 +50,50 @@ def test_a_run_paused_twice_and_resumed_ends_like_one_never_paused(tmp_path):
     b = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["loop"]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((run / "summary.json").read_text())["samples"] == straight["samples"]
+
+
+def test_a_run_checkpointed_on_a_gpu_resumes_on_a_cpu(tmp_path):
+    """A checkpoint whose tensors torch.save tagged cuda:0 (here re-saved so, as a GPU run
+    writes them) was refused on a machine without one, as 'truncated or corrupted'."""
+    straight = runner.train(resolve(CONFIG), tmp_path / "straight", quiet=True)
+    run = tmp_path / "gpu"
+    runner.train(resolve(CONFIG), run, quiet=True, until=3000)
+    registry = torch.serialization._package_registry
+    before = list(registry)
+    torch.serialization.register_package(
+        0, lambda obj: "cuda:0" if getattr(obj, "device", None) is not None else None,
+        lambda obj, location: None,
+    )  # fmt: skip
+    try:
+        for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+            torch.save(torch.load(run / name, weights_only=True), run / name)
+    finally:
+        registry[:] = before
+    if not torch.cuda.is_available():  # (as written on a GPU: a CPU cannot load it as it is)
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(run / "checkpoint.pt", weights_only=True)
+    done = runner.train(resolve(CONFIG), run, resume=True, quiet=True)
+    assert done["final_accuracy"] == straight["final_accuracy"]
+    assert rows(run) == rows(tmp_path / "straight")
+
+
+def test_a_resume_whose_log_lost_rows_says_so_and_counts_what_it_holds(tmp_path):
+    """metrics.jsonl cut short after its checkpoint (an edit, a machine's crash before the
+    OS wrote it): resumed in silence, the log missed rows its summary counted."""
+    run = tmp_path / "run"
+    runner.train(resolve(CONFIG), run, quiet=True, until=3000)
+    metrics = run / "metrics.jsonl"
+    counted = len(metrics.read_text().splitlines())
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:5]))
+    message = f"holds 5 rows where the checkpoint counts {counted}: the resumed run's log"
+    with pytest.warns(RuntimeWarning, match=message):
+        runner.train(resolve(CONFIG), run, resume=True, quiet=True, until=4000)
+    held = rows(run)
+    with warnings.catch_warnings():  # its count now the file's: a second resume is silent
+        warnings.simplefilter("error")
+        done = runner.train(resolve(CONFIG), run, resume=True, quiet=True)
+    assert rows(run)[: len(held)] == held
+    assert len(rows(run)) == done["steps"] - (counted - 5)
 
 
 def test_a_pause_never_ends_a_run_at_its_target(tmp_path):

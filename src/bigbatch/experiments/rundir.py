@@ -286,21 +286,23 @@ def resumable(path: Path) -> bool:
     return False
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, Any], Path]:
+def load_checkpoint(path: Path, device: torch.device | None = None) -> tuple[dict[str, Any], Path]:
     """The checkpoint at ``path`` and the file it came from: its predecessor (with a
     warning) when ``path`` cannot be read, a one-line :class:`ConfigError` when neither
     can. Loaded with ``weights_only=True``; nothing on disk changes."""
+    # a run trained on a GPU resumes on a CPU (its tensors were refused as "corrupted")
+    map_location = "cpu" if device is not None and device.type == "cpu" else None
     kept = previous(path)
     if not path.is_file():
         hint = f"; the previous checkpoint is kept at {str(kept)!r}" if kept.is_file() else ""
         raise ConfigError(f"no checkpoint at {str(path)!r}: nothing to resume{hint}")
     try:
-        return torch.load(path, weights_only=True), path
+        return torch.load(path, weights_only=True, map_location=map_location), path
     except Exception as err:  # a truncated or corrupted file
         damage = f"checkpoint {str(path)!r} cannot be read ({first_line(err)})"
     if kept.is_file():
         try:
-            checkpoint = torch.load(kept, weights_only=True)
+            checkpoint = torch.load(kept, weights_only=True, map_location=map_location)
         except Exception as err:  # reported beside the first file's damage
             damage += f", nor can the previous one ({first_line(err)})"
         else:
@@ -328,17 +330,19 @@ def read_json(path: Path) -> Any:
         raise ConfigError(f"{str(path)!r} is not valid JSON ({err}): damaged?") from None
 
 
-def cut_lines(path: Path, keep: int) -> None:
-    """``path`` cut back in place to its first ``keep`` lines (made empty if missing)."""
+def cut_lines(path: Path, keep: int) -> int:
+    """``path`` cut in place to its first ``keep`` whole lines (made if missing): how many."""
     # one truncate, not a rewrite: a kill midway cannot leave fewer lines than were kept
-    size = 0
+    size, whole = 0, 0
     with _open_for_writing(path, "ab+") as file:
         file.seek(0)
-        for number, line in enumerate(file):
-            if number == keep:
+        for line in file:
+            if whole == keep or not line.endswith(b"\n"):  # (a torn last line goes)
                 break
             size += len(line)
+            whole += 1
         file.truncate(size)
+    return whole
 
 
 def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
@@ -359,4 +363,10 @@ def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]
 
 def read_config(out: Path) -> RunPlan:
     """The config a run saved, planned when it started (without its values' origins)."""
-    return RunPlan(resolve(load_toml(Path(out) / "config.toml")))
+    path = Path(out) / "config.toml"
+    try:
+        return RunPlan(resolve(load_toml(path)))
+    except ConfigError as err:  # a value edited there: the file named, not the user's flags
+        if str(path) in str(err):
+            raise
+        raise ConfigError(f"{str(path)!r}: {err}") from None

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -251,17 +252,26 @@ class _Run:
         if self.writer:
             check_room(out, CHECKPOINTS_OF_ROOM * checkpoint_bytes(loop))
         if resume:
-            checkpoint, source = load_checkpoint(out / CHECKPOINT)
+            checkpoint, source = load_checkpoint(out / CHECKPOINT, self.precision.device)
             _check_trained_config(checkpoint, self.plan, source)
             self.keep_previous = source == out / CHECKPOINT
             loop.load_state_dict(checkpoint["loop"])
             self.state.update(checkpoint["run"])
             self.ended = self.state.get("ended", self.ended)
             if self.writer:
-                cut_lines(metrics, self.state["metrics_lines"])
+                counted = self.state["metrics_lines"]
+                self.state["metrics_lines"] = cut_lines(metrics, counted)
+                if self.state["metrics_lines"] < counted:  # (a crash of the machine, an edit)
+                    warnings.warn(
+                        f"{str(metrics)!r} holds {self.state['metrics_lines']:,} rows where the "
+                        f"checkpoint counts {counted:,}: the resumed run's log misses the "
+                        "rows lost since it was written",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
         else:
             if start_from is not None:  # a branch of another run, at its own first batch
-                branched = load_checkpoint(Path(start_from))[0]["loop"]
+                branched = load_checkpoint(Path(start_from), self.precision.device)[0]["loop"]
                 # its own controller, fresh (the base run's may be another kind)
                 branched["engine"]["controller"] = loop.engine.controller.state_dict()
                 branched["engine"]["batch_size"] = loop.engine.controller.initial

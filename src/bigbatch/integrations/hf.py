@@ -238,7 +238,11 @@ class AdaptiveBatchTrainer(Trainer):
                 "controller or sample count (saved with save_only_model=True, or by another "
                 "Trainer); resume from one AdaptiveBatchTrainer saved without save_only_model"
             )
-        state = torch.load(os.path.join(checkpoint, STATE_FILE), weights_only=True)
+        # saved on a GPU, resumed on a CPU: its tensors mapped there
+        cpu = "cpu" if self.args.device.type == "cpu" else None
+        state = torch.load(
+            os.path.join(checkpoint, STATE_FILE), weights_only=True, map_location=cpu
+        )
         self.bigbatch.driver.load_state_dict(state)
 
 
