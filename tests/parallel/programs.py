@@ -658,6 +658,7 @@ def within_rank_statistics(batch: int, registered: bool = False) -> dict:
 def fsdp_refusals() -> list[str]:
     """What AdaptiveBatch says of FSDP2 options it does not support, and of DTensor
     parameters without ``fully_shard``."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     messages = []
@@ -672,6 +673,15 @@ def fsdp_refusals() -> list[str]:
     model[0].weight = weight
     try:
         AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), regression_data())
+        messages.append("no error")
+    except ValueError as err:
+        messages.append(str(err))
+    blocks = make_model()  # its layers sharded, its root forgotten
+    for layer in blocks:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    try:
+        AdaptiveBatch(blocks, torch.optim.SGD(blocks.parameters(), lr=0.1), regression_data())
         messages.append("no error")
     except ValueError as err:
         messages.append(str(err))

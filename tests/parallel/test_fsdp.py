@@ -58,9 +58,10 @@ def test_fsdp_decides_like_ddp_and_alike_on_every_rank(cluster2):
 
 
 def test_what_fsdp_does_not_support_gets_one_clear_error(cluster2):
-    split, dtensor = cluster2.run(programs.fsdp_refusals)[0]
+    split, dtensor, rootless = cluster2.run(programs.fsdp_refusals)[0]
     assert "similarity='split' and lossy comm hooks need a DDP model" in split
     assert "sharded (DTensor parameters)" in dtensor and "fully_shard" in dtensor
+    assert "fully_shard(model) on the root too makes it FSDP2's" in rootless
 
 
 def test_gsnr_under_fsdp_equals_the_sub_batch_by_sub_batch_value(cluster):

@@ -99,6 +99,8 @@ def _sharding(model: nn.Module) -> str | None:
     if fsdp is not None and isinstance(model, getattr(fsdp, "FullyShardedDataParallel", ())):
         return "FullyShardedDataParallel"
     if any(is_dtensor(p) for p in model.parameters()):
+        if any(is_fully_sharded(m) for m in model.modules()):  # its blocks, not its root
+            return "DTensor parameters; fully_shard(model) on the root too makes it FSDP2's"
         return "DTensor parameters"
     return None
 
