@@ -19,6 +19,11 @@ def test_ratio_is_normalised_per_tensor_then_clipped():
     torch.testing.assert_close(gsnr_ratio(r, 0.1), expected)
     torch.testing.assert_close(gsnr_ratio(r, 0.1, "median"), torch.clamp(r / 1.0, 0.1, 1.0))
     assert gsnr_ratio(torch.zeros(3), 0.2).tolist() == pytest.approx([0.2] * 3)
+    # of an even count, the two middle values' mean (torch's median takes the lower: a
+    # bias of two elements was never damped)
+    even = torch.tensor([1.0, 2.0, 4.0, 8.0])
+    torch.testing.assert_close(gsnr_ratio(even, 0.1, "median"), torch.clamp(even / 3, 0.1, 1.0))
+    assert gsnr_ratio(torch.tensor([1.0, 3.0]), 0.1, "median").tolist() == [0.5, 1.0]
 
 
 def sub_batch_problem(sizes, seed=0):
@@ -221,6 +226,39 @@ def test_an_added_groups_average_is_bias_corrected_by_its_own_steps():
     again.add_param_group({"params": [b]})
     again.load_state_dict(optimizer.state_dict())  # each average's count is saved
     assert again.state_dict()["wrapper"]["steps"] == [21, 1]
+
+
+def test_a_parameter_without_a_gradient_holds_its_ratio_average():
+    """A step in which no micro-batch reached a parameter gives it no GSNR to average: its
+    zero was clipped to γ and averaged in, pulling the ratio down (and counted a step)."""
+    a, b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+    optimizer = VRGD(create_optimizer([a, b], "lamb", lr=1e-3), gamma=0.1, gsnr_momentum=0.9)
+    optimizer.ratios([torch.ones(4), torch.ones(4)])
+    held = [r.clone() for r in optimizer._ratio_avg]
+    ratios = optimizer.ratios([torch.ones(4), torch.zeros(4)], measured=[True, False])
+    assert optimizer._counts == [2, 1]
+    torch.testing.assert_close(optimizer._ratio_avg[1], held[1])
+    assert ratios[1].tolist() == pytest.approx([1.0] * 4)  # its average, bias-corrected
+
+
+def test_a_layer_frozen_in_a_loop_is_told_to_build_a_new_loop():
+    sizes = [4] * 8
+    model, x, y = sub_batch_problem(sizes)
+    optimizer = VRGD(torch.optim.SGD(model.parameters(), lr=0.1), gamma=0.1)
+    loop = bb.AdaptiveBatch(model, optimizer, TensorDataset(x, y), controller=bb.batch.Constant(32),
+                            min_sub_batches=8)  # fmt: skip
+    steps = loop.steps(max_samples=64)
+    for i, step in enumerate(steps):
+        if i == 1:
+            model[0].requires_grad_(False)
+        for xb, yb in step.micro_batches():
+            step.backward(nn.functional.mse_loss(model(xb), yb))
+        if i == 1:
+            with pytest.raises(ValueError, match="a parameter frozen since it was built; build a"):
+                step.apply()
+            break
+        step.apply()
+    loop.close()
 
 
 def test_the_ratios_follow_the_parameters_trainable_now():

@@ -107,3 +107,44 @@ def test_gsnr_is_mean_squared_over_variance_of_micro_batch_gradients():
     expected = mean.square() / (variance + 1e-30)
     finite = variance > 1e-12
     torch.testing.assert_close(flat[finite], expected[finite], rtol=2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [None, World(sharded=True)], ids=["welford", "shifted"])
+def test_a_parameter_some_micro_batches_skip_counts_a_zero_gradient_there(world):
+    """A branch unused in micro-batches 0, 2, 5 and 7 of 8 (a conditional layer): its
+    gradient there is 0, and the variance must hold (0 - mean)²; the hooks that never fired
+    left it out (the GSNR 0.9x to 3x the truth). Two steps: the shifted path's shift moves."""
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    params = [trunk.weight, trunk.bias, branch.weight, branch.bias]
+    sizes = [3, 5, 4, 6, 2, 7, 5, 4]
+    start = [sum(sizes[:i]) for i in range(9)]
+    options = {"world": world, "similarity": "scalar"} if world else {}
+    statistics = MicroBatchStatistics([params], gsnr=True, **options)
+    for uses in ([True] * 8, [False, True, False, True, True, False, True, False]):
+        x, y = torch.randn(36, 3), torch.randn(36, 2)
+
+        def loss(i, x=x, y=y, uses=uses):
+            part = slice(start[i], start[i + 1])
+            out = trunk(x[part]) + (branch(x[part]) if uses[i] else 0)
+            return torch.nn.functional.mse_loss(out, y[part])
+
+        each = []
+        for i in range(8):
+            grads = torch.autograd.grad(loss(i), params, allow_unused=True)
+            each.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+        statistics.begin(sizes)
+        for i in range(8):
+            statistics.before_backward(i)
+            (loss(i) * sizes[i] / 36).backward()
+        got = statistics.finish().gsnr
+        for p in params:
+            p.grad = None
+        w = torch.tensor(sizes, dtype=torch.float64) / 36
+        for j in range(len(params)):
+            g = torch.stack([e[j].double() for e in each])
+            weights = w.view(-1, *[1] * (g.ndim - 1))
+            mean = (weights * g).sum(0)
+            variance = (weights * (g - mean) ** 2).sum(0)
+            torch.testing.assert_close(got[j].double(), mean**2 / variance, rtol=1e-5, atol=0)
+    statistics.close()

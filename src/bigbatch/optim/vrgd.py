@@ -32,8 +32,15 @@ class FewSubBatchesWarning(UserWarning):
 
 def gsnr_ratio(gsnr: Tensor, gamma: float, normalizer: str = "mean") -> Tensor:
     """``clamp(r / center(r), γ, 1)`` for one parameter tensor's element-wise GSNR ``r``."""
-    center = gsnr.mean() if normalizer == "mean" else gsnr.flatten().median()
+    center = gsnr.mean() if normalizer == "mean" else _median(gsnr.flatten())
     return (gsnr / center.clamp(min=torch.finfo(gsnr.dtype).tiny)).clamp_(gamma, 1.0)
+
+
+def _median(flat: Tensor) -> Tensor:
+    # the middle value, or the two middle ones' mean (torch's median takes the lower one:
+    # a bias of two elements was never damped)
+    lower = flat.kthvalue((flat.numel() + 1) // 2).values
+    return (lower + flat.kthvalue(flat.numel() // 2 + 1).values) / 2
 
 
 class VRGD(StatisticsWrapper):
@@ -122,12 +129,13 @@ class VRGD(StatisticsWrapper):
                 FewSubBatchesWarning,
             )
 
-    def ratios(self, gsnr: list[Tensor]) -> list[Tensor]:
-        """This step's multipliers for the gradients (updates the momentum)."""
+    def ratios(self, gsnr: list[Tensor], measured: list[bool] | None = None) -> list[Tensor]:
+        """This step's multipliers (the momentum updated where ``measured``, else held)."""
         if len(gsnr) != len(self._params):
             raise ValueError(
                 f"GSNR for {len(gsnr)} tensors, but the optimizer has {len(self._params)} "
-                "trainable parameters: build the statistics from this optimizer's param_groups"
+                "trainable parameters: build the statistics from this optimizer's param_groups "
+                "(in a loop: a parameter frozen since it was built; build a new loop)"
             )
         ratios = [gsnr_ratio(r, self.gamma, self.normalizer) for r in gsnr]
         if self.gsnr_momentum == 0:
@@ -135,9 +143,18 @@ class VRGD(StatisticsWrapper):
         beta = self.gsnr_momentum
         if self._ratio_avg is None:
             self._ratio_avg, self._counts = [torch.zeros_like(r) for r in ratios], [0] * len(ratios)
-        torch._foreach_lerp_(self._ratio_avg, ratios, 1 - beta)
-        self._counts = [n + 1 for n in self._counts]
-        return [avg / (1 - beta**n) for avg, n in zip(self._ratio_avg, self._counts, strict=True)]
+        # the zero GSNR of a parameter no micro-batch reached is no measurement: averaged
+        # in, it pulled the ratio toward γ (as AGVM holds μ where a group has no gradient)
+        moving = [i for i, m in enumerate(measured or [True] * len(ratios)) if m]
+        if moving:
+            averages = [self._ratio_avg[i] for i in moving]
+            torch._foreach_lerp_(averages, [ratios[i] for i in moving], 1 - beta)
+        for i in moving:
+            self._counts[i] += 1
+        return [
+            avg / (1 - beta**n) if n else r
+            for avg, n, r in zip(self._ratio_avg, self._counts, ratios, strict=True)
+        ]
 
     @torch.no_grad()
     def modulated_step(self, stats: GradientStats) -> None:
@@ -146,9 +163,9 @@ class VRGD(StatisticsWrapper):
             raise RuntimeError("VRGD needs the element-wise GSNR: collect it with gsnr=True")
         self.check_sub_batches(len(stats.sizes))
         self._follow_trainable()
-        present = [
-            (p, r) for p, r in zip(self._params, self.ratios(stats.gsnr)) if p.grad is not None
-        ]
+        measured = [p.grad is not None for p in self._params]
+        ratios = self.ratios(stats.gsnr, measured)
+        present = [(p, r) for p, r, m in zip(self._params, ratios, measured) if m]
         if present:
             # FSDP2: the ratios are whole tensors, the gradients this rank's rows
             grads = [local(p.grad) for p, _ in present]

@@ -23,6 +23,7 @@ class WelfordGSNR:
     def __init__(self, layout: ParamLayout, current: Callable[[], SubBatches | None]) -> None:
         self.layout, self._current = layout, current
         self._m2: list[Tensor] | None = None
+        self._seen: list[int] = []
         self.handles = [
             p.register_hook(functools.partial(self._update, i)) for i, p in enumerate(layout.params)
         ]
@@ -31,6 +32,7 @@ class WelfordGSNR:
         if self._m2 is None:
             self._m2 = [torch.zeros_like(p, dtype=torch.float32) for p in self.layout.params]
         torch._foreach_zero_(self._m2)
+        self._seen = [-1] * len(self.layout.params)  # each one's last micro-batch with a hook
 
     def _update(self, param_index: int, increment: Tensor) -> None:
         """``M2 += w (x - mean_old)(x - mean_new)`` for parameter ``param_index``, with
@@ -39,9 +41,10 @@ class WelfordGSNR:
         if batches is None or batches.current is None or self._m2 is None:
             return
         index, weights = batches.current, batches.loss_weights
+        p = self.layout.params[param_index]
+        self._skipped(param_index, p.grad, weights, index)
         if index == 0:
             return  # one sub-batch has no deviation yet
-        p = self.layout.params[param_index]
         x = increment.float() / weights[index]
         scale = sum(weights)  # .grad is Σ l x: the weights that define it
         w = weights[index] / scale
@@ -51,9 +54,25 @@ class WelfordGSNR:
         mean_new = (accumulated + x * w) / (before + w)
         self._m2[param_index].add_((x - mean_old) * (x - mean_new), alpha=w)
 
+    def _skipped(self, i: int, grad: Tensor | None, weights: list[float], upto: int) -> None:
+        # micro-batches before `upto` in which parameter i got no gradient (a branch not
+        # taken): each a zero x, whose Welford term w·m_old·m_new the hook never added
+        # (the running mean only shrinks across them: .grad holds still)
+        last, self._seen[i] = self._seen[i], upto
+        if grad is None or upto - last < 2:
+            return
+        assert self._m2 is not None
+        scale, total = sum(weights), grad.float() / sum(weights)
+        for j in range(max(last + 1, 1), upto):
+            before, after = sum(weights[:j]) / scale, sum(weights[: j + 1]) / scale
+            self._m2[i].add_(total.square(), alpha=weights[j] / scale / (before * after))
+
     def finish(self, grads: list[Tensor], batches: SubBatches) -> list[Tensor]:
         assert self._m2 is not None
-        scale = sum(batches.loss_weights)  # 1 unless the caller weighted differently
+        weights = batches.loss_weights
+        for i, p in enumerate(self.layout.params):  # those the last micro-batches skipped
+            self._skipped(i, p.grad, weights, len(weights))
+        scale = sum(weights)  # 1 unless the caller weighted differently
         return [(g.float() / scale).square() / (m2 + EPS) for g, m2 in zip(grads, self._m2)]
 
     def traffic(self) -> int:
@@ -78,6 +97,7 @@ class ShiftedGSNR:
         self.layout, self._current, self.world = layout, current, world
         self._m1: list[Tensor] | None = None  # Σ w (x - c)
         self._m2: list[Tensor] | None = None  # Σ w (x - c)²
+        self._weighed: list[float] = []  # Σ w of the micro-batches that gave it a gradient
         self._shift: list[Tensor] | None = None  # c: the previous step's mean gradient
         self.bytes = 0
         self.handles = [
@@ -94,6 +114,7 @@ class ShiftedGSNR:
         assert self._m1 is not None
         torch._foreach_zero_(self._m1)
         torch._foreach_zero_(self._m2)
+        self._weighed = [0.0] * len(self._m1)
 
     def _update(self, param_index: int, increment: Tensor) -> None:
         batches = self._current()
@@ -101,16 +122,27 @@ class ShiftedGSNR:
             return
         assert self._m1 is not None and self._shift is not None
         index = batches.current
-        w = batches.sizes[index] / batches.total  # the sample weight of this sub-batch
+        w = self._weight(batches, index)
         x = increment.float() / batches.loss_weights[index]  # its mean gradient
         deviation = x - self._shift[param_index]
         self._m1[param_index].add_(deviation, alpha=w)
         self._m2[param_index].add_(deviation.square_(), alpha=w)
+        self._weighed[param_index] += w
+
+    @staticmethod
+    def _weight(batches: SubBatches, index: int) -> float:
+        return batches.sizes[index] / batches.total  # the sample weight of this sub-batch
 
     def finish(self, grads: list[Tensor], batches: SubBatches) -> list[Tensor]:
         """The ranks' sums in one float32 all-reduce; ``var = Σ w (x-c)² - (Σ w (x-c))²`` about
         the shift ``c``."""
         assert self._m1 is not None and self._m2 is not None and self._shift is not None
+        mine = sum(self._weight(batches, i) for i in range(len(batches.sizes)))
+        for i, c in enumerate(self._shift):  # micro-batches without its gradient: x = 0
+            missed = mine - self._weighed[i]
+            if missed > 1e-12:
+                self._m1[i].sub_(c, alpha=missed)
+                self._m2[i].add_(c.square(), alpha=missed)
         flat = torch.cat([m.flatten() for m in (*self._m1, *self._m2)])
         self.world.all_reduce_sum(flat)
         self.bytes += flat.numel() * flat.element_size()
