@@ -164,6 +164,34 @@ def test_a_checkpoint_between_two_steps_resumes_to_the_same_run():
     assert all(torch.equal(a, b) for a, b in zip(final, params(model), strict=True))
 
 
+def test_a_checkpoint_taken_as_the_batch_changed_logs_that_change_when_resumed():
+    """A step read after its batch changed logs the change's estimate (the controller's,
+    kept for it): resumed from a checkpoint between them, it logged 0 for it."""
+
+    def run(stop=None):
+        controller = bb.batch.BatchWarmup(multiple=1, initial=8, window=3, max=256)
+        model, loop = make_loop(True, controller=controller, statistics_every=2)
+        if stop is not None:
+            loop.load_state_dict(stop)
+        return model, loop
+
+    model, loop = run()
+    whole = [*train(model, loop, 25), loop.flush()]
+    model, loop = run()
+    first = train(model, loop, 10)  # step 10's reading pending, read after the change
+    buffer = io.BytesIO()
+    torch.save(loop.state_dict(), buffer)
+    buffer.seek(0)
+    model, loop = run(torch.load(buffer, weights_only=True))
+    rest = [*train(model, loop, 25), loop.flush()]
+    assert len({r["batch_size"] for r in whole if r}) > 1  # the batch changes
+    assert [_nan_as_none(r) for r in first + rest] == [_nan_as_none(r) for r in whole]
+
+
+def _nan_as_none(row):
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+
+
 def test_a_checkpoint_of_an_asynchronous_run_resumes_synchronously():
     model, loop = make_loop(True, controller=GrowsAfter(5), statistics=True)
     train(model, loop, 5)
@@ -216,11 +244,13 @@ def test_under_a_grad_scaler_the_scaler_skips_and_the_optimizer_must_take_found_
         make_loop(True, optimizer="foreach", scaler=torch.amp.GradScaler("cpu"))
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
 @pytest.mark.parametrize("optimizer", ["fused-adamw", "fused-sgd"])
-def test_under_a_grad_scaler_a_nan_loss_with_a_finite_gradient_updates_nothing(optimizer):
+def test_under_a_grad_scaler_a_nan_loss_with_a_finite_gradient_updates_nothing(optimizer, clip):
     """The scaler checks the gradients; a NaN term that carries no gradient leaves them
     finite: the step is counted skipped, so nothing may change (the first step, where fused
-    SGD's momentum would start uninitialised, among them)."""
+    SGD's momentum would start uninitialised, among them). Clipped in apply, the scaler's
+    unscale_ had read the gradient before it was marked: the step was applied, NaN."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     gen = torch.Generator().manual_seed(0)
@@ -238,7 +268,7 @@ def test_under_a_grad_scaler_a_nan_loss_with_a_finite_gradient_updates_nothing(o
         for x, y in step.micro_batches():
             loss = nn.functional.cross_entropy(model(x), y)
             step.backward(loss + math.nan if step.index in (0, 2) else loss)  # steps 1 and 3
-        step.apply()
+        step.apply(max_grad_norm=clip)
         seen.append(params(model))
     loop.flush()
     assert loop.skipped_steps == 2

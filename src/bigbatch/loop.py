@@ -321,11 +321,14 @@ class AdaptiveBatch:
             if result.overflowed:  # skipped here, not by the scaler's step: lowered here
                 back_off(self.scaler)
             if not result.skip:
+                scaled = self.scaler is not None and self.scaler.is_enabled()
+                if scaled and result.found_inf is not None:  # the scaler checks the gradients
+                    # only; before the clip's unscale_, which records what the step will read
+                    _poison_where_found_inf(self.optimizer, result.found_inf)
                 if max_grad_norm is not None:
                     self._clip(max_grad_norm)
-                if self.scaler is not None and self.scaler.is_enabled():
-                    if result.found_inf is not None:  # the scaler checks the gradients only
-                        _poison_where_found_inf(self.optimizer, result.found_inf)
+                if scaled:
+                    assert self.scaler is not None
                     self.scaler.step(self.optimizer)
                     self.scaler.update()
                 elif result.found_inf is not None:

@@ -250,6 +250,8 @@ class BatchWarmup:
             "slope": self._slope.state_dict(),
             "warming": self._warming.last,
             "warmed": self._warmed,
+            # an asynchronous step read after the change logs it too: resumed, it logged 0
+            "decided_on": self._decided_on,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -258,7 +260,7 @@ class BatchWarmup:
         self._slope.load_state_dict(state["slope"])
         self._warming.last = float(state["warming"])
         self._warmed = bool(state["warmed"])
-        self._decided_on = None
+        self._decided_on = state["decided_on"]
 
 
 @register("seesaw")
