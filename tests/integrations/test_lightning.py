@@ -250,6 +250,39 @@ def test_under_16_mixed_the_statistics_are_those_of_the_unscaled_gradient():
         assert g16 == pytest.approx(g32, rel=0.02) and t16 == pytest.approx(t32, rel=0.02)
 
 
+class _Summed(Module):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y, reduction="sum")
+
+
+@pytest.mark.parametrize("noise_from", ["sub_batches", "examples"])
+def test_a_summed_loss_gives_the_statistics_adaptive_batch_does(noise_from):
+    """loss_reduction="sum": each micro-batch's loss is b_i times its mean, divided by k by
+    Lightning; the statistics took it as the mean's 1/k, their norms b_i² too large (x56)
+    and B_simple off where the sizes differ (30 in 8, 8, 7, 7). At rate 0, the loop's."""
+    data, options = teacher_data(512), {"statistics": True, "noise_from": noise_from}
+    sampler = bb.batch.GlobalBatchSampler(len(data), 30, micro_batches=4, max_samples=90, seed=0)
+    callback = AdaptiveBatchCallback(
+        sampler, bb.batch.Constant(30), loss_reduction="sum", log=False, **options
+    )
+    fit(callback, sampler, data, module=_Summed(lr=0.0))
+    model = make_model()
+    loop = bb.AdaptiveBatch(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), data,
+        controller=bb.batch.Constant(30), max_micro_batch=30, min_sub_batches=4, seed=0,
+        **options,
+    )  # fmt: skip
+    expected = []
+    for step in loop.steps(max_steps=3):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        step.apply()
+        expected.append((step.metrics["grad_sq_norm"], step.metrics["trace"]))
+    got = [(h["grad_sq_norm"], h["trace"]) for h in callback.history]
+    assert got == [pytest.approx(e, rel=1e-5) for e in expected]
+
+
 def test_a_loss_scaled_by_16_mixed_reaches_the_engine_unscaled():
     """Lightning's AMP plugin scales the loss before on_before_backward: the logged loss (and
     BatchWarmup's loss slope) must be the loss itself, not loss × 65536."""
