@@ -782,3 +782,36 @@ def test_a_controllers_repr_is_its_constructor_call(controller):
     rebuilt = eval(repr(controller), {c.__name__: c for c in bigbatch.batch.CONTROLLERS.values()})
     assert repr(rebuilt) == repr(controller)
     assert len(inspect.signature(type(controller)).parameters) == repr(controller).count("=")
+
+
+def test_batch_warmup_grows_when_the_estimate_reaches_the_next_batch_exactly():
+    controller = BatchWarmup(multiple=1.0, initial=8, min=8, confidence=0.0, loss_lag=0.0, window=4)
+    batch = 8
+    for i in range(10):  # B_simple exactly 16, the doubled batch: "once it reaches it"
+        batch = controller.next(
+            {"grad_sq_norm": 1.0, "trace": 16.0, "loss": 1.0, "schedule": 1.0}, batch, 8 * (i + 1)
+        )
+    assert batch == 16
+
+
+def test_batch_warmup_resumed_after_its_warm_up_fits_the_slope_as_it_did():
+    """The warm-up's end is state: not restored, a schedule rising after a resume (a warm
+    restart) was read as a warm-up again and the loss's slope stopped being fitted."""
+
+    def schedule(i):
+        return 1.0 - 0.05 * i if i < 10 else 0.5 + 0.1 * (i - 10)
+
+    def feed(controller, steps):
+        for i in steps:
+            loss = 5.0 if i < 15 else 3.0 - 0.2 * (i - 15)
+            measured = {"grad_sq_norm": 1.0, "trace": 4.0, "loss": loss, "schedule": schedule(i)}
+            controller.next(measured, 8, 8 * (i + 1))
+
+    straight = BatchWarmup(window=4)
+    feed(straight, range(15))
+    resumed = BatchWarmup(window=4)
+    resumed.load_state_dict(straight.state_dict())
+    feed(straight, range(15, 24))
+    feed(resumed, range(15, 24))
+    assert resumed.estimate() == straight.estimate()
+    assert math.isfinite(straight.estimate()["loss_slope"])

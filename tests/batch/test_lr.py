@@ -107,3 +107,15 @@ def test_warmup_stable_decay_holds_the_peak_then_cools_down_linearly():
     assert schedules.warmup_stable_decay(1000, 0, cooldown=1.0)(500) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="cooldown"):
         schedules.warmup_stable_decay(1000, 0, cooldown=1.5)
+
+
+def test_scaling_twice_without_a_restore_never_compounds():
+    from bigbatch.batch.lr import LRScaling
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scaling = LRScaling()
+    scaling.apply(optimizer, 2.0)
+    scaling.apply(optimizer, 3.0)
+    assert optimizer.param_groups[0]["lr"] == 3.0
+    scaling.restore(optimizer)
+    assert optimizer.param_groups[0]["lr"] == 1.0

@@ -84,3 +84,11 @@ def test_a_heavy_draw_of_fewer_samples_than_sub_batches_is_split_as_far_as_it_go
     plan = plan_step([0, 1, 2], min_sub_batches=4, weight_fn=lambda i: 11)
     assert plan.rank_sizes == ((11, 11, 11),) and plan.micro_batches == ((0,), (1,), (2,))
     assert plan_step([7], min_sub_batches=4, weight_fn=lambda i: 50).rank_sizes == ((50,),)
+
+
+def test_a_summed_losss_weights_are_the_ranks_over_the_batch():
+    from bigbatch.batch.plan import loss_weights
+
+    # DDP averages over W ranks: W / B makes .grad the batch's mean (1 / B: W times small)
+    assert loss_weights([4, 4], 16, 2, "sum") == [2 / 16, 2 / 16]
+    assert loss_weights([4, 4], 16, 2) == [2 * 4 / 16, 2 * 4 / 16]

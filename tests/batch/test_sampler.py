@@ -166,3 +166,17 @@ def test_global_batch_sampler_ends_at_the_sample_budget_and_checks_sizes():
     sampler.batch_size = 3
     with pytest.raises(ValueError, match="batch_size 3 is below 4"):
         [next(it) for _ in range(4)]
+
+
+def test_a_used_sampler_loading_another_seeds_state_draws_that_order():
+    """A sampler that had drawn (its order cached under its own seed) took the saved
+    position in its own order: the resumed batches were another run's."""
+    straight = VariableBatchSampler(10, seed=0)
+    straight.take(3)
+    state = straight.state_dict()
+    used = VariableBatchSampler(10, seed=1)
+    used.take(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (told: the saved order wins)
+        used.load_state_dict(state)
+    assert used.take(3) == straight.take(3)

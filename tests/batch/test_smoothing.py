@@ -379,3 +379,22 @@ def test_the_signal_that_borrowed_the_trace_carries_the_traces_error_and_resumes
     copy = SmoothedNoise(20)
     copy.load_state_dict(noise.state_dict())
     assert copy.bounds(1.0) == noise.bounds(1.0)
+
+
+def test_the_spread_is_the_sample_standard_deviation():
+    value = SmoothedValue(window=1e9)  # (no forgetting: plain samples)
+    value.update(1.0)
+    value.update(3.0)
+    assert value.spread == pytest.approx(math.sqrt(2))  # not the population's 1
+
+
+def test_a_sparse_cadence_resumes_as_ready_as_it_ran():
+    """A value every 5th step: its spacing is state; reset on load, a resumed controller
+    was not ready for a while and held its batch."""
+    running = SmoothedValue(window=4)
+    for i in range(40):
+        running.update(1.0) if i % 5 == 0 else running.age()
+    resumed = SmoothedValue(window=4)
+    resumed.load_state_dict(running.state_dict())
+    assert running.holds(4) and resumed.holds(4)
+    assert resumed.state_dict() == running.state_dict()

@@ -105,3 +105,15 @@ def test_a_float32_scalar_beside_float64_parameters_is_clipped_in_its_own_dtype(
     reference.step()
     assert scalar.dtype == lamb.state[scalar]["exp_avg"].dtype == torch.float32
     assert scalar.item() == pytest.approx(alone.item(), rel=1e-6)
+
+
+def test_a_gradient_below_the_clip_norm_is_not_scaled_up():
+    """The global clip divides by max(1, |g| / max_grad_norm): below the norm, nothing."""
+    p = torch.nn.Parameter(torch.ones(4))
+    lamb = LAMB([p], lr=0.1, weight_decay=0.0, max_grad_norm=1.0)
+    reference = torch.nn.Parameter(torch.ones(4))
+    plain = LAMB([reference], lr=0.1, weight_decay=0.0, max_grad_norm=None)
+    p.grad, reference.grad = torch.full((4,), 1e-7), torch.full((4,), 1e-7)
+    lamb.step()
+    plain.step()
+    torch.testing.assert_close(p.detach(), reference.detach())

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 
@@ -143,11 +142,3 @@ def equilibrium_batch(b_simple: float, target: float) -> float:
     if not 0 < target < 1:
         raise ValueError(f"target similarity must be in (0, 1), got {target!r}")
     return 2 * b_simple * target / (1 - target)
-
-
-def ema_update(average: Tensor, value: Tensor, beta: float) -> None:
-    """``average ← β average + (1 - β) value`` in place, skipping non-finite values
-    without a host sync."""
-    finite = torch.isfinite(value)
-    blended = average * beta + torch.where(finite, value, average) * (1 - beta)
-    average.copy_(torch.where(finite, blended, average))
