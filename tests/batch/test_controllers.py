@@ -815,3 +815,11 @@ def test_batch_warmup_resumed_after_its_warm_up_fits_the_slope_as_it_did():
     feed(resumed, range(15, 24))
     assert resumed.estimate() == straight.estimate()
     assert math.isfinite(straight.estimate()["loss_slope"])
+
+
+def test_batch_warmup_loads_a_state_saved_without_a_pending_change():
+    state = BatchWarmup().state_dict()
+    del state["decided_on"]  # (saved before the change's estimate was kept)
+    resumed = BatchWarmup()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == BatchWarmup().state_dict()

@@ -277,3 +277,16 @@ def test_a_key_the_run_does_not_read_is_warned_of_and_a_saved_configs_are_not():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             plan_run(saved)
+
+
+def test_a_saved_powersgd_plan_with_a_warm_up_of_one_builds_torchs_least():
+    """dist.warmup = 1 is refused when planned; a plan saved before that (it trained 2,
+    torch's least) still builds, as torch's PowerSGD takes it."""
+    import types
+
+    from bigbatch.experiments.build import _comm_hook
+    from bigbatch.experiments.plan import RunPlan
+
+    saved = RunPlan(resolve({"dist.compression": "powersgd", "dist.warmup": 1}))
+    state, _ = _comm_hook(saved, None, types.SimpleNamespace(group=None))
+    assert state.start_powerSGD_iter == 2

@@ -94,6 +94,39 @@ def test_constant_batches_train_exactly_like_adaptive_batch(tmp_path):
     assert [h["loss"] for h in history] == pytest.approx(losses, rel=1e-5)
 
 
+class _Summed(Net):
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_summed_loss_gives_the_statistics_adaptive_batch_does(tmp_path):
+    """loss_reduction="sum": the Trainer divides each micro-batch's summed loss by k, b_i/k
+    of its mean; the statistics took it as the mean's 1/k (norms x58). At rate 0."""
+    sampler = bb.batch.GlobalBatchSampler(4096, 30, micro_batches=4, max_samples=90)
+    trainer = make_trainer(tmp_path, sampler, bb.batch.Constant(30), learning_rate=0.0)
+    trainer = AdaptiveBatchTrainer(
+        model=_Summed(), args=trainer.args, train_dataset=Teacher(), sampler=sampler,
+        controller=bb.batch.Constant(30), statistics=True, loss_reduction="sum",
+        noise_from="sub_batches",
+    )  # fmt: skip
+    got = [(h["grad_sq_norm"], h["trace"]) for h in train(trainer).bigbatch.history]
+    model, data = Net(), Teacher()
+    loop = bb.AdaptiveBatch(
+        model, torch.optim.SGD(model.parameters(), lr=0.0),
+        torch.utils.data.TensorDataset(data.x, data.y), controller=bb.batch.Constant(30),
+        max_micro_batch=30, min_sub_batches=4, statistics=True, noise_from="sub_batches",
+    )  # fmt: skip
+    expected = []
+    for step in loop.steps(max_steps=3):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model.net(x), y))
+        step.apply()
+        expected.append((step.metrics["grad_sq_norm"], step.metrics["trace"]))
+    assert got == [pytest.approx(e, rel=1e-5) for e in expected]
+
+
 def test_batch_sizes_adapt_and_training_ends_at_the_sample_budget(tmp_path):
     sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=4, max_samples=30_000)
     controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=1024, window=5)

@@ -56,6 +56,9 @@ def test_a_compiled_or_ddp_wrapped_model_keeps_its_own_names_and_no_weight_decay
     for wrapped in (torch.compile(model), Wrapper(model), torch.compile(Wrapper(model))):
         groups = param_groups(wrapped, 0.05, no_decay=["proj.weight"])
         assert [names(model, g) for g in groups] == expected
+    # a pattern of the names the wrapper lists (as before) matches too
+    groups = param_groups(torch.compile(model), 0.05, no_decay=["_orig_mod.proj.weight"])
+    assert [names(model, g) for g in groups] == expected
 
 
 def test_biases_and_normalisation_parameters_of_any_shape_get_no_decay():

@@ -87,6 +87,8 @@ def test_no_decay_beside_parameters_and_a_groups_bad_value_are_refused():
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             create_optimizer([{"params": list(model.parameters()), **group}], name)
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        create_optimizer(torch.tensor(1.0), "sgd")  # torch's own words for a lone tensor
     groups = [{"params": list(model.parameters()), "lr": 0.1, "name": "all"}]  # torch's own keys
     assert create_optimizer(groups, "sgd").param_groups[0]["name"] == "all"
 

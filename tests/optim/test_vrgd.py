@@ -1,6 +1,7 @@
 """VRGD against transcriptions of its formulas (docs/algorithms.md, "VRGD")."""
 
 import inspect
+import math
 import warnings
 
 import pytest
@@ -24,6 +25,8 @@ def test_ratio_is_normalised_per_tensor_then_clipped():
     even = torch.tensor([1.0, 2.0, 4.0, 8.0])
     torch.testing.assert_close(gsnr_ratio(even, 0.1, "median"), torch.clamp(even / 3, 0.1, 1.0))
     assert gsnr_ratio(torch.tensor([1.0, 3.0]), 0.1, "median").tolist() == [0.5, 1.0]
+    assert gsnr_ratio(torch.zeros(0), 0.1, "median").numel() == 0  # an empty parameter
+    assert gsnr_ratio(torch.tensor([1.0, math.nan, 3.0]), 0.1, "median").isnan().all()
 
 
 def sub_batch_problem(sizes, seed=0):

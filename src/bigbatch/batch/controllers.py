@@ -260,7 +260,7 @@ class BatchWarmup:
         self._slope.load_state_dict(state["slope"])
         self._warming.last = float(state["warming"])
         self._warmed = bool(state["warmed"])
-        self._decided_on = state["decided_on"]
+        self._decided_on = state.get("decided_on")  # (None: no change pending a log)
 
 
 @register("seesaw")

@@ -198,7 +198,8 @@ def _comm_hook(plan: RunPlan, model: nn.Module, world: World) -> tuple[Any, Any]
         powersgd = powerSGD_hook.PowerSGDState(
             process_group=world.group,
             matrix_approximation_rank=plan["dist.powersgd_rank"],
-            start_powerSGD_iter=plan["dist.warmup"],
+            # (a run planned before 1 was refused trained 2, torch's least: it resumes so)
+            start_powerSGD_iter=max(2, plan["dist.warmup"]),
             random_seed=plan.run.seed,
         )
         return powersgd, powerSGD_hook.powerSGD_hook

@@ -101,8 +101,9 @@ class StepDriver:
         budget = self.sampler.max_samples
         return budget is not None and self.samples >= budget
 
-    def begin(self, loss_weights: list[float] | None) -> None:
-        """The step's first micro-batch is next (the framework weights losses itself)."""
+    def begin(self, loss_weights: list[float] | None = None) -> None:
+        """The step's first micro-batch is next (the framework weights losses itself: by
+        ``loss_weights`` of each micro-batch's mean loss, else by 1/k of each loss)."""
         engine = self.attached
         step = engine.steps_taken
         if step not in self.sampler.plans:
@@ -111,7 +112,14 @@ class StepDriver:
                 f"{self.sampler.PLAN_WINDOW} steps ahead (use fewer workers or a smaller "
                 "prefetch_factor)"
             )
-        engine.begin(self.sampler.plans[step], loss_weights=loss_weights)
+        plan = self.sampler.plans[step]
+        if loss_weights is None:
+            # 1/k of each loss: of a summed one, b_i/k of its mean (the statistics take mean
+            # gradients; read as 1/k, their norms came b_i² too large)
+            k = len(plan.sizes)
+            summed = self.options.loss_reduction == "sum"
+            loss_weights = [(b if summed else 1) / k for b in plan.sizes]
+        engine.begin(plan, loss_weights=loss_weights)
         self._result = None
 
     def before_backward(self, index: int) -> None:

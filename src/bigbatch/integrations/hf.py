@@ -41,12 +41,12 @@ class AdaptiveBatchCallback(DriverView, TrainerCallback):
     ) -> None:
         self.driver = StepDriver(sampler, controller, options, **step_options)
         self.sampler = sampler
-        #: each micro-batch's loss multiplier this step, as the Trainer applies it
+        #: each micro-batch's mean loss's multiplier this step, as the Trainer applies it
+        #: (None: it divides each loss by their number)
         self.loss_weights: list[float] | None = None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        k = self.sampler.micro_batches
-        self.driver.begin(loss_weights=self.loss_weights or [1 / k] * k)
+        self.driver.begin(self.loss_weights)  # (None: the Trainer divides losses by k)
         self._index = 0
         self.driver.before_backward(0)
 
@@ -168,8 +168,8 @@ class AdaptiveBatchTrainer(Trainer):
             counts = [float(_counted_labels(self, b).ne(-100).sum()) for b in batches]
             scale = self._across_processes_scale()
             self.bigbatch.loss_weights = [scale * c / float(num_items) for c in counts]
-        elif batches:  # training_step divides each micro-batch's mean loss by their number
-            self.bigbatch.loss_weights = [1 / len(batches)] * len(batches)
+        elif batches:  # training_step divides each micro-batch's loss by their number
+            self.bigbatch.loss_weights = None
         if batches and self.bigbatch.driver.engine is None:
             # the model: its world, and the layers the per-example statistics hook
             ddp = self.model_wrapped if torch.distributed.is_initialized() else self.model

@@ -98,13 +98,7 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
     ) -> None:
         k = self.sampler.micro_batches
         if batch_idx % k == 0:
-            # Lightning divides losses by k: of a summed loss, b_i / k of its mean (the
-            # statistics take mean gradients; read as 1/k, their norms came b_i² too large)
-            weights = [1 / k] * k
-            if self.driver.options.loss_reduction == "sum":
-                sizes = self.sampler.plans[self.driver.attached.steps_taken].sizes
-                weights = [b / k for b in sizes]
-            self.driver.begin(loss_weights=weights)
+            self.driver.begin()  # Lightning divides losses by k
             self._backwards = 0
         self._done = batch_idx % k + 1
         self.driver.before_backward(batch_idx % k)

@@ -34,7 +34,7 @@ def param_groups(
     if not isinstance(no_decay, Iterable):
         raise ValueError(f"no_decay takes name patterns, got {no_decay!r}")
     patterns = list(no_decay)
-    model = _unwrapped(model)
+    model, prefix = _unwrapped(model)
     if callable(getattr(model, "no_weight_decay", None)):
         patterns += list(model.no_weight_decay())
     normalised = {id(p) for m in model.modules() if isinstance(m, _NORMS) for p in m.parameters()}
@@ -46,7 +46,8 @@ def param_groups(
             p.ndim <= 1
             or name.rpartition(".")[2] == "bias"  # a bias of any shape, as timm's rule
             or id(p) in normalised
-            or any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+            # (a pattern of the wrapper's names, `_orig_mod.pos_embed`, as it lists them)
+            or any(fnmatch.fnmatchcase(n, pat) for pat in patterns for n in (name, prefix + name))
         ):
             exempt.append(p)
         else:
@@ -62,13 +63,14 @@ def param_groups(
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
+def _unwrapped(model: nn.Module) -> tuple[nn.Module, str]:
     # the user's own module inside torch.compile's and DDP's wrappers, whose parameter
     # names are prefixed (`_orig_mod.`, `module.`) and which hide no_weight_decay()
+    prefix = ""
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
+            model, prefix = model.module, prefix + "module."
         elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+            model, prefix = model._orig_mod, prefix + "_orig_mod."
         else:
-            return model
+            return model, prefix

@@ -290,9 +290,9 @@ def create_optimizer(
         params = model_or_params
         if not isinstance(params, torch.Tensor):  # (torch's own error for a lone tensor)
             params = list(params)
-        for group in params:  # a group's own values, as the keywords' (torch checks few)
-            if isinstance(group, Mapping):
-                _check_common(group)
+            for group in params:  # a group's own values, as the keywords' (torch checks few)
+                if isinstance(group, Mapping):
+                    _check_common(group)
     return info.factory(params, **options)
 
 

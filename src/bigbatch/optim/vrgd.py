@@ -38,7 +38,9 @@ def gsnr_ratio(gsnr: Tensor, gamma: float, normalizer: str = "mean") -> Tensor:
 
 def _median(flat: Tensor) -> Tensor:
     # the middle value, or the two middle ones' mean (torch's median takes the lower one:
-    # a bias of two elements was never damped)
+    # a bias of two elements was never damped); NaN where any is, as torch's
+    if flat.numel() == 0 or flat.isnan().any():
+        return flat.median()
     lower = flat.kthvalue((flat.numel() + 1) // 2).values
     return (lower + flat.kthvalue(flat.numel() // 2 + 1).values) / 2
 
