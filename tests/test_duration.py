@@ -103,3 +103,7 @@ def test_a_duration_as_a_share_of_the_budget():
         Duration.parse("1M tokens").share(budget=1000)
     with pytest.raises(ValueError, match="give budget"):
         Duration.parse("300k").share()
+
+
+def test_the_whole_budget_is_a_share_of_it():
+    assert Duration.parse("100%") == Duration(1.0, "budget")

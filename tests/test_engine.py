@@ -373,3 +373,27 @@ def test_a_large_finite_float64_gradient_is_finite_between_measurements():
     assert finite and metrics["batch_grad_sq_norm"] == math.inf
     params[0].grad[0] = math.nan
     assert not _mean_loss_and_finiteness(optimizer, World(), loss, 0.0).read()[1]
+
+
+def test_the_skipped_steps_count_survives_a_checkpoint():
+    def engine():
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        statistics = bb.stats.MicroBatchStatistics(optimizer.param_groups)
+        return model, StepEngine(optimizer, bb.batch.Constant(16), collector=statistics)
+
+    model, first = engine()
+    first.begin(StepPlan(((8, 8),)))
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    for i in range(2):
+        first.before_backward(i)
+        part = slice(8 * i, 8 * i + 8)
+        loss = nn.functional.cross_entropy(model(x[part]), y[part]) * math.nan
+        first.add_loss(loss * first.loss_weight(i))
+        (loss * first.loss_weight(i)).backward()
+    first.before_optimizer_step()
+    assert first.skipped_steps == 1
+    _, resumed = engine()
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.skipped_steps == 1

@@ -860,3 +860,16 @@ def test_close_ends_the_loaders_persistent_workers():
     assert set(multiprocessing.active_children()) - before
     loop.close()  # the loop still referenced (a notebook's variable): its workers end now
     assert not set(multiprocessing.active_children()) - before
+
+
+def test_a_sample_budget_of_whole_batches_takes_exactly_those_steps():
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
+    model = nn.Linear(16, 4)
+    loop = bb.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                            controller=bb.batch.Constant(16), max_micro_batch=8)  # fmt: skip
+    for step in loop.steps(max_samples=64):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.cross_entropy(model(x), y))
+        step.apply()
+    assert (loop.steps_taken, loop.samples) == (4, 64)

@@ -88,3 +88,22 @@ def test_every_element_moves_at_most_lr(eager_impl):
         p.grad = torch.randn(16, 16) * 100
         optimizer.step()
         assert (p.detach() - before).abs().max() <= 0.5 + 1e-6
+
+
+def test_a_weight_column_without_an_update_stays_finite_and_matches_the_reference():
+    """An input feature always 0 gives its weight column no gradient, no update: its
+    ratio's 0/0 is masked (unmasked, the column went NaN)."""
+    results = []
+    for impl in ("reference", "foreach"):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 3)
+        optimizer = MERIT(layer.parameters(), lr=0.01, impl=impl)
+        x = torch.randn(32, 4)
+        x[:, 2] = 0.0
+        for _ in range(2):
+            optimizer.zero_grad()
+            layer(x).square().mean().backward()
+            optimizer.step()
+        assert torch.isfinite(layer.weight).all()
+        results.append(layer.weight.detach().clone())
+    torch.testing.assert_close(results[1], results[0])

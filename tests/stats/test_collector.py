@@ -192,3 +192,30 @@ def test_the_split_similarity_on_an_odd_number_of_ranks_is_warned_of(monkeypatch
         collector._halves("split", layout, World(rank=0, size=size), None)
     messages = [str(w.message) for w in caught]
     assert any("compares 1 with 2: halves of unequal size" in m for m in messages) == warned
+
+
+def test_a_step_finished_before_the_last_was_read_averages_in_order():
+    """Two steps finished, the first never read by the caller: the averages take the
+    first before the second, as two steps finished and read one after the other do."""
+
+    def run(read_each):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        statistics = MicroBatchStatistics(optimizer.param_groups)
+        pending = []
+        for seed in (1, 2):
+            gen = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(16, 6, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+            statistics.begin([8, 8])
+            for i in range(2):
+                statistics.before_backward(i)
+                part = slice(8 * i, 8 * i + 8)
+                (nn.functional.cross_entropy(model(x[part]), y[part]) * 0.5).backward()
+            pending.append(statistics.finish_pending())
+            if read_each:
+                pending[-1].read()
+            optimizer.zero_grad()
+        return pending[-1].read().grad_sq_norm_ema
+
+    assert run(read_each=False) == run(read_each=True)

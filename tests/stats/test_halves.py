@@ -84,3 +84,15 @@ def test_from_noise_scalars_gives_the_expected_terms_of_two_equal_halves(dataset
         expected = (g + t * 90 / (10 * 99), g + t * 90 / (10 * 99), g - t / 99)
     for value, want in zip(got, expected):
         assert value == pytest.approx(want.tolist())
+
+
+def test_scalar_halves_of_an_odd_batch_are_half_of_it_each():
+    """7 samples: halves of 3.5 each (the floor, 3, read the cosine 0.375 for 0.4118)."""
+    from types import SimpleNamespace
+
+    from bigbatch.stats.estimators import scalar_halves
+
+    got = FromNoiseScalars(None).read({}, [], [1.0], [5.0], SimpleNamespace(total=7))
+    expected = scalar_halves(torch.tensor(1.0), torch.tensor(5.0), 3.5, 3.5)
+    for g, e in zip(got, expected, strict=True):
+        assert float(g[0]) == pytest.approx(float(e))
