@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, ClassVar
 
@@ -38,11 +39,13 @@ def gsnr_ratio(gsnr: Tensor, gamma: float, normalizer: str = "mean") -> Tensor:
 
 def _median(flat: Tensor) -> Tensor:
     # the middle value, or the two middle ones' mean (torch's median takes the lower one:
-    # a bias of two elements was never damped); NaN where any is, as torch's
-    if flat.numel() == 0 or flat.isnan().any():
+    # a bias of two elements was never damped); NaN where any is, as torch's (on the
+    # device: no host read)
+    if flat.numel() == 0:
         return flat.median()
     lower = flat.kthvalue((flat.numel() + 1) // 2).values
-    return (lower + flat.kthvalue(flat.numel() // 2 + 1).values) / 2
+    middle = (lower + flat.kthvalue(flat.numel() // 2 + 1).values) / 2
+    return torch.where(flat.isnan().any(), flat.new_tensor(math.nan), middle)
 
 
 class VRGD(StatisticsWrapper):
