@@ -364,9 +364,8 @@ def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]
 def read_config(out: Path) -> RunPlan:
     """The config a run saved, planned when it started (without its values' origins)."""
     path = Path(out) / "config.toml"
+    saved = load_toml(path)  # (names the file where it does not parse)
     try:
-        return RunPlan(resolve(load_toml(path)))
+        return RunPlan(resolve(saved))
     except ConfigError as err:  # a value edited there: the file named, not the user's flags
-        if str(path) in str(err):
-            raise
         raise ConfigError(f"{str(path)!r}: {err}") from None
