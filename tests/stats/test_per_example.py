@@ -649,6 +649,34 @@ def test_bf16_autocast_and_micro_batches_of_a_memory_limit(norm):
     torch.testing.assert_close(half, whole, rtol=0.1, atol=0)
 
 
+_AUTOCAST_LAYERS = {
+    "linear": lambda: nn.Linear(6, 5),
+    "conv1d": lambda: nn.Conv1d(4, 3, 3),
+    "layernorm": lambda: nn.LayerNorm(6),
+    "groupnorm": lambda: nn.GroupNorm(2, 4),
+    "rmsnorm": lambda: nn.RMSNorm(6),
+}
+
+
+@pytest.mark.parametrize("given", [torch.bfloat16, torch.float64], ids=["bf16", "float64"])
+@pytest.mark.parametrize("name", list(_AUTOCAST_LAYERS))
+def test_under_cpu_autocast_a_measured_layer_computes_as_the_plain_one(name, given):
+    # the CPU's autocast runs layer_norm and group_norm in their input's dtype (a bf16
+    # activation gave float32 where the plain layer gives bf16) and leaves float64 alone
+    # (the measured Linear and convolution had cast it to bf16, the norms to float32)
+    torch.manual_seed(0)
+    plain = _AUTOCAST_LAYERS[name]().to(torch.float64 if given == torch.float64 else None)
+    measured, x = copy.deepcopy(plain), torch.randn(8, 4, 6, dtype=given)
+    norms = PerExampleNorms(measured, ParamLayout([list(measured.parameters())]))
+    norms.begin(sub_batches([8]))
+    with torch.autocast("cpu", torch.bfloat16):
+        want, got = plain(x), measured(x)
+    got.float().sum().backward()
+    norms.finish(sub_batches([8]))
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_units_of_several_examples_give_the_sub_batch_estimate_of_their_size():
     # micro-batches of 12 and 11, at most 4 units: units of 11 // 4 = 2 examples, the
     # whole units of each micro-batch (its last example, if odd, trains unmeasured)

@@ -80,6 +80,28 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind)
 
 
+#: the device types whose autocast runs layer_norm and group_norm in float32 (CUDA's list);
+#: the CPU's runs them in their input's dtype (torch's autocast op reference)
+_NORMS_IN_FLOAT32 = frozenset({"cuda"})
+
+
+def _as_autocast(dtype: torch.dtype | None, *tensors: Tensor | None) -> tuple:
+    # as autocast casts an op's arguments: floating tensors other than float64 only
+    if dtype is None:
+        return tensors
+    return tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64
+        else t
+        for t in tensors
+    )  # fmt: skip
+
+
+def _norm_autocast(device: torch.device) -> torch.dtype | None:
+    # the dtype autocast runs a LayerNorm or GroupNorm in on the device; None: its input's
+    widened = device.type in _NORMS_IN_FLOAT32 and _autocast_dtype(device) is not None
+    return torch.float32 if widened else None
+
+
 @dataclass
 class _Step:
     """One step's measurements: a device scalar per part, with its parameter group."""
@@ -285,10 +307,8 @@ def _matrix_gradients(
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
-        dtype = _autocast_dtype(x.device)
-        if dtype is not None:  # as autocast would: the product in its dtype
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
+        # as autocast would: the product in its dtype
+        x, weight, bias = _as_autocast(_autocast_dtype(x.device), x, weight, bias)
         _begin(ctx, layer, m, sink_w, sink_b)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
@@ -323,10 +343,7 @@ def _conv_geometry(module: nn.Module) -> tuple:
 class _ConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
-        dtype = _autocast_dtype(x.device)
-        if dtype is not None:
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
+        x, weight, bias = _as_autocast(_autocast_dtype(x.device), x, weight, bias)
         _begin(ctx, layer, m, sink_w, sink_b)
         module, ctx.has_bias = layer.module, bias is not None
         ctx.save_for_backward(x, weight)
@@ -502,10 +519,7 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
         module = layer.module
-        if _autocast_dtype(x.device) is not None:  # autocast runs layer_norm in float32
-            x = x.float()
-            weight = weight.float() if weight is not None else None
-            bias = bias.float() if bias is not None else None
+        x, weight, bias = _as_autocast(_norm_autocast(x.device), x, weight, bias)
         out, mean, rstd = torch.native_layer_norm(x, module.normalized_shape, weight, bias,
                                                   module.eps)  # fmt: skip
         _begin(ctx, layer, m, sink_w, sink_b)
@@ -566,7 +580,7 @@ def _layer_norm_unit_sums(
     (``bias``) of a LayerNorm's whole units' ``(x, mean, rstd, δ)`` (``layers``: stacked)."""
     x, mean, rstd, grad = tensors
     sums = [(x - mean).mul_(rstd).mul_(grad)] if weight else []
-    sums += [grad] if bias else []
+    sums += [grad.to(mean.dtype)] if bias else []  # summed as the weight's (float32 under bf16)
     lead = (layers,) if layers else ()
     return [s.reshape(*lead, k, -1, *x.shape[x.dim() - dims :]).sum(len(lead) + 1) for s in sums]
 
@@ -614,8 +628,7 @@ class _GroupNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, m, sink_w, sink_b):
         module = layer.module
-        if _autocast_dtype(x.device) is not None:  # autocast runs group_norm in float32
-            x, weight, bias = x.float(), weight.float(), bias.float()
+        x, weight, bias = _as_autocast(_norm_autocast(x.device), x, weight, bias)
         x = x.contiguous(memory_format=_memory_format(x))  # as torch's own kernel takes it
         n, c = x.shape[:2]
         out, mean, rstd = torch.native_group_norm(
@@ -641,7 +654,7 @@ class _GroupNormFunction(torch.autograd.Function):
         # each example's Σ x̂ ⊙ δ and Σ δ over its positions, (n, c); then the units' sums
         normed = (x.reshape(n, groups, -1) - mean[..., None]).mul_(rstd[..., None])
         d = grad.reshape(n, c, -1)
-        per_example = [normed.reshape(n, c, -1).mul_(d).sum(2), d.sum(2)]
+        per_example = [normed.reshape(n, c, -1).mul_(d).sum(2), d.sum(2, dtype=mean.dtype)]
         k, m = _units(n, ctx.m)
         units = [e[: k * m].reshape(k, m, c).sum(1) for e in per_example]
         norms = torch._foreach_norm(units, 2, dtype=norm_dtype(units[0]))
