@@ -154,22 +154,29 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
             trainer.should_stop = True
 
     def state_dict(self) -> dict[str, Any]:
+        done, k = self._done, self.sampler.micro_batches
+        if done not in (0, k):  # said as it is saved, not only when it fails to resume
+            warn_at_caller(f"AdaptiveBatchCallback: this checkpoint {_inside_a_step(done, k)}")
         # this rank's random state (Lightning saves rank 0's callback state)
         return {**self.driver.state_dict(), "rng": rng_state(), "micro_batches_done": self._done}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         k, done = self.sampler.micro_batches, state_dict.get("micro_batches_done", 0)
         if done not in (0, k):  # the sampler and Lightning's batch count would part
-            raise ValueError(
-                f"the checkpoint was saved inside an optimizer step, after {done} of its {k} "
-                "micro-batches (validation every val_check_interval batches, not a multiple "
-                f"of accumulate_grad_batches, saves there), without the step's partial "
-                "gradient: resume from one saved at a step's end (ModelCheckpoint's "
-                "every_n_train_steps), and give val_check_interval as a multiple of "
-                f"accumulate_grad_batches ({k})"
-            )
+            raise ValueError(f"the checkpoint {_inside_a_step(done, k)}")
         self.driver.load_state_dict(state_dict)
         self._rng = state_dict["rng"]
+
+
+def _inside_a_step(done: int, k: int) -> str:
+    return (
+        f"was saved inside an optimizer step, after {done} of its {k} micro-batches "
+        "(validation every val_check_interval batches, not a multiple of "
+        "accumulate_grad_batches, saves there), without the step's partial gradient, and "
+        "cannot be resumed: resume from one saved at a step's end (ModelCheckpoint's "
+        "every_n_train_steps), and give val_check_interval as a multiple of "
+        f"accumulate_grad_batches ({k})"
+    )
 
 
 def _warn_of_whole_run_intervals(trainer: pl.Trainer) -> None:
