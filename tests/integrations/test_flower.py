@@ -83,6 +83,23 @@ def test_a_round_steps_at_the_plans_rate():
         torch.testing.assert_close(p.detach(), b - 0.125 * g)
 
 
+def test_a_round_keeps_each_param_groups_ratio_to_the_optimizers_rate():
+    # a group built at 10x the optimizer's rate had trained at the round's rate, as the rest
+    x = torch.ones(64, 4)
+    setup = setup_for(TensorDataset(x, torch.zeros(64, 1)))
+    model = setup.model
+    setup.make_optimizer = lambda params: torch.optim.SGD(
+        [{"params": [model.weight]}, {"params": [model.bias], "lr": 10.0}], lr=1.0
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    mse(model, (x[:8], torch.zeros(8, 1))).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    train_round(setup, plan(batch=8, steps=1, lr=0.125))
+    for p, b, g, lr in zip(model.parameters(), before, grads, (0.125, 1.25)):
+        torch.testing.assert_close(p.detach(), b - lr * g)
+
+
 def test_each_round_draws_a_fresh_order_of_the_clients_data():
     def first_batch(round_):
         setup = setup_for(data(64, 0))

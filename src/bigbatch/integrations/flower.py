@@ -106,11 +106,14 @@ def _sub_batches(setup: ClientSetup) -> int:
 
 
 def train_round(setup: ClientSetup, plan: RoundPlan) -> ClientReport:
-    """Train the plan's steps at its local batch and held rate through
-    :class:`~bigbatch.AdaptiveBatch`, seeded by the client and the round."""
+    """Train the plan's steps at its local batch and held rate (a param group at its ratio
+    to the optimizer's) through :class:`~bigbatch.AdaptiveBatch`, seeded by client and round."""
     optimizer = setup.make_optimizer(setup.model.parameters())
+    base = float(optimizer.defaults.get("lr", 0.0))
     for group in optimizer.param_groups:
-        group["lr"] = plan.lr
+        # the round's rate for the optimizer's own; a group built at another (a head at
+        # 10x) keeps its ratio to it, as a rate schedule would
+        group["lr"] = plan.lr * (float(group["lr"]) / base if base > 0 else 1.0)
     loop = AdaptiveBatch(
         setup.model,
         optimizer,
