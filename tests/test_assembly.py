@@ -45,8 +45,8 @@ def test_a_controller_must_start_at_the_samplers_first_batch():
 def test_the_default_controller_starts_at_any_first_batch_a_sampler_gives():
     """A plugin's ``GlobalBatchSampler(N, 8)`` with no controller was refused: "initial (8)
     is outside [min, max] = [16, 16384]", naming arguments its user never passed."""
-    small, large = resolve_controller(None, 8), resolve_controller(None, 32_768)
-    assert (small.initial, small.min, small.max) == (8, 8, 16_384)
+    small, large = resolve_controller(None, 4), resolve_controller(None, 32_768)
+    assert (small.initial, small.min, small.max) == (4, 4, 16_384)  # below the default 8
     assert (large.initial, large.min, large.max) == (32_768, 8, 32_768)
     assert repr(resolve_controller(None, 64)) == repr(bb.batch.BatchWarmup(initial=64))
 
@@ -126,6 +126,7 @@ def test_a_lossy_reduction_keeps_two_micro_batches_a_rank_however_many_ranks():
     from bigbatch.assembly import fewest_sub_batches
 
     assert fewest_sub_batches(True, False, False, ranks=4) == 1  # exact: the 4 ranks' 4
+    assert fewest_sub_batches(True, False, False, ranks=3) == 2  # 6, not 3: at least the 4
     assert fewest_sub_batches(True, False, False, ranks=4, lossy=True) == 2
     assert fewest_sub_batches(True, False, False, ranks=8, lossy=True) == 2
     assert fewest_sub_batches(True, False, False, ranks=1, lossy=True) == 4

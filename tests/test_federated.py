@@ -44,6 +44,8 @@ def test_pool_skips_a_clients_missing_value_and_stops_at_the_shortest_report():
     assert len(pooled) == 2
     assert pooled[0]["grad_sq_norm"] == 2.0  # the NaN is left out, not averaged in
     assert pool_steps([]) == []
+    alone = pool_steps([report(100, [math.nan], [math.inf])])  # no client measured it
+    assert math.isnan(alone[0]["grad_sq_norm"]) and math.isnan(alone[0]["trace"])
 
 
 def test_switch_is_large_until_its_fraction_of_the_samples_then_small():
@@ -95,6 +97,16 @@ def test_controller_scheme_applies_a_decision_from_the_next_round_and_stops_feed
     # five local steps of global batch 64 ended at 1000 samples
     assert scheme.next_local_batch(pooled, 16, 4, samples=1000, total=10_000) == 32
     assert controller.seen == [(64, 1000 - 64 * 4), (64, 1000 - 64 * 3), (64, 1000 - 64 * 2)]
+
+
+def test_controller_scheme_divides_the_global_batch_rounding_up():
+    # 64, then a chosen 100, over 3 clients: 22 and 34 each, never a global batch below it
+    controller = Doubler()
+    controller.next = lambda measured, batch_size, samples: 100
+    scheme = ControllerScheme(controller, clients=3)
+    assert scheme.initial == 22
+    pooled = [{"grad_sq_norm": 1.0, "trace": 1.0, "similarity": 0.1}]
+    assert scheme.next_local_batch(pooled, 22, 3, samples=1000, total=10_000) == 34
 
 
 def test_controller_scheme_grows_where_the_pooled_noise_scale_exceeds_the_next_batch():

@@ -85,6 +85,8 @@ def test_settings_give_the_constructor_its_checks_repr_and_config_keys():
         ({"rate": 1, "layers": 0}, r"layers must be a whole number in \(0, 8\), got 0"),
         ({"rate": 1, "layers": 8}, r"layers must be a whole number in \(0, 8\), got 8"),
         ({"rate": 1, "name": 3}, "name must be text, got 3"),
+        ({"rate": None}, "rate must be a number, got None"),  # not typed optional
+        ({"rate": 1, "window": None}, "window must be a whole number"),
     ],
 )
 def test_a_bad_setting_is_one_error_naming_it(values, message):

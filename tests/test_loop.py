@@ -497,9 +497,9 @@ def test_auto_takes_the_examples_where_the_model_allows_and_says_why_not(caplog)
     # sub-batch statistics come free, so auto takes them; examples still insists
     caplog.clear()
     with caplog.at_level("INFO", logger="bigbatch"):
-        _, split = make_run(controller=bb.batch.Constant(32), min_sub_batches=4, statistics=True)
-    assert split.collector.per_example is None and split.min_sub_batches == 4
-    assert "every step is split into 4 micro-batches anyway" in caplog.text
+        _, split = make_run(controller=bb.batch.Constant(32), min_sub_batches=2, statistics=True)
+    assert split.collector.per_example is None and split.min_sub_batches == 2
+    assert "every step is split into 2 micro-batches anyway" in caplog.text
     _, insisted = make_run(
         controller=bb.batch.Constant(32), min_sub_batches=4, noise_from="examples", statistics=True
     )

@@ -22,6 +22,10 @@ from bigbatch import StepOptions
         ("ema_beta", 1.0, "ema_beta must be in [0, 1), got 1.0"),
         ("loss_reduction", "max", "loss_reduction must be one of"),
         ("nonfinite", "ignore", "nonfinite must be one of"),
+        ("noise_units", 1, "noise_units must be at least 2 (one unit has no noise"),
+        ("statistics_every", 0, "statistics_every must be a whole number >= 1, got 0"),
+        ("statistics_every", 2.5, "statistics_every must be a whole number, got 2.5"),
+        ("statistics_every", "often", "statistics_every must be a whole number of steps or"),
     ],
 )
 def test_a_bad_option_is_one_error_naming_it_and_its_value(field, value, message):

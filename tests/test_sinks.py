@@ -99,7 +99,8 @@ def test_a_resumed_tensorboard_writer_hides_what_followed_the_checkpoint(tmp_pat
 def test_mlflow_holds_every_metric_the_changes_and_continues_a_run(tmp_path):
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    sink = MLflowSink(uri, "bigbatch-test", run_name="r", params={"lr": 0.01})
+    params = {"lr": 0.01, **{f"key{i}": i for i in range(150)}}  # log_batch takes 100 a call
+    sink = MLflowSink(uri, "bigbatch-test", run_name="r", params=params)
     with Sinks(sink) as sinks:
         for row in rows()[:4]:
             sinks.record(row)
@@ -110,6 +111,7 @@ def test_mlflow_holds_every_metric_the_changes_and_continues_a_run(tmp_path):
     client = mlflow.MlflowClient(uri)
     run = client.get_run(sink.run_id)
     assert run.data.params["lr"] == "0.01" and run.info.status == "FINISHED"
+    assert len(run.data.params) == 151
     history = client.get_metric_history(sink.run_id, "bigbatch/batch_size")
     assert sorted((m.step, m.value) for m in history) == [(s, 64 if s <= 3 else 128) for s in
                                                           range(1, 7)]  # fmt: skip
@@ -192,7 +194,9 @@ def test_wandb_offline_holds_every_metric_and_the_change(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with Sinks(WandbSink(tmp_path, name="r", config={"lr": 0.01})) as sinks:
+    # resumed from a checkpoint before step 3: the change listed there is logged again
+    earlier = [(3, 128, "listed before the resume")]
+    with Sinks(WandbSink(tmp_path, name="r", config={"lr": 0.01}, changes=earlier)) as sinks:
         for row in rows():
             sinks.record(row)
     history = wandb_history(tmp_path)

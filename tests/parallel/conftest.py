@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from .cluster import Cluster
 
@@ -30,6 +31,14 @@ def cluster2() -> Cluster:
 @pytest.fixture
 def cluster4() -> Cluster:
     return get_cluster(4)
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of this process alone, for the one-rank cases."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -688,6 +688,48 @@ def fsdp_refusals() -> list[str]:
     return messages
 
 
+def users_hook_under_split_similarity() -> int:
+    """How often the user's comm hook ran in 2 steps of ``similarity="split"``, which
+    reduces the gradient through bigbatch's two-group hook (the user's inside it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = 0
+
+    def hook(state, bucket):
+        nonlocal calls
+        calls += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model = DDP(make_model())
+    loop = AdaptiveBatch(
+        model, torch.optim.SGD(param_groups(model), lr=0.05), regression_data(),
+        controller=Constant(16), statistics=True, similarity="split",
+        noise_from="sub_batches", comm_hook=(None, hook),
+    )  # fmt: skip
+    for step in loop.steps(max_steps=2):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(model(x), y))
+        step.apply()
+    return calls
+
+
+def fsdp_gradients_by_micro_batch() -> list[bool]:
+    """Whether every sharded ``.grad`` exists after each of a step's two micro-batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    from bigbatch.parallel import ddp
+
+    model = make_model()
+    fully_shard(model)
+    x, y = regression_data()[:8]
+    present = []
+    for i, last in enumerate((False, True)):
+        with ddp.accumulating(model, last):
+            nn.functional.mse_loss(model(x[4 * i : 4 * i + 4]), y[4 * i : 4 * i + 4]).backward()
+        present.append(all(p.grad is not None for p in model.parameters()))
+    return present
+
+
 def sharded_optimizer_collectives(name: str, layers: int) -> int:
     """The all-reduces one step of optimizer ``name`` makes on a ``layers``-deep FSDP2 model
     (two param groups: weights with weight decay, biases without)."""

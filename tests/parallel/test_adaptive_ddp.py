@@ -242,6 +242,10 @@ def test_with_a_comm_hook_the_noise_is_estimated_within_each_rank(cluster, regis
     assert result["got"] == pytest.approx(result["expected"], rel=1e-5)
 
 
+def test_split_similarity_runs_the_users_comm_hook_inside_its_own(cluster2):
+    assert cluster2.run(programs.users_hook_under_split_similarity) == [2, 2]  # a bucket a step
+
+
 def test_a_plugin_builds_the_loops_engine_from_a_framework_wrapped_model(cluster2):
     result = cluster2.run(programs.engines_built_by_the_loop_and_a_plugin)[0]
     assert result["plugin"] == result["loop"]

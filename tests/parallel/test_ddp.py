@@ -61,5 +61,18 @@ def test_hook_state_round_trips_on_one_process():
     fresh = Counter()
     ddp.load_hook_state_dict((fresh, default_hooks.allreduce_hook), saved, world)
     assert fresh.count == 5
+    other = Counter()  # saved on 2 ranks: each rank's own state has no owner here
+    ddp.load_hook_state_dict((other, default_hooks.allreduce_hook), saved * 2, world)
+    assert other.count == 0
     assert ddp.hook_state_dict((None, default_hooks.allreduce_hook), world) is None
     assert ddp.hook_state_dict(None, world) is None
+
+
+def test_a_second_hook_is_refused_and_the_one_in_use_is_still_read(one_rank):
+    # DDP lists a hook before its C++ side refuses a second one: the refused hook was then
+    # read as the one in use (a user's lossy fp16 reduction taken as lossless)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with pytest.raises(ValueError, match="has a comm hook already; pass yours as comm_hook"):
+        ddp.register(model, (None, default_hooks.allreduce_hook))
+    assert ddp.registered_hook(model) == (None, default_hooks.fp16_compress_hook)

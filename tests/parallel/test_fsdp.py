@@ -57,6 +57,11 @@ def test_fsdp_decides_like_ddp_and_alike_on_every_rank(cluster2):
     torch.testing.assert_close(sharded[0]["params"], replicated[0]["params"])
 
 
+def test_only_a_steps_last_micro_batch_reduce_scatters(cluster2):
+    # the earlier ones accumulate unsharded: no communication (and no sharded .grad) yet
+    assert cluster2.run(programs.fsdp_gradients_by_micro_batch) == [[False, True]] * 2
+
+
 def test_what_fsdp_does_not_support_gets_one_clear_error(cluster2):
     split, dtensor, rootless = cluster2.run(programs.fsdp_refusals)[0]
     assert "similarity='split' and lossy comm hooks need a DDP model" in split

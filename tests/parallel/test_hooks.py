@@ -4,9 +4,10 @@ ranks in tests/parallel/test_adaptive_ddp.py)."""
 from types import SimpleNamespace
 
 import pytest
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from bigbatch.parallel.hooks import is_lossless
+from bigbatch.parallel.hooks import TwoGroupCosine, is_lossless
 
 
 def my_hook(state, bucket):  # a user's own reduction: bigbatch cannot know what it does
@@ -28,3 +29,8 @@ def my_hook(state, bucket):  # a user's own reduction: bigbatch cannot know what
 )
 def test_is_lossless(comm_hook, lossless):
     assert is_lossless(comm_hook) is lossless
+
+
+def test_the_two_group_cosine_needs_two_ranks(one_rank):
+    with pytest.raises(ValueError, match="the two-group cosine needs at least 2 ranks"):
+        TwoGroupCosine([list(nn.Linear(3, 2).parameters())])

@@ -50,9 +50,13 @@ def register(
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("comm_hook needs a DistributedDataParallel model on 2+ ranks")
     state, hook = comm_hook
+    listed = len(getattr(model, "_comm_hooks", []))
     try:
         model.register_comm_hook(state, hook)
     except RuntimeError as err:
+        # DDP lists a hook before its C++ side refuses a second one: unlisted, so that
+        # registered_hook reads the hook in use, not the refused one
+        del getattr(model, "_comm_hooks", [])[listed:]
         raise ValueError(
             "the model has a comm hook already; pass yours as comm_hook=(state, hook) so it "
             f"can be composed with bigbatch's ({err})"
