@@ -30,8 +30,12 @@ def test_steps_that_still_halve_or_never_fall_are_outside_the_range():
     assert fit_critical_batch(halving) == (0.0, math.inf)  # (its floor: round-off, 1e-14)
     flat = [(b, 50.0) for b in BATCHES]
     assert fit_critical_batch(flat) == (50.0, 0.0)
+    rising = [(64, 50.0), (256, 60.0), (1024, 80.0)]  # its floor: the fewest steps
+    assert fit_critical_batch(rising) == (50.0, 0.0)
     with pytest.raises(ValueError, match="two batch sizes"):
         fit_critical_batch([(64, 10.0)])
+    with pytest.raises(ValueError, match="must be positive"):
+        fit_critical_batch([(0, 50.0), (256, 60.0)])
 
 
 def test_mean_std_skips_what_is_missing():

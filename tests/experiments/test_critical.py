@@ -26,6 +26,8 @@ def test_the_critical_batch_is_the_largest_within_the_tolerance():
     assert critical.critical_batch(losses, 0.005) == 32  # the edge itself passes
     assert critical.critical_batch(losses, 0.0) == 16  # the reference always does
     assert critical.critical_batch({16: 1.0, 32: math.nan}, 1.0) == 16  # a diverged branch fails
+    # a diverged reference: none passes, and the answer is the smallest batch, not the largest
+    assert critical.critical_batch({16: math.nan, 32: 1.0, 64: 1.0}, 0.01) == 16
 
 
 @pytest.mark.parametrize(
@@ -57,12 +59,26 @@ def test_bad_options_are_named(batches, points, message):
             "branches of 100 samples are not whole steps at batch 16: give --branch-samples a "
             "multiple of 32",
         ),
+        # no batches: the config's (8) and its doublings up to 32 times it, 256
+        (
+            CriticalSettings(points=(0.5,), branch_samples=100),
+            "not whole steps at batch 8: give --branch-samples a multiple of 256",
+        ),
+        # no branch_samples: 5% of the budget (200) rounded up to a multiple of 32
+        (
+            CriticalSettings(batches=(16, 32), points=(0.95,)),
+            r"point 0.95 leaves 192 samples of max_samples \(4,000\) for branches of 224:",
+        ),
     ],
 )
 def test_branches_of_unequal_samples_are_refused_before_any_training(tmp_path, settings, message):
     with pytest.raises(ConfigError, match=message):
         critical.measure(resolve(SMALL), tmp_path / "m", settings, quiet=True)
     assert not (tmp_path / "m").exists()
+
+
+def test_branches_that_end_at_the_budget_exactly_are_accepted():
+    critical._check_branches_fit([16, 32], [0.5], 4096, 2048)  # 2,048 + 2,048 of 4,096: fits
 
 
 def test_a_branch_batch_larger_than_the_training_set_is_refused_before_any_training(tmp_path):
@@ -198,6 +214,29 @@ def test_a_branch_whose_steps_were_skipped_is_a_diverged_one(tmp_path, monkeypat
     assert math.isnan(critical._branch(resolve(SMALL), out, tmp_path / "snapshot", 1280))
     (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.5}) + "\n")
     assert critical._branch(resolve(SMALL), out, tmp_path / "snapshot", 1280) == 1.52
+    none_skipped = resolve(SMALL, {"skip_limit": 0.0})  # within a limit of 0: a score
+    assert critical._branch(none_skipped, out, tmp_path / "snapshot", 1280) == 1.52
+
+
+def test_a_branch_below_the_configs_smallest_batch_lowers_it():
+    config = resolve({**SMALL, "batch.initial": 64, "batch.min": 64})
+    assert critical._config(config, 16, 16, "auto")["batch.min"] == 16
+    assert critical._config(config, 128, 16, "auto")["batch.min"] == 64
+
+
+def test_the_report_shows_each_branch_loss_minus_the_reference(tmp_path):
+    from bigbatch.experiments.report.critical_batch import render
+
+    (tmp_path / "plan.json").write_text(json.dumps({"points": [0.5]}))
+    point = {"fraction": 0.5, "samples": 2048, "schedule": 1.0, "losses": {"16": 1.0, "32": 1.2},
+             "critical_batch": 16, "noise_scale": 10.0, "noise_scale_low": 5.0,
+             "noise_scale_high": 20.0}  # fmt: skip
+    data = {"config": {"task": "digits"}, "batches": [16, 32], "points": [point],
+            "branch_samples": 640, "lr_rule": "sqrt", "tolerance": 0.01}  # fmt: skip
+    (tmp_path / "critical_batch.json").write_text(json.dumps(data))
+    text = render(tmp_path).read_text()
+    assert "| 1.0000 | **≤ 16** |" in text and text.count("| +0.0000 | +0.2000 |") == 1
+    assert "points measured" not in text  # every point planned is there: no "1 of 1"
 
 
 def test_no_run_of_a_measurement_ends_early_at_the_target():

@@ -36,6 +36,9 @@ def test_target_summary_in_numbers_and_words():
     missed = target_summary(task, evals[:1])
     assert not missed["target_reached"] and missed["steps_to_target"] is None
     assert missed["target_note"] == "target accuracy 0.97 not reached; best 0.5"
+    # the best of several evals is the highest accuracy, not the lowest
+    missed = target_summary(task, [*evals[:1], {"step": 20, "samples": 1280, "eval_accuracy": 0.9}])
+    assert missed["target_note"] == "target accuracy 0.97 not reached; best 0.9"
 
 
 def test_a_loss_target_is_reached_from_above():
@@ -48,6 +51,8 @@ def test_a_loss_target_is_reached_from_above():
     summary = target_summary(task, evals)
     assert summary["steps_to_target"] == 2 and summary["target_metric"] == "eval_loss"
     assert not math.isnan(task.target)
+    missed = target_summary(task, [{**evals[0], "eval_loss": 3.5}, evals[0]])
+    assert missed["target_note"].endswith("not reached; best 3")  # the lowest loss
 
 
 @pytest.mark.parametrize("ended", sorted(ENDS))
@@ -56,6 +61,11 @@ def test_only_a_run_that_ended_with_a_result_is_finished(tmp_path, ended):
     summary = {"ended": ended, "final_accuracy": 0.9}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert (finished_summary(tmp_path) == summary) == (ended in FINISHED)
+
+
+def test_a_run_stopped_at_its_skip_limit_is_a_result_but_not_one_stopped_early():
+    # a diverged rate ranks last in a sweep; it is not rerun
+    assert sorted(FINISHED) == ["budget", "skip_limit", "target"]
 
 
 def test_a_summary_that_does_not_say_how_the_run_ended_is_no_result(tmp_path):

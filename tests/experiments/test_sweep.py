@@ -66,6 +66,7 @@ def test_a_grid_at_the_tasks_rate_scales_the_tasks_ceiling_with_it(trained, tmp_
         (b,) = sweep(user, [Arm("b", {}, "b")], tmp_path / "b", Protocol(lr_grid=(0.5, 2)))
         # the ceiling the chosen point trained under, for a run at the chosen rate
         assert (a.lr_max, b.lr_max) == (0.01 * a.lr / trained[1]["lr"], 0.03)
+        assert (a.own, b.own) == (1, None)  # a grid without x1 has no own rate (x2 was taken)
         assert plan_run(trained[1]) == {**plan_run(base), "seed": 0}
     rate = trained[1]["lr"]
     assert [(c["lr"], c["lr_max"]) for c in trained] == [
@@ -117,6 +118,12 @@ def test_widening_stops_at_its_cap_and_says_the_rate_is_at_the_edge(trained, tmp
     (result,) = sweep(BASE, arms, tmp_path, Protocol(lr_grid=(1.0, 2.0), rank="final", widen=1))
     assert result.lrs == pytest.approx([0.00025, 0.0005, 0.001])
     assert result.at_edge and result.dirs == ["a-lr2-seed0"]
+    # by the grid's own step (x4 here), not by doubling
+    protocol = Protocol(lr_grid=(1.0, 4.0), rank="final", widen=1)
+    (result,) = sweep(BASE, [Arm("b", {"lr": 0.00025}, "b")], tmp_path, protocol)
+    assert result.lrs == pytest.approx([0.00025, 0.001, 0.004])
+    (result,) = sweep(BASE, [Arm("c", {}, "c")], tmp_path, Protocol(lr_grid=(1.0,)))
+    assert not result.at_edge  # one rate is no grid to be at the end of
 
 
 def test_a_best_score_tied_at_an_end_of_the_grid_widens_it(tmp_path, monkeypatch):
@@ -144,6 +151,21 @@ def test_a_best_score_tied_at_an_end_of_the_grid_widens_it(tmp_path, monkeypatch
     (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path / "inside", protocol)
     assert result.lrs == pytest.approx([0.002, 0.004, 0.008, 0.016])
     assert result.lr == pytest.approx(0.004) and not result.at_edge
+    top = 0.016  # flat over the whole grid (0.008-0.016): the low end is chosen, widened below
+    protocol = Protocol(lr_grid=(2.0, 4.0), rank="final", widen=1)
+    (result,) = sweep(BASE, [Arm("a", {"lr": 0.004}, "a")], tmp_path / "all", protocol)
+    assert result.lrs == pytest.approx([0.004, 0.008, 0.016])
+    assert result.lr == pytest.approx(0.004) and result.at_edge
+
+
+def test_runs_in_parallel_share_the_cores(trained, tmp_path, monkeypatch):
+    # two runs at a time each took every core (no threads given)
+    from bigbatch.experiments.device import share_of_cores
+
+    serial = lambda train, jobs, workers: [train(job) for job in jobs]  # noqa: E731
+    monkeypatch.setattr("bigbatch.experiments.sweep.in_processes", serial)
+    sweep(BASE, [Arm("a", {}, "a")], tmp_path, Protocol(lr_grid=(1.0,), jobs=2))
+    assert trained[0]["threads"] == share_of_cores(2)
 
 
 def test_the_steps_rank_prefers_reaching_the_target_sooner():

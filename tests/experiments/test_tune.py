@@ -138,6 +138,55 @@ def test_a_stop_inside_a_trial_asks_for_the_command_again_and_a_trial_finished_b
     assert result.best["lr"] == straight.best["lr"]
 
 
+def test_a_tie_at_a_pause_goes_to_the_earlier_trial(fake, monkeypatch, tmp_path):
+    def flat(config, out, **options):  # every rate scores alike at the pauses
+        lr = BEST_LR if options.get("until") else config["lr"]
+        return fake({**config, "lr": lr}, out, **options)
+
+    monkeypatch.setattr(runner, "train", flat)
+    result = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=3))
+    states = [t["state"] for t in sorted(result.trials, key=lambda t: t["number"])]
+    assert states == ["complete", "pruned", "pruned"]  # (ranked the other way: the last)
+
+
+def test_a_trial_finished_by_hand_reports_its_final_score_at_a_pause(fake, monkeypatch, tmp_path):
+    def finished_first(config, out, **options):  # trial 0 trained to its end, best above final
+        if out.name == "0000" and options.get("until"):
+            summary = {**fake(config, out, **{**options, "until": None}), "best_accuracy": 0.999}
+            (out / "summary.json").write_text(json.dumps(summary))
+            return summary
+        return fake(config, out, **options)
+
+    monkeypatch.setattr(runner, "train", finished_first)
+    result = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=3))
+    (first,) = [t for t in result.trials if t["number"] == 0]
+    assert first["curve"] and {value for _, value in first["curve"]} == {first["value"]}
+
+
+def test_the_report_counts_the_trials_and_the_cost_in_full_runs():
+    from pathlib import Path
+
+    from bigbatch.experiments.report.tuning import markdown
+    from bigbatch.experiments.tune import TuneResult
+
+    def trial(number, state, samples):
+        return {
+            "number": number, "bracket": 0, "state": state, "params": {"lr": 0.004},
+            "samples": samples, "value": 0.97 if state == "complete" else None, "last": 0.97,
+            "curve": [], "diverged": None,
+        }  # fmt: skip
+
+    result = TuneResult(
+        best={"lr": 0.004}, best_value=0.97, best_dir=Path("trials/0000"), samples=27_000,
+        budget=9_000, grid_samples=63_000,
+        trials=[trial(0, "complete", 9_000), trial(1, "pruned", 3_000), trial(2, "pruned", 3_000)],
+    )  # fmt: skip
+    text = markdown({"task": "digits"}, result, SPACE)
+    assert "1 trained to the end, 2 stopped early, 0 diverged." in text
+    assert "27,000 samples, 3.00 full runs; the ×2 grid over the same range trains 7 full " in text
+    assert "**43% of the grid**" in text
+
+
 def test_the_best_config_report_and_plot_are_written(fake, tmp_path):
     result = tune(BASE, tmp_path / "t", SPACE, TuneSettings(trials=9, brackets=2))
     best = resolve(load_toml(tmp_path / "t" / "best.toml"))
@@ -358,6 +407,7 @@ def test_the_default_space_spans_the_tasks_rate_by_eight_each_way():
     ("text", "message"),
     [
         ("lr=0.1:0.01", "LOW must be below HIGH"),
+        ("lr=0.01:0.01", "LOW must be below HIGH"),
         ("lrr=0.1:1", "unknown config key 'lrr'; did you mean 'lr'?"),
         ("lr=0:1:log", "a log range needs LOW > 0"),
         ("lr=-1:1", "lr must be >= 0, got -1.0"),

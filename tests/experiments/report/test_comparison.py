@@ -7,8 +7,10 @@ from bigbatch.experiments.report import comparison
 from bigbatch.experiments.report.comparison import (
     _axis,
     _by_axis,
+    _critical_batches,
     _judged_early,
     _near_best,
+    _rate_grid,
     pareto_front,
 )
 
@@ -76,6 +78,11 @@ def test_runs_stopped_at_their_target_are_judged_at_that_target(tmp_path):
     rows = {r.split(" | ")[0].strip("| "): r for r in lines[:split] if r.startswith("| ")}
     assert "| 900 ± 0 (2/2) | 2.25 |" in rows["static"]
     assert "| 400 ± 0 (2/2) | 1.00 |" in rows["schedule"]
+    # runs stopped at two targets: no one target to judge them at, so T is the best final's
+    for run in fast.runs:
+        run["target"] = 1.58
+    lines = _near_best(tmp_path, [static, fast], loss=True)
+    assert lines[0].startswith("Steps to T = 1.56, the best arm's final eval loss + 0.01")
 
 
 def test_pareto_front():
@@ -84,6 +91,8 @@ def test_pareto_front():
         (1024, 0.96),
         (4096, 0.95),
     ]
+    # a point no more accurate than one at a larger batch is beaten by it
+    assert pareto_front([(64, 0.9), (128, 0.9), (32, 0.95)]) == [(32, 0.95), (128, 0.9)]
 
 
 def test_the_rate_grid_judged_early_leads_with_the_rate_that_learns_fastest(tmp_path):
@@ -132,6 +141,9 @@ def test_the_axis_drawn_against_is_a_varied_quantity_never_the_seed():
     plan = {"varied": ["seed", "lr_max"]}
     assert _axis(plan, arms(seed=[0, 1, 2], lr_max=[0.1, 0.2, 0.4])) == "lr_max"
     assert _axis({"varied": ["seed"]}, arms(seed=[0, 1, 2])) is None
+    assert _axis({"varied": ["lr"]}, arms(lr=[0.1, 0.2, 0.2])) is None  # two values: no curve
+    both = arms(lr=[0.1, 0.2, 0.4], **{"model.width": [8, 16, 32]})
+    assert _axis({"varied": ["lr", "model.width"]}, both) == "model.width"  # the last varied
     batch = {"varied": ["model.width", "batch.initial"]}
     assert _axis(batch, arms(**{"model.width": [8, 16, 32], "batch.initial": [16, 64, 256]})) == (
         "batch.initial"
@@ -188,6 +200,33 @@ def test_a_critical_batch_beyond_the_fit_names_the_batches_fitted_not_the_arms(
     text = "\n".join(_by_axis(tmp_path, arms, "batch.initial", loss=True))
     row = next(r for r in text.splitlines() if r.startswith("| all |")).split(" | ")
     assert row[1:4] == ["0", "> 256 (no floor yet)", "> 256 (no floor yet), > 256 (no floor yet)"]
+
+
+def test_a_critical_batch_is_fitted_on_three_batches_reached_at_least():
+    arms = [
+        ArmResult(str(batch), {"batch.initial": batch}, [0.01], 0, [{"steps_to_target": steps}])
+        for batch, steps in ((16, 400), (64, 100), (256, None))
+    ]
+    assert _critical_batches({"all": arms}, "batch.initial") == {}  # two points: no fit
+
+
+def test_the_rate_grid_says_how_far_the_own_rate_ends_from_the_chosen(tmp_path):
+    dirs = []
+    for i, final in enumerate((0.8, 0.85, 0.9)):
+        (tmp_path / f"lr{i}").mkdir()
+        summary = {"ended": "budget", "final_accuracy": final}
+        (tmp_path / f"lr{i}" / "summary.json").write_text(json.dumps(summary))
+        dirs.append(f"lr{i}")
+    runs = [{"final_accuracy": 0.9}]
+    arm = ArmResult("adam", {}, [0.005, 0.01, 0.02], 2, runs, dirs[2:], grid_dirs=dirs, own=1)
+    lines = _rate_grid(tmp_path, [arm], loss=False)
+    # the table's rule has a cell for each heading
+    assert lines[2:4] == ["| arm | rate: final | own − chosen |", "|---|---|---|"]
+    assert lines[-2].startswith("| adam | 0.005: 0.8000, 0.01°: 0.8500, 0.02: 0.9000* (")
+    assert lines[-2].endswith(" | -0.0500 |")  # own − chosen (its sign was flipped)
+    # an arm of one rate (a tuned one) has no grid to show
+    one = ArmResult("tuned", {}, [0.01], 0, runs, dirs[:1], grid_dirs=dirs[:1], own=0)
+    assert _rate_grid(tmp_path, [one], loss=False) == []
 
 
 def test_a_diverged_seed_or_arm_is_counted_not_hidden(tmp_path):

@@ -44,3 +44,15 @@ def test_the_report_of_a_run_stopped_before_its_end_says_so_first(
     (tmp_path / "config.toml").write_text("")
     lines = run.render(tmp_path).read_text().splitlines()
     assert (lines[2] == f"**Not ended: {why}.**") == said
+
+
+@pytest.mark.parametrize("count, more", [(40, []), (45, ["- ... and 5 more (metrics.jsonl)"])])
+def test_the_report_lists_forty_batch_changes_and_counts_the_rest(count, more):
+    rows = [
+        {"step": i, "batch_size": 16 * 2 ** (i % 2), "next_batch_size": 16 * 2 ** ((i + 1) % 2)}
+        for i in range(count)
+    ]
+    lines = run._batch_changes(rows)
+    assert lines[2] == f"{count} changes of the batch size:"
+    assert sum(line.startswith("- batch") for line in lines) == 40
+    assert [line for line in lines if " more " in line] == more
