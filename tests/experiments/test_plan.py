@@ -210,6 +210,21 @@ def test_a_batch_larger_than_the_training_set_is_lowered_to_it_with_its_origin()
     assert problem.info["batch_max_lowered_from"] == 16384
 
 
+def test_the_loop_takes_the_plans_ceiling_warm_up_and_a_batch_of_the_whole_training_set():
+    # the ceiling as a factor of the rate, the warm-up as a share of the budget, and a batch
+    # of exactly the training set's 1,437 samples neither refused nor lowered
+    from bigbatch.experiments.build import build
+
+    config = {"task": "digits", "model.width": 8, "lr": 0.01, "lr_max": 0.04}
+    plan = plan_run({**config, "schedule.warmup": 0.1, "max_samples": 10_000})
+    _, loop, _ = build(plan)
+    assert loop.engine.options.max_lr_factor == pytest.approx(4.0)
+    assert loop.engine.schedule(500) == pytest.approx(0.5, abs=0.01)  # half the 1,000 warm-up
+    whole = {"batch.controller": "constant", "batch.initial": 1437, "batch.max": 1437}
+    problem, loop, _ = build(plan_run({**config, **whole}))
+    assert loop.engine.controller.max == 1437 and "batch_max_lowered_from" not in problem.info
+
+
 def test_fsdp_on_one_process_trains_the_whole_model_and_says_so():
     from bigbatch.experiments.build import build
 
