@@ -22,11 +22,12 @@ def test_defaults_resolve_and_round_trip_through_toml(tmp_path):
     config = resolve()
     assert config == defaults()
     path = tmp_path / "c.toml"
-    path.write_text(to_toml({**config, "batch.target": 0.5, "task": "lm"}))
+    uri = 'file:C:\\runs\\new "a"'  # a backslash and quotes, escaped in the file
+    path.write_text(to_toml({**config, "batch.target": 0.5, "task": "lm", "log.mlflow": uri}))
     from bigbatch.experiments.config import load_toml
 
     again = resolve(load_toml(path))
-    assert again["batch.target"] == 0.5 and again["task"] == "lm"
+    assert again["batch.target"] == 0.5 and again["task"] == "lm" and again["log.mlflow"] == uri
 
 
 def test_every_key_is_written_once_in_a_section_or_by_a_component():
@@ -60,6 +61,12 @@ def test_set_values_are_read_as_toml():
     assert parse_assignment("task = digits") == ("task", "digits")
     assert parse_assignment('task="lm"') == ("task", "lm")
     assert resolve({"lr": 1})["lr"] == 1.0
+    assert parse_assignment("log.mlflow=http://host/?a=b") == ("log.mlflow", "http://host/?a=b")
+    # a number given to a duration keeps every digit (1234567.0 was saved as 1.23457e+06)
+    ramp = {"batch.controller": "ramp", "batch.ramp_over": 1234567.0}
+    assert resolve(ramp)["batch.ramp_over"] == "1234567"
+    with pytest.raises(ConfigError, match=r"'1234567\.5' is not a whole number of samples"):
+        resolve({**ramp, "batch.ramp_over": 1234567.5})
 
 
 @pytest.mark.parametrize(

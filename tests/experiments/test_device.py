@@ -56,6 +56,14 @@ def test_a_named_gpu_that_is_not_there_is_one_clear_error(gpus):
     gpus(1)
     with pytest.raises(ValueError, match=r"device = 'cuda:3' but this machine has 1 GPU"):
         resolve_device("cuda:3")
+    with pytest.raises(ValueError, match=r"device = 'cuda:1' but this machine has 1 GPU"):
+        resolve_device("cuda:1")  # the count itself is one past the last
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_only_float16_gets_a_loss_scaler(precision):
+    scaler = device.Precision(precision, torch.device("cpu")).scaler()
+    assert (scaler is not None) == (precision == "fp16")
 
 
 #: in a fresh process, as ``bigbatch train`` calls it: in a long-lived test worker every

@@ -225,6 +225,17 @@ def test_the_loop_takes_the_plans_ceiling_warm_up_and_a_batch_of_the_whole_train
     assert loop.engine.controller.max == 1437 and "batch_max_lowered_from" not in problem.info
 
 
+@pytest.mark.parametrize(
+    ("name", "impl", "built"),
+    [("adamw", "fused", {"fused": True}), ("adamw", "foreach", {}), ("sgd", "foreach", {}),
+     ("lamb", "foreach", {"impl": "foreach"})],
+)  # fmt: skip
+def test_torchs_optimizers_are_built_fused_only_when_asked(name, impl, built):
+    from bigbatch.experiments.build import implementation
+
+    assert implementation(name, impl) == built
+
+
 def test_fsdp_on_one_process_trains_the_whole_model_and_says_so():
     from bigbatch.experiments.build import build
 

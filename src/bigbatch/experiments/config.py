@@ -670,7 +670,9 @@ def _check(key: Key, value: Any) -> Any:
         return value
     if key.knob.parse is not None and (isinstance(value, str) or key.kind is str):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = f"{value:g}" if isinstance(value, float) else str(value)
+            # every digit kept (:g rounded 1234567.0 to 1.23457e+06)
+            whole = isinstance(value, float) and value.is_integer()
+            value = str(int(value)) if whole else str(value)
         if isinstance(value, str):
             try:
                 key.knob.parse(value)
