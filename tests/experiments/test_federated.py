@@ -56,6 +56,11 @@ def test_bad_settings_are_one_error_naming_the_value(settings, message):
     assert message in str(error.value)
 
 
+def test_settings_at_their_bounds_are_accepted():
+    assert FederatedSettings(scheme="switch", local_batch=16, large=16).large == 16
+    assert FederatedSettings(local_batch=4, min_sub_batches=4).min_sub_batches == 4
+
+
 def test_the_command_simulates_a_federation_and_writes_its_report(tmp_path, capsys):
     out = tmp_path / "fed"
     argv = ["federated", "--task", "digits", "--clients", "2", "--split", "dirichlet",

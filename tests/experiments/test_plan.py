@@ -236,6 +236,14 @@ def test_torchs_optimizers_are_built_fused_only_when_asked(name, impl, built):
     assert implementation(name, impl) == built
 
 
+def test_a_budget_of_one_batch_and_a_warm_up_of_the_whole_run_are_planned():
+    one = {"batch.controller": "constant", "batch.initial": 64, "max_samples": 64}
+    assert plan_run(one)["max_samples"] == 64
+    with pytest.raises(ConfigError, match=r"max_samples \(63\) is below the first batch"):
+        plan_run({**one, "max_samples": 63})
+    assert plan_run({"schedule.warmup": "100%"})["schedule.warmup"] == 1.0
+
+
 def test_fsdp_on_one_process_trains_the_whole_model_and_says_so():
     from bigbatch.experiments.build import build
 

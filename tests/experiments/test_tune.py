@@ -317,6 +317,7 @@ def test_the_pauses_divide_the_run_by_powers_of_the_reduction_after_two_warmups(
     assert settings.survivors(warmup=0.05) == [9, 3, 1]
     assert TuneSettings(after_warmup=0).rungs(warmup=0.05) == pytest.approx(settings.rungs())
     assert TuneSettings(trials=1).survivors() == [1, 1, 1, 1]
+    assert len(TuneSettings(min_fidelity=1 / 243).rungs()) == 6  # 3^-5 in floats: 5 pauses
 
 
 def test_a_trial_killed_before_it_joined_a_bracket_is_failed_and_its_point_asked_again(
