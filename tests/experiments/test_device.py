@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -182,3 +183,21 @@ def test_local_processes_share_the_cores_this_process_may_use_not_the_machines(m
         1,
         None,
     ]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux's CPU sets")
+def test_more_threads_than_cores_are_set_and_warned_of(monkeypatch):
+    """threads = 1000 on 2 cores was taken silently (torch's threads then wait on each other)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    chosen: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    with pytest.warns(UserWarning, match=r"^threads = 4 is more than the 3 core\(s\) here$"):
+        device.set_threads(4)
+    each = r"threads = 2 is more than the 1 core\(s\) each of 3 processes has"
+    with pytest.warns(UserWarning, match=each):
+        device.set_threads(2, local_processes=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        device.set_threads(3)  # every core: as asked, nothing said
+        device.set_threads(0, local_processes=3)  # the share
+    assert chosen == [4, 2, 3, 1]

@@ -272,3 +272,12 @@ def test_each_compiled_run_traces_its_own_graphs_as_in_a_process_of_its_own():
     for _ in range(2):
         training_model(model, "default")(x)
     assert counters["stats"]["unique_graphs"] == 2  # traced again: the cache was reset
+
+
+def test_the_progress_bar_says_while_the_run_evaluates(tmp_path, capsys):
+    """An evaluation left the bar as it was: `lm` at a context of 2,000 evaluated for minutes
+    with no sign of what the run was doing."""
+    runner.train(resolve({**CONFIG, "max_samples": 600}), tmp_path / "run")
+    shown = capsys.readouterr().err
+    assert "evaluating:" in shown  # the held-out evaluations
+    assert "evaluating on the training set:" in shown  # digits' after the last step

@@ -74,8 +74,13 @@ def threads_of(threads: int, local_processes: int = 1) -> int | None:
 def set_threads(threads: int, local_processes: int = 1) -> None:
     """Sets :func:`threads_of`'s threads (None: leaves torch's default)."""
     chosen = threads_of(threads, local_processes)
-    if chosen is not None:
-        torch.set_num_threads(chosen)
+    if chosen is None:
+        return
+    share = share_of_cores(local_processes)
+    if chosen > share:  # threads beyond the cores wait on each other: slower, not faster
+        each = f" each of {local_processes} processes has" if local_processes > 1 else " here"
+        warnings.warn(f"threads = {chosen} is more than the {share} core(s){each}", stacklevel=2)
+    torch.set_num_threads(chosen)
 
 
 def share_of_cores(processes: int) -> int:

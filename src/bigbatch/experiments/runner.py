@@ -195,10 +195,11 @@ def _train(run: _Run, resume: bool, quiet: bool, start_from: Path | None) -> dic
         if writer:
             _leave_summary(run, err)
         raise
-    run.bar.close()
     train_evaluation = None
     if run.evaluates and problem.evaluate_train is not None:
+        run.bar.set_description("evaluating on the training set")
         train_evaluation = problem.evaluate_train(problem.model)
+    run.bar.close()
     if writer:
         traffic = traffic_per_step(loop)
         summary = _write_summary(run, traffic, train_evaluation, ended=run.ended)
@@ -298,7 +299,9 @@ class _Run:
         before = (loop.samples - step.batch_size, loop.steps_taken - 1)
         due = self._tick(self.eval_every, before) or loop.steps_taken == 1
         if self.evaluates and (due or last or pause):
+            self.bar.set_description("evaluating")  # (a long evaluation is not a hang)
             self.evaluation = self.problem.evaluate(self.problem.model)
+            self.bar.set_description("", refresh=False)
             if due or last:  # a pause's own evaluation is returned, not logged: the run's
                 own.update(self.evaluation)  # rows and summary are a run's never paused
         if not last and keys.stop_at_target and due:  # rank 0's evaluation, on every rank
