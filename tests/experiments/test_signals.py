@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +33,43 @@ def test_a_signal_after_a_runs_last_step_reaches_the_command():
     with pytest.raises(Stopped, match="SIGINT " + AGAIN), stops_as_a_whole("out"), last_run:
         os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_ends_the_process_at_once(sig):
+    """The first signal asks for a checkpoint after the step; a second (the user pressing
+    Ctrl-C again while a long step or checkpoint runs) must not wait for it."""
+    script = (
+        "import os, signal, time\n"
+        "from bigbatch.experiments.signals import StopRequest\n"
+        "with StopRequest() as request:\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    print(request.signum, flush=True)\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    time.sleep(20)\n"
+        "print('waited', flush=True)\n"
+    )
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert ended.stdout.decode().split() == [str(int(sig))]  # asked once, then ended
+    assert ended.returncode == -sig  # by the signal itself, as if never handled
+
+
+def test_a_signal_while_the_run_is_built_stops_it_after_its_first_step(tmp_path, monkeypatch):
+    """A signal while the data and model are built (minutes for a long `lm` context) is
+    held, not lost nor fatal: the run takes its first step, checkpoints, and stops."""
+    from bigbatch.experiments import runner
+    from bigbatch.experiments.config import resolve
+
+    build = runner.build
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "build", signalled)
+    config = resolve({"task": "digits", "device": "cpu", "threads": 1, "max_samples": 2000})
+    with pytest.raises(Stopped, match="stopped by SIGTERM at step 1; resume with --resume"):
+        runner.train(config, tmp_path / "run", quiet=True)
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+    summary = (tmp_path / "run" / "summary.json").read_text()
+    assert '"ended": "signal"' in summary and '"steps": 1' in summary
