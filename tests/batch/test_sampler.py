@@ -158,6 +158,15 @@ def test_global_batch_sampler_ends_at_the_sample_budget_and_checks_sizes():
     sampler.min_batch_size = 10
     assert len(sampler) == 8
     assert len(list(sampler)) == 8 and sampler.samples == 40  # the last step may overshoot
+    # while an iteration runs, its length counts from its start: a loader's workers draw
+    # ahead of the framework that reads it (Lightning ended the epoch short of the budget)
+    ahead = GlobalBatchSampler(100, 10, micro_batches=2, max_samples=35)
+    ahead.min_batch_size = 10
+    drawing = iter(ahead)
+    [next(drawing) for _ in range(4)]  # two steps drawn
+    assert ahead.samples == 20 and len(ahead) == 8
+    drawing.close()
+    assert len(ahead) == 4  # between iterations: what is left
     with pytest.raises(ValueError, match="cannot give 4 micro-batches to each of 2 ranks"):
         GlobalBatchSampler(100, 7, micro_batches=4, world_size=2)
     sampler = GlobalBatchSampler(100, 8, micro_batches=4)

@@ -41,7 +41,7 @@ class Module(pl.LightningModule):
 
 def fit(
     callback, sampler, data, *, ckpt_path=None, callbacks=(), root=None, logger=False, dropout=0.0,
-    plugins=(), module=None,
+    plugins=(), module=None, workers=0,
 ):  # fmt: skip
     trainer = pl.Trainer(
         accumulate_grad_batches=sampler.micro_batches,
@@ -62,7 +62,8 @@ def fit(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended.*")
-        trainer.fit(module, DataLoader(data, batch_sampler=sampler), ckpt_path=ckpt_path)
+        loader = DataLoader(data, batch_sampler=sampler, num_workers=workers)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
     return module
 
 
@@ -107,6 +108,18 @@ def test_batch_sizes_adapt_and_training_ends_at_the_sample_budget():
     assert 30_000 <= callback.samples < 30_000 + 1024
     losses = [h["loss"] for h in callback.history]
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+
+
+def test_a_loader_with_workers_trains_the_whole_sample_budget():
+    """Lightning reads the loader's length once, after its workers drew steps ahead: the
+    sampler counted them as spent and the run ended 2 steps of 20 short of its budget."""
+    data, batch, steps = teacher_data(), 32, 20
+    sampler = bb.batch.GlobalBatchSampler(
+        len(data), batch, micro_batches=2, max_samples=batch * steps
+    )
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(batch), log=False)
+    fit(callback, sampler, data, workers=2)
+    assert callback.samples == batch * steps and len(callback.history) == steps
 
 
 def test_a_run_resumed_from_a_checkpoint_continues_exactly(tmp_path):

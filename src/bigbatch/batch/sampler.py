@@ -134,8 +134,8 @@ class GlobalBatchSampler:
     one global batch of the current ``batch_size`` (this rank's :func:`shard_batch`
     part, the same count on every rank). Set ``batch_size`` between optimizer steps; a
     loader with workers applies it a few steps late. Iteration ends once ``max_samples``
-    (global) are drawn (never without it); ``len()`` is an upper bound on the
-    micro-batches left, so a framework never ends an epoch before the budget.
+    (global) are drawn (never without it); ``len()`` bounds the micro-batches left from
+    above (from an iteration's start: loaders draw ahead), so no epoch ends early.
     """
 
     #: how many recent steps' plans and positions are kept (loaders draw ahead)
@@ -179,12 +179,23 @@ class GlobalBatchSampler:
         # per recent step: the state before drawing it, and the size it was drawn with
         self._before: dict[int, tuple[dict[str, Any], int, int]] = {}
         self._replay: list[int] = []  # sizes of steps drawn before a checkpoint, to redraw
+        self._counted_from: int | None = None  # the samples drawn as the iteration began
 
     @property
     def dataset_size(self) -> int:
         return self._sampler.dataset_size
 
     def __iter__(self) -> Iterator[list[int]]:
+        # len() counts from here while the iteration runs: a loader's workers draw steps
+        # ahead before a framework reads len() once (Lightning), which then ended the
+        # epoch that many steps short of the budget
+        self._counted_from = self.samples
+        try:
+            yield from self._draw()
+        finally:
+            self._counted_from = None
+
+    def _draw(self) -> Iterator[list[int]]:
         while self.max_samples is None or self.samples < self.max_samples:
             minimum = self.micro_batches * self.world_size
             if self.batch_size < minimum:
@@ -209,7 +220,8 @@ class GlobalBatchSampler:
     def __len__(self) -> int:
         if self.max_samples is None:
             raise TypeError("an endless GlobalBatchSampler (no max_samples) has no length")
-        left = max(0, self.max_samples - self.samples)
+        drawn = self.samples if self._counted_from is None else self._counted_from
+        left = max(0, self.max_samples - drawn)
         smallest = max(1, self.min_batch_size, self.micro_batches * self.world_size)
         return -(-left // smallest) * self.micro_batches
 
