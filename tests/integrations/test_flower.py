@@ -215,3 +215,38 @@ def test_the_example_flower_app_runs_its_server_app_on_the_in_process_grid():
     spec.loader.exec_module(example)
     context = example.run_here(clients=2, rounds=2, local_samples=64)
     assert len(context.state["history"]["local_batch"]) == 2
+
+
+def test_every_client_starts_each_round_from_the_global_model(monkeypatch):
+    """A client that trained on from its own last round's model (not the server's merge)
+    passed every other test here: FedAvg's merge was checked against what clients ended
+    with, whatever they started from."""
+    from bigbatch.integrations import flower
+
+    starts: dict[int, list] = {}
+
+    def recording(setup, plan):
+        starts.setdefault(plan.round, []).append(
+            {k: v.clone() for k, v in setup.model.state_dict().items()}
+        )
+        return train_round(setup, plan)
+
+    monkeypatch.setattr(flower, "train_round", recording)
+    strategy, grid, initial, _ = federation(Fixed(8))
+    strategy.start(grid, initial, num_rounds=2)
+    first = initial.to_torch_state_dict()
+    for start in starts[1]:  # each client's own initial model is another (seeded apart)
+        assert all(torch.equal(start[k], first[k]) for k in first)
+    merged = starts[2][0]
+    assert not all(torch.equal(merged[k], first[k]) for k in first)
+    for start in starts[2][1:]:
+        assert all(torch.equal(start[k], merged[k]) for k in merged)
+
+
+def test_a_default_setup_trains_a_local_batch_below_its_fewest_sub_batches():
+    """A local batch of 2 (the planner allows it) under the default micro-batch count."""
+    setup = ClientSetup(
+        nn.Linear(4, 1), data(64, 0), mse, lambda params: torch.optim.SGD(params, lr=0.1)
+    )
+    report = train_round(setup, plan(batch=2, steps=3))
+    assert list(report.batches) == [2] * 3 and math.isfinite(report.loss)
