@@ -333,3 +333,15 @@ def test_intervals_of_the_whole_run_are_warned_of(tmp_path):
             tmp_path, sampler, bb.batch.Constant(64), eval_strategy="epoch",
             eval_dataset=Teacher(), logging_strategy="steps", logging_steps=0.1,
         )  # fmt: skip
+
+
+def test_a_sampler_without_a_budget_or_of_another_accumulation_is_refused_by_name(tmp_path):
+    endless = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=4)
+    with pytest.raises(ValueError, match="the sampler needs max_samples"):
+        make_trainer(tmp_path, endless, bb.batch.Constant(64))
+    sampler = bb.batch.GlobalBatchSampler(4096, 64, micro_batches=4, max_samples=640)
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_accumulation_steps \(2\) must equal the sampler's micro_batches \(4\)",
+    ):
+        make_trainer(tmp_path, sampler, bb.batch.Constant(64), gradient_accumulation_steps=2)

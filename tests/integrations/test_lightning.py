@@ -419,6 +419,36 @@ def test_a_sampler_without_a_sample_budget_is_refused():
         fit(callback, sampler, data)
 
 
+def test_accumulation_other_than_the_samplers_micro_batches_is_refused_by_name():
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=4, max_samples=640)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2, max_epochs=1, accelerator="cpu", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False, callbacks=[callback],
+    )  # fmt: skip
+    refused = r"accumulate_grad_batches \(2\) must equal the sampler's micro_batches \(4\)"
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(Module(), DataLoader(data, batch_sampler=sampler))
+
+
+class _NoOptimizer(Module):
+    def configure_optimizers(self):
+        return None
+
+
+def test_a_module_without_an_optimizer_is_refused_by_name():
+    """configure_optimizers returning None: Lightning trains with a stand-in optimizer of no
+    parameters, and the first step was an IndexError from inside bigbatch."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=640)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    with pytest.raises(ValueError, match="exactly one optimizer, got 0"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's: no optimizer, so none is stepped
+        fit(callback, sampler, data, module=_NoOptimizer())
+
+
 class _EpochScheduled(Module):
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()

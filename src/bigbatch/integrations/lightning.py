@@ -66,10 +66,11 @@ class AdaptiveBatchCallback(DriverView, pl.Callback):
         self.sampler.rank, self.sampler.world_size = trainer.global_rank, trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if len(trainer.optimizers) != 1:
+        # (configure_optimizers returning None: Lightning trains with a stand-in of no params)
+        optimizers = [o for o in trainer.optimizers if o.param_groups]
+        if len(optimizers) != 1 or len(trainer.optimizers) != 1:
             raise ValueError(
-                f"AdaptiveBatchCallback supports exactly one optimizer, got "
-                f"{len(trainer.optimizers)}"
+                f"AdaptiveBatchCallback supports exactly one optimizer, got {len(optimizers)}"
             )
         loader = trainer.train_dataloader
         if isinstance(loader, torch.utils.data.DataLoader):
