@@ -250,3 +250,15 @@ def test_a_default_setup_trains_a_local_batch_below_its_fewest_sub_batches():
     )
     report = train_round(setup, plan(batch=2, steps=3))
     assert list(report.batches) == [2] * 3 and math.isfinite(report.loss)
+
+
+def test_a_round_whose_pooled_gradient_norm_is_not_positive_has_no_noise_scale():
+    """|G|² is estimated without bias, so below the noise it comes out negative (a client
+    reported -1.08): a negative or infinite B_simple would steer the planner."""
+    from bigbatch.integrations.flower import _pooled_noise
+
+    for sq in (-1.08, 0.0):
+        pooled = [{"grad_sq_norm": sq, "trace": 2.0, "similarity": 0.1}] * 2
+        assert math.isnan(_pooled_noise(pooled)["noise_scale"])
+    pooled = [{"grad_sq_norm": 0.5, "trace": 2.0, "similarity": 0.1}]
+    assert _pooled_noise(pooled)["noise_scale"] == 4.0
