@@ -189,3 +189,30 @@ def test_a_used_sampler_loading_another_seeds_state_draws_that_order():
         warnings.simplefilter("ignore")  # (told: the saved order wins)
         used.load_state_dict(state)
     assert used.take(3) == straight.take(3)
+
+
+def test_a_global_sampler_resumed_from_a_step_its_loader_drew_past_replays_the_steps_after():
+    """A loader's workers draw steps ahead of training: a checkpoint at step 2 of 5 drawn
+    redraws steps 2-4 at the sizes they were drawn with, whatever the size is now."""
+    from bigbatch.batch import GlobalBatchSampler
+
+    def draw(sampler, sizes):
+        it, out = iter(sampler), []
+        for size in sizes:
+            sampler.batch_size = size
+            out.append([next(it) for _ in range(sampler.micro_batches)])
+        return out
+
+    first = GlobalBatchSampler(50, 8, micro_batches=2, seed=1)
+    steps = draw(first, [8, 12, 16, 10, 14])
+    resumed = GlobalBatchSampler(50, 8, micro_batches=2, seed=1)
+    resumed.load_state_dict(first.state_dict(step=2))
+    assert resumed.samples == 20 and resumed.steps == 2
+    assert draw(resumed, [8, 8, 8]) == steps[2:]
+
+
+def test_a_budget_of_whole_batches_ends_on_it():
+    from bigbatch.batch import GlobalBatchSampler
+
+    sampler = GlobalBatchSampler(100, 10, micro_batches=2, max_samples=30)
+    assert len(list(sampler)) == 6 and sampler.samples == 30

@@ -115,3 +115,36 @@ def test_a_plan_saved_before_a_key_existed_is_refused_in_one_line(tmp_path):
     (out / "plan.json").write_text(json.dumps({"config": {"lr": 0.1}, "trials": 4}))
     with pytest.raises(ConfigError, match="written by an earlier bigbatch, before the key 'added'"):
         claim_plan(out, "plan.json", plan, "study", config_at="config")
+
+
+def test_a_new_run_directory_takes_the_next_free_name(tmp_path, monkeypatch):
+    from bigbatch.experiments import rundir
+
+    monkeypatch.setattr(rundir.time, "strftime", lambda fmt: "20261201-120000")
+    base = tmp_path / "20261201-120000-digits"
+    base.mkdir()
+    base.with_name(base.name + "-2").mkdir()
+    assert rundir.new_run_dir(tmp_path, "digits") == base.with_name(base.name + "-3")
+
+
+def test_a_file_at_out_is_one_line(tmp_path):
+    from bigbatch.experiments.rundir import check_new_run_dir
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"notes\.txt' already exists and is not empty"):
+        check_new_run_dir(tmp_path / "notes.txt")
+
+
+def test_a_file_written_atomically_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+    """write_atomically renamed a file it never synced: after a power loss a summary or
+    config.toml could be there and empty."""
+    import os
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_size)) or fsync(fd)
+    )
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace",)) or replace(a, b))
+    write_atomically(tmp_path / "summary.json", "{}\n")
+    assert events == [("fsync", 3), ("replace",)]

@@ -281,3 +281,28 @@ def test_the_progress_bar_says_while_the_run_evaluates(tmp_path, capsys):
     shown = capsys.readouterr().err
     assert "evaluating:" in shown  # the held-out evaluations
     assert "evaluating on the training set:" in shown  # digits' after the last step
+
+
+def test_a_budget_of_whole_batches_evaluates_its_first_and_last_steps_and_checkpoints_the_last(
+    tmp_path,
+):
+    batch = 64  # digits' first batch under the constant controller: 7 whole steps
+    config = resolve({**CONFIG, "batch.initial": batch, "max_samples": 7 * batch})
+    summary = runner.train(config, tmp_path / "run", quiet=True)
+    logged = rows(tmp_path / "run")
+    assert summary["steps"] == len(logged) == 7
+    assert "eval_accuracy" in logged[0] and "eval_accuracy" in logged[-1]
+    assert [i + 1 for i, r in enumerate(logged) if "eval_accuracy" in r] == [1, 5, 7]
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert saved["run"]["metrics_lines"] == 7  # the last step's checkpoint, not step 5's
+    assert summary["final_accuracy"] == logged[-1]["eval_accuracy"]
+
+
+def test_a_checkpoint_without_its_config_is_refused_in_one_line(tmp_path):
+    runner.train(resolve(CONFIG), tmp_path / "run", quiet=True, until=1000)
+    path = tmp_path / "run" / "checkpoint.pt"
+    saved = torch.load(path, weights_only=True)
+    del saved["config"]
+    torch.save(saved, path)
+    with pytest.raises(ConfigError, match="was written by an earlier bigbatch: train it anew"):
+        runner.train(resolve(CONFIG), tmp_path / "run", resume=True, quiet=True)

@@ -259,7 +259,10 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
 def write_atomically(path: Path, text: str) -> None:
     """``path`` holds ``text``, written beside it and renamed over it: never half written."""
     staged = _staged(path)
-    staged.write_text(text)
+    with open(staged, "w") as f:  # on disk before the rename (else a power loss may leave
+        f.write(text)  # the renamed file empty), as save_atomically's checkpoints are
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(staged, path)
 
 
