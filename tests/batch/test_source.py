@@ -223,3 +223,22 @@ def test_a_worker_init_fn_reaches_the_users_dataset(init):
     drawn = source.draw(4)
     (batch,) = source.load([drawn])
     assert sorted(batch.tolist()) == sorted(float(i) for i in drawn)
+
+
+class Hundred(IterableDataset):
+    def __iter__(self):
+        yield from (torch.tensor(float(i)) for i in range(100))
+
+
+def test_a_used_iterable_source_loading_a_state_reads_on_from_that_state():
+    """The stream it had read further (to 15) was kept: after loading the state at 10 it
+    read 15, 16, 17."""
+    source = IterableSource(Hundred())
+    source.draw(10)
+    source.load([list(range(10))])
+    state = source.state_dict()
+    source.draw(5)
+    source.load([list(range(5))])
+    source.load_state_dict(state)
+    source.draw(3)
+    assert [b.tolist() for b in source.load([[0, 1, 2]])] == [[10.0, 11.0, 12.0]]

@@ -148,3 +148,10 @@ def test_a_file_written_atomically_is_on_disk_before_its_rename(tmp_path, monkey
     monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace",)) or replace(a, b))
     write_atomically(tmp_path / "summary.json", "{}\n")
     assert events == [("fsync", 3), ("replace",)]
+
+
+def test_blank_lines_in_a_metrics_log_are_no_records(tmp_path):
+    from bigbatch.experiments.rundir import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n\n  \n{"step": 2}\n')
+    assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}]
