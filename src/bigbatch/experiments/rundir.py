@@ -10,9 +10,9 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -242,10 +242,8 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
     damaged later (a full disk, a bad copy) still has a good predecessor."""
     tmp = _staged(path)
     try:
-        with open(tmp, "wb") as f:
+        with _synced(tmp, "wb") as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
         tmp.unlink(missing_ok=True)  # the last complete checkpoint stays as it was
         if isinstance(err, OSError):
@@ -259,11 +257,19 @@ def save_atomically(obj: Any, path: Path, keep_previous: bool = False) -> None:
 def write_atomically(path: Path, text: str) -> None:
     """``path`` holds ``text``, written beside it and renamed over it: never half written."""
     staged = _staged(path)
-    with open(staged, "w") as f:  # on disk before the rename (else a power loss may leave
-        f.write(text)  # the renamed file empty), as save_atomically's checkpoints are
+    with _synced(staged, "w") as f:
+        f.write(text)
+    os.replace(staged, path)
+
+
+@contextlib.contextmanager
+def _synced(path: Path, mode: str) -> Iterator[IO]:
+    # a staged file is on disk before its rename: else a power loss may leave the renamed
+    # file empty
+    with open(path, mode) as f:
+        yield f
         f.flush()
         os.fsync(f.fileno())
-    os.replace(staged, path)
 
 
 def copy_atomically(source: Path, target: Path) -> None:
