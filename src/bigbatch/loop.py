@@ -112,8 +112,8 @@ class Step:
     def apply(self, max_grad_norm: float | None = None) -> None:
         """Optimizer step at the batch's rate, then the next size; ``max_grad_norm`` clips after
         the statistics read the gradient (``asynchronous``: the step before's metrics)."""
-        if max_grad_norm is not None:
-            check_number("max_grad_norm", max_grad_norm, low_open=True)
+        if max_grad_norm is not None:  # (refused before the step is spent: apply() again)
+            self._loop._check_clip(max_grad_norm)
         if self._applied:
             raise RuntimeError(f"step {self.index} was already applied")
         if self._backwards != len(self.plan.sizes):
@@ -342,6 +342,10 @@ class AdaptiveBatch:
             self.engine.restore_rates()
             self.optimizer.zero_grad(set_to_none=True)
         return result
+
+    def _check_clip(self, max_grad_norm: float) -> None:
+        # (a framework that clips inside its own step refuses any)
+        check_number("max_grad_norm", max_grad_norm, low_open=True)
 
     def _drop_gradient(self) -> None:
         # where the gradient of a step left unapplied lives (a framework's loop overrides it)

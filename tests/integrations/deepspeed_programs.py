@@ -117,7 +117,9 @@ def exact_allreduce(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def plain_loop(kind: str, optimizer: str = "sgd", lr: float = 0.02) -> AdaptiveBatch:
+def plain_loop(
+    kind: str, optimizer: str = "sgd", lr: float = 0.02, lr_scaling: str = "none"
+) -> AdaptiveBatch:
     model = make_model()
     distributed = dist.get_world_size() > 1
     if distributed:
@@ -129,7 +131,7 @@ def plain_loop(kind: str, optimizer: str = "sgd", lr: float = 0.02) -> AdaptiveB
         controller=controller(kind),
         max_micro_batch=MICRO,
         min_sub_batches=2,
-        lr_scaling="none",
+        lr_scaling=lr_scaling,
         similarity="scalar",  # DeepSpeed's (one process would measure the split halves)
         noise_from="sub_batches",  # DeepSpeed's (its step reduces: no per-example norms)
         comm_hook=(Untrusted(), exact_allreduce) if distributed else None,
@@ -140,9 +142,8 @@ def deepspeed_loop(
     kind: str, stage: int, dtype: str = "fp32", optimizer: str = "sgd", lr: float = 0.02, **options
 ) -> AdaptiveBatchDeepSpeed:
     engine = deepspeed_engine(stage, dtype, optimizer, lr)
-    return AdaptiveBatchDeepSpeed(
-        engine, regression_data(), controller=controller(kind), lr_scaling="none", **options
-    )
+    options = {"lr_scaling": "none", **options}
+    return AdaptiveBatchDeepSpeed(engine, regression_data(), controller=controller(kind), **options)
 
 
 def train(loop: AdaptiveBatch, steps: int, nan_at: int | None = None) -> dict:
@@ -180,13 +181,15 @@ def compare(
     optimizer: str = "sgd",
     lr: float = 0.02,
     nan_at: int | None = None,
+    lr_scaling: str = "none",
 ) -> dict:
     """The plain loop and the DeepSpeed loop on the same run (``optimizer="config:adamw"``:
     DeepSpeed's config builds the AdamW the plain loop is given)."""
     plain = optimizer.removeprefix("config:")
+    ds = deepspeed_loop(kind, stage, "fp32", optimizer, lr, lr_scaling=lr_scaling)
     return {
-        "plain": train(plain_loop(kind, plain, lr), steps, nan_at),
-        "deepspeed": train(deepspeed_loop(kind, stage, "fp32", optimizer, lr), steps, nan_at),
+        "plain": train(plain_loop(kind, plain, lr, lr_scaling), steps, nan_at),
+        "deepspeed": train(ds, steps, nan_at),
     }
 
 
@@ -223,6 +226,42 @@ def loaded_into_another_controller(directory: str) -> str:
     except ValueError as err:
         return str(err)
     return "loaded"
+
+
+def misuses(directory: str) -> dict:
+    """What a user meets: ``apply(max_grad_norm=)``, a checkpoint DeepSpeed saved without the
+    loop's state, and DeepSpeed's own train_batch_size after a ramp's change."""
+    loop = deepspeed_loop("ramp", 0)
+    answers = {}
+    for step in loop.steps(max_steps=1):
+        for x, y in step.micro_batches():
+            step.backward(nn.functional.mse_loss(loop.model(x), y))
+        try:
+            step.apply(max_grad_norm=1.0)
+        except ValueError as err:
+            answers["clip"] = str(err)
+            step.apply()
+    train(loop, 5)
+    answers["train_batch_size"] = loop.deepspeed.train_batch_size()
+    loop.deepspeed.save_checkpoint(directory, tag="bare")
+    try:
+        loop.load_checkpoint(directory, tag="bare")
+    except ValueError as err:
+        answers["bare"] = str(err)
+    return answers
+
+
+def random_state_restored(directory: str) -> bool:
+    """Each rank's own random state from a checkpoint: a draw after saving, again after
+    loading (the state disturbed between)."""
+    loop = deepspeed_loop("constant", 0)
+    train(loop, 1)
+    torch.manual_seed(100 + dist.get_rank())
+    loop.save_checkpoint(directory, tag="rng")
+    drawn = torch.rand(4)
+    torch.manual_seed(999)
+    loop.load_checkpoint(directory, tag="rng")
+    return bool(torch.equal(torch.rand(4), drawn))
 
 
 def bf16_run(stage: int, steps: int = 24) -> dict:

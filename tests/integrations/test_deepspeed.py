@@ -80,6 +80,31 @@ def test_a_step_left_unapplied_leaves_no_gradient_as_in_the_plain_loop(ranks, st
     assert_same_run(ranks.run(programs.abandoned, stage, offload), atol=1e-5)
 
 
+@pytest.mark.parametrize("lr_scaling", ["linear", "sqrt"])
+def test_the_rate_follows_the_batch_as_in_the_plain_loop(ranks, lr_scaling):
+    results = ranks.run(programs.compare, "ramp", 0, steps=8, lr_scaling=lr_scaling)
+    assert_same_run(results)
+
+
+def test_a_clip_is_refused_before_the_step_is_spent_and_a_bare_checkpoint_by_name(
+    one_rank, tmp_path
+):
+    """A refused apply(max_grad_norm=) had marked the step applied: apply() again was an
+    error, and the next step added to its gradient. DeepSpeed is told each new batch."""
+    (answers,) = one_rank.run(programs.misuses, str(tmp_path))
+    assert "gradient_clipping" in answers["clip"] and "no max_grad_norm" in answers["clip"]
+    assert answers["train_batch_size"] == 32  # the ramp's second batch, as DeepSpeed logs it
+    assert "holds no bigbatch state" in answers["bare"]
+
+
+def test_each_rank_resumes_its_own_random_state(tmp_path):
+    cluster = Cluster(2)
+    try:
+        assert cluster.run(programs.random_state_restored, str(tmp_path)) == [True, True]
+    finally:
+        cluster.close()
+
+
 def test_a_checkpoint_of_another_controller_is_refused_in_one_error(one_rank, tmp_path):
     (answer,) = one_rank.run(programs.loaded_into_another_controller, str(tmp_path))
     assert "was it saved with another controller?" in answer

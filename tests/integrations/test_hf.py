@@ -127,6 +127,55 @@ def test_a_summed_loss_gives_the_statistics_adaptive_batch_does(tmp_path):
     assert got == [pytest.approx(e, rel=1e-5) for e in expected]
 
 
+class _MeanOverKwargs(Net):
+    """A forward that takes the loss's keywords (so the Trainer counts the window's
+    labels for it) and returns each micro-batch's mean all the same."""
+
+    def forward(self, x, labels=None, **kwargs):
+        return super().forward(x, labels)
+
+
+def test_a_loss_the_user_says_is_not_scaled_for_accumulation_weighs_one_kth(tmp_path):
+    """``loss_is_scaled_for_ga = False``: the Trainer divides each micro-batch's mean by k
+    whatever the model takes, as for a model that takes no loss keywords; weighed as
+    label shares (8/30 and 7/30, not 1/4) the statistics differ. Micro-batches of 8, 8,
+    7, 7, at rate 0."""
+    statistics = []
+    for model in (Net(), _MeanOverKwargs()):
+        sampler = bb.batch.GlobalBatchSampler(4096, 30, micro_batches=4, max_samples=90)
+        trainer = make_trainer(tmp_path, sampler, bb.batch.Constant(30), learning_rate=0.0)
+        trainer = AdaptiveBatchTrainer(
+            model=model, args=trainer.args, train_dataset=Teacher(), sampler=sampler,
+            controller=bb.batch.Constant(30), statistics=True, noise_from="sub_batches",
+        )  # fmt: skip
+        assert trainer.model_accepts_loss_kwargs == isinstance(model, _MeanOverKwargs)
+        trainer.loss_is_scaled_for_ga = False
+        history = train(trainer).bigbatch.history
+        statistics.append([(h["grad_sq_norm"], h["trace"]) for h in history])
+    assert len(statistics[0]) == 3
+    assert statistics[1] == [pytest.approx(s, rel=1e-6) for s in statistics[0]]
+
+
+@pytest.mark.parametrize(
+    ("average", "n_gpu", "processes", "tensor_parallel", "scale"),
+    [(True, 4, 1, 1, 4), (True, 1, 4, 2, 2), (True, 0, 3, 1, 3), (False, 4, 4, 1, 1)],
+)
+def test_the_across_processes_scale_is_the_one_compute_loss_multiplies_by(
+    average, n_gpu, processes, tensor_parallel, scale
+):
+    """compute_loss multiplies a loss over every process's labels by the GPUs of one
+    process's DataParallel where there are several, else by the processes over the
+    tensor-parallel groups (none of it can run on this machine: the rule, by stand-ins)."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(average_tokens_across_devices=average, n_gpu=n_gpu),
+        model_accepts_loss_kwargs=True, compute_loss_func=None,
+        accelerator=SimpleNamespace(num_processes=processes), get_tp_size=lambda: tensor_parallel,
+    )  # fmt: skip
+    assert AdaptiveBatchTrainer._across_processes_scale(trainer) == scale
+
+
 def test_batch_sizes_adapt_and_training_ends_at_the_sample_budget(tmp_path):
     sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=4, max_samples=30_000)
     controller = bb.batch.SimiGrad(target=0.5, initial=32, min=8, max=1024, window=5)
@@ -273,6 +322,16 @@ def test_a_causal_lms_statistics_under_ddp_equal_one_process(tmp_path):
         assert rank["weights"] == pytest.approx([1.0] * 4)
         assert rank["trace"] == pytest.approx(one["trace"], rel=1e-4)
         assert rank["grad_sq_norm"] == pytest.approx(one["grad_sq_norm"], rel=1e-3, abs=1e-6)
+
+
+def test_a_controller_that_shrinks_the_batch_trains_the_whole_sample_budget(tmp_path):
+    """The Trainer's max_steps bound counts steps at the controller's smallest batch: at the
+    sampler's first batch (32) it would end a run that falls to 8 at 5 steps of 10."""
+    sampler = bb.batch.GlobalBatchSampler(4096, 32, micro_batches=2, max_samples=128)
+    ramp = bb.batch.Ramp(points=[(0, 32), (64, 8)])
+    trainer = train(make_trainer(tmp_path, sampler, ramp))
+    assert trainer.state.global_step == 10
+    assert [h["batch_size"] for h in trainer.bigbatch.history] == [32, 32] + [8] * 8
 
 
 def test_the_budgets_end_saves_and_evaluates_as_max_steps_would(tmp_path):

@@ -462,3 +462,39 @@ def test_intervals_of_the_whole_run_are_warned_of():
     callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
     with pytest.warns(UserWarning, match="interval='epoch' would act once, at its end"):
         fit(callback, sampler, data, module=_EpochScheduled())
+
+
+def test_a_fraction_of_the_epoch_as_the_validation_interval_is_warned_of():
+    """``val_check_interval=0.5`` is half of the loader's length, an upper bound on the
+    batches: it would validate once, at the budget's end, not halfway."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2, max_samples=640)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2, use_distributed_sampler=False, accelerator="cpu", devices=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, max_epochs=1,
+        enable_model_summary=False, callbacks=[callback], num_sanity_val_steps=0,
+        val_check_interval=0.5,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        with pytest.warns(UserWarning, match=r"val_check_interval=0\.5 would act once"):
+            trainer.fit(_Validated(), DataLoader(data, batch_sampler=sampler),
+                        DataLoader(data, batch_size=512))  # fmt: skip
+
+
+def test_validating_with_the_callback_attached_checks_nothing_of_a_fit():
+    """The callback's checks are a fit's: ``trainer.validate`` beside it (its sampler
+    without a budget, no accumulation) runs the module's validation as without it."""
+    data = teacher_data()
+    sampler = bb.batch.GlobalBatchSampler(len(data), 64, micro_batches=2)
+    callback = AdaptiveBatchCallback(sampler, bb.batch.Constant(64), log=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    module = _Validated()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.validate(module, DataLoader(data, batch_size=512))
+    assert module.validations == 8 and callback.history == []

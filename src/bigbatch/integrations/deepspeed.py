@@ -121,12 +121,14 @@ class AdaptiveBatchDeepSpeed(AdaptiveBatch):
         # accumulation steps as well
         self.deepspeed.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
 
+    def _check_clip(self, max_grad_norm: float) -> None:
+        raise ValueError(
+            "under DeepSpeed the gradient is clipped by its config's gradient_clipping, "
+            f"inside its step: apply() takes no max_grad_norm (got {max_grad_norm})"
+        )
+
     def _optimizer_step(self, max_grad_norm: float | None = None) -> StepResult:
-        if max_grad_norm is not None:
-            raise ValueError(
-                "under DeepSpeed the gradient is clipped by its config's gradient_clipping, "
-                "inside its step: apply() takes no max_grad_norm"
-            )
+        # (max_grad_norm: always None, any other refused by _check_clip)
         result = self.engine.before_optimizer_step()
         if result.skip:  # non-finite: left without an update (the engine counted it skipped)
             self._drop_gradient()
