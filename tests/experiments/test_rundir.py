@@ -1,17 +1,24 @@
 """Run-directory helpers: a copy made in one rename, what a killed run leaves, a folder kept
 by its plan."""
 
+import errno
 import json
 
 import pytest
+import torch
 
 from bigbatch.experiments.config import ConfigError
 from bigbatch.experiments.rundir import (
     CHECKPOINT,
+    RunLock,
+    claim_new_run_dir,
     claim_plan,
     copy_atomically,
     cut_lines,
+    discard_if_unused,
+    disk_error,
     first_difference,
+    load_checkpoint,
     resumable,
     save_atomically,
     write_atomically,
@@ -155,3 +162,47 @@ def test_blank_lines_in_a_metrics_log_are_no_records(tmp_path):
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n\n  \n{"step": 2}\n')
     assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}]
+
+
+class _Pickled:
+    """An object torch.load can only rebuild by running code (weights_only refuses it)."""
+
+
+def test_a_checkpoint_that_needs_code_to_load_is_refused_in_one_line(tmp_path):
+    path = tmp_path / CHECKPOINT
+    torch.save({"run": _Pickled()}, path)
+    with pytest.raises(ConfigError, match=r"cannot be read .*truncated or corrupted"):
+        load_checkpoint(path)
+
+
+def test_a_refused_claim_leaves_the_folder_unlocked(tmp_path):
+    """The folder's other contents refuse it, under the lock: held after the refusal (while
+    the error is kept), the lock would refuse the next claim as "in use by another run"."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's")
+    with pytest.raises(ConfigError, match="run") as refused:
+        claim_new_run_dir(out)
+    RunLock(out).acquire().release()  # (the error kept, and with it the claim's frame)
+    assert refused.traceback
+
+
+def test_a_failed_runs_folders_go_as_far_up_as_its_claim_made_them(tmp_path):
+    (tmp_path / "runs" / "kept").mkdir(parents=True)
+    out = tmp_path / "runs" / "a" / "b"
+    lock = claim_new_run_dir(out)
+    assert lock.made == (tmp_path / "runs" / "a",)
+    lock.release()
+    discard_if_unused(out, lock.made)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["kept"]
+    lock = claim_new_run_dir(tmp_path / "new" / "c")
+    lock.release()
+    discard_if_unused(tmp_path / "new" / "c", lock.made)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_full_disk_is_one_line_that_says_to_free_space_and_resume(tmp_path):
+    full = disk_error(OSError(errno.ENOSPC, "No space left on device"), tmp_path / "x.pt")
+    assert str(full).endswith("failed: no space left on device; free some space and resume")
+    denied = disk_error(OSError(errno.EACCES, "Permission denied", str(tmp_path / "y")))
+    assert "y' failed: permission denied" in str(denied) and "free" not in str(denied)
