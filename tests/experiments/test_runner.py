@@ -204,6 +204,7 @@ def test_a_run_the_skip_limit_stops_logs_every_step_it_took(tmp_path, asynchrono
     assert summary["ended"] == "skip_limit"
     assert [r["step"] for r in rows(tmp_path / "r")] == list(range(1, summary["steps"] + 1))
     assert summary["skipped_steps"] == summary["steps"] - 1  # all but the first
+    assert summary["steps"] == runner.SKIP_GRACE_STEPS  # judged from then on, not before
     # judged on every step taken: asynchronous, the last one's late reading first
     assert summary["why"].startswith(f"{summary['skipped_steps']} of {summary['steps']} ")
 
@@ -306,3 +307,53 @@ def test_a_checkpoint_without_its_config_is_refused_in_one_line(tmp_path):
     torch.save(saved, path)
     with pytest.raises(ConfigError, match="was written by an earlier bigbatch: train it anew"):
         runner.train(resolve(CONFIG), tmp_path / "run", resume=True, quiet=True)
+
+
+def test_a_resumed_runs_clock_goes_on_from_its_checkpoint(tmp_path):
+    """The rows' wall_seconds count the training's time across sessions: after a resume
+    they go on from the checkpoint's, not from 0."""
+    run = tmp_path / "r"
+    runner.train(resolve(CONFIG), run, quiet=True, until=5000)
+    runner.train(resolve(CONFIG), run, resume=True, quiet=True)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    clock = [json.loads(line)["wall_seconds"] for line in lines]
+    assert clock == sorted(clock) and clock[0] > 0
+    assert json.loads((run / "summary.json").read_text())["wall_seconds"] >= clock[-1]
+
+
+def test_a_run_resumed_from_its_predecessor_keeps_rolling_its_checkpoints_on(tmp_path):
+    """Resumed from checkpoint.prev.pt (checkpoint.pt damaged): its first checkpoint keeps
+    the good predecessor (not the damaged file); each one after keeps the one before it."""
+    config = {**CONFIG, "checkpoint_every": 10}
+    run = tmp_path / "r"
+    runner.train(resolve(config), run, quiet=True, until=2000)
+    good = (run / "checkpoint.prev.pt").read_bytes()
+    (run / "checkpoint.pt").write_bytes(b"damaged")
+    with pytest.warns(RuntimeWarning, match="resuming from the previous checkpoint"):
+        runner.train(resolve(config), run, resume=True, quiet=True, until=3000)
+    kept = torch.load(run / "checkpoint.prev.pt", weights_only=True)
+    last = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert (run / "checkpoint.prev.pt").read_bytes() != good  # rolled on past the first
+    assert 0 < kept["run"]["metrics_lines"] < last["run"]["metrics_lines"]
+
+
+def test_every_row_a_checkpoint_counts_is_on_disk_before_it(tmp_path, monkeypatch):
+    """A kill right after a checkpoint must find its rows in the log: else the resumed run
+    warns of lost rows and its log misses them."""
+    run, seen, save = tmp_path / "r", [], runner.save_atomically
+
+    def counting_save(obj, path, keep_previous=False):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        seen.append((obj["run"]["metrics_lines"], len(lines)))
+        save(obj, path, keep_previous)
+
+    monkeypatch.setattr(runner, "save_atomically", counting_save)
+    runner.train(resolve({**CONFIG, "checkpoint_every": 7}), run, quiet=True, until=3000)
+    assert len(seen) > 3 and all(counted == on_disk for counted, on_disk in seen)
+
+
+def test_a_run_evaluates_at_its_first_step_every_eval_every_and_its_last(tmp_path):
+    summary = runner.train(resolve({**CONFIG, "max_samples": 1992}), tmp_path / "r", quiet=True)
+    evaluated = [r["step"] for r in rows(tmp_path / "r") if "eval_loss" in r]
+    last = summary["steps"]
+    assert last % 5 and evaluated == [1, *range(5, last, 5), last]
