@@ -1,7 +1,9 @@
 """Data sources: what a loop draws and loads, and where it resumes."""
 
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
@@ -95,8 +97,6 @@ def test_a_loader_option_dataloader_does_not_take_is_refused_before_the_first_st
 def test_a_numpy_integer_seed_seeds_the_loader_as_its_int_does():
     """``seed=np.int64(5)`` (``for seed in np.arange(3)``): the sampler took it, the loader's
     generator raised a bare ``TypeError``."""
-    import numpy as np
-
     data = TensorDataset(torch.arange(20.0))
     source, plain = MapSource(data, seed=np.int64(5)), MapSource(data, seed=5)
     assert source.draw(7) == plain.draw(7)
@@ -121,15 +121,38 @@ def _reads(source, steps):
     return out
 
 
-def test_persistent_workers_read_alike_after_a_resume():
+class AugmentedBy(Augmented):
+    """Augmented's noise drawn from Python's ``random`` or numpy's global generator."""
+
+    def __init__(self, draw):
+        self.draw = draw
+
+    def __getitem__(self, index):
+        return index + torch.tensor(self.draw(), dtype=torch.float32)
+
+
+def _python_draw():
+    return random.random()
+
+
+def _numpy_draw():
+    return float(np.random.rand())
+
+
+@pytest.mark.parametrize(
+    "draw", [None, _python_draw, _numpy_draw], ids=["torch", "random", "numpy"]
+)
+def test_persistent_workers_read_alike_after_a_resume(draw):
     """Persistent workers were seeded once and carried their random state on, unsaved: a
-    resumed loop's augmentations (and parameters) differed from an uninterrupted one's."""
+    resumed loop's augmentations (and parameters) differed from an uninterrupted one's,
+    whichever generator the dataset draws from."""
     options = {"num_workers": 2, "persistent_workers": True}
-    source = MapSource(Augmented(), seed=3, loader_options=options)
+    make = Augmented if draw is None else lambda: AugmentedBy(draw)
+    source = MapSource(make(), seed=3, loader_options=options)
     _reads(source, 2)
     state = source.state_dict()
     expected = _reads(source, 2)
-    resumed = MapSource(Augmented(), seed=3, loader_options=options)
+    resumed = MapSource(make(), seed=3, loader_options=options)
     resumed.load_state_dict(state)
     got = _reads(resumed, 2)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
