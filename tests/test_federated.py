@@ -219,6 +219,22 @@ def test_the_local_batch_never_exceeds_the_rounds_samples():
     assert planner.plan().local_steps == 1
 
 
+def test_the_local_batch_never_falls_below_two_for_the_clients_statistics():
+    """A controller (or a global batch divided among many clients) that asks for a local
+    batch of 1: a client measures from two sub-batches a step, so 2."""
+
+    class Tiny(Doubler):
+        def next(self, measured, batch_size, samples):
+            return 1
+
+    planner = RoundPlanner(
+        ControllerScheme(Tiny(), 2), clients=2, local_samples=100, lr=0.1, total_samples=10_000
+    )
+    planner.update(planner.plan(), [report(100, [1.0] * 4, [1.0] * 4, 32)] * 2)
+    assert planner.local_batch == 2
+    assert planner.plan().local_steps == 50
+
+
 def test_planner_refuses_bad_settings_naming_them():
     with pytest.raises(ValueError, match="the scheme divides its batch among 4 clients, not 2"):
         RoundPlanner(

@@ -118,13 +118,18 @@ def test_each_round_draws_a_fresh_order_of_the_clients_data():
     assert not torch.equal(first_batch(1), first_batch(2))
 
 
-def federation(scheme, clients=3, local_samples=32, lr=0.05, fail=None, noise=0.1):
+def federation(
+    scheme, clients=3, local_samples=32, lr=0.05, fail=None, noise=0.1, made=None, **base
+):
     datasets = [data(128 + 32 * i, 10 + i, noise) for i in range(clients)]
     setups = {}
+    failing = fail if isinstance(fail, (set, frozenset)) else {fail}
 
     def make(context):
         part = int(context.node_config["partition-id"])
-        if part == fail:
+        if made is not None:
+            made.append(part)
+        if part in failing:
             raise RuntimeError("this client's device is gone")
         setups[part] = setup_for(datasets[part], seed=part)
         return setups[part]
@@ -133,7 +138,7 @@ def federation(scheme, clients=3, local_samples=32, lr=0.05, fail=None, noise=0.
         scheme, clients=clients, local_samples=local_samples, lr=lr, total_samples=10**6
     )
     strategy = AdaptiveBatchStrategy(
-        planner, FedAvg(fraction_evaluate=0.0, min_available_nodes=clients)
+        planner, FedAvg(**{"fraction_evaluate": 0.0, "min_available_nodes": clients, **base})
     )
     grid = InProcessGrid(client_app(make), clients)
     torch.manual_seed(0)
@@ -262,3 +267,41 @@ def test_a_round_whose_pooled_gradient_norm_is_not_positive_has_no_noise_scale()
         assert math.isnan(_pooled_noise(pooled)["noise_scale"])
     pooled = [{"grad_sq_norm": 0.5, "trace": 2.0, "similarity": 0.1}]
     assert _pooled_noise(pooled)["noise_scale"] == 4.0
+
+
+def test_each_node_is_set_up_once_for_the_whole_run():
+    made = []
+    strategy, grid, initial, _ = federation(Fixed(8), made=made)
+    strategy.start(grid, initial, num_rounds=2)
+    assert sorted(made) == [0, 1, 2]
+
+
+def test_a_round_in_which_every_client_fails_leaves_the_plan_as_it_was():
+    strategy, grid, initial, _ = federation(Fixed(8), clients=2, fail={0, 1})
+    result = strategy.start(grid, initial, num_rounds=2)
+    assert strategy.history == [] and strategy.planner.samples == 0
+    assert len(grid.failures) == 4
+    merged = result.arrays.to_torch_state_dict()
+    assert all(torch.equal(v, initial.to_torch_state_dict()[k]) for k, v in merged.items())
+
+
+def test_a_round_trains_a_model_its_evaluation_left_in_eval_mode():
+    """Dropout off in a round's training: the model as the last evaluation left it."""
+    setup = setup_for(data(64, 0))
+    setup.model.eval()
+    modes, loss = [], setup.loss_fn
+
+    def recording(model, batch):
+        modes.append(model.training)
+        return loss(model, batch)
+
+    setup.loss_fn = recording
+    train_round(setup, plan(batch=8, steps=2))
+    assert modes and all(modes)
+
+
+def test_an_evaluation_asked_of_a_client_without_one_is_an_error_reply_naming_it():
+    strategy, grid, initial, _ = federation(Fixed(8), clients=2, fraction_evaluate=1.0)
+    strategy.start(grid, initial, num_rounds=1)
+    assert len(strategy.history) == 1 and len(grid.failures) == 2
+    assert all("has no evaluate function" in why for why in grid.failures)
